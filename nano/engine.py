@@ -1,0 +1,181 @@
+"""LLMEngine: requests in, one step at a time, finished sequences out.
+
+    step() = schedule -> swap -> prepare inputs -> forward -> sample -> postprocess
+"""
+import time
+
+import numpy as np
+
+from nano.block_manager import BlockManager
+from nano.config import EngineConfig, ModelConfig
+from nano.cost_model import CostModel
+from nano.errors import NanoError
+from nano.metrics import Metrics
+from nano.runner import Device, ModelRunner, select_device
+from nano.sampler import Sampler
+from nano.scheduler import Scheduler, SchedulerOutput
+from nano.sequence import SamplingParams, Sequence, Status
+from nano.tp import load_model, plan_shard
+from nano.weights import CheckpointReader, Tokenizer, load_config, resolve_model
+
+# Rough device figures for the cost model's starting point (it then learns from real steps).
+DEVICE_PRIORS = {  # flop/s, memory bytes/s, host<->device bytes/s
+    "cpu": (5e10, 1e10, 5e9),
+    "gpu": (3e14, 3e12, 2e10),
+}
+DEFAULT_CPU_KV_MEMORY = 2 * 2**30
+GPU_MEMORY_UTILIZATION = 0.9
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, clock=time.perf_counter):
+        config.validate()
+        self.config, self.clock = config, clock
+        self.model_dir = resolve_model(config.model)
+        self.model_config = cfg = ModelConfig.from_hf(load_config(self.model_dir))
+        self.tokenizer = Tokenizer(self.model_dir)
+        self.eos_ids = set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)
+        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
+                                 cfg.max_position_embeddings)
+        self.device = Device(select_device(config.device))
+        shard = plan_shard(cfg, rank=0, world=1)
+        model = load_model(CheckpointReader(self.model_dir), cfg, shard, self.device.put,
+                           self.max_model_len)
+
+        itemsize = np.dtype(self.device.dtype).itemsize
+        self.kv_bytes_per_token = 2 * cfg.num_layers * shard.num_kv_heads * cfg.head_dim * itemsize
+        block_bytes = self.kv_bytes_per_token * config.block_size
+        num_blocks = config.num_blocks or self._kv_memory() // block_bytes
+        if num_blocks < 1:
+            raise NanoError(f"KV cache memory holds no block of {block_bytes} bytes")
+        num_swap_blocks = config.swap_space // block_bytes
+        self.weight_bytes = _nbytes(model)
+        self.block_manager = BlockManager(num_blocks, config.block_size, num_swap_blocks,
+                                          config.enable_prefix_caching)
+        self.cost = self._cost_model(model)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len,
+                                   self.kv_bytes_per_token, self.cost)
+        self.runner = ModelRunner(model, self.device, num_blocks, num_swap_blocks,
+                                  config.block_size, Sampler(self.device))
+        self.metrics = Metrics(num_blocks)
+        self.rng = np.random.default_rng(config.seed)
+        self.next_id = 0
+
+    # ---- start-up -----------------------------------------------------------------------
+    def _kv_memory(self) -> int:
+        if self.config.kv_cache_memory:
+            return self.config.kv_cache_memory
+        if self.device.kind == "gpu":
+            free, _ = self.device.xp.cuda.runtime.memGetInfo()
+            return int(free * GPU_MEMORY_UTILIZATION)
+        return DEFAULT_CPU_KV_MEMORY
+
+    def _cost_model(self, model) -> CostModel:
+        flops, bandwidth, link = DEVICE_PRIORS[self.device.kind]
+        params = self.weight_bytes / np.dtype(self.device.dtype).itemsize
+        prior = (self.weight_bytes / bandwidth, 2 * params / flops, 2 * params / flops,
+                 self.kv_bytes_per_token / bandwidth)
+        return CostModel(prior, swap_bandwidth=link)
+
+    def describe(self) -> str:
+        bm, bs = self.block_manager, self.config.block_size
+        per_seq = bm.num_blocks_for(self.max_model_len)
+        return (f"model {self.model_dir.name} on {self.device.kind}: weights {self.weight_bytes / 1e6:.0f} MB; "
+                f"KV cache {self.kv_bytes_per_token} bytes/token, {bm.num_blocks} blocks of {bs} tokens "
+                f"({bm.num_blocks * bs} tokens, {bm.num_blocks * bs * self.kv_bytes_per_token / 1e9:.2f} GB); "
+                f"batch ceiling {bm.num_blocks // per_seq} sequences of {self.max_model_len} tokens; "
+                f"swap space {bm.num_swap_blocks} blocks")
+
+    # ---- requests -----------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        params.validate()
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        seed = params.seed if params.seed is not None else int(self.rng.integers(2**63))
+        seq = Sequence(self.next_id, prompt if isinstance(prompt, str) else "", token_ids,
+                       params, self.clock(), seed)
+        self.next_id += 1
+        if not token_ids:
+            seq.error = "empty prompt"
+            seq.status, seq.finish_reason = Status.FINISHED, "rejected"
+            self.metrics.on_finish(seq)
+            return seq
+        self.scheduler.add(seq)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one step -----------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """Run one forward pass over a freshly decided batch; returns sequences that finished."""
+        start = self.clock()
+        plan = self.scheduler.schedule()
+        swap_bytes, swap_seconds = self.runner.swap(plan)
+        finished = list(plan.finished)
+        if plan.scheduled:
+            batch, sampling = self.runner.prepare(plan)
+            logits = self.runner.forward(batch)
+            tokens = self.runner.sample(logits, sampling)
+            finished += self._postprocess(plan, sampling, tokens)
+        elif not finished and self.scheduler.has_work():
+            raise RuntimeError("scheduler made no progress")  # a bug, never a user error
+        self._observe(plan, start, swap_bytes, swap_seconds, finished)
+        return finished
+
+    def _postprocess(self, plan: SchedulerOutput, sampling: list[Sequence],
+                     tokens: list[int]) -> list[Sequence]:
+        for seq, n in plan.scheduled:
+            seq.num_computed_tokens += n
+            self.block_manager.register_full_blocks(seq)
+        now, finished = self.clock(), []
+        for seq, token in zip(sampling, tokens):
+            seq.token_ids.append(token)
+            seq.token_times.append(now)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = self._stop_reason(seq, token)
+            if reason:
+                self.scheduler.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        if token in self.eos_ids and not seq.params.ignore_eos:
+            return "stop"
+        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _observe(self, plan, start, swap_bytes, swap_seconds, finished) -> None:
+        seconds = self.clock() - start
+        prefill = sum(n for _, n in plan.scheduled if n > 1)
+        decodes = sum(1 for _, n in plan.scheduled if n == 1)
+        context = sum(s.num_computed_tokens for s, _ in plan.scheduled)
+        if plan.scheduled:
+            self.cost.observe_step(prefill, decodes, context, seconds - swap_seconds)
+        self.cost.observe_swap(swap_bytes, swap_seconds)
+        self.metrics.on_step(plan, seconds, self.block_manager.num_free_blocks, swap_bytes)
+        for seq in finished:
+            self.metrics.on_finish(seq)
+
+    # ---- all at once --------------------------------------------------------------------
+    def generate(self, prompts: list, params: SamplingParams | list[SamplingParams],
+                 on_step=None) -> list[Sequence]:
+        """Run every prompt to completion; returns their sequences in input order."""
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while self.has_unfinished():
+            finished = self.step()
+            if on_step:
+                on_step(finished)
+        return seqs
+
+    def decode(self, seq: Sequence) -> str:
+        return self.tokenizer.decode(seq.output_token_ids)
+
+
+def _nbytes(model) -> int:
+    arrays = [model.embed, model.final_norm] + ([] if model.lm_head is model.embed else [model.lm_head])
+    for w in model.layers:
+        arrays += [a for a in vars(w).values() if a is not None]
+    return sum(a.nbytes for a in arrays)

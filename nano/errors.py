@@ -1,0 +1,2 @@
+class NanoError(Exception):
+    """A user-facing error: printed as one line, exit code 2."""

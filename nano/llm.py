@@ -1,0 +1,33 @@
+"""The Python API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from nano.config import EngineConfig
+from nano.engine import LLMEngine
+from nano.sequence import SamplingParams, Sequence
+
+
+@dataclass
+class RequestOutput:
+    prompt: str
+    text: str
+    token_ids: list[int]                  # generated tokens only
+    finish_reason: str                    # stop | length | rejected
+    num_prompt_tokens: int
+    error: str | None = None              # why a request was rejected
+    logits: list[np.ndarray] = field(default_factory=list)  # with SamplingParams(return_logits=True)
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+
+    def generate(self, prompts: list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        seqs = self.engine.generate(prompts, params or SamplingParams())
+        return [self.output(seq) for seq in seqs]
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput(seq.prompt, self.engine.decode(seq), seq.output_token_ids,
+                             seq.finish_reason, seq.num_prompt_tokens, seq.error, seq.logits)

@@ -1,0 +1,184 @@
+"""The device boundary: every operation the model performs on arrays.
+
+Each op has a plain NumPy implementation. It is what the engine runs on a
+machine without a GPU (float32), and it is the oracle that the GPU tests
+compare each CUDA kernel against. When the arrays are CuPy arrays the op
+dispatches to the hand-written kernel in `nano/kernels.py` (float16 storage,
+float32 accumulation). Nothing above this module knows which device it is on.
+
+Shapes used below:
+  T  tokens in the step          H  hidden size       V  vocab size
+  S  sequences in the step       nq query heads       nkv  KV heads      d  head dim
+  kv_cache: (num_layers, 2, num_blocks, nkv, block_size, d) -- [:, 0] keys, [:, 1] values
+  k_cache / v_cache: one layer's (num_blocks, nkv, block_size, d)
+  block_tables: (S, max_blocks) int32, -1 past each sequence's last block
+"""
+import numpy as np
+
+
+def on_gpu(x) -> bool:
+    return type(x).__module__.startswith("cupy")
+
+
+def _kernels():
+    from nano import kernels  # imported only when a CuPy array arrives
+    return kernels
+
+
+def embedding(ids, table):
+    """ids: (T,) int32, table: (V, H) -> (T, H)."""
+    if on_gpu(table):
+        return _kernels().embedding(ids, table)
+    return table[ids]
+
+
+def rms_norm(x, weight, eps):
+    """x: (T, H), weight: (H,) -> (T, H); x * rsqrt(mean(x^2) + eps) * weight."""
+    if on_gpu(x):
+        return _kernels().rms_norm(x, weight, eps)
+    var = np.mean(x * x, axis=-1, keepdims=True)
+    return x / np.sqrt(var + eps) * weight
+
+
+def add_rms_norm(x, residual, weight, eps):
+    """Residual add fused with RMSNorm: returns (rms_norm(x + residual), x + residual).
+    x, residual: (T, H); residual None means the first layer (residual = x)."""
+    if on_gpu(x):
+        return _kernels().add_rms_norm(x, residual, weight, eps)
+    if residual is not None:
+        x = x + residual
+    return rms_norm(x, weight, eps), x
+
+
+def linear(x, weight, bias=None):
+    """x: (T, K), weight: (N, K) as stored in checkpoints, bias: (N,) -> (T, N)."""
+    if on_gpu(x):
+        return _kernels().linear(x, weight, bias)
+    y = x @ weight.T
+    if bias is not None:
+        y += bias
+    return y
+
+
+def rope(q, k, positions, cos_sin):
+    """Rotate-half RoPE, in place. q: (T, nq, d), k: (T, nkv, d), positions: (T,),
+    cos_sin: (max_positions, d) with cos in [:, :d/2] and sin in [:, d/2:]."""
+    if on_gpu(q):
+        return _kernels().rope(q, k, positions, cos_sin)
+    half = q.shape[-1] // 2
+    cos = cos_sin[positions, None, :half]  # (T, 1, d/2)
+    sin = cos_sin[positions, None, half:]
+    for x in (q, k):
+        x1, x2 = x[..., :half].copy(), x[..., half:].copy()
+        x[..., :half] = x1 * cos - x2 * sin
+        x[..., half:] = x2 * cos + x1 * sin
+
+
+def silu_mul(gate_up):
+    """gate_up: (T, 2I) = [gate | up] -> silu(gate) * up: (T, I)."""
+    if on_gpu(gate_up):
+        return _kernels().silu_mul(gate_up)
+    inter = gate_up.shape[-1] // 2
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    return gate / (1.0 + np.exp(-gate)) * up
+
+
+def store_kvcache(k, v, k_cache, v_cache, slot_mapping):
+    """Write the step's new keys/values into their cache slots.
+    k, v: (T, nkv, d); slot_mapping: (T,) int32, slot = block * block_size + offset,
+    -1 for a token whose KV is already cached (skipped)."""
+    if on_gpu(k):
+        return _kernels().store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    block_size = k_cache.shape[2]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, :, offsets] = k[keep]
+    v_cache[blocks, :, offsets] = v[keep]
+
+
+def _gather_context(cache, block_table, context_len):
+    """One sequence's first context_len cached rows: (nkv, context_len, d)."""
+    nkv, block_size, d = cache.shape[1:]
+    num_blocks = -(-context_len // block_size)
+    blocks = cache[block_table[:num_blocks]]  # (n, nkv, block_size, d)
+    return blocks.transpose(1, 0, 2, 3).reshape(nkv, num_blocks * block_size, d)[:, :context_len]
+
+
+def _attend(q, keys, values, query_positions, scale):
+    """q: (n, nq, d) at query_positions (n,); keys/values: (nkv, ctx, d).
+    Each query attends to keys 0..its own position. Returns (n, nq, d)."""
+    n, nq, d = q.shape
+    nkv, ctx, _ = keys.shape
+    group = nq // nkv
+    qg = q.reshape(n, nkv, group, d).transpose(1, 0, 2, 3).reshape(nkv, n * group, d)
+    scores = (qg @ keys.transpose(0, 2, 1)) * scale  # (nkv, n*group, ctx)
+    pos = np.repeat(query_positions, group)  # row r belongs to query r // group
+    scores = np.where(np.arange(ctx)[None, :] <= pos[:, None], scores, -np.inf)
+    scores -= scores.max(axis=-1, keepdims=True)
+    probs = np.exp(scores)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    out = probs @ values  # (nkv, n*group, d)
+    return out.reshape(nkv, n, group, d).transpose(1, 0, 2, 3).reshape(n, nq, d)
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """Decode attention: one new query token per sequence over its whole cached context.
+    q: (S, nq, d); context_lens: (S,) tokens in cache including this step's -> (S, nq, d)."""
+    if on_gpu(q):
+        return _kernels().paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    out = np.empty_like(q)
+    for i, ctx in enumerate(context_lens.tolist()):
+        keys = _gather_context(k_cache, block_tables[i], ctx)
+        values = _gather_context(v_cache, block_tables[i], ctx)
+        out[i:i + 1] = _attend(q[i:i + 1], keys, values, np.array([ctx - 1]), scale)
+    return out
+
+
+def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables, context_lens, scale):
+    """A chunk of query tokens per sequence over that sequence's cached blocks, causal.
+    The chunk's own K/V are already in the cache; a chunk may start mid-sequence (a later
+    chunk, or after a prefix-cache hit): its queries sit at positions
+    context_len - chunk_len .. context_len - 1.
+    q: (T, nq, d); cu_seqlens_q: (S+1,) chunk offsets into q -> (T, nq, d)."""
+    if on_gpu(q):
+        return _kernels().prefill_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables,
+                                            context_lens, scale)
+    out = np.empty_like(q)
+    for i, ctx in enumerate(context_lens.tolist()):
+        start, end = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
+        keys = _gather_context(k_cache, block_tables[i], ctx)
+        values = _gather_context(v_cache, block_tables[i], ctx)
+        positions = np.arange(ctx - (end - start), ctx)
+        out[start:end] = _attend(q[start:end], keys, values, positions, scale)
+    return out
+
+
+def gather_blocks(kv_cache, block_ids):
+    """Collect blocks of every layer into one contiguous staging array so that a swap is
+    one device-host copy. kv_cache: (L, 2, nb, nkv, bs, d), block_ids: (n,) -> (L, 2, n, nkv, bs, d)."""
+    if on_gpu(kv_cache):
+        return _kernels().gather_blocks(kv_cache, block_ids)
+    return kv_cache[:, :, block_ids]
+
+
+def scatter_blocks(kv_cache, block_ids, staging):
+    """Inverse of gather_blocks: kv_cache[:, :, block_ids[i]] = staging[:, :, i]."""
+    if on_gpu(kv_cache):
+        return _kernels().scatter_blocks(kv_cache, block_ids, staging)
+    kv_cache[:, :, block_ids] = staging
+
+
+def argmax(logits):
+    """Greedy pick. logits: (S, V) -> (S,) int32."""
+    if on_gpu(logits):
+        return _kernels().argmax(logits)
+    return logits.argmax(axis=-1).astype(np.int32)
+
+
+def concat(arrays):
+    """Join along the first axis (decode rows, then prefill rows)."""
+    if on_gpu(arrays[0]):
+        import cupy
+        return cupy.concatenate(arrays)
+    return np.concatenate(arrays)

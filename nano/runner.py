@@ -1,0 +1,134 @@
+"""Turns a scheduler plan into flat device arrays, runs the model, and owns the KV memory.
+
+KV memory:
+  kv_cache:   (num_layers, 2, num_blocks, nkv, block_size, d) on the device ([:, 0] K, [:, 1] V)
+  host_cache: (num_layers, 2, num_swap_blocks, nkv, block_size, d) in host memory (swap space)
+A swap moves all of a step's blocks in one gather + one device-host copy per direction.
+"""
+import time
+
+import numpy as np
+
+from nano import ops
+from nano.model import ForwardBatch
+from nano.scheduler import SchedulerOutput
+from nano.sequence import Sequence
+
+
+def select_device(name: str) -> str:
+    """'auto' takes the GPU when CuPy sees one."""
+    if name == "cpu":
+        return "cpu"
+    try:
+        import cupy
+        found = cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no CuPy, no driver, no device: all mean the same here
+        found = False
+    if name == "gpu" and not found:
+        from nano.errors import NanoError
+        raise NanoError("--device gpu: no CUDA device visible to CuPy")
+    return "gpu" if found else "cpu"
+
+
+class Device:
+    """Where arrays live: NumPy float32 on the CPU, CuPy float16 on the GPU."""
+
+    def __init__(self, kind: str, index: int = 0):
+        self.kind = kind
+        if kind == "gpu":
+            import cupy
+            cupy.cuda.Device(index).use()
+            self.xp, self.dtype = cupy, np.float16
+        else:
+            self.xp, self.dtype = np, np.float32
+
+    def put(self, host: np.ndarray, keep_float32: bool = False):
+        dtype = np.float32 if keep_float32 else self.dtype
+        return self.xp.asarray(np.ascontiguousarray(host, dtype=dtype))
+
+    def to_host(self, arr) -> np.ndarray:
+        return arr.get() if self.kind == "gpu" else arr
+
+    def synchronize(self) -> None:
+        if self.kind == "gpu":
+            self.xp.cuda.get_current_stream().synchronize()
+
+
+class ModelRunner:
+    def __init__(self, model, device: Device, num_blocks: int, num_swap_blocks: int,
+                 block_size: int, sampler):
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.sampler = sampler
+        cfg = model.cfg
+        shape = (cfg.num_layers, 2, num_blocks, model.num_kv_heads, block_size, cfg.head_dim)
+        self.kv_cache = device.xp.zeros(shape, dtype=device.dtype)
+        # np.zeros maps pages lazily: swap space costs host memory only once used.
+        self.host_cache = np.zeros(shape[:2] + (num_swap_blocks,) + shape[3:], dtype=device.dtype)
+
+    # ---- swap --------------------------------------------------------------------------
+    def swap(self, plan: SchedulerOutput) -> tuple[int, float]:
+        """Copy preempted blocks out to host and returning ones back in.
+        Out first: blocks freed by a swap-out may be refilled in this same step.
+        Returns (bytes moved, seconds) for the cost model."""
+        moved, start = 0, time.perf_counter()
+        if plan.blocks_to_swap_out:
+            dev, host = (np.array(x, dtype=np.int32) for x in zip(*plan.blocks_to_swap_out))
+            staging = ops.gather_blocks(self.kv_cache, self.device.xp.asarray(dev))
+            self.host_cache[:, :, host] = self.device.to_host(staging)
+            moved += staging.nbytes
+        if plan.blocks_to_swap_in:
+            host, dev = (np.array(x, dtype=np.int32) for x in zip(*plan.blocks_to_swap_in))
+            staging = self.device.xp.asarray(self.host_cache[:, :, host])
+            ops.scatter_blocks(self.kv_cache, self.device.xp.asarray(dev), staging)
+            moved += staging.nbytes
+        if moved:
+            self.device.synchronize()
+        return moved, time.perf_counter() - start
+
+    # ---- inputs ------------------------------------------------------------------------
+    def prepare(self, plan: SchedulerOutput) -> tuple[ForwardBatch, list[Sequence]]:
+        """Flatten the plan: decodes first, then prefill chunks. Returns the batch and the
+        sequences that sample a token this step (those whose chunk reaches their end)."""
+        scheduled = sorted(plan.scheduled, key=lambda item: item[1] != 1)  # stable: decodes first
+        num_decodes = sum(1 for _, n in scheduled if n == 1)
+        bs = self.block_size
+        ids, positions, context_lens, logits_indices, sampled = [], [], [], [], []
+        max_blocks = max(len(seq.block_table) for seq, _ in scheduled)
+        block_tables = np.full((len(scheduled), max_blocks), -1, dtype=np.int32)
+        cu_seqlens = [0]
+        for i, (seq, n) in enumerate(scheduled):
+            start = seq.num_computed_tokens
+            ids += seq.token_ids[start:start + n]
+            positions.append(np.arange(start, start + n, dtype=np.int32))
+            context_lens.append(start + n)
+            block_tables[i, :len(seq.block_table)] = seq.block_table
+            if i >= num_decodes:
+                cu_seqlens.append(cu_seqlens[-1] + n)
+            if start + n == seq.num_tokens:
+                logits_indices.append(len(ids) - 1)
+                sampled.append(seq)
+        positions = np.concatenate(positions)
+        rows = np.repeat(np.arange(len(scheduled)), [n for _, n in scheduled])
+        slot_mapping = block_tables[rows, positions // bs] * bs + positions % bs
+        # One host-to-device copy for all the step's metadata, then views into it.
+        parts = [np.asarray(ids, np.int32), positions, slot_mapping.astype(np.int32),
+                 np.asarray(context_lens, np.int32), block_tables.ravel(),
+                 np.asarray(cu_seqlens, np.int32), np.asarray(logits_indices, np.int32)]
+        flat = self.device.xp.asarray(np.concatenate(parts))
+        views, offset = [], 0
+        for part in parts:
+            views.append(flat[offset:offset + part.size])
+            offset += part.size
+        ids_d, pos_d, slots_d, ctx_d, tables_d, cu_d, logits_d = views
+        batch = ForwardBatch(ids_d, pos_d, slots_d, num_decodes, ctx_d,
+                             tables_d.reshape(block_tables.shape), cu_d, logits_d)
+        return batch, sampled
+
+    # ---- forward + sample --------------------------------------------------------------
+    def forward(self, batch: ForwardBatch):
+        return self.model.forward(batch, self.kv_cache)
+
+    def sample(self, logits, seqs: list[Sequence]) -> list[int]:
+        return self.sampler.sample(logits, seqs)

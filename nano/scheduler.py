@@ -1,0 +1,205 @@
+"""The scheduling policy: which sequences run in the next forward pass, and how many tokens each.
+
+The batch is re-decided before every step (iteration-level batching):
+  1. running sequences first: decodes (1 token each), then unfinished prompts,
+     which get a chunk of whatever token budget is left (chunked prefill);
+     a decode that needs a new block and finds none preempts a victim
+     (the most recently admitted running sequence);
+  2. then swapped sequences come back, before any new admission;
+  3. then waiting requests are admitted in order, each only if the free blocks
+     after its allocation stay above the watermark. A request that could never
+     fit (longer than the model context, or than the whole pool) is rejected at
+     once instead of blocking the queue behind it.
+Every step respects one token budget (max_num_batched_tokens) and one sequence cap.
+"""
+from collections import deque
+from dataclasses import dataclass, field
+
+from nano.block_manager import BlockManager
+from nano.config import EngineConfig
+from nano.cost_model import CostModel
+from nano.sequence import Sequence, Status
+
+
+@dataclass
+class Preemption:
+    seq: Sequence
+    mode: str          # swap | recompute
+    reason: str        # why this mode: forced | swap_cheaper | recompute_cheaper | no_swap_space
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens this step)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host, device)
+    preempted: list[Preemption] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)  # newly given blocks from the waiting queue
+    finished: list[Sequence] = field(default_factory=list)  # ended by the scheduler (rejected, or out of KV)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
+                 kv_bytes_per_token: int, cost_model: CostModel):
+        self.config = config
+        self.bm = block_manager
+        self.max_model_len = max_model_len
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.cost = cost_model
+        self.watermark_blocks = int(config.watermark * block_manager.num_blocks)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []     # in admission order: the last is the first victim
+        self.swapped: deque[Sequence] = deque()
+        self.num_admissions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    # ---- one step ----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:  # a step that had to preempt has no room to bring anyone back
+            budget = self._schedule_swapped(out, budget)
+        if not self.swapped and not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _room(self, out: SchedulerOutput, budget: int) -> bool:
+        return budget > 0 and len(out.scheduled) < self.config.max_num_seqs
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        for seq in decodes + prefills:
+            if seq.status is not Status.RUNNING:  # preempted earlier in this loop
+                continue
+            if not self._room(out, budget):
+                break
+            n = min(seq.num_uncomputed_tokens, budget)
+            if self._make_room(seq, n, out):
+                out.scheduled.append((seq, n))
+                budget -= n
+        return budget
+
+    def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Find blocks for seq's next n tokens, preempting others if needed.
+        Returns False if seq itself had to give way."""
+        scheduled = {s.seq_id for s, _ in out.scheduled}
+        while self.bm.blocks_to_grow(seq, n) > self.bm.num_free_blocks:
+            candidates = [s for s in self.running if s.seq_id not in scheduled]
+            if candidates == [seq] and not scheduled:
+                # Alone and still out of blocks: no one can ever make room for it.
+                self._finish(seq, "length", out)
+                return False
+            victim = candidates[-1]
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        self.bm.grow(seq, n)
+        return True
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        while self.swapped and self._room(out, budget):
+            seq = self.swapped[0]
+            n = min(seq.num_uncomputed_tokens, budget)
+            # With nothing running the watermark protects no one: waive it, or a sequence
+            # that grew past it could never come back.
+            watermark = self.watermark_blocks if self.running else 0
+            if not self.bm.can_swap_in(seq, n, watermark):
+                break
+            self.swapped.popleft()
+            out.blocks_to_swap_in += self.bm.swap_in(seq)
+            self.bm.grow(seq, n)
+            self._start_running(seq)
+            out.scheduled.append((seq, n))
+            budget -= n
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and self._room(out, budget):
+            seq = self.waiting[0]
+            error = self._never_fits(seq)
+            if error:
+                self.waiting.popleft()
+                if seq.num_output_tokens:  # preempted by recompute and grown too long to return
+                    self._finish(seq, "length", out)
+                else:
+                    seq.error = error
+                    self._finish(seq, "rejected", out)
+                continue
+            hits = self.bm.match_prefix(seq.token_ids)
+            if not self.bm.can_admit(seq, hits, self.watermark_blocks):
+                break
+            self.waiting.popleft()
+            self.bm.admit(seq, hits)
+            seq.num_cached_tokens = len(hits) * self.bm.block_size
+            out.admitted.append(seq)
+            self._start_running(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            out.scheduled.append((seq, n))
+            budget -= n
+
+    # ---- helpers -----------------------------------------------------------------------
+    def _never_fits(self, seq: Sequence) -> str | None:
+        need = seq.num_tokens + 1  # the prompt plus at least one generated token
+        if need > self.max_model_len:
+            return (f"prompt of {seq.num_tokens} tokens leaves no room to generate within the "
+                    f"model context of {self.max_model_len} tokens")
+        blocks = self.bm.num_blocks_for(need)
+        usable = self.bm.num_blocks - self.watermark_blocks
+        if blocks > usable:
+            return (f"prompt of {seq.num_tokens} tokens needs {blocks} KV blocks but the pool "
+                    f"can ever give one request {usable} (of {self.bm.num_blocks})")
+        return None
+
+    def _start_running(self, seq: Sequence) -> None:
+        seq.status = Status.RUNNING
+        seq.admitted_at = self.num_admissions
+        self.num_admissions += 1
+        self.running.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence: its blocks go back to the pool (full ones stay cached)."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self.bm.free(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+
+    def _finish(self, seq: Sequence, reason: str, out: SchedulerOutput) -> None:
+        self.finish(seq, reason)
+        out.finished.append(seq)
+
+    def _preemption_mode(self, seq: Sequence) -> tuple[str, str]:
+        if self.config.preemption == "recompute":
+            return "recompute", "forced"
+        if not self.bm.can_swap_out(seq):
+            return "recompute", "no_swap_space"
+        if self.config.preemption == "swap":
+            return "swap", "forced"
+        swap = self.cost.swap_cost(seq.num_computed_tokens * self.kv_bytes_per_token)
+        recompute = self.cost.recompute_cost(seq.num_computed_tokens)
+        return ("swap", "swap_cheaper") if swap <= recompute else ("recompute", "recompute_cheaper")
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        mode, reason = self._preemption_mode(seq)
+        if mode == "swap":
+            out.blocks_to_swap_out += self.bm.swap_out(seq)
+            seq.status = Status.SWAPPED
+            self.swapped.append(seq)
+        else:
+            self.bm.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = Status.WAITING
+            self.waiting.appendleft(seq)  # first in line again: it was admitted before the rest
+        out.preempted.append(Preemption(seq, mode, reason))

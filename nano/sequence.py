@@ -1,0 +1,84 @@
+"""Sequence (one request's state as it moves through the engine) and SamplingParams."""
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+from nano.errors import NanoError
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0       # 0 = greedy
+    top_p: float = 1.0             # nucleus mass, in (0, 1]
+    top_k: int = -1                # -1 or 0 = off
+    max_tokens: int = 16
+    seed: int | None = None        # same seed, same output, whatever the batch around it
+    ignore_eos: bool = False
+    return_logits: bool = False    # keep the logits row behind every sampled token
+
+    def validate(self) -> None:
+        if self.max_tokens < 1:
+            raise NanoError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise NanoError(f"temperature must not be negative, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise NanoError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise NanoError(f"top_k must be -1 (off) or positive, got {self.top_k}")
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"      # queued: not yet admitted, or preempted by recompute
+    RUNNING = "running"      # holds device blocks, scheduled every step
+    SWAPPED = "swapped"      # preempted: its KV blocks live in host swap space
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, seq_id: int, prompt: str, prompt_token_ids: list[int],
+                 params: SamplingParams, arrival_time: float, seed: int):
+        self.seq_id = seq_id
+        self.prompt = prompt
+        self.params = params
+        self.token_ids = list(prompt_token_ids)      # prompt + generated
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.status = Status.WAITING
+        # Device block ids while RUNNING, host block ids while SWAPPED, [] otherwise.
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []            # prefix-cache hash of each full computed block
+        self.num_computed_tokens = 0                 # tokens whose KV is in the cache
+        self.num_cached_tokens = 0                   # of those, found in the prefix cache at admission
+        self.arrival_time = arrival_time
+        self.admitted_at = -1                        # admission counter: preemption victim order
+        self.first_token_time: float | None = None
+        self.token_times: list[float] = []
+        self.finish_reason: str | None = None        # stop | length | rejected
+        self.error: str | None = None
+        self.logits: list[np.ndarray] = []           # only with params.return_logits
+        self.rng = np.random.default_rng(seed)       # this request's own stream of draws
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still to run through the model: the rest of the prompt, or 1 when decoding."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.seq_id}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_table})")

