@@ -1,8 +1,32 @@
-"""Registers the `gpu` marker: gpu-marked tests run only where CuPy sees a CUDA device."""
+"""Shared fixtures (the real default model, a tiny random model, the dense reference) and the
+`gpu` marker: gpu-marked tests run only where CuPy sees a CUDA device."""
 import pytest
 
+from nano.weights import resolve_model
+from reference import DenseLlama, make_random_model
 
-def _have_gpu() -> bool:
+
+@pytest.fixture(scope="session")
+def default_model():
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def default_dense(default_model):
+    return DenseLlama(default_model)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    return make_random_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny_dense(tiny_model):
+    return DenseLlama(tiny_model)
+
+
+def have_gpu() -> bool:
     try:
         import cupy
         return cupy.cuda.runtime.getDeviceCount() > 0
@@ -10,12 +34,8 @@ def _have_gpu() -> bool:
         return False
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
-
-
 def pytest_collection_modifyitems(config, items):
-    if _have_gpu():
+    if have_gpu():
         return
     skip = pytest.mark.skip(reason="no CUDA GPU")
     for item in items:

@@ -1,0 +1,80 @@
+"""run.py end to end: the real model's answer, JSONL output, and one-line errors for bad input."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_cli(*args, timeout=300):
+    return subprocess.run([sys.executable, str(ROOT / "run.py"), *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def assert_one_line_error(result, fragment):
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
+    assert fragment in lines[0]
+
+
+def test_paris_and_rejections_reported_in_order(tmp_path, default_model):
+    prompts = tmp_path / "prompts.txt"
+    long_prompt = "word " * 400                # far past --max-model-len 256
+    prompts.write_text(f"What is the capital of France?\n\n{long_prompt}\nName a colour.\n")
+    out = tmp_path / "out.jsonl"
+    r = run_cli("--prompt-file", prompts, "--temperature", 0, "--max-tokens", 24,
+                "--max-model-len", 256, "--output", out)
+    assert r.returncode == 0, r.stderr
+    assert "The capital of France is Paris." in r.stdout
+    assert "[1] rejected: prompt of" in r.stderr and "model context" in r.stderr
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [rec["finish_reason"] for rec in records] == ["stop", "rejected", "stop"]
+    assert records[0]["text"] == "The capital of France is Paris."
+    assert records[0]["token_ids"][-1] == 2 and records[0]["num_prompt_tokens"] == 37
+    assert records[2]["text"]
+    assert "requests            3 (1 rejected)" in r.stdout
+    assert "KV cache 46080 bytes/token" in r.stderr and "batch ceiling" in r.stderr
+
+
+def test_request_that_never_fits_the_pool(tmp_path, default_model):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello there\n" + "word " * 100 + "\n")
+    r = run_cli("--prompt-file", prompts, "--no-chat", "--temperature", 0, "--max-tokens", 4,
+                "--num-blocks", 4, "--watermark", 0)
+    assert r.returncode == 0, r.stderr
+    assert "[1] rejected:" in r.stderr and "KV blocks" in r.stderr
+    assert "[0] hello there" in r.stdout
+
+
+def test_bench_small(default_model):
+    r = run_cli("--bench", "--num-seqs", 4, "--input-len", "8:16", "--output-len", "4:8")
+    assert r.returncode == 0, r.stderr
+    assert "bench:" in r.stdout and "output tokens/s" in r.stdout
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--prompt-file", "/nonexistent/prompts.txt"], "cannot read prompt file"),
+    (["--prompt-file", "EMPTY"], "has no prompts"),
+    (["--prompt-file", "PROMPTS", "--model", "/nonexistent/model"], "model folder not found"),
+    (["--prompt-file", "PROMPTS", "--max-tokens", -5], "max_tokens"),
+    (["--prompt-file", "PROMPTS", "--top-p", 0], "top_p"),
+    (["--prompt-file", "PROMPTS", "--top-p", 1.5], "top_p"),
+    (["--prompt-file", "PROMPTS", "--temperature", -1], "temperature"),
+    (["--prompt-file", "PROMPTS", "--block-size", 12], "power of two"),
+    (["--prompt-file", "PROMPTS", "--kv-cache-memory", "lots"], "byte size"),
+    (["--prompt-file", "PROMPTS", "--preemption", "never"], "--preemption"),
+    (["--prompt-file", "PROMPTS", "--max-num-batched-tokens", 0], "max-num-batched-tokens"),
+    (["--prompt-file", "PROMPTS", "--no-such-flag"], "unrecognized arguments"),
+    (["--bench", "--input-len", "10:5"], "--input-len"),
+    ([], "--prompt-file"),
+])
+def test_bad_input_one_line_error(tmp_path, args, fragment):
+    (tmp_path / "empty.txt").write_text("\n  \n\n")
+    (tmp_path / "prompts.txt").write_text("hi\n")
+    names = {"EMPTY": tmp_path / "empty.txt", "PROMPTS": tmp_path / "prompts.txt"}
+    r = run_cli(*[names.get(a, a) if isinstance(a, str) else a for a in args])
+    assert_one_line_error(r, fragment)
