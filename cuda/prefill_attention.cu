@@ -1,0 +1,207 @@
+// Prefill attention: a chunk of query tokens per sequence attends to that sequence's cached
+// context, causally. The chunk's own K/V were written to the cache (store_kvcache) before
+// the call, so every key comes from the cache. A chunk may start mid-sequence (a later
+// chunk, or after a prefix-cache hit): with chunk length n and context length ctx, its
+// queries sit at positions ctx - n .. ctx - 1 and query i sees keys 0 .. ctx - n + i.
+//
+// The engine calls paged_attention (cuda/paged_attention.cu) for the first num_decodes rows
+// of a step and this kernel for the rest: one launch per kind.
+//
+// Arguments (float16 unless noted):
+//   q             (T, nq, d)          the step's prefill query rows, chunk after chunk
+//   k_cache/v_cache (num_blocks, nkv, block_size, d)  one layer of the cache
+//   cu_seqlens_q  (S+1,) int32        chunk i is q[cu_seqlens_q[i] : cu_seqlens_q[i+1]]
+//   block_tables  (S, max_blocks) int32, -1 past the end
+//   context_lens  (S,) int32          tokens in cache, the chunk included
+//   out           (T, nq, d)
+// KV cache layout: one sequence's block for one KV head is block_size * d contiguous halfs,
+// so neighbouring threads load neighbouring 16-byte chunks of K/V rows (coalesced).
+//
+// Design (v1, CUDA cores, no tensor cores): a thread block of 256 threads takes 64 query
+// rows = 64 / GROUP query tokens x the GROUP query heads of one KV head, so each K/V tile is
+// read once for the whole group. Grid (ceil(T / tokens per block), nkv, S); blocks past
+// the end of their chunk exit at once. Per tile of 32 keys:
+//   1. physical block of each key (-1: key skipped), 2. stage K, V in shared memory with
+//   16-byte loads, 3. scores: each thread computes 8 rows x 1 key in float32, masked
+//   causally, 4. online softmax, one thread per row (running max and sum-exp in
+//   registers), 5. acc = acc * alpha + P @ V, each thread owning a dim pair of 8 or 16 rows.
+// Key tiles past the block's last query position are never visited (fully masked).
+//
+// Versions:
+//   v1: head_dim 64: 80 regs (101 for group 7), 27.5 KB shared; head_dim 128: 127-128 regs,
+//       43.9 KB shared; 0 spills (nvcc 13.0, sm_90). Not yet measured on a GPU.
+#include <cuda_fp16.h>
+#include <math_constants.h>  // CUDART_INF_F: NVRTC has no <cmath> INFINITY
+
+#define NEG_INF (-CUDART_INF_F)
+
+constexpr int NUM_THREADS = 256;
+constexpr int ROWS = 64;  // query rows (token, head) per thread block
+constexpr int KEYS = 32;  // keys per tile
+
+template <int HEAD_DIM, int GROUP>
+__global__ void __launch_bounds__(NUM_THREADS) prefill_attention_kernel(
+        __half* __restrict__ out, const __half* __restrict__ q,
+        const __half* __restrict__ k_cache, const __half* __restrict__ v_cache,
+        const int* __restrict__ cu_seqlens_q, const int* __restrict__ block_tables,
+        const int* __restrict__ context_lens, int max_blocks, int log2_block_size, float scale) {
+    constexpr int TOKENS = ROWS / GROUP;  // query tokens per block; rows past TOKENS*GROUP idle
+    constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks per row
+    constexpr int ROW = HEAD_DIM + 8;     // padded: conflict-free 16-byte reads, see step 3
+    constexpr int SCORE_ROWS = ROWS / (NUM_THREADS / KEYS);  // score rows per thread: 8
+    constexpr int PAIR_COLS = HEAD_DIM / 2;                   // dim pairs per row: 32 or 64
+    constexpr int ROW_STEP = NUM_THREADS / PAIR_COLS;          // 8 or 4
+    constexpr int OUT_ROWS = ROWS / ROW_STEP;                  // output rows per thread: 8 or 16
+    static_assert(KEYS * CHUNKS % NUM_THREADS == 0 && ROWS * CHUNKS % NUM_THREADS == 0,
+                  "staging loops assume whole rounds");
+
+    __shared__ __align__(16) __half s_q[ROWS * ROW];
+    __shared__ __align__(16) __half s_k[KEYS * ROW];
+    __shared__ __align__(16) __half s_v[KEYS * ROW];
+    __shared__ float s_p[ROWS][KEYS + 1];  // +1: the row-per-thread softmax reads a column
+    __shared__ float s_alpha[ROWS], s_sum[ROWS];
+    __shared__ int s_block[KEYS];
+
+    const int kv_head = blockIdx.y, seq = blockIdx.z;
+    const int nkv = gridDim.y, nq = nkv * GROUP;
+    const int q_begin = cu_seqlens_q[seq];
+    const int q_len = cu_seqlens_q[seq + 1] - q_begin;
+    const int first = blockIdx.x * TOKENS;  // this block's first token within the chunk
+    if (first >= q_len) return;
+    const int tokens = min(TOKENS, q_len - first);
+    const int pos0 = context_lens[seq] - q_len + first;  // position of that token
+    const int last_key = pos0 + tokens - 1;              // no row sees a later key
+    const int block_size = 1 << log2_block_size;
+    const int* table = block_tables + (long long)seq * max_blocks;
+
+    // Row r is token r / GROUP, head r % GROUP; a token's GROUP heads are contiguous in q.
+#pragma unroll
+    for (int j = 0; j < ROWS * CHUNKS / NUM_THREADS; j++) {
+        const int i = threadIdx.x + j * NUM_THREADS;
+        const int r = i / CHUNKS, c = i % CHUNKS;
+        const int t = r / GROUP, g = r % GROUP;
+        uint4 val = make_uint4(0, 0, 0, 0);
+        if (t < tokens)
+            val = *reinterpret_cast<const uint4*>(
+                q + ((long long)(q_begin + first + t) * nq + kv_head * GROUP + g) * HEAD_DIM + c * 8);
+        *reinterpret_cast<uint4*>(&s_q[r * ROW + c * 8]) = val;
+    }
+
+    // Softmax state of row threadIdx.x (threads < ROWS), and this thread's output slice:
+    // dim pair `d2` of rows r0, r0 + ROW_STEP, ...
+    float row_max = NEG_INF, row_sum = 0.0f;
+    const int d2 = threadIdx.x % PAIR_COLS, r0 = threadIdx.x / PAIR_COLS;
+    float2 acc[OUT_ROWS];
+    for (int i = 0; i < OUT_ROWS; i++) acc[i] = make_float2(0.0f, 0.0f);
+    // Score slice: key `kr` of rows sr0 .. sr0 + SCORE_ROWS - 1 (a warp shares its rows).
+    const int kr = threadIdx.x % KEYS, sr0 = threadIdx.x / KEYS * SCORE_ROWS;
+
+    for (int key0 = 0; key0 <= last_key; key0 += KEYS) {
+        // 1. Physical block of each key.
+        if (threadIdx.x < KEYS) {
+            const int key = key0 + threadIdx.x, logical = key >> log2_block_size;
+            s_block[threadIdx.x] = key <= last_key && logical < max_blocks ? table[logical] : -1;
+        }
+        __syncthreads();
+
+        // 2. Stage K and V; skipped keys become zeros (their p is 0 in step 5).
+#pragma unroll
+        for (int j = 0; j < KEYS * CHUNKS / NUM_THREADS; j++) {
+            const int i = threadIdx.x + j * NUM_THREADS;
+            const int r = i / CHUNKS, c = i % CHUNKS;
+            const int block = s_block[r];
+            uint4 kval = make_uint4(0, 0, 0, 0), vval = kval;
+            if (block >= 0) {
+                const int offset = (key0 + r) & (block_size - 1);
+                const long long src =
+                    (((long long)block * nkv + kv_head) * block_size + offset) * HEAD_DIM + c * 8;
+                kval = *reinterpret_cast<const uint4*>(k_cache + src);
+                vval = *reinterpret_cast<const uint4*>(v_cache + src);
+            }
+            *reinterpret_cast<uint4*>(&s_k[r * ROW + c * 8]) = kval;
+            *reinterpret_cast<uint4*>(&s_v[r * ROW + c * 8]) = vval;
+        }
+        __syncthreads();
+
+        // 3. Scores. Lanes read 32 different K rows at the same chunk: rows are an odd
+        // number of 16-byte units apart, so no bank conflicts; q rows are broadcast.
+        float score[SCORE_ROWS];
+        for (int i = 0; i < SCORE_ROWS; i++) score[i] = 0.0f;
+#pragma unroll
+        for (int c = 0; c < CHUNKS; c++) {
+            const uint4 ku = *reinterpret_cast<const uint4*>(&s_k[kr * ROW + c * 8]);
+            const __half2* k2 = reinterpret_cast<const __half2*>(&ku);
+#pragma unroll
+            for (int i = 0; i < SCORE_ROWS; i++) {
+                const uint4 qu = *reinterpret_cast<const uint4*>(&s_q[(sr0 + i) * ROW + c * 8]);
+                const __half2* q2 = reinterpret_cast<const __half2*>(&qu);
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const float2 kf = __half22float2(k2[e]), qf = __half22float2(q2[e]);
+                    score[i] += qf.x * kf.x + qf.y * kf.y;
+                }
+            }
+        }
+        const int key = key0 + kr;
+        const bool key_ok = s_block[kr] >= 0;
+#pragma unroll
+        for (int i = 0; i < SCORE_ROWS; i++) {
+            const int t = (sr0 + i) / GROUP;  // t >= tokens: padding row, fully masked
+            const bool visible = key_ok && t < tokens && key <= pos0 + t;
+            s_p[sr0 + i][kr] = visible ? score[i] * scale : NEG_INF;
+        }
+        __syncthreads();
+
+        // 4. Online softmax, one thread per row.
+        if (threadIdx.x < ROWS) {
+            const int r = threadIdx.x;
+            float tile_max = NEG_INF;
+            for (int k = 0; k < KEYS; k++) tile_max = fmaxf(tile_max, s_p[r][k]);
+            const float new_max = fmaxf(row_max, tile_max);
+            float sum = 0.0f;
+            for (int k = 0; k < KEYS; k++) {
+                const float s = s_p[r][k];
+                const float p = s == NEG_INF ? 0.0f : __expf(s - new_max);
+                s_p[r][k] = p;
+                sum += p;
+            }
+            const float alpha = row_max == NEG_INF ? 0.0f : __expf(row_max - new_max);
+            row_sum = row_sum * alpha + sum;
+            row_max = new_max;
+            s_alpha[r] = alpha;
+        }
+        __syncthreads();
+
+        // 5. acc = acc * alpha + P @ V. A warp shares its rows (p is broadcast) and reads
+        // consecutive dim pairs of a V row.
+#pragma unroll
+        for (int i = 0; i < OUT_ROWS; i++) {
+            const float alpha = s_alpha[r0 + i * ROW_STEP];
+            acc[i].x *= alpha;
+            acc[i].y *= alpha;
+        }
+        for (int k = 0; k < KEYS; k++) {
+            const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&s_v[k * ROW + 2 * d2]));
+#pragma unroll
+            for (int i = 0; i < OUT_ROWS; i++) {
+                const float p = s_p[r0 + i * ROW_STEP][k];
+                acc[i].x += p * v.x;
+                acc[i].y += p * v.y;
+            }
+        }
+        __syncthreads();  // the next tile overwrites s_block, s_k, s_v and s_p
+    }
+
+    if (threadIdx.x < ROWS) s_sum[threadIdx.x] = row_sum;
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < OUT_ROWS; i++) {
+        const int r = r0 + i * ROW_STEP, t = r / GROUP, g = r % GROUP;
+        if (t < tokens) {
+            const float inv = s_sum[r] > 0.0f ? 1.0f / s_sum[r] : 0.0f;
+            const long long dst =
+                ((long long)(q_begin + first + t) * nq + kv_head * GROUP + g) * HEAD_DIM + 2 * d2;
+            *reinterpret_cast<__half2*>(out + dst) = __floats2half2_rn(acc[i].x * inv, acc[i].y * inv);
+        }
+    }
+}

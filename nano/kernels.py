@@ -1,0 +1,333 @@
+"""The CUDA side of nano/ops.py: one function per op, same name, same arguments.
+
+Each file in cuda/ is compiled once per process by NVRTC (cupy.RawModule; CuPy also
+caches the binary on disk) and its kernels are launched from here. This module only
+allocates outputs, checks dtypes and shapes, and picks launch configurations; the
+kernel sources explain the algorithms.
+
+Dtypes: activations, weights and KV caches are float16 (kernels accumulate in float32),
+index arrays are int32, the RoPE table is float32.
+
+Importing this module needs CuPy but no GPU: nothing here touches a device until a kernel
+is launched, so `compile_all` (used by CI) works on a machine without one.
+"""
+import functools
+import glob
+import os
+from pathlib import Path
+
+import cupy
+import numpy as np
+
+CUDA_DIR = Path(__file__).resolve().parent.parent / "cuda"
+
+# Attention kernels are templates over the head dim and the GQA group size (query heads
+# per KV head), so their loops and register arrays have compile-time bounds.
+HEAD_DIMS = (64, 128)
+GROUPS = (1, 2, 3, 4, 5, 6, 7, 8)
+DECODE_TILE = 64  # TILE in cuda/paged_attention.cu: tokens per step of the decode kernel
+PREFILL_ROWS = 64  # ROWS in cuda/prefill_attention.cu: (token, head) rows per block
+
+_TEMPLATES = {
+    "paged_attention.cu": [f"paged_attention_kernel<{d}, {g}>" for d in HEAD_DIMS for g in GROUPS],
+    "prefill_attention.cu": [f"prefill_attention_kernel<{d}, {g}>" for d in HEAD_DIMS for g in GROUPS],
+}
+SOURCES = ("layers.cu", "cache.cu", "paged_attention.cu", "prefill_attention.cu")
+
+
+@functools.cache
+def _options() -> tuple:
+    """NVRTC options: C++17 and the directory holding cuda_fp16.h, which NVRTC does not
+    find by itself (the CUDA toolkit CuPy uses, or the nvidia-cuda-runtime wheel)."""
+    candidates = []
+    cuda_path = cupy.cuda.get_cuda_path()
+    if cuda_path:
+        candidates.append(os.path.join(cuda_path, "include"))
+    try:
+        import nvidia
+        for root in nvidia.__path__:
+            candidates += [os.path.dirname(h) for h in
+                           glob.glob(os.path.join(root, "**", "include", "cuda_fp16.h"), recursive=True)]
+    except ImportError:
+        pass
+    for include in candidates:
+        if os.path.isfile(os.path.join(include, "cuda_fp16.h")):
+            return ("-std=c++17", f"-I{include}")
+    raise RuntimeError("cuda_fp16.h not found: install the CUDA toolkit or nvidia-cuda-runtime")
+
+
+def compile_all(arch: str = "sm_90") -> dict:
+    """Compile every cuda/*.cu for `arch` with NVRTC directly, without a GPU, using the
+    options the RawModules use (CuPy adds its own -arch, -ftz=true and
+    --device-as-default-execution-space at load time). Returns {file name: compile log};
+    raises RuntimeError with the log if a file does not compile."""
+    from cupy_backends.cuda.libs import nvrtc
+    logs = {}
+    for name in SOURCES:
+        prog = nvrtc.createProgram((CUDA_DIR / name).read_text(), name, (), ())
+        try:
+            for expression in _TEMPLATES.get(name, ()):
+                nvrtc.addNameExpression(prog, expression)
+            try:
+                nvrtc.compileProgram(prog, _options() + (f"-arch={arch}",))
+            except nvrtc.NVRTCError as e:
+                raise RuntimeError(f"{name} does not compile:\n{nvrtc.getProgramLog(prog)}") from e
+            logs[name] = nvrtc.getProgramLog(prog)
+        finally:
+            nvrtc.destroyProgram(prog)
+    return logs
+
+
+@functools.cache
+def _module(name: str) -> cupy.RawModule:
+    return cupy.RawModule(code=(CUDA_DIR / name).read_text(), options=_options(),
+                          backend="nvrtc", name_expressions=_TEMPLATES.get(name))
+
+
+def _kernel(source: str, name: str):
+    return _module(source).get_function(name)
+
+
+@functools.cache
+def _num_sms() -> int:
+    return cupy.cuda.Device().attributes["MultiProcessorCount"]
+
+
+def _check(name, array, dtype):
+    if array.dtype != dtype:
+        raise TypeError(f"{name} must be {np.dtype(dtype).name}, got {array.dtype}")
+
+
+def _check_attention(q, k_cache, v_cache, nq, nkv, d):
+    _check("q", q, cupy.float16)
+    _check("k_cache", k_cache, cupy.float16)
+    _check("v_cache", v_cache, cupy.float16)
+    block_size = k_cache.shape[2]
+    if d not in HEAD_DIMS or nq % nkv or nq // nkv not in GROUPS:
+        raise ValueError(f"attention supports head_dim {HEAD_DIMS} and {GROUPS} query heads "
+                         f"per KV head, got head_dim {d}, {nq} / {nkv} heads")
+    if block_size & (block_size - 1) or not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
+        raise ValueError("KV caches must be contiguous with a power-of-two block size")
+    return nq // nkv, block_size.bit_length() - 1
+
+
+def _check_rows(name, width):
+    if width % 8:
+        raise ValueError(f"{name} must be a multiple of 8 (rows move as 16-byte chunks), got {width}")
+
+
+# ---------------------------------------------------------------- layers.cu
+
+def embedding(ids, table):
+    _check("ids", ids, cupy.int32)
+    _check("table", table, cupy.float16)
+    vocab, hidden = table.shape
+    _check_rows("hidden size", hidden)
+    out = cupy.empty((ids.size, hidden), cupy.float16)
+    if ids.size:
+        _kernel("layers.cu", "embedding")(
+            (ids.size,), (128,), (cupy.ascontiguousarray(ids), cupy.ascontiguousarray(table), out,
+                                  np.int32(vocab), np.int32(hidden)))
+    return out
+
+
+def rms_norm(x, weight, eps):
+    _check("x", x, cupy.float16)
+    _check("weight", weight, cupy.float16)
+    x = cupy.ascontiguousarray(x)
+    tokens, hidden = x.shape
+    _check_rows("hidden size", hidden)
+    out = cupy.empty_like(x)
+    if tokens:
+        _kernel("layers.cu", "rms_norm")(
+            (tokens,), (256,), (x, weight, out, np.int32(hidden), np.float32(eps)))
+    return out
+
+
+def add_rms_norm(x, residual, weight, eps):
+    if residual is None:  # first layer: the residual stream starts as x
+        return rms_norm(x, weight, eps), x
+    _check("x", x, cupy.float16)
+    _check("residual", residual, cupy.float16)
+    _check("weight", weight, cupy.float16)
+    x, residual = cupy.ascontiguousarray(x), cupy.ascontiguousarray(residual)
+    tokens, hidden = x.shape
+    _check_rows("hidden size", hidden)
+    out, new_residual = cupy.empty_like(x), cupy.empty_like(x)
+    if tokens:
+        _kernel("layers.cu", "add_rms_norm")(
+            (tokens,), (256,), (x, residual, weight, out, new_residual, np.int32(hidden), np.float32(eps)))
+    return out, new_residual
+
+
+def linear(x, weight, bias=None):
+    """cuBLAS through cupy.matmul: float16 operands, float32 accumulation (CuPy's default
+    compute type for float16 GEMMs is CUBLAS_COMPUTE_32F), float16 result."""
+    _check("x", x, cupy.float16)
+    _check("weight", weight, cupy.float16)
+    y = cupy.matmul(x, weight.T)
+    if bias is not None:
+        y += bias
+    return y
+
+
+def rope(q, k, positions, cos_sin):
+    """In place. q and k may be views into a fused QKV output: rows can be strided, but each
+    row's heads and dims must be contiguous."""
+    _check("q", q, cupy.float16)
+    _check("k", k, cupy.float16)
+    _check("positions", positions, cupy.int32)
+    _check("cos_sin", cos_sin, cupy.float32)
+    tokens, nq, d = q.shape
+    nkv = k.shape[1]
+    for name, x in (("q", q), ("k", k)):
+        if x.strides[1:] != (d * 2, 2):
+            raise ValueError(f"rope: {name}'s heads and dims must be contiguous, strides {x.strides}")
+    if tokens:
+        _kernel("layers.cu", "rope")(
+            (tokens,), (128,), (q, k, cupy.ascontiguousarray(positions), cupy.ascontiguousarray(cos_sin),
+                                np.int32(nq), np.int32(nkv), np.int32(d),
+                                np.int64(q.strides[0] // 2), np.int64(k.strides[0] // 2)))
+
+
+def silu_mul(gate_up):
+    _check("gate_up", gate_up, cupy.float16)
+    gate_up = cupy.ascontiguousarray(gate_up)
+    tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    _check_rows("intermediate size", inter)
+    out = cupy.empty((tokens, inter), cupy.float16)
+    n8 = tokens * inter // 8  # one thread per 8 outputs
+    if n8:
+        _kernel("layers.cu", "silu_mul")(((n8 + 255) // 256,), (256,), (gate_up, out, np.int32(inter), np.int64(n8)))
+    return out
+
+
+def argmax(logits):
+    _check("logits", logits, cupy.float16)
+    logits = cupy.ascontiguousarray(logits)
+    rows, vocab = logits.shape
+    out = cupy.empty((rows,), cupy.int32)
+    if rows:
+        _kernel("layers.cu", "argmax")((rows,), (1024,), (logits, out, np.int32(vocab)))
+    return out
+
+
+# ---------------------------------------------------------------- cache.cu
+
+def store_kvcache(k, v, k_cache, v_cache, slot_mapping):
+    for name, x in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check(name, x, cupy.float16)
+    _check("slot_mapping", slot_mapping, cupy.int32)
+    if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
+        raise ValueError("store_kvcache: caches must be contiguous")
+    tokens, nkv, d = k.shape
+    _check_rows("head_dim", d)
+    if tokens:
+        _kernel("cache.cu", "store_kvcache")(
+            (tokens,), (128,), (cupy.ascontiguousarray(k), cupy.ascontiguousarray(v), k_cache, v_cache,
+                                cupy.ascontiguousarray(slot_mapping),
+                                np.int32(nkv), np.int32(k_cache.shape[2]), np.int32(d)))
+
+
+def _swap(kernel, kv_cache, block_ids, staging):
+    """One thread block per (block, layer * 2 + k/v); each copies one block of one layer's
+    K or V: nkv * block_size * d contiguous halfs."""
+    _check("kv_cache", kv_cache, cupy.float16)
+    _check("staging", staging, cupy.float16)
+    _check("block_ids", block_ids, cupy.int32)
+    if not (kv_cache.flags.c_contiguous and staging.flags.c_contiguous):
+        raise ValueError("gather/scatter_blocks: kv_cache and staging must be contiguous")
+    layers, _, num_blocks, nkv, block_size, d = kv_cache.shape
+    _check_rows("head_dim", d)
+    n = block_ids.size
+    if n:
+        _kernel("cache.cu", kernel)(
+            (n, layers * 2), (256,), (kv_cache, staging, cupy.ascontiguousarray(block_ids),
+                                      np.int32(num_blocks), np.int32(n), np.int32(nkv * block_size * d)))
+
+
+def gather_blocks(kv_cache, block_ids):
+    layers, two, _, nkv, block_size, d = kv_cache.shape
+    staging = cupy.empty((layers, two, block_ids.size, nkv, block_size, d), cupy.float16)
+    _swap("gather_blocks", kv_cache, block_ids, staging)
+    return staging
+
+
+def scatter_blocks(kv_cache, block_ids, staging):
+    _swap("scatter_blocks", kv_cache, block_ids, cupy.ascontiguousarray(staging))
+
+
+# ---------------------------------------------------------------- attention
+
+def decode_partitions(num_blocks: int, max_context: int, num_sms: int) -> tuple:
+    """Split-KV choice for decode: returns (partitions, partition_size in tokens).
+
+    The decode grid has one block per (sequence, KV head). When that is fewer than two
+    blocks per SM and contexts are long enough to split, each context is cut into
+    partitions so the grid has about 4 blocks per SM; partitions are whole 64-token
+    tiles and at least two of them, so the per-block setup and the extra partial writes
+    stay small next to the K/V reads. `max_context` is an upper bound taken from shapes
+    (block_tables columns * block_size), so choosing never waits for the GPU; sequences
+    shorter than the longest one simply have empty partitions, which exit at once."""
+    if num_blocks >= 2 * num_sms or max_context <= 2 * DECODE_TILE:
+        return 1, max(max_context, 1)
+    wanted = -(-4 * num_sms // num_blocks)
+    size = -(-max_context // wanted)
+    size = max(2 * DECODE_TILE, -(-size // DECODE_TILE) * DECODE_TILE)
+    return -(-max_context // size), size
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """Decode attention (cuda/paged_attention.cu). Grid (nkv, S, partitions), 128 threads;
+    with more than one partition, a merge kernel with grid (nq, S) follows."""
+    seqs, nq, d = q.shape
+    nkv = k_cache.shape[1]
+    group, log2_block_size = _check_attention(q, k_cache, v_cache, nq, nkv, d)
+    _check("block_tables", block_tables, cupy.int32)
+    _check("context_lens", context_lens, cupy.int32)
+    q, block_tables, context_lens = (cupy.ascontiguousarray(x) for x in (q, block_tables, context_lens))
+    out = cupy.empty_like(q)
+    if seqs == 0:
+        return out
+    max_blocks = block_tables.shape[1]
+    parts, size = decode_partitions(seqs * nkv, max_blocks << log2_block_size, _num_sms())
+    if parts == 1:
+        partial_out = partial_max = partial_sum = cupy.empty(0, cupy.float32)  # unused
+    else:
+        partial_out = cupy.empty((seqs, nq, parts, d), cupy.float32)
+        partial_max = cupy.empty((seqs, nq, parts), cupy.float32)
+        partial_sum = cupy.empty((seqs, nq, parts), cupy.float32)
+    _kernel("paged_attention.cu", f"paged_attention_kernel<{d}, {group}>")(
+        (nkv, seqs, parts), (128,),
+        (out, partial_out, partial_max, partial_sum, q, k_cache, v_cache, block_tables, context_lens,
+         np.int32(max_blocks), np.int32(log2_block_size), np.int32(size), np.float32(scale)))
+    if parts > 1:
+        _kernel("paged_attention.cu", "paged_attention_merge")(
+            (nq, seqs), (128,), (out, partial_out, partial_max, partial_sum, context_lens,
+                                 np.int32(parts), np.int32(size), np.int32(d)))
+    return out
+
+
+def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables, context_lens, scale):
+    """Prefill attention (cuda/prefill_attention.cu). Grid (ceil(T / tokens per block), nkv, S),
+    256 threads, tokens per block = 64 // group. The x extent is sized for the longest
+    possible chunk (all T tokens) because chunk lengths live on the GPU; blocks past
+    their chunk's end exit at once."""
+    tokens, nq, d = q.shape
+    nkv = k_cache.shape[1]
+    group, log2_block_size = _check_attention(q, k_cache, v_cache, nq, nkv, d)
+    for name, x in (("cu_seqlens_q", cu_seqlens_q), ("block_tables", block_tables),
+                    ("context_lens", context_lens)):
+        _check(name, x, cupy.int32)
+    q, cu_seqlens_q, block_tables, context_lens = (
+        cupy.ascontiguousarray(x) for x in (q, cu_seqlens_q, block_tables, context_lens))
+    out = cupy.empty_like(q)
+    seqs = cu_seqlens_q.size - 1
+    if tokens == 0 or seqs == 0:
+        return out
+    per_block = PREFILL_ROWS // group
+    _kernel("prefill_attention.cu", f"prefill_attention_kernel<{d}, {group}>")(
+        (-(-tokens // per_block), nkv, seqs), (256,),
+        (out, q, k_cache, v_cache, cu_seqlens_q, block_tables, context_lens,
+         np.int32(block_tables.shape[1]), np.int32(log2_block_size), np.float32(scale)))
+    return out
