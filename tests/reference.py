@@ -7,12 +7,11 @@ load_config): no paging, no batching, no kernels. Engine tests compare against i
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 
-from nano.weights import CheckpointReader, load_config, resolve_model
+from nano.weights import CheckpointReader, load_config
 
 
 def _rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -110,7 +109,6 @@ _CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\
            " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
            "{{ '<|im_start|>assistant\n' }}{% endif %}")
 _SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2 as in SmolLM2
-_DEFAULT_VOCAB = 49152
 
 
 def _to_bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -153,11 +151,8 @@ def _byte_tokenizer(vocab: int):
 
 def make_random_model(dir: Path, *, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128,
                       vocab=512, max_pos=512, tie=True, bias=False, dtype="float32", seed=0) -> Path:
-    """Write a tiny random-weight HF Llama folder into `dir` and return it.
-
-    vocab == 49152 copies the default model's tokenizer (fetching it if needed);
-    any other vocab gets a byte-level tokenizer with exactly that many ids.
-    """
+    """Write a random-weight HF Llama folder into `dir` and return it, with a byte-level
+    tokenizer of exactly `vocab` ids (no download: it runs on the offline GPU machine too)."""
     dir = Path(dir)
     dir.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -207,13 +202,8 @@ def make_random_model(dir: Path, *, hidden=64, layers=2, heads=4, kv_heads=2, in
     }
     (dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
-    if vocab == _DEFAULT_VOCAB:
-        src = resolve_model(None)
-        for f in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(src / f, dir / f)
-    else:
-        _byte_tokenizer(vocab).save(str(dir / "tokenizer.json"))
-        tok_config = {"add_bos_token": False, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
-                      "chat_template": _CHATML}
-        (dir / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+    _byte_tokenizer(vocab).save(str(dir / "tokenizer.json"))
+    tok_config = {"add_bos_token": False, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+                  "chat_template": _CHATML}
+    (dir / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
     return dir
