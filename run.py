@@ -2,6 +2,7 @@
 
     python run.py --prompt-file prompts.txt
     python run.py --bench --num-seqs 256 --input-len 100:1024 --output-len 100:1024
+    mpirun -n 2 python run.py --tp 2 --prompt-file prompts.txt   (tensor parallel)
 """
 import argparse
 import json
@@ -10,6 +11,7 @@ import time
 
 import numpy as np
 
+from nano import parallel
 from nano.config import EngineConfig, parse_bytes
 from nano.errors import NanoError
 from nano.metrics import format_summary
@@ -47,6 +49,7 @@ def build_parser() -> Parser:
     e.add_argument("--watermark", type=float, default=0.01)
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--preemption", default="auto", help="swap | recompute | auto")
+    e.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: run under mpirun -n TP")
     b = p.add_argument_group("benchmark")
     b.add_argument("--bench", action="store_true", help="random-token prompts, EOS ignored, fixed seed")
     b.add_argument("--num-seqs", type=int, default=256)
@@ -62,7 +65,7 @@ def engine_config(args) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, watermark=args.watermark,
         enable_prefix_caching=not args.no_prefix_caching, preemption=args.preemption,
-        seed=args.seed or 0)
+        seed=args.seed or 0, tp=args.tp)
 
 
 def sampling_params(args) -> SamplingParams:
@@ -126,22 +129,28 @@ def bench_requests(args, vocab_size: int):
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    config = engine_config(args)
-    config.validate()
-    params = sampling_params(args)
-    params.validate()
-    if args.bench:
-        if args.num_seqs < 1:
-            raise NanoError(f"--num-seqs must be positive, got {args.num_seqs}")
-        parse_range(args.input_len, "--input-len")
-        parse_range(args.output_len, "--output-len")
-    elif not args.prompt_file:
-        raise NanoError("give --prompt-file FILE (or --bench)")
-    prompts = read_prompts(args.prompt_file) if not args.bench else None
+    group = parallel.world()  # under mpirun: every rank runs main; rank 0 alone talks to the user
+    with group.together():    # so a bad argument stops every rank, and is printed once
+        args = build_parser().parse_args(argv)
+        config = engine_config(args)
+        config.validate()
+        group.require(config.tp)
+        params = sampling_params(args)
+        params.validate()
+        if args.bench:
+            if args.num_seqs < 1:
+                raise NanoError(f"--num-seqs must be positive, got {args.num_seqs}")
+            parse_range(args.input_len, "--input-len")
+            parse_range(args.output_len, "--output-len")
+        elif not args.prompt_file:
+            raise NanoError("give --prompt-file FILE (or --bench)")
+        prompts = read_prompts(args.prompt_file) if not args.bench and group.rank == 0 else None
 
     from nano.engine import LLMEngine  # after argument checks: loading takes seconds
     engine = LLMEngine(config)
+    if group.rank > 0:
+        engine.run_worker()
+        return 0
     print(engine.describe(), file=sys.stderr)
     if args.bench:
         inputs, per_request = bench_requests(args, engine.model_config.vocab_size)
@@ -155,6 +164,7 @@ def main(argv=None) -> int:
     seqs = engine.generate(inputs, per_request,
                            on_step=lambda done: progress.update(len(done), engine.metrics.generated_tokens))
     wall = time.perf_counter() - start
+    engine.stop_workers()
 
     if not args.bench:
         for i, (prompt, seq) in enumerate(zip(prompts, seqs)):
@@ -189,8 +199,11 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except NanoError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        parallel.exit_on_error(e, 2)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    except Exception as e:  # a bug: alone, show the traceback; under MPI, end every rank
+        if parallel.world().world == 1:
+            raise
+        parallel.exit_on_error(e, 1)

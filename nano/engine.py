@@ -1,17 +1,22 @@
 """LLMEngine: requests in, one step at a time, finished sequences out.
 
     step() = schedule -> swap -> prepare inputs -> forward -> sample -> postprocess
+
+Under tensor parallelism (parallel.py) this engine runs on every rank: rank 0 does
+all of step() and broadcasts each step's swaps and packed inputs after preparing
+them; the other ranks only swap and run the forward pass (run_worker).
 """
 import time
 
 import numpy as np
 
+from nano import parallel
 from nano.block_manager import BlockManager
 from nano.config import EngineConfig, ModelConfig
 from nano.cost_model import CostModel
 from nano.errors import NanoError
 from nano.metrics import Metrics
-from nano.runner import Device, ModelRunner, select_device
+from nano.runner import Device, ModelRunner, gpu_count, select_device
 from nano.sampler import Sampler
 from nano.scheduler import Scheduler, SchedulerOutput
 from nano.sequence import SamplingParams, Sequence, Status
@@ -29,45 +34,61 @@ GPU_MEMORY_UTILIZATION = 0.9
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, clock=time.perf_counter):
-        config.validate()
         self.config, self.clock = config, clock
-        self.model_dir = resolve_model(config.model)
-        self.model_config = cfg = ModelConfig.from_hf(load_config(self.model_dir))
-        self.tokenizer = Tokenizer(self.model_dir)
-        self.eos_ids = set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)
-        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
-                                 cfg.max_position_embeddings)
-        self.device = Device(select_device(config.device))
-        shard = plan_shard(cfg, rank=0, world=1)
-        model = load_model(CheckpointReader(self.model_dir), cfg, shard, self.device.put,
-                           self.max_model_len)
+        self.group = group = parallel.world()  # TP ranks: one, without MPI, unless under mpirun
+        with group.together():  # a rank failing here fails them all, before any collective
+            config.validate()
+            group.require(config.tp)
+            self.model_dir = resolve_model(config.model)
+            self.model_config = cfg = ModelConfig.from_hf(load_config(self.model_dir))
+            self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
+                                     cfg.max_position_embeddings)
+            self.shards = [plan_shard(cfg, r, group.world) for r in range(group.world)]
+            shard = self.shards[group.rank]
+            kind = select_device(config.device)
+            # Ranks take the visible GPUs round-robin; several may share one.
+            self.device = Device(kind, group.rank % gpu_count() if kind == "gpu" else 0)
+            group.cuda_aware = kind == "gpu" and group.world > 1 and parallel.cuda_aware_mpi()
+            model = load_model(CheckpointReader(self.model_dir), cfg, shard, self.device.put,
+                               self.max_model_len, group.all_reduce)
+            if group.rank == 0:
+                self.tokenizer = Tokenizer(self.model_dir)
 
-        itemsize = np.dtype(self.device.dtype).itemsize
-        self.kv_bytes_per_token = 2 * cfg.num_layers * shard.num_kv_heads * cfg.head_dim * itemsize
+        # Each rank's pool holds only its KV heads; all must agree on the number of blocks.
+        self.kv_bytes_per_token = self._kv_bytes_per_token(shard)
         block_bytes = self.kv_bytes_per_token * config.block_size
-        num_blocks = config.num_blocks or self._kv_memory() // block_bytes
-        if num_blocks < 1:
-            raise NanoError(f"KV cache memory holds no block of {block_bytes} bytes")
-        num_swap_blocks = config.swap_space // block_bytes
+        num_blocks = group.min(config.num_blocks or self._kv_memory() // block_bytes)
+        if num_blocks < 1:  # agreed, so every rank raises it
+            raise parallel.SharedError(f"KV cache memory holds no block of {block_bytes} bytes")
+        num_swap_blocks = group.min(config.swap_space // block_bytes)
         self.weight_bytes = _nbytes(model)
+        self.runner = ModelRunner(model, self.device, num_blocks, num_swap_blocks,
+                                  config.block_size, Sampler(self.device))
+        if group.rank > 0:
+            return  # a worker holds its shard and KV pool; rank 0 owns all below
+        self.eos_ids = set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)
         self.block_manager = BlockManager(num_blocks, config.block_size, num_swap_blocks,
                                           config.enable_prefix_caching)
         self.cost = self._cost_model(model)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len,
                                    self.kv_bytes_per_token, self.cost)
-        self.runner = ModelRunner(model, self.device, num_blocks, num_swap_blocks,
-                                  config.block_size, Sampler(self.device))
         self.metrics = Metrics(num_blocks)
         self.rng = np.random.default_rng(config.seed)
         self.next_id = 0
 
     # ---- start-up -----------------------------------------------------------------------
+    def _kv_bytes_per_token(self, shard) -> int:
+        itemsize = np.dtype(self.device.dtype).itemsize
+        return 2 * self.model_config.num_layers * shard.num_kv_heads * self.model_config.head_dim * itemsize
+
     def _kv_memory(self) -> int:
         if self.config.kv_cache_memory:
             return self.config.kv_cache_memory
         if self.device.kind == "gpu":
+            # Measured after every rank has loaded its weights (the together block above).
             free, _ = self.device.xp.cuda.runtime.memGetInfo()
-            return int(free * GPU_MEMORY_UTILIZATION)
+            sharing = len(range(self.group.rank % gpu_count(), self.group.world, gpu_count()))
+            return int(free * GPU_MEMORY_UTILIZATION) // sharing
         return DEFAULT_CPU_KV_MEMORY
 
     def _cost_model(self, model) -> CostModel:
@@ -84,7 +105,22 @@ class LLMEngine:
                 f"KV cache {self.kv_bytes_per_token} bytes/token, {bm.num_blocks} blocks of {bs} tokens "
                 f"({bm.num_blocks * bs} tokens, {bm.num_blocks * bs * self.kv_bytes_per_token / 1e9:.2f} GB); "
                 f"batch ceiling {bm.num_blocks // per_seq} sequences of {self.max_model_len} tokens; "
-                f"swap space {bm.num_swap_blocks} blocks")
+                f"swap space {bm.num_swap_blocks} blocks" + self._describe_ranks())
+
+    def _describe_ranks(self) -> str:
+        """Under TP the figures above are rank 0's. Every rank has the same number of blocks
+        (so the same batch ceiling), but a block holds only that rank's KV heads."""
+        if self.group.world == 1:
+            return ""
+        lines = [f"\ntensor parallel over {self.group.world} ranks (figures above: rank 0), "
+                 f"each {self.block_manager.num_blocks} blocks:"]
+        for p in self.shards:
+            per_token = self._kv_bytes_per_token(p)
+            pool = self.block_manager.num_blocks * self.config.block_size * per_token
+            lines.append(f"  rank {p.rank}: query heads {p.q_heads.start}..{p.q_heads.stop - 1}, "
+                         f"KV heads {p.kv_heads.start}..{p.kv_heads.stop - 1}: "
+                         f"KV cache {per_token} bytes/token, {pool / 1e9:.2f} GB")
+        return "\n".join(lines)
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
@@ -112,15 +148,30 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         swap_bytes, swap_seconds = self.runner.swap(plan)
         finished = list(plan.finished)
+        packed, sampling = self.runner.pack(plan) if plan.scheduled else (None, [])
+        if self.group.world > 1:  # the other ranks replay the step on their shards
+            self.group.broadcast(parallel.encode_step(plan.blocks_to_swap_out,
+                                                      plan.blocks_to_swap_in, packed))
         if plan.scheduled:
-            batch, sampling = self.runner.prepare(plan)
-            logits = self.runner.forward(batch)
+            logits = self.runner.forward(self.runner.load(packed))
             tokens = self.runner.sample(logits, sampling)
             finished += self._postprocess(plan, sampling, tokens)
         elif not finished and self.scheduler.has_work():
             raise RuntimeError("scheduler made no progress")  # a bug, never a user error
         self._observe(plan, start, swap_bytes, swap_seconds, finished)
         return finished
+
+    def run_worker(self) -> None:
+        """Ranks > 0: replay the steps rank 0 broadcasts on this rank's shard until it stops."""
+        while (message := self.group.broadcast(None)) is not None:
+            swap_out, swap_in, packed = parallel.decode_step(message)
+            self.runner.swap(SchedulerOutput(blocks_to_swap_out=swap_out, blocks_to_swap_in=swap_in))
+            if packed is not None:
+                self.runner.forward(self.runner.load(packed))  # rank 0 alone samples
+
+    def stop_workers(self) -> None:
+        if self.group.world > 1:
+            self.group.broadcast(None)
 
     def _postprocess(self, plan: SchedulerOutput, sampling: list[Sequence],
                      tokens: list[int]) -> list[Sequence]:
@@ -154,7 +205,8 @@ class LLMEngine:
         if plan.scheduled:
             self.cost.observe_step(prefill, decodes, context, seconds - swap_seconds)
         self.cost.observe_swap(swap_bytes, swap_seconds)
-        self.metrics.on_step(plan, seconds, self.block_manager.num_free_blocks, swap_bytes)
+        self.metrics.on_step(plan, seconds, self.block_manager.num_free_blocks, swap_bytes,
+                             *self.group.take_all_reduce_stats())
         for seq in finished:
             self.metrics.on_finish(seq)
 

@@ -28,11 +28,16 @@ class Metrics:
         self.steps = 0
         self.step_time = 0.0
         self.swap_bytes = 0
+        self.all_reduce_time = 0.0           # tensor parallelism: rank 0's all-reduces
+        self.all_reduce_bytes = 0
 
-    def on_step(self, plan: SchedulerOutput, seconds: float, free_blocks: int, swap_bytes: int) -> None:
+    def on_step(self, plan: SchedulerOutput, seconds: float, free_blocks: int, swap_bytes: int,
+                all_reduce_seconds: float = 0.0, all_reduce_bytes: int = 0) -> None:
         self.steps += 1
         self.step_time += seconds
         self.swap_bytes += swap_bytes
+        self.all_reduce_time += all_reduce_seconds
+        self.all_reduce_bytes += all_reduce_bytes
         self.peak_kv_occupancy = max(self.peak_kv_occupancy, 1 - free_blocks / self.num_blocks)
         for p in plan.preempted:
             self.preemptions[p.mode] += 1
@@ -73,6 +78,8 @@ class Metrics:
             "peak_kv_occupancy": self.peak_kv_occupancy,
             "steps": self.steps,
             "mean_step_ms": 1e3 * self.step_time / self.steps if self.steps else 0.0,
+            "all_reduce_ms_per_step": 1e3 * self.all_reduce_time / self.steps if self.steps else 0.0,
+            "all_reduce_bytes_per_step": self.all_reduce_bytes / self.steps if self.steps else 0.0,
         }
 
 
@@ -89,4 +96,7 @@ def format_summary(s: dict) -> str:
         f"prefix cache hits   {100 * s['prefix_cache_hit_rate']:.1f}% of prompt tokens",
         f"peak KV occupancy   {100 * s['peak_kv_occupancy']:.1f}%",
         f"steps               {s['steps']}, mean {s['mean_step_ms']:.1f} ms",
-    ])
+    ] + ([  # tensor parallelism only; the time includes waiting for the slowest rank
+        f"all-reduce          {s['all_reduce_ms_per_step']:.1f} ms and "
+        f"{s['all_reduce_bytes_per_step'] / 1e6:.2f} MB per step (mean, rank 0)",
+    ] if s["all_reduce_bytes_per_step"] else []))

@@ -14,6 +14,8 @@ from nano.model import ForwardBatch
 from nano.scheduler import SchedulerOutput
 from nano.sequence import Sequence
 
+PACKED_HEADER = 5  # pack()'s leading sizes: tokens, sequences, max blocks, decodes, logits rows
+
 
 def select_device(name: str) -> str:
     """'auto' takes the GPU when CuPy sees one."""
@@ -28,6 +30,11 @@ def select_device(name: str) -> str:
         from nano.errors import NanoError
         raise NanoError("--device gpu: no CUDA device visible to CuPy")
     return "gpu" if found else "cpu"
+
+
+def gpu_count() -> int:
+    import cupy
+    return cupy.cuda.runtime.getDeviceCount()
 
 
 class Device:
@@ -88,9 +95,10 @@ class ModelRunner:
         return moved, time.perf_counter() - start
 
     # ---- inputs ------------------------------------------------------------------------
-    def prepare(self, plan: SchedulerOutput) -> tuple[ForwardBatch, list[Sequence]]:
-        """Flatten the plan: decodes first, then prefill chunks. Returns the batch and the
-        sequences that sample a token this step (those whose chunk reaches their end)."""
+    def pack(self, plan: SchedulerOutput) -> tuple[np.ndarray, list[Sequence]]:
+        """Flatten the plan, decodes first, then prefill chunks, into one int32 host array
+        (what rank 0 broadcasts under TP). Also returns the sequences that sample a token
+        this step (those whose chunk reaches their end)."""
         scheduled = sorted(plan.scheduled, key=lambda item: item[1] != 1)  # stable: decodes first
         num_decodes = sum(1 for _, n in scheduled if n == 1)
         bs = self.block_size
@@ -112,19 +120,23 @@ class ModelRunner:
         positions = np.concatenate(positions)
         rows = np.repeat(np.arange(len(scheduled)), [n for _, n in scheduled])
         slot_mapping = block_tables[rows, positions // bs] * bs + positions % bs
-        # One host-to-device copy for all the step's metadata, then views into it.
-        parts = [np.asarray(ids, np.int32), positions, slot_mapping.astype(np.int32),
-                 np.asarray(context_lens, np.int32), block_tables.ravel(),
-                 np.asarray(cu_seqlens, np.int32), np.asarray(logits_indices, np.int32)]
-        flat = self.device.xp.asarray(np.concatenate(parts))
-        views, offset = [], 0
-        for part in parts:
-            views.append(flat[offset:offset + part.size])
-            offset += part.size
-        ids_d, pos_d, slots_d, ctx_d, tables_d, cu_d, logits_d = views
-        batch = ForwardBatch(ids_d, pos_d, slots_d, num_decodes, ctx_d,
-                             tables_d.reshape(block_tables.shape), cu_d, logits_d)
-        return batch, sampled
+        header = [len(ids), len(scheduled), max_blocks, num_decodes, len(logits_indices)]
+        parts = [np.asarray(header, np.int32), np.asarray(ids, np.int32), positions,
+                 slot_mapping.astype(np.int32), np.asarray(context_lens, np.int32),
+                 block_tables.ravel(), np.asarray(cu_seqlens, np.int32),
+                 np.asarray(logits_indices, np.int32)]
+        return np.concatenate(parts), sampled
+
+    def load(self, packed: np.ndarray) -> ForwardBatch:
+        """Unpack pack()'s array: one host-to-device copy for all the step's metadata,
+        then views into it. Its header gives the sizes of the parts that follow."""
+        tokens, seqs, max_blocks, num_decodes, rows = packed[:PACKED_HEADER].tolist()
+        sizes = [tokens, tokens, tokens, seqs, seqs * max_blocks, seqs - num_decodes + 1, rows]
+        flat = self.device.xp.asarray(packed[PACKED_HEADER:])
+        offsets = np.cumsum([0] + sizes).tolist()
+        ids, pos, slots, ctx, tables, cu, logits = (flat[a:b] for a, b in zip(offsets, offsets[1:]))
+        return ForwardBatch(ids, pos, slots, num_decodes, ctx, tables.reshape(seqs, max_blocks),
+                            cu, logits)
 
     # ---- forward + sample --------------------------------------------------------------
     def forward(self, batch: ForwardBatch):

@@ -1,0 +1,184 @@
+"""The tensor-parallel ranks and what they say to each other, over MPI (mpi4py).
+
+    mpirun -n 2 python run.py --tp 2 ...
+
+Every rank loads its own shard (tp.py) and runs the same forward pass; two
+all-reduces per layer add up the partial outputs. Rank 0 alone owns the
+tokenizer, the scheduler and the sampler: each step it broadcasts the step's
+plan (swap block pairs and the runner's packed int32 inputs) and the other
+ranks replay it on their shards until a stop message.
+
+MPI is imported only under mpirun: a plain `python run.py` never initialises
+it (and works where mpi4py cannot load).
+"""
+import os
+import sys
+import time
+from contextlib import contextmanager
+
+import numpy as np
+
+from nano.errors import NanoError
+
+STOP = -1  # a step message's length that means "no more steps"
+# Set by the launcher in every process it starts (Open MPI, PMIx, MPICH/Hydra).
+_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE")
+
+
+class SharedError(NanoError):
+    """A failure that every rank raises at once (agreed in `together`): rank 0 prints it
+    and all ranks exit normally, with no rank left waiting."""
+
+
+class Group:
+    """The TP ranks. One rank without MPI when not launched by mpirun."""
+
+    def __init__(self, comm=None):
+        self.comm = comm
+        self.rank = comm.Get_rank() if comm else 0
+        self.world = comm.Get_size() if comm else 1
+        self.cuda_aware = False          # set by the engine once it knows the device
+        self.all_reduce_seconds = 0.0    # since the last take_all_reduce_stats()
+        self.all_reduce_bytes = 0
+
+    def require(self, tp: int) -> None:
+        if tp != self.world and self.world == 1:
+            raise NanoError(f"--tp {tp} needs {tp} MPI ranks: run mpirun -n {tp} python run.py --tp {tp} ...")
+        if tp != self.world:
+            raise NanoError(f"--tp {tp} but mpirun started {self.world} ranks: "
+                            f"give --tp {self.world} or mpirun -n {tp}")
+
+    # ---- collectives -------------------------------------------------------------------
+    def all_reduce(self, x):
+        """Sum x (NumPy or CuPy, contiguous) over all ranks, in place; returns x.
+        The time includes waiting for the slowest rank to reach it."""
+        if self.world == 1:
+            return x
+        from mpi4py import MPI
+        start = time.perf_counter()
+        if isinstance(x, np.ndarray):
+            self.comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
+            self.all_reduce_bytes += x.nbytes
+        else:  # CuPy: MPI has no float16 sum, so the wire carries float32
+            import cupy
+            if self.cuda_aware:  # MPI reads device memory directly, once the kernels are done
+                buf = x.astype(cupy.float32)
+                cupy.cuda.get_current_stream().synchronize()
+                self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+                x[...] = buf
+            else:  # through host memory
+                buf = x.get().astype(np.float32)
+                self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+                x.set(buf.astype(x.dtype))
+            self.all_reduce_bytes += buf.nbytes
+        self.all_reduce_seconds += time.perf_counter() - start
+        return x
+
+    def take_all_reduce_stats(self) -> tuple[float, int]:
+        """All-reduce seconds and bytes since the last call (one step's worth)."""
+        stats = self.all_reduce_seconds, self.all_reduce_bytes
+        self.all_reduce_seconds, self.all_reduce_bytes = 0.0, 0
+        return stats
+
+    def min(self, value: int) -> int:
+        if self.world == 1:
+            return value
+        from mpi4py import MPI
+        return self.comm.allreduce(value, op=MPI.MIN)
+
+    def broadcast(self, message: np.ndarray | None) -> np.ndarray | None:
+        """Rank 0 sends an int32 array (None = STOP; the other ranks pass None) and every
+        rank returns it (None on STOP).
+        Two messages: its length, then the array itself (buffer sends, no pickling)."""
+        if self.world == 1:
+            return message
+        size = np.array([STOP if message is None else message.size], dtype=np.int64)
+        self.comm.Bcast(size, root=0)
+        if size[0] == STOP:
+            return None
+        if self.rank != 0:
+            message = np.empty(int(size[0]), dtype=np.int32)
+        self.comm.Bcast(message, root=0)
+        return message
+
+    @contextmanager
+    def together(self):
+        """Run a block on every rank; if it raises a NanoError on any rank, raise a
+        SharedError on all of them. Start-up code runs inside this, so that a rank that
+        fails before the first collective cannot leave the others waiting in it."""
+        if self.world == 1:
+            yield
+            return
+        error = None
+        try:
+            yield
+        except NanoError as e:
+            error = str(e)
+        errors = self.comm.allgather(error)
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if failed:
+            r, e = failed[0]
+            raise SharedError(f"rank {r}: {e}" if r else e)
+
+
+_world: Group | None = None
+
+
+def launched_by_mpirun() -> bool:
+    return any(var in os.environ for var in _LAUNCHER_VARS)
+
+
+def world() -> Group:
+    """The ranks this process belongs to: MPI's world under mpirun, else one rank, no MPI."""
+    global _world
+    if _world is None:
+        comm = None
+        if launched_by_mpirun():
+            try:
+                from mpi4py import MPI
+            except Exception as e:  # ImportError, or the MPI library failing to load
+                raise NanoError(f"launched by mpirun but mpi4py cannot load: {e}") from None
+            comm = MPI.COMM_WORLD
+        _world = Group(comm)
+    return _world
+
+
+def cuda_aware_mpi() -> bool:
+    """Whether MPI takes device pointers (mpi4py 4 asks the library, where it can tell)."""
+    from mpi4py import MPI
+    query = getattr(MPI, "Query_cuda_support", None)
+    try:
+        return bool(query and query())
+    except Exception:  # the library does not implement the query
+        return False
+
+
+# ---- the step message ----------------------------------------------------------------
+def encode_step(swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
+                packed: np.ndarray | None) -> np.ndarray:
+    """[n_out, n_in, out pairs, in pairs, packed inputs (absent when nothing runs)]."""
+    pairs = np.array(swap_out + swap_in, dtype=np.int32).reshape(-1)
+    head = np.array([len(swap_out), len(swap_in)], dtype=np.int32)
+    return np.concatenate([head, pairs] + ([packed] if packed is not None else []))
+
+
+def decode_step(message: np.ndarray):
+    n_out, n_in = message[:2].tolist()
+    pairs = [tuple(p) for p in message[2:2 + 2 * (n_out + n_in)].reshape(-1, 2).tolist()]
+    packed = message[2 + 2 * (n_out + n_in):]
+    return pairs[:n_out], pairs[n_out:], packed if packed.size else None
+
+
+# ---- ending the run ------------------------------------------------------------------
+def exit_on_error(error: Exception, code: int) -> None:
+    """Print one line and end this process and, under MPI, every other rank too.
+    An error every rank shares is printed once (by rank 0) and the ranks exit together;
+    any other one is printed with its rank and MPI_Abort ends the whole job."""
+    group = _world
+    message = str(error) if isinstance(error, NanoError) else f"{type(error).__name__}: {error}"
+    if group is None or group.world == 1 or isinstance(error, SharedError):
+        if group is None or group.rank == 0:
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(code)
+    print(f"error: rank {group.rank}: {message}", file=sys.stderr, flush=True)
+    group.comm.Abort(code)

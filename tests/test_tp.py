@@ -1,0 +1,189 @@
+"""Tensor parallelism: the shard plan (unit tests), then real runs under mpirun on this CPU:
+greedy tokens identical to one rank, the collectives' known answers, and errors that end
+every rank with one line instead of a hang."""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nano.config import ModelConfig
+from nano.errors import NanoError
+from nano.tp import plan_shard
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
+           "Explain in one sentence what a KV cache is.", "What is 12 times 7?"]
+GREEDY = ["--temperature", "0", "--max-tokens", "20"]
+TIMEOUT = 180  # seconds for one launch: far above a normal run, well below "hung"
+
+
+# ---- the shard plan ------------------------------------------------------------------
+def config(num_heads: int, num_kv_heads: int, intermediate: int = 1536) -> ModelConfig:
+    return ModelConfig(hidden_size=64 * num_heads, intermediate_size=intermediate, num_layers=2,
+                       num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64, vocab_size=100,
+                       rms_norm_eps=1e-5, rope_theta=1e4, rope_scaling=None,
+                       max_position_embeddings=128, tie_word_embeddings=True, eos_token_ids=())
+
+
+@pytest.mark.parametrize("nq,nkv", [(9, 3), (32, 8), (12, 4), (8, 1), (6, 6), (14, 2)])
+def test_plan_covers_every_head_once_and_keeps_groups_together(nq, nkv):
+    cfg, group = config(nq, nkv), nq // nkv
+    for world in range(1, nq + 1):
+        plans = [plan_shard(cfg, r, world) for r in range(world)]
+        q_heads = [h for p in plans for h in p.q_heads]
+        assert q_heads == list(range(nq)), (world, q_heads)  # each once, contiguous, in rank order
+        assert {h for p in plans for h in p.kv_heads} == set(range(nkv))
+        for p in plans:
+            assert p.num_heads >= 1 and p.num_kv_heads >= 1
+            assert {h // group for h in p.q_heads} == set(p.kv_heads), (world, p)
+            assert p.num_heads % p.num_kv_heads == 0  # the model's local GQA grouping
+            if world <= nkv:  # KV heads split, never copied
+                assert p.num_heads == group * p.num_kv_heads
+        inter = [i for p in plans for i in range(cfg.intermediate_size)[p.inter]]
+        assert inter == list(range(cfg.intermediate_size))
+
+
+def test_uneven_split_gives_first_ranks_the_extra_kv_group():
+    plans = [plan_shard(config(9, 3), r, 2) for r in range(2)]
+    assert [list(p.kv_heads) for p in plans] == [[0, 1], [2]]
+    assert [list(p.q_heads) for p in plans] == [[0, 1, 2, 3, 4, 5], [6, 7, 8]]
+
+
+def test_more_ranks_than_kv_heads_replicates_kv_and_splits_query_heads():
+    plans = [plan_shard(config(9, 3), r, 4) for r in range(4)]
+    assert [list(p.kv_heads) for p in plans] == [[0], [0], [1], [2]]
+    assert [list(p.q_heads) for p in plans] == [[0, 1], [2], [3, 4, 5], [6, 7, 8]]
+    plans = [plan_shard(config(9, 3), r, 9) for r in range(9)]
+    assert [p.kv_heads.start for p in plans] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+
+
+def test_more_ranks_than_query_heads_is_an_error():
+    with pytest.raises(NanoError, match="--tp 10 is more ranks than the model's 9 query heads"):
+        plan_shard(config(9, 3), 0, 10)
+
+
+# ---- runs under mpirun ---------------------------------------------------------------
+def mpirun() -> str | None:
+    local = Path(sys.executable).parent / "mpirun"
+    return str(local) if local.exists() else shutil.which("mpirun")
+
+
+def have_mpi() -> bool:
+    try:
+        import mpi4py  # noqa: F401  (the import alone does not start MPI)
+    except ImportError:
+        return False
+    return mpirun() is not None
+
+
+needs_mpi = pytest.mark.skipif(not have_mpi(), reason="needs mpi4py and mpirun")
+
+
+def launch(args: list[str], ranks: int | None = None) -> subprocess.CompletedProcess:
+    """python ARGS, under `mpirun -n RANKS` unless ranks is None. One BLAS thread per
+    process: 3 ranks on 2 cores are slow enough without threads fighting over them."""
+    cmd = [sys.executable, *args]
+    if ranks is not None:
+        cmd = [mpirun(), "-n", str(ranks), "--allow-run-as-root", "--oversubscribe", *cmd]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tp") / "prompts.txt"
+    path.write_text("\n".join(PROMPTS) + "\n")
+    return path
+
+
+def generate(prompt_file, tmp_path, ranks: int | None, *flags) -> tuple[list[list[int]], str]:
+    """Token ids per prompt and the summary text of one run.py run."""
+    out = tmp_path / f"out-{ranks}-{len(list(tmp_path.iterdir()))}.jsonl"
+    tp = ["--tp", str(ranks)] if ranks else []
+    proc = launch(["run.py", "--prompt-file", str(prompt_file), "--output", str(out),
+                   *GREEDY, *tp, *flags], ranks)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line)["token_ids"] for line in out.read_text().splitlines()], proc.stdout
+
+
+@pytest.fixture(scope="module")
+def one_rank_tokens(prompt_file, tmp_path_factory):
+    tokens, _ = generate(prompt_file, tmp_path_factory.mktemp("tp1"), None)
+    assert all(len(t) > 1 for t in tokens)
+    return tokens
+
+
+@needs_mpi
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_collectives_known_answers(ranks):
+    proc = launch(["tests/tp_collectives.py"], ranks)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"ok {ranks}", proc.stderr[-3000:]
+
+
+@needs_mpi
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_greedy_tokens_match_one_rank(prompt_file, tmp_path, one_rank_tokens, ranks):
+    tokens, summary = generate(prompt_file, tmp_path, ranks)
+    assert tokens == one_rank_tokens
+    # Two all-reduces per layer of (tokens, hidden) float32: at least one decode row per step.
+    per_step = float(re.search(r"all-reduce .* and ([\d.]+) MB per step", summary).group(1))
+    assert per_step >= 2 * 30 * 576 * 4 / 1e6
+
+
+@needs_mpi
+@pytest.mark.parametrize("flags,evidence", [
+    # A 16-token budget chunks every prompt, and later prompts hit the first one's
+    # cached system-prompt block.
+    (["--max-num-batched-tokens", "16"], r"prefix cache hits   [1-9]"),
+    (["--num-blocks", "8", "--preemption", "swap"], r"preemptions         [1-9]\d* swap"),
+    (["--num-blocks", "8", "--preemption", "recompute"], r"[1-9]\d* recompute"),
+])
+def test_scheduling_features_under_tp2_keep_greedy_tokens(prompt_file, tmp_path, one_rank_tokens,
+                                                          flags, evidence):
+    tokens, summary = generate(prompt_file, tmp_path, 2, *flags)
+    assert re.search(evidence, summary), summary
+    assert tokens == one_rank_tokens
+
+
+# ---- errors: one line, non-zero exit, every rank ends --------------------------------
+def assert_one_line_error(proc, message: str):
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0 and errors == [f"error: {message}"], proc.stderr[-3000:]
+    assert proc.stdout == ""
+
+
+def test_tp_without_mpirun_is_an_error(prompt_file):
+    proc = launch(["run.py", "--tp", "2", "--prompt-file", str(prompt_file)])
+    assert_one_line_error(proc, "--tp 2 needs 2 MPI ranks: run mpirun -n 2 python run.py --tp 2 ...")
+
+
+@needs_mpi
+def test_ranks_without_matching_tp_is_an_error(prompt_file):
+    proc = launch(["run.py", "--prompt-file", str(prompt_file)], 2)
+    assert_one_line_error(proc, "--tp 1 but mpirun started 2 ranks: give --tp 2 or mpirun -n 1")
+
+
+@needs_mpi
+def test_more_ranks_than_query_heads_ends_every_rank(prompt_file):
+    proc = launch(["run.py", "--tp", "10", "--prompt-file", str(prompt_file)], 10)
+    assert_one_line_error(proc, "--tp 10 is more ranks than the model's 9 query heads")
+
+
+@needs_mpi
+def test_a_failure_on_rank_0_alone_ends_every_rank(tmp_path):
+    # Only rank 0 reads the prompts: the other ranks must not wait for it forever.
+    missing = tmp_path / "missing.txt"
+    proc = launch(["run.py", "--tp", "2", "--prompt-file", str(missing)], 2)
+    assert_one_line_error(proc, f"cannot read prompt file {missing}: No such file or directory")
+
+
+@needs_mpi
+def test_a_failure_on_every_rank_is_printed_once(prompt_file, tmp_path):
+    proc = launch(["run.py", "--tp", "2", "--prompt-file", str(prompt_file),
+                   "--model", str(tmp_path / "nowhere")], 2)
+    assert_one_line_error(proc, f"model folder not found: {tmp_path / 'nowhere'}")
