@@ -2,16 +2,18 @@
 
     python run.py --prompt-file prompts.txt
     python run.py --bench --num-seqs 256 --input-len 100:1024 --output-len 100:1024
+    python run.py --bench --request-rate 4 --ttft-slo 2000 --tpot-slo 100   (FCFS vs deadline)
+    python run.py --plan --kv-cache-memory 2GB                   (capacity planning)
     mpirun -n 2 python run.py --tp 2 --prompt-file prompts.txt   (tensor parallel)
 """
 import argparse
+import dataclasses
+import gc
 import json
 import sys
 import time
 
-import numpy as np
-
-from nano import parallel
+from nano import bench, parallel
 from nano.config import EngineConfig, parse_bytes
 from nano.errors import NanoError
 from nano.metrics import format_summary
@@ -26,7 +28,9 @@ class Parser(argparse.ArgumentParser):
 def build_parser() -> Parser:
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     io = p.add_argument_group("prompts and output")
-    io.add_argument("--prompt-file", help="one prompt per line (blank lines skipped)")
+    io.add_argument("--prompt-file", help="one prompt per line (blank lines skipped); a .jsonl file "
+                    "holds one object per line: prompt, and optionally ttft_slo_ms, tpot_slo_ms, "
+                    "max_tokens, temperature, top_p, top_k, seed")
     io.add_argument("--no-chat", action="store_true", help="send raw text, without the chat template")
     io.add_argument("--output", help="write one JSON object per prompt to this .jsonl file")
     s = p.add_argument_group("sampling")
@@ -36,6 +40,8 @@ def build_parser() -> Parser:
     s.add_argument("--top-k", type=int, default=-1)
     s.add_argument("--seed", type=int, default=None, help="per-request seed (same seed, same output)")
     s.add_argument("--ignore-eos", action="store_true")
+    s.add_argument("--ttft-slo", type=float, default=None, help="time-to-first-token target, ms")
+    s.add_argument("--tpot-slo", type=float, default=None, help="time-per-output-token target, ms")
     e = p.add_argument_group("engine")
     e.add_argument("--model", default=None, help="Hugging Face Llama-family folder (default: SmolLM2-135M-Instruct)")
     e.add_argument("--device", default="auto", help="auto | cpu | gpu")
@@ -50,11 +56,20 @@ def build_parser() -> Parser:
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--preemption", default="auto", help="swap | recompute | auto")
     e.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: run under mpirun -n TP")
+    e.add_argument("--policy", default="fcfs", help="fcfs | deadline (by slack to the latency targets)")
+    e.add_argument("--drop-late", action="store_true", help="deadline: reject requests that can no longer make their TTFT")
+    m = p.add_argument_group("metrics and planning")
+    m.add_argument("--metrics-file", help="append a JSON metrics snapshot per step to this file")
+    m.add_argument("--metrics-prom", help="keep this file rewritten with the latest snapshot in Prometheus text format")
+    m.add_argument("--metrics-interval", type=int, default=1, help="steps between snapshots")
+    m.add_argument("--plan", action="store_true", help="print the KV capacity plan and the bandwidth floor, then exit")
     b = p.add_argument_group("benchmark")
     b.add_argument("--bench", action="store_true", help="random-token prompts, EOS ignored, fixed seed")
     b.add_argument("--num-seqs", type=int, default=256)
     b.add_argument("--input-len", default="100:1024", help="LEN or MIN:MAX")
     b.add_argument("--output-len", default="100:1024", help="LEN or MIN:MAX")
+    b.add_argument("--request-rate", type=float, default=None,
+                   help="requests/s arriving by a seeded Poisson process; runs FCFS and deadline side by side")
     return p
 
 
@@ -65,25 +80,61 @@ def engine_config(args) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, watermark=args.watermark,
         enable_prefix_caching=not args.no_prefix_caching, preemption=args.preemption,
-        seed=args.seed or 0, tp=args.tp)
+        seed=args.seed or 0, tp=args.tp, policy=args.policy, drop_late=args.drop_late,
+        metrics_file=args.metrics_file, metrics_prom=args.metrics_prom,
+        metrics_interval=args.metrics_interval)
 
 
 def sampling_params(args) -> SamplingParams:
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                          max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
+                          max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos,
+                          ttft_slo=ms(args.ttft_slo), tpot_slo=ms(args.tpot_slo))
 
 
-def read_prompts(path: str) -> list[str]:
+def ms(value: float | None) -> float | None:
+    return None if value is None else value / 1e3
+
+
+def read_requests(path: str, defaults: SamplingParams) -> list[tuple[str, SamplingParams]]:
+    """Prompts and their sampling parameters: plain text, one prompt per line, or JSONL with
+    per-request overrides (latency targets in ms)."""
     try:
         with open(path, encoding="utf-8") as f:
-            prompts = [line.rstrip("\n") for line in f if line.strip()]
+            lines = [(i, line.rstrip("\n")) for i, line in enumerate(f, 1) if line.strip()]
     except OSError as e:
         raise NanoError(f"cannot read prompt file {path}: {e.strerror}") from None
     except UnicodeDecodeError:
         raise NanoError(f"prompt file {path} is not UTF-8 text") from None
-    if not prompts:
+    if not lines:
         raise NanoError(f"prompt file {path} has no prompts")
-    return prompts
+    if not path.endswith(".jsonl"):
+        return [(line, defaults) for _, line in lines]
+    return [_jsonl_request(path, i, line, defaults) for i, line in lines]
+
+
+JSONL_FIELDS = {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p",
+                "top_k": "top_k", "seed": "seed", "ttft_slo_ms": "ttft_slo", "tpot_slo_ms": "tpot_slo"}
+
+
+def _jsonl_request(path: str, lineno: int, line: str, defaults: SamplingParams):
+    where = f"{path} line {lineno}"
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise NanoError(f"{where}: not JSON ({e.msg})") from None
+    if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+        raise NanoError(f'{where}: expected an object with a "prompt" string')
+    unknown = set(record) - set(JSONL_FIELDS) - {"prompt"}
+    if unknown:
+        raise NanoError(f"{where}: unknown field {sorted(unknown)[0]!r}")
+    overrides = {JSONL_FIELDS[k]: (ms(v) if k.endswith("_ms") else v)
+                 for k, v in record.items() if k != "prompt"}
+    try:
+        params = dataclasses.replace(defaults, **overrides)
+        params.validate()
+    except (TypeError, NanoError) as e:
+        raise NanoError(f"{where}: {e}") from None
+    return record["prompt"], params
 
 
 def parse_range(text: str, name: str) -> tuple[int, int]:
@@ -116,35 +167,29 @@ class Progress:
               f"{rate:.1f} tok/s", end=end, file=sys.stderr, flush=True)
 
 
-def bench_requests(args, vocab_size: int):
-    rng = np.random.default_rng(0)
-    in_lo, in_hi = parse_range(args.input_len, "--input-len")
-    out_lo, out_hi = parse_range(args.output_len, "--output-len")
-    prompts, params = [], []
-    for _ in range(args.num_seqs):
-        prompts.append(rng.integers(0, vocab_size, rng.integers(in_lo, in_hi + 1)).tolist())
-        params.append(SamplingParams(temperature=1.0, max_tokens=int(rng.integers(out_lo, out_hi + 1)),
-                                     ignore_eos=True, seed=int(rng.integers(2**31))))
-    return prompts, params
-
-
 def main(argv=None) -> int:
     group = parallel.world()  # under mpirun: every rank runs main; rank 0 alone talks to the user
     with group.together():    # so a bad argument stops every rank, and is printed once
         args = build_parser().parse_args(argv)
         config = engine_config(args)
         config.validate()
-        group.require(config.tp)
+        if not args.plan:  # a plan for --tp N is computed in one process
+            group.require(config.tp)
         params = sampling_params(args)
         params.validate()
         if args.bench:
-            if args.num_seqs < 1:
-                raise NanoError(f"--num-seqs must be positive, got {args.num_seqs}")
-            parse_range(args.input_len, "--input-len")
-            parse_range(args.output_len, "--output-len")
-        elif not args.prompt_file:
-            raise NanoError("give --prompt-file FILE (or --bench)")
-        prompts = read_prompts(args.prompt_file) if not args.bench and group.rank == 0 else None
+            check_bench_args(args, config)
+        elif not args.prompt_file and not args.plan:
+            raise NanoError("give --prompt-file FILE (or --bench, or --plan)")
+        requests = (read_requests(args.prompt_file, params)
+                    if args.prompt_file and not args.bench and group.rank == 0 else None)
+
+    if args.plan:
+        from nano.capacity import format_plan, plan_from_config
+        print(format_plan(plan_from_config(config)))
+        return 0
+    if args.bench and args.request_rate:
+        return rate_bench(args, config)
 
     from nano.engine import LLMEngine  # after argument checks: loading takes seconds
     engine = LLMEngine(config)
@@ -153,32 +198,82 @@ def main(argv=None) -> int:
         return 0
     print(engine.describe(), file=sys.stderr)
     if args.bench:
-        inputs, per_request = bench_requests(args, engine.model_config.vocab_size)
+        inputs, per_request = bench.random_requests(
+            args.num_seqs, parse_range(args.input_len, "--input-len"),
+            parse_range(args.output_len, "--output-len"), engine.model_config.vocab_size,
+            params.ttft_slo, params.tpot_slo)
     else:
         chat = not args.no_chat and engine.tokenizer.chat_template is not None
-        inputs = [engine.tokenizer.apply_chat_template(p) if chat else p for p in prompts]
-        per_request = params
+        inputs = [engine.tokenizer.apply_chat_template(p) if chat else p for p, _ in requests]
+        per_request = [sp for _, sp in requests]
 
-    progress = Progress(len(inputs))
-    start = time.perf_counter()
-    seqs = engine.generate(inputs, per_request,
-                           on_step=lambda done: progress.update(len(done), engine.metrics.generated_tokens))
-    wall = time.perf_counter() - start
+    seqs, wall = run_all(engine, inputs, per_request)
     engine.stop_workers()
-
     if not args.bench:
-        for i, (prompt, seq) in enumerate(zip(prompts, seqs)):
+        for i, ((prompt, _), seq) in enumerate(zip(requests, seqs)):
             if seq.finish_reason == "rejected":
                 print(f"[{i}] rejected: {seq.error}", file=sys.stderr)
             else:
                 print(f"[{i}] {prompt}\n{engine.decode(seq)}\n")
     if args.output:
-        write_jsonl(args.output, prompts or [""] * len(seqs), seqs, engine)
+        prompts = [p for p, _ in requests] if requests else [""] * len(seqs)
+        write_jsonl(args.output, prompts, seqs, engine)
     summary = engine.metrics.summary(wall)
     print(format_summary(summary))
     if args.bench:
         print(f"bench: {summary['output_tokens_per_s']:.1f} output tokens/s, "
               f"{summary['total_tokens_per_s']:.1f} total tokens/s")
+        print(bench.decode_floor(engine, summary))
+    return 0
+
+
+def check_bench_args(args, config: EngineConfig) -> None:
+    if args.num_seqs < 1:
+        raise NanoError(f"--num-seqs must be positive, got {args.num_seqs}")
+    parse_range(args.input_len, "--input-len")
+    parse_range(args.output_len, "--output-len")
+    if args.request_rate is not None:
+        if not args.request_rate > 0:
+            raise NanoError(f"--request-rate must be positive, got {args.request_rate}")
+        if config.tp > 1:
+            raise NanoError("--request-rate compares two policies in one process: run it without --tp")
+
+
+def run_all(engine, inputs, per_request, arrivals=None):
+    """Generate everything (arrivals: seconds from now at which each request arrives)."""
+    progress = Progress(len(inputs))
+    start = engine.clock.now()
+    seqs = [engine.add_request(p, sp, None if arrivals is None else start + t)
+            for p, sp, t in zip(inputs, per_request, arrivals if arrivals is not None else [None] * len(inputs))]
+    while engine.has_unfinished():
+        progress.update(len(engine.step()), engine.metrics.generated_tokens)
+    return seqs, engine.clock.now() - start
+
+
+def rate_bench(args, config: EngineConfig) -> int:
+    """The same Poisson arrival trace served under FCFS and under the deadline policy."""
+    from nano.engine import LLMEngine
+    params = sampling_params(args)
+    arrivals = bench.poisson_arrivals(args.num_seqs, args.request_rate)
+    results = {}
+    for policy in ("fcfs", "deadline"):
+        engine = LLMEngine(dataclasses.replace(config, policy=policy))
+        if policy == "fcfs":
+            print(engine.describe(), file=sys.stderr)
+        inputs, per_request = bench.random_requests(
+            args.num_seqs, parse_range(args.input_len, "--input-len"),
+            parse_range(args.output_len, "--output-len"), engine.model_config.vocab_size,
+            params.ttft_slo, params.tpot_slo)
+        _, wall = run_all(engine, inputs, per_request, arrivals)
+        results[policy] = engine.metrics.summary(wall)
+        print(f"--- {policy}\n{format_summary(results[policy])}")
+        pool = getattr(engine.device.xp, "get_default_memory_pool", None)  # CuPy only
+        del engine
+        gc.collect()  # free one engine's KV pool before the next sizes its own
+        if pool:
+            pool().free_all_blocks()
+    print(f"\n{args.num_seqs} requests at {args.request_rate} req/s (Poisson, seeded), "
+          f"TTFT target {args.ttft_slo} ms, TPOT target {args.tpot_slo} ms\n{bench.policy_table(results)}")
     return 0
 
 

@@ -80,6 +80,11 @@ class EngineConfig:
     preemption: str = "auto"                 # swap | recompute | auto
     seed: int = 0                            # for requests without their own seed
     tp: int = 1                              # tensor-parallel ranks (under mpirun)
+    policy: str = "fcfs"                     # fcfs | deadline (see scheduler.py)
+    drop_late: bool = False                  # deadline policy: reject requests that can no longer meet their TTFT
+    metrics_file: str | None = None          # JSONL metrics snapshots
+    metrics_prom: str | None = None          # Prometheus text file, rewritten at each snapshot
+    metrics_interval: int = 1                # steps between snapshots
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -100,5 +105,11 @@ class EngineConfig:
             raise NanoError(f"--max-model-len must be at least 2, got {self.max_model_len}")
         if self.swap_space < 0:
             raise NanoError("--swap-space must not be negative")
+        if self.policy not in ("fcfs", "deadline"):
+            raise NanoError(f"--policy must be fcfs or deadline, got {self.policy!r}")
+        if self.drop_late and self.policy != "deadline":
+            raise NanoError("--drop-late needs --policy deadline")
+        if self.metrics_interval < 1:
+            raise NanoError(f"--metrics-interval must be positive, got {self.metrics_interval}")
         if self.tp < 1:
             raise NanoError(f"--tp must be positive, got {self.tp}")

@@ -6,20 +6,20 @@ Under tensor parallelism (parallel.py) this engine runs on every rank: rank 0 do
 all of step() and broadcasts each step's swaps and packed inputs after preparing
 them; the other ranks only swap and run the forward pass (run_worker).
 """
-import time
-
 import numpy as np
 
 from nano import parallel
 from nano.block_manager import BlockManager
+from nano.capacity import blocks_for_memory, kv_bytes_per_token
+from nano.clock import Clock
 from nano.config import EngineConfig, ModelConfig
 from nano.cost_model import CostModel
 from nano.errors import NanoError
-from nano.metrics import Metrics
+from nano.metrics import Metrics, MetricsWriter, QueueState
 from nano.runner import Device, ModelRunner, gpu_count, select_device
 from nano.sampler import Sampler
 from nano.scheduler import Scheduler, SchedulerOutput
-from nano.sequence import SamplingParams, Sequence, Status
+from nano.sequence import SamplingParams, Sequence
 from nano.tp import load_model, plan_shard
 from nano.weights import CheckpointReader, Tokenizer, load_config, resolve_model
 
@@ -33,8 +33,8 @@ GPU_MEMORY_UTILIZATION = 0.9
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, clock=time.perf_counter):
-        self.config, self.clock = config, clock
+    def __init__(self, config: EngineConfig, clock: Clock | None = None):
+        self.config, self.clock = config, clock or Clock()
         self.group = group = parallel.world()  # TP ranks: one, without MPI, unless under mpirun
         with group.together():  # a rank failing here fails them all, before any collective
             config.validate()
@@ -57,7 +57,8 @@ class LLMEngine:
         # Each rank's pool holds only its KV heads; all must agree on the number of blocks.
         self.kv_bytes_per_token = self._kv_bytes_per_token(shard)
         block_bytes = self.kv_bytes_per_token * config.block_size
-        num_blocks = group.min(config.num_blocks or self._kv_memory() // block_bytes)
+        num_blocks = group.min(config.num_blocks or blocks_for_memory(
+            self._kv_memory(), self.kv_bytes_per_token, config.block_size))
         if num_blocks < 1:  # agreed, so every rank raises it
             raise parallel.SharedError(f"KV cache memory holds no block of {block_bytes} bytes")
         num_swap_blocks = group.min(config.swap_space // block_bytes)
@@ -73,13 +74,15 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len,
                                    self.kv_bytes_per_token, self.cost)
         self.metrics = Metrics(num_blocks)
+        self.metrics_writer = (MetricsWriter(config.metrics_file, config.metrics_prom)
+                               if config.metrics_file or config.metrics_prom else None)
         self.rng = np.random.default_rng(config.seed)
         self.next_id = 0
+        self.arrival_times: list[float] = []  # of every request added, for the arrived count
 
     # ---- start-up -----------------------------------------------------------------------
     def _kv_bytes_per_token(self, shard) -> int:
-        itemsize = np.dtype(self.device.dtype).itemsize
-        return 2 * self.model_config.num_layers * shard.num_kv_heads * self.model_config.head_dim * itemsize
+        return kv_bytes_per_token(self.model_config, shard.num_kv_heads, np.dtype(self.device.dtype).itemsize)
 
     def _kv_memory(self) -> int:
         if self.config.kv_cache_memory:
@@ -123,18 +126,17 @@ class LLMEngine:
         return "\n".join(lines)
 
     # ---- requests -----------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
+    def add_request(self, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> Sequence:
+        """Queue a request. A future arrival_time makes it invisible to the scheduler until then
+        (how the --request-rate bench replays a Poisson arrival trace)."""
         params.validate()
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         seed = params.seed if params.seed is not None else int(self.rng.integers(2**63))
         seq = Sequence(self.next_id, prompt if isinstance(prompt, str) else "", token_ids,
-                       params, self.clock(), seed)
+                       params, self.clock.now() if arrival_time is None else arrival_time, seed)
         self.next_id += 1
-        if not token_ids:
-            seq.error = "empty prompt"
-            seq.status, seq.finish_reason = Status.FINISHED, "rejected"
-            self.metrics.on_finish(seq)
-            return seq
+        self.arrival_times.append(seq.arrival_time)
         self.scheduler.add(seq)
         return seq
 
@@ -144,8 +146,8 @@ class LLMEngine:
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """Run one forward pass over a freshly decided batch; returns sequences that finished."""
-        start = self.clock()
-        plan = self.scheduler.schedule()
+        start = self.clock.now()
+        plan = self.scheduler.schedule(start)
         swap_bytes, swap_seconds = self.runner.swap(plan)
         finished = list(plan.finished)
         packed, sampling = self.runner.pack(plan) if plan.scheduled else (None, [])
@@ -157,9 +159,17 @@ class LLMEngine:
             tokens = self.runner.sample(logits, sampling)
             finished += self._postprocess(plan, sampling, tokens)
         elif not finished and self.scheduler.has_work():
-            raise RuntimeError("scheduler made no progress")  # a bug, never a user error
+            self._idle(start)
+            return []
         self._observe(plan, start, swap_bytes, swap_seconds, finished)
         return finished
+
+    def _idle(self, now: float) -> None:
+        """Nothing could run: only requests that have not arrived yet are left; wait for one."""
+        arrival = self.scheduler.next_arrival()
+        if arrival is None:
+            raise RuntimeError("scheduler made no progress")  # a bug, never a user error
+        self.clock.sleep(arrival - now)
 
     def run_worker(self) -> None:
         """Ranks > 0: replay the steps rank 0 broadcasts on this rank's shard until it stops."""
@@ -178,7 +188,7 @@ class LLMEngine:
         for seq, n in plan.scheduled:
             seq.num_computed_tokens += n
             self.block_manager.register_full_blocks(seq)
-        now, finished = self.clock(), []
+        now, finished = self.clock.now(), []
         for seq, token in zip(sampling, tokens):
             seq.token_ids.append(token)
             seq.token_times.append(now)
@@ -198,7 +208,8 @@ class LLMEngine:
         return None
 
     def _observe(self, plan, start, swap_bytes, swap_seconds, finished) -> None:
-        seconds = self.clock() - start
+        now = self.clock.now()
+        seconds = now - start
         prefill = sum(n for _, n in plan.scheduled if n > 1)
         decodes = sum(1 for _, n in plan.scheduled if n == 1)
         context = sum(s.num_computed_tokens for s, _ in plan.scheduled)
@@ -209,6 +220,18 @@ class LLMEngine:
                              *self.group.take_all_reduce_stats())
         for seq in finished:
             self.metrics.on_finish(seq)
+        if self.metrics_writer and self.metrics.steps % self.config.metrics_interval == 0:
+            self.metrics_writer.write(self.metrics.snapshot(now, self.queue_state(now)))
+
+    def queue_state(self, now: float) -> QueueState:
+        s = self.scheduler
+        waiting = [q for q in s.waiting if q.arrival_time <= now]
+        unfinished = waiting + s.running + list(s.swapped)
+        return QueueState(
+            arrived=sum(t <= now for t in self.arrival_times), running=len(s.running),
+            waiting=len(waiting), swapped=len(s.swapped),
+            queue_tokens=sum(q.num_uncomputed_tokens for q in waiting)
+            + sum(q.params.max_tokens - q.num_output_tokens for q in unfinished))
 
     # ---- all at once --------------------------------------------------------------------
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams],

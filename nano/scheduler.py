@@ -11,7 +11,33 @@ The batch is re-decided before every step (iteration-level batching):
      fit (longer than the model context, or than the whole pool) is rejected at
      once instead of blocking the queue behind it.
 Every step respects one token budget (max_num_batched_tokens) and one sequence cap.
+A request is only considered once it has arrived (its arrival time has passed).
+
+Policies (--policy):
+  fcfs      admission in arrival order; prefill chunks in admission order; the victim is
+            the most recently admitted sequence.
+  deadline  every request may carry latency targets (time to first token, time per output
+            token). Its slack is the time it can still afford to wait: deadline - now -
+            the work it has left, priced by the step-time model that cost_model.py fits
+            online. Admission and the prefill-chunk budget go to the least slack first; the
+            victim is the running sequence with the most slack; a waiting request whose
+            slack is already negative can no longer make its target and is moved behind
+            those that still can (or rejected, with --drop-late), so it does not make
+            others late too.
+
+Where throughput and deadlines pull apart (the deadline policy gives up the first for
+the second):
+  - FCFS keeps the batch full of whatever came first; slack order may start a short urgent
+    prompt while a long one waits, so long prompts see worse TTFT and the first-come
+    prefix blocks are less often still cached when their siblings arrive.
+  - The cheapest victim to preempt for throughput is the one with the least KV to move or
+    recompute; the deadline victim is the one with the most slack, however large it is.
+  - Dropping a late request wastes nothing more, but the work already spent on it is lost;
+    keeping it (moved back) finishes it late and counts for throughput, not for goodput.
+  - Decodes go first under both policies: one token each keeps TPOT, but it takes budget
+    from prefill chunks that may be nearer their TTFT deadline.
 """
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -51,6 +77,8 @@ class Scheduler:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.cost = cost_model
         self.watermark_blocks = int(config.watermark * block_manager.num_blocks)
+        self.deadline = config.policy == "deadline"
+        self.now = 0.0                        # the time of the step being scheduled
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []     # in admission order: the last is the first victim
         self.swapped: deque[Sequence] = deque()
@@ -62,8 +90,14 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    def next_arrival(self) -> float | None:
+        """When the earliest request that has not arrived yet arrives (None: all have)."""
+        future = [s.arrival_time for s in self.waiting if s.arrival_time > self.now]
+        return min(future) if future else None
+
     # ---- one step ----------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, now: float) -> SchedulerOutput:
+        self.now = now
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
@@ -79,6 +113,8 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
         prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        if self.deadline:  # the prefill budget goes to the least slack first
+            prefills.sort(key=self.slack)
         for seq in decodes + prefills:
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
@@ -100,7 +136,7 @@ class Scheduler:
                 # Alone and still out of blocks: no one can ever make room for it.
                 self._finish(seq, "length", out)
                 return False
-            victim = candidates[-1]
+            victim = max(candidates, key=self.slack) if self.deadline else candidates[-1]
             self._preempt(victim, out)
             if victim is seq:
                 return False
@@ -125,11 +161,12 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and self._room(out, budget):
-            seq = self.waiting[0]
+        for seq in self._admission_order(out):
+            if not self._room(out, budget):
+                break
             error = self._never_fits(seq)
             if error:
-                self.waiting.popleft()
+                self.waiting.remove(seq)
                 if seq.num_output_tokens:  # preempted by recompute and grown too long to return
                     self._finish(seq, "length", out)
                 else:
@@ -138,8 +175,8 @@ class Scheduler:
                 continue
             hits = self.bm.match_prefix(seq.token_ids)
             if not self.bm.can_admit(seq, hits, self.watermark_blocks):
-                break
-            self.waiting.popleft()
+                break  # no skipping ahead: a large request must not starve behind small ones
+            self.waiting.remove(seq)
             self.bm.admit(seq, hits)
             seq.num_cached_tokens = len(hits) * self.bm.block_size
             out.admitted.append(seq)
@@ -148,8 +185,43 @@ class Scheduler:
             out.scheduled.append((seq, n))
             budget -= n
 
+    def _admission_order(self, out: SchedulerOutput) -> list[Sequence]:
+        """Arrived waiting requests in the order the policy admits them."""
+        arrived = [s for s in self.waiting if s.arrival_time <= self.now]
+        if not self.deadline:
+            return arrived
+        slack = {s.seq_id: self.slack(s) for s in arrived}
+        order = sorted(arrived, key=lambda s: (slack[s.seq_id] < 0, slack[s.seq_id]))
+        if self.config.drop_late:
+            for seq in [s for s in order if slack[s.seq_id] < 0 and s.first_token_time is None]:
+                order.remove(seq)
+                self.waiting.remove(seq)
+                seq.error = f"cannot meet its time-to-first-token target of {1e3 * seq.params.ttft_slo:.0f} ms"
+                self._finish(seq, "rejected", out)
+        return order
+
+    def slack(self, seq: Sequence) -> float:
+        """Seconds seq can still wait and meet its latency targets, given the work it has
+        left at the step times the cost model predicts; inf when it has no target."""
+        p = seq.params
+        prefill = seq.num_uncomputed_tokens - (seq.first_token_time is not None)
+        prefill_time = self.cost.step_time(prefill, 0, 0) if prefill > 0 else 0.0
+        if seq.first_token_time is None:
+            if p.ttft_slo is None:
+                return math.inf
+            return seq.arrival_time + p.ttft_slo - self.now - prefill_time
+        if p.tpot_slo is None:
+            return math.inf
+        context = sum(s.num_computed_tokens for s in self.running)
+        decode_step = self.cost.step_time(0, max(len(self.running), 1), context)
+        remaining = p.max_tokens - seq.num_output_tokens
+        deadline = seq.first_token_time + p.tpot_slo * (p.max_tokens - 1)
+        return deadline - self.now - prefill_time - remaining * decode_step
+
     # ---- helpers -----------------------------------------------------------------------
     def _never_fits(self, seq: Sequence) -> str | None:
+        if not seq.num_tokens:
+            return "empty prompt"
         need = seq.num_tokens + 1  # the prompt plus at least one generated token
         if need > self.max_model_len:
             return (f"prompt of {seq.num_tokens} tokens leaves no room to generate within the "

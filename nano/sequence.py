@@ -16,6 +16,8 @@ class SamplingParams:
     seed: int | None = None        # same seed, same output, whatever the batch around it
     ignore_eos: bool = False
     return_logits: bool = False    # keep the logits row behind every sampled token
+    ttft_slo: float | None = None  # seconds from arrival to the first token (deadline policy)
+    tpot_slo: float | None = None  # seconds per output token after the first
 
     def validate(self) -> None:
         if self.max_tokens < 1:
@@ -26,6 +28,10 @@ class SamplingParams:
             raise NanoError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise NanoError(f"top_k must be -1 (off) or positive, got {self.top_k}")
+        for name in ("ttft_slo", "tpot_slo"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise NanoError(f"{name} must be positive, got {value}")
 
 
 class Status(enum.Enum):
@@ -53,7 +59,7 @@ class Sequence:
         self.admitted_at = -1                        # admission counter: preemption victim order
         self.first_token_time: float | None = None
         self.token_times: list[float] = []
-        self.finish_reason: str | None = None        # stop | length | rejected
+        self.finish_reason: str | None = None        # stop | length | rejected (error says why)
         self.error: str | None = None
         self.logits: list[np.ndarray] = []           # only with params.return_logits
         self.rng = np.random.default_rng(seed)       # this request's own stream of draws
@@ -78,6 +84,24 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        if self.num_output_tokens < 2:
+            return None
+        return (self.token_times[-1] - self.first_token_time) / (self.num_output_tokens - 1)
+
+    def met_slo(self) -> bool:
+        """Finished within both of its latency targets (a target not set is met)."""
+        p = self.params
+        if self.finish_reason == "rejected" or self.ttft is None:
+            return False
+        return ((p.ttft_slo is None or self.ttft <= p.ttft_slo)
+                and (p.tpot_slo is None or self.tpot is None or self.tpot <= p.tpot_slo))
 
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id}, {self.status.value}, tokens={self.num_tokens}, "

@@ -114,3 +114,12 @@ def load_model(reader, cfg: ModelConfig, plan: ShardPlan, to_device, max_positio
     return LlamaModel(cfg, plan.num_heads, plan.num_kv_heads, embed, lm_head,
                       to_device(get("model.norm.weight")), layers,
                       to_device(rope_cos_sin(cfg, max_positions), keep_float32=True), all_reduce)
+
+
+def shard_num_params(cfg: ModelConfig, plan: ShardPlan, bias: bool, tied: bool) -> int:
+    """Weights one rank holds (what load_model loads), from shapes alone: for --plan."""
+    h, d, inter = cfg.hidden_size, cfg.head_dim, plan.inter.stop - plan.inter.start
+    qkv_rows = (plan.num_heads + 2 * plan.num_kv_heads) * d
+    per_layer = (qkv_rows * h + bias * qkv_rows + h * plan.num_heads * d  # qkv (+ bias), o_proj
+                 + 3 * h * inter + 2 * h)                                  # gate/up/down, norms
+    return cfg.num_layers * per_layer + cfg.vocab_size * h * (1 if tied else 2) + h

@@ -65,8 +65,8 @@ def test_stress_invariants(tiny_model, tiny_dense, preemption, seed):
 
     schedule = engine.scheduler.schedule
 
-    def checked_schedule():
-        out = schedule()
+    def checked_schedule(now):
+        out = schedule(now)
         assert out.num_batched_tokens <= config.max_num_batched_tokens
         assert len(out.scheduled) <= config.max_num_seqs
         assert all(n >= 1 for _, n in out.scheduled)

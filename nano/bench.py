@@ -1,0 +1,50 @@
+"""Benchmark workloads and their reports (run.py --bench, --bench --request-rate).
+
+Workload: random-token prompts with lengths uniform in the given ranges, EOS ignored,
+everything seeded, so two runs (or two policies) see exactly the same requests.
+"""
+import numpy as np
+
+from nano.capacity import measure_copy_bandwidth
+from nano.sequence import SamplingParams
+
+
+def random_requests(num_seqs: int, input_len: tuple[int, int], output_len: tuple[int, int],
+                    vocab_size: int, ttft_slo: float | None = None, tpot_slo: float | None = None,
+                    seed: int = 0):
+    rng = np.random.default_rng(seed)
+    prompts, params = [], []
+    for _ in range(num_seqs):
+        prompts.append(rng.integers(0, vocab_size, rng.integers(input_len[0], input_len[1] + 1)).tolist())
+        params.append(SamplingParams(temperature=1.0, ignore_eos=True, seed=int(rng.integers(2**31)),
+                                     max_tokens=int(rng.integers(output_len[0], output_len[1] + 1)),
+                                     ttft_slo=ttft_slo, tpot_slo=tpot_slo))
+    return prompts, params
+
+
+def poisson_arrivals(num: int, rate: float, seed: int = 0) -> np.ndarray:
+    """Seconds after the start at which each request arrives: exponential gaps of mean 1/rate."""
+    return np.cumsum(np.random.default_rng(seed + 1).exponential(1.0 / rate, num))
+
+
+def decode_floor(engine, summary: dict) -> str:
+    """The mean pure-decode step against its floor: every weight and every cached token read
+    once, at the device's measured copy bandwidth."""
+    if not summary["decode_steps"]:
+        return "decode step: no pure-decode steps"
+    bandwidth = measure_copy_bandwidth(engine.device.xp)
+    floor = (engine.weight_bytes + summary["mean_decode_kv_tokens"] * engine.kv_bytes_per_token) / bandwidth
+    mean = summary["mean_decode_step_ms"] / 1e3
+    return (f"decode step: mean {1e3 * mean:.2f} ms, floor {1e3 * floor:.3f} ms (weights + KV read at "
+            f"{bandwidth / 1e9:.1f} GB/s), {100 * floor / mean:.1f}% of floor")
+
+
+def policy_table(results: dict[str, dict]) -> str:
+    """FCFS and deadline side by side on the same arrivals."""
+    rows = ["| policy | TTFT p50 / p90 / p99 ms | TPOT p50 / p90 / p99 ms | SLO attained | goodput req/s | output tok/s |",
+            "|---|---|---|---|---|---|"]
+    for name, s in results.items():
+        rows.append(f"| {name} | {s['ttft_p50_ms']:.0f} / {s['ttft_p90_ms']:.0f} / {s['ttft_p99_ms']:.0f} "
+                    f"| {s['tpot_p50_ms']:.1f} / {s['tpot_p90_ms']:.1f} / {s['tpot_p99_ms']:.1f} "
+                    f"| {100 * s['slo_attainment']:.1f}% | {s['goodput_rps']:.2f} | {s['output_tokens_per_s']:.1f} |")
+    return "\n".join(rows)

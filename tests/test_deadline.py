@@ -1,0 +1,95 @@
+"""Deadline-aware scheduling on a simulated clock, metrics snapshots, and capacity planning."""
+import json
+
+import numpy as np
+import pytest
+
+from nano.capacity import plan_from_config
+from nano.clock import SimulatedClock
+from nano.config import EngineConfig
+from nano.engine import LLMEngine
+from nano.sequence import SamplingParams
+
+# A fixed step-time model: what every step costs on the simulated clock.
+STEP_BASE, PER_PREFILL_TOKEN, PER_DECODE = 0.010, 0.001, 0.002
+
+
+def simulated_engine(model_dir, **config_args) -> LLMEngine:
+    clock = SimulatedClock()
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", **config_args), clock=clock)
+    forward = engine.runner.forward
+
+    def timed_forward(batch):  # the step takes exactly what the fixed model says
+        decodes = batch.num_decodes
+        clock.sleep(STEP_BASE + PER_PREFILL_TOKEN * (len(batch.input_ids) - decodes) + PER_DECODE * decodes)
+        return forward(batch)
+
+    engine.runner.forward = timed_forward
+    engine.cost.coef[:] = engine.cost.prior[:] = (STEP_BASE, PER_PREFILL_TOKEN, PER_DECODE, 0.0)
+    return engine
+
+
+def mixed_workload():
+    """One long prompt with a loose target queued first, then six short urgent ones."""
+    rng = np.random.default_rng(0)
+    long = (rng.integers(3, 500, 400).tolist(), SamplingParams(temperature=0, max_tokens=8, ttft_slo=2.0))
+    short = [(rng.integers(3, 500, 20).tolist(), SamplingParams(temperature=0, max_tokens=4, ttft_slo=0.25))
+             for _ in range(6)]
+    return [long] + short
+
+
+@pytest.mark.parametrize("policy,met", [("fcfs", 1), ("deadline", 7)])
+def test_deadline_policy_meets_what_fcfs_misses(tiny_model, policy, met):
+    engine = simulated_engine(tiny_model, policy=policy, max_num_batched_tokens=64)
+    work = mixed_workload()
+    seqs = engine.generate([p for p, _ in work], [sp for _, sp in work])
+    assert sum(s.met_slo() for s in seqs) == met
+    assert seqs[0].met_slo()  # the long request makes its loose target under both policies
+    if policy == "fcfs":      # it held the whole budget for 7 steps: every short one was late
+        assert all(s.ttft > 0.25 for s in seqs[1:])
+
+
+def test_drop_late_rejects_what_cannot_make_it(tiny_model):
+    engine = simulated_engine(tiny_model, policy="deadline", drop_late=True, max_num_batched_tokens=64)
+    hopeless = SamplingParams(temperature=0, max_tokens=4, ttft_slo=0.001)  # less than one step
+    fine = SamplingParams(temperature=0, max_tokens=4, ttft_slo=1.0)
+    seqs = engine.generate([[5] * 30, [6] * 30], [hopeless, fine])
+    assert seqs[0].finish_reason == "rejected" and "time-to-first-token" in seqs[0].error
+    assert seqs[1].finish_reason == "length" and seqs[1].met_slo()
+
+
+def test_snapshot_counts_add_up(tiny_model, tmp_path):
+    jsonl, prom = tmp_path / "m.jsonl", tmp_path / "m.prom"
+    engine = simulated_engine(tiny_model, policy="deadline", num_blocks=24, block_size=8, watermark=0.0,
+                              max_num_batched_tokens=48, metrics_file=str(jsonl), metrics_prom=str(prom))
+    rng = np.random.default_rng(3)
+    for i in range(40):
+        # an empty prompt, and some longer than the whole pool (192 tokens): rejected on arrival
+        prompt = rng.integers(3, 500, int(rng.integers(0, 220)) if i else 0).tolist()
+        params = SamplingParams(temperature=0, max_tokens=int(rng.integers(1, 30)), ttft_slo=0.5, tpot_slo=0.05)
+        engine.add_request(prompt, params, arrival_time=float(rng.uniform(0, 2)))
+    while engine.has_unfinished():
+        engine.step()
+    snaps = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert len(snaps) == engine.metrics.steps
+    for s in snaps:
+        assert s["arrived"] == s["finished"] + s["running"] + s["waiting"] + s["swapped"] + s["rejected"]
+        assert s["ttft_histogram"][-1] + s["rejected"] <= s["arrived"]
+    last = snaps[-1]
+    assert last["arrived"] == 40 and last["running"] == last["waiting"] == last["swapped"] == 0
+    assert last["rejected"] > 0 and sum(last["preemptions"].values()) > 0
+    assert any(s["queue_depth_tokens"] > 0 for s in snaps)
+    text = prom.read_text()
+    assert "nano_requests_arrived_total 40" in text
+    assert 'nano_time_to_first_token_seconds_bucket{le="+Inf"}' in text
+    assert 'nano_preemptions_total{kind="swap"}' in text
+
+
+def test_plan_matches_what_the_engine_allocates(tiny_model):
+    config = EngineConfig(model=str(tiny_model), device="cpu", kv_cache_memory=300_000, block_size=8)
+    plan = plan_from_config(config)
+    engine = LLMEngine(config)
+    assert plan.num_blocks == engine.block_manager.num_blocks
+    assert plan.kv_bytes_per_token == engine.kv_bytes_per_token
+    assert plan.weight_bytes == engine.weight_bytes
+    assert plan.ceiling(512) == engine.block_manager.num_blocks // (512 // 8)
