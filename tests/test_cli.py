@@ -70,11 +70,37 @@ def test_bench_small(default_model):
     (["--prompt-file", "PROMPTS", "--max-num-batched-tokens", 0], "max-num-batched-tokens"),
     (["--prompt-file", "PROMPTS", "--no-such-flag"], "unrecognized arguments"),
     (["--bench", "--input-len", "10:5"], "--input-len"),
+    (["--bench", "--request-rate", "-2"], "--request-rate"),
+    (["--prompt-file", "PROMPTS", "--drop-late"], "--drop-late needs --policy deadline"),
+    (["--prompt-file", "PROMPTS", "--policy", "edf"], "--policy"),
+    (["--prompt-file", "PROMPTS", "--ttft-slo", "0"], "ttft_slo"),
+    (["--prompt-file", "BADJSONL"], "line 2: not JSON"),
+    (["--prompt-file", "BADFIELD"], "line 1: unknown field 'colour'"),
+    (["--prompt-file", "BADVALUE"], "line 1: top_p"),
     ([], "--prompt-file"),
 ])
 def test_bad_input_one_line_error(tmp_path, args, fragment):
     (tmp_path / "empty.txt").write_text("\n  \n\n")
     (tmp_path / "prompts.txt").write_text("hi\n")
-    names = {"EMPTY": tmp_path / "empty.txt", "PROMPTS": tmp_path / "prompts.txt"}
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "hi"}\n{prompt: hi}\n')
+    (tmp_path / "field.jsonl").write_text('{"prompt": "hi", "colour": "red"}\n')
+    (tmp_path / "value.jsonl").write_text('{"prompt": "hi", "top_p": 7}\n')
+    names = {"EMPTY": tmp_path / "empty.txt", "PROMPTS": tmp_path / "prompts.txt",
+             "BADJSONL": tmp_path / "bad.jsonl", "BADFIELD": tmp_path / "field.jsonl",
+             "BADVALUE": tmp_path / "value.jsonl"}
     r = run_cli(*[names.get(a, a) if isinstance(a, str) else a for a in args])
     assert_one_line_error(r, fragment)
+
+
+def test_jsonl_prompts_with_targets_and_plan(tmp_path, default_model):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "What is the capital of France?", "ttft_slo_ms": 60000, "max_tokens": 12}\n'
+                       '{"prompt": "Name a colour.", "tpot_slo_ms": 60000, "temperature": 0.5, "seed": 3}\n')
+    r = run_cli("--prompt-file", prompts, "--temperature", 0, "--policy", "deadline")
+    assert r.returncode == 0, r.stderr
+    assert "The capital of France is Paris." in r.stdout
+    assert "SLO attainment      100.0% of requests" in r.stdout
+    plan = run_cli("--plan", "--kv-cache-memory", "1GB")
+    assert plan.returncode == 0, plan.stderr
+    assert "KV cache per token  46080 bytes" in plan.stdout and "without GQA it would be 138240" in plan.stdout
+    assert "8192" in plan.stdout
