@@ -56,6 +56,7 @@ def build_parser() -> Parser:
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--preemption", default="auto", help="swap | recompute | auto")
     e.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: run under mpirun -n TP")
+    e.add_argument("--enforce-eager", action="store_true", help="GPU: run decode steps eagerly, no CUDA graphs")
     e.add_argument("--policy", default="fcfs", help="fcfs | deadline (by slack to the latency targets)")
     e.add_argument("--drop-late", action="store_true", help="deadline: reject requests that can no longer make their TTFT")
     m = p.add_argument_group("metrics and planning")
@@ -80,7 +81,8 @@ def engine_config(args) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, watermark=args.watermark,
         enable_prefix_caching=not args.no_prefix_caching, preemption=args.preemption,
-        seed=args.seed or 0, tp=args.tp, policy=args.policy, drop_late=args.drop_late,
+        seed=args.seed or 0, tp=args.tp, enforce_eager=args.enforce_eager, policy=args.policy,
+        drop_late=args.drop_late,
         metrics_file=args.metrics_file, metrics_prom=args.metrics_prom,
         metrics_interval=args.metrics_interval)
 

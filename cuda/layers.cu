@@ -1,16 +1,12 @@
-// Per-token layers: RMSNorm (plain and fused with the residual add), rotate-half RoPE,
-// SiLU-and-multiply, embedding gather and greedy argmax. Float16 in and out, float32 math.
+// Per-token layers: RMSNorm (plain and fused with the residual add), SiLU-and-multiply and
+// embedding gather. Float16 in and out, float32 math. (RoPE lives in cache.cu, fused with
+// the KV-cache write; greedy argmax in sampling.cu, as the temperature-0 case of sampling.)
 //
 // rms_norm:     x (T, H), weight (H,) -> out (T, H). Grid T, block 256.
 // add_rms_norm: x, residual (T, H) -> out = rms_norm(x + residual), new_residual = x + residual,
 //               both (T, H), written in one pass. Grid T, block 256.
-// rope:         q (T, nq, d), k (T, nkv, d) rotated in place; a token's rows may be strided
-//               (q_stride, k_stride in elements; heads and dims contiguous), positions (T,)
-//               int32, cos_sin (max_pos, d) float32 = [cos | sin]. Grid T, block 128.
 // silu_mul:     gate_up (T, 2I) = [gate | up] -> out (T, I). One thread per 8 outputs.
 // embedding:    ids (T,) int32, table (V, H) -> out (T, H). Grid T, block 128.
-// argmax:       logits (S, V) -> out (S,) int32; ties go to the lowest index, like NumPy.
-//               Grid S, block 1024.
 //
 // H, d and I must be multiples of 8 so rows can be moved as 16-byte uint4 chunks
 // (checked in nano/kernels.py).
@@ -18,10 +14,10 @@
 // Versions:
 //   v1: rms_norm 32 regs, add_rms_norm 32, rope 32, silu_mul 32, embedding 18, argmax 17;
 //       0 spills (nvcc 13.0, sm_90). Not yet measured on a GPU.
+//   v2: rope moved to cache.cu (fused with the cache write), argmax to sampling.cu; the
+//       rest unchanged: rms_norm 32 regs, add_rms_norm 32, silu_mul 32, embedding 18, 0 spills
+//       (nvcc 13.0, sm_90). Not yet measured on a GPU.
 #include <cuda_fp16.h>
-#include <math_constants.h>  // CUDART_INF_F: NVRTC has no <cmath> INFINITY
-
-#define NEG_INF (-CUDART_INF_F)
 
 // Sum of `value` over the thread block; every thread gets the result.
 // `shared` holds one float per warp. blockDim.x must be a multiple of 32.
@@ -102,26 +98,6 @@ extern "C" __global__ void add_rms_norm(const __half* __restrict__ x,
     }
 }
 
-// Rotate-half RoPE on one token: for i < d/2, (x[i], x[i + d/2]) is rotated by the angle
-// whose cos/sin are cos_sin[pos, i] and cos_sin[pos, d/2 + i].
-extern "C" __global__ void rope(__half* __restrict__ q, __half* __restrict__ k,
-                                const int* __restrict__ positions,
-                                const float* __restrict__ cos_sin,
-                                int nq, int nkv, int head_dim, long long q_stride, long long k_stride) {
-    const int token = blockIdx.x;
-    const int half_dim = head_dim / 2;
-    const float* cs = cos_sin + (long long)positions[token] * head_dim;
-    for (int p = threadIdx.x; p < (nq + nkv) * half_dim; p += blockDim.x) {
-        const int head = p / half_dim, i = p % half_dim;
-        __half* x = head < nq ? q + token * q_stride + (long long)head * head_dim
-                              : k + token * k_stride + (long long)(head - nq) * head_dim;
-        const float cos = cs[i], sin = cs[half_dim + i];
-        const float x1 = __half2float(x[i]), x2 = __half2float(x[half_dim + i]);
-        x[i] = __float2half(x1 * cos - x2 * sin);
-        x[half_dim + i] = __float2half(x2 * cos + x1 * sin);
-    }
-}
-
 // out[t, j] = silu(gate[t, j]) * up[t, j], 8 outputs per thread; n8 = T * I / 8.
 extern "C" __global__ void silu_mul(const __half* __restrict__ gate_up, __half* __restrict__ out,
                                     int inter, long long n8) {
@@ -146,49 +122,4 @@ extern "C" __global__ void embedding(const int* __restrict__ ids, const __half* 
     const bool valid = 0 <= id && id < vocab;
     for (int c = threadIdx.x; c < hidden / 8; c += blockDim.x)
         dst[c] = valid ? src[c] : make_uint4(0, 0, 0, 0);
-}
-
-// Index of the largest logit in each row. Each thread scans a strided slice keeping the
-// first maximum it sees; the block then reduces (value, index) pairs, preferring the
-// lower index on equal values.
-extern "C" __global__ void argmax(const __half* __restrict__ logits, int* __restrict__ out, int vocab) {
-    __shared__ float best_values[32];
-    __shared__ int best_indices[32];
-    const __half* row = logits + (long long)blockIdx.x * vocab;
-    float best = NEG_INF;
-    int best_index = vocab;  // larger than any real index, so it loses every tie
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        const float v = __half2float(row[i]);
-        if (v > best || best_index == vocab) {
-            best = v;
-            best_index = i;
-        }
-    }
-    // Warp, then block, reduction of (best, best_index).
-    for (int o = 16; o > 0; o >>= 1) {
-        const float v = __shfl_xor_sync(0xffffffff, best, o);
-        const int i = __shfl_xor_sync(0xffffffff, best_index, o);
-        if (v > best || (v == best && i < best_index)) {
-            best = v;
-            best_index = i;
-        }
-    }
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (lane == 0) {
-        best_values[warp] = best;
-        best_indices[warp] = best_index;
-    }
-    __syncthreads();
-    if (warp != 0) return;
-    best = lane < blockDim.x / 32 ? best_values[lane] : NEG_INF;
-    best_index = lane < blockDim.x / 32 ? best_indices[lane] : vocab;
-    for (int o = 16; o > 0; o >>= 1) {
-        const float v = __shfl_xor_sync(0xffffffff, best, o);
-        const int i = __shfl_xor_sync(0xffffffff, best_index, o);
-        if (v > best || (v == best && i < best_index)) {
-            best = v;
-            best_index = i;
-        }
-    }
-    if (lane == 0) out[blockIdx.x] = best_index;
 }

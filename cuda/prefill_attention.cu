@@ -1,5 +1,5 @@
 // Prefill attention: a chunk of query tokens per sequence attends to that sequence's cached
-// context, causally. The chunk's own K/V were written to the cache (store_kvcache) before
+// context, causally. The chunk's own K/V were written to the cache (rope_store_kvcache) before
 // the call, so every key comes from the cache. A chunk may start mid-sequence (a later
 // chunk, or after a prefix-cache hit): with chunk length n and context length ctx, its
 // queries sit at positions ctx - n .. ctx - 1 and query i sees keys 0 .. ctx - n + i.

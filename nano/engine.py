@@ -64,7 +64,10 @@ class LLMEngine:
         num_swap_blocks = group.min(config.swap_space // block_bytes)
         self.weight_bytes = _nbytes(model)
         self.runner = ModelRunner(model, self.device, num_blocks, num_swap_blocks,
-                                  config.block_size, Sampler(self.device))
+                                  config.block_size, Sampler(self.device),
+                                  # MPI all-reduces run on the host: a TP step cannot be captured
+                                  cuda_graphs=not config.enforce_eager and group.world == 1,
+                                  max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len)
         if group.rank > 0:
             return  # a worker holds its shard and KV pool; rank 0 owns all below
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)

@@ -6,7 +6,8 @@ allocates outputs, checks dtypes and shapes, and picks launch configurations; th
 kernel sources explain the algorithms.
 
 Dtypes: activations, weights and KV caches are float16 (kernels accumulate in float32),
-index arrays are int32, the RoPE table is float32.
+index arrays are int32, the RoPE table and sampling parameters are float32.
+GEMMs go to cuBLAS through ctypes (nano/cublas.py), so they can be captured into CUDA graphs.
 
 Importing this module needs CuPy but no GPU: nothing here touches a device until a kernel
 is launched, so `compile_all` (used by CI) works on a machine without one.
@@ -18,6 +19,8 @@ from pathlib import Path
 
 import cupy
 import numpy as np
+
+from nano import cublas
 
 CUDA_DIR = Path(__file__).resolve().parent.parent / "cuda"
 
@@ -32,7 +35,7 @@ _TEMPLATES = {
     "paged_attention.cu": [f"paged_attention_kernel<{d}, {g}>" for d in HEAD_DIMS for g in GROUPS],
     "prefill_attention.cu": [f"prefill_attention_kernel<{d}, {g}>" for d in HEAD_DIMS for g in GROUPS],
 }
-SOURCES = ("layers.cu", "cache.cu", "paged_attention.cu", "prefill_attention.cu")
+SOURCES = ("layers.cu", "cache.cu", "sampling.cu", "paged_attention.cu", "prefill_attention.cu")
 
 
 @functools.cache
@@ -161,33 +164,19 @@ def add_rms_norm(x, residual, weight, eps):
 
 
 def linear(x, weight, bias=None):
-    """cuBLAS through cupy.matmul: float16 operands, float32 accumulation (CuPy's default
-    compute type for float16 GEMMs is CUBLAS_COMPUTE_32F), float16 result."""
+    """cuBLAS GemmEx through ctypes (nano/cublas.py): float16 operands, float32 accumulation,
+    float16 result. Capturable into a CUDA graph, unlike cupy.matmul."""
     _check("x", x, cupy.float16)
     _check("weight", weight, cupy.float16)
-    y = cupy.matmul(x, weight.T)
+    if x.strides[1] != x.itemsize:
+        x = cupy.ascontiguousarray(x)
+    weight = cupy.ascontiguousarray(weight)
+    out = cupy.empty((x.shape[0], weight.shape[0]), cupy.float16)
+    if out.size:
+        cublas.handle(cupy.cuda.Device().id).linear(x, weight, out)
     if bias is not None:
-        y += bias
-    return y
-
-
-def rope(q, k, positions, cos_sin):
-    """In place. q and k may be views into a fused QKV output: rows can be strided, but each
-    row's heads and dims must be contiguous."""
-    _check("q", q, cupy.float16)
-    _check("k", k, cupy.float16)
-    _check("positions", positions, cupy.int32)
-    _check("cos_sin", cos_sin, cupy.float32)
-    tokens, nq, d = q.shape
-    nkv = k.shape[1]
-    for name, x in (("q", q), ("k", k)):
-        if x.strides[1:] != (d * 2, 2):
-            raise ValueError(f"rope: {name}'s heads and dims must be contiguous, strides {x.strides}")
-    if tokens:
-        _kernel("layers.cu", "rope")(
-            (tokens,), (128,), (q, k, cupy.ascontiguousarray(positions), cupy.ascontiguousarray(cos_sin),
-                                np.int32(nq), np.int32(nkv), np.int32(d),
-                                np.int64(q.strides[0] // 2), np.int64(k.strides[0] // 2)))
+        out += bias
+    return out
 
 
 def silu_mul(gate_up):
@@ -202,31 +191,53 @@ def silu_mul(gate_up):
     return out
 
 
-def argmax(logits):
+def sample(logits, temperature, top_k, top_p, seeds, counters):
+    """cuda/sampling.cu: grid R (one row per block), 1024 threads."""
     _check("logits", logits, cupy.float16)
+    for name, x, dtype in (("temperature", temperature, cupy.float32), ("top_k", top_k, cupy.int32),
+                           ("top_p", top_p, cupy.float32), ("seeds", seeds, cupy.uint64),
+                           ("counters", counters, cupy.int32)):
+        _check(name, x, dtype)
     logits = cupy.ascontiguousarray(logits)
     rows, vocab = logits.shape
     out = cupy.empty((rows,), cupy.int32)
     if rows:
-        _kernel("layers.cu", "argmax")((rows,), (1024,), (logits, out, np.int32(vocab)))
+        _kernel("sampling.cu", "sample")(
+            (rows,), (1024,), (logits, np.int32(vocab), *(cupy.ascontiguousarray(x) for x in
+                                                          (temperature, top_k, top_p, seeds, counters)), out))
     return out
 
 
 # ---------------------------------------------------------------- cache.cu
 
-def store_kvcache(k, v, k_cache, v_cache, slot_mapping):
-    for name, x in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+def rope_store_kvcache(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
+    """q, k, v may be views into the fused QKV output: rows strided (k and v alike), each
+    row's heads and dims contiguous and 16-byte aligned. Returns the rotated q, contiguous."""
+    for name, x in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         _check(name, x, cupy.float16)
+    _check("positions", positions, cupy.int32)
     _check("slot_mapping", slot_mapping, cupy.int32)
+    _check("cos_sin", cos_sin, cupy.float32)
+    tokens, nq, d = q.shape
+    nkv = k.shape[1]
+    if d % 16:
+        raise ValueError(f"rope_store_kvcache: head_dim must be a multiple of 16, got {d}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.strides[1:] != (d * 2, 2) or x.strides[0] % 16 or x.data.ptr % 16:
+            raise ValueError(f"rope_store_kvcache: {name} needs contiguous, 16-byte aligned rows "
+                             f"of heads, strides {x.strides}")
+    if k.strides[0] != v.strides[0]:
+        raise ValueError("rope_store_kvcache: k and v must have the same row stride")
     if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
-        raise ValueError("store_kvcache: caches must be contiguous")
-    tokens, nkv, d = k.shape
-    _check_rows("head_dim", d)
+        raise ValueError("rope_store_kvcache: caches must be contiguous")
+    out = cupy.empty((tokens, nq, d), cupy.float16)
     if tokens:
-        _kernel("cache.cu", "store_kvcache")(
-            (tokens,), (128,), (cupy.ascontiguousarray(k), cupy.ascontiguousarray(v), k_cache, v_cache,
-                                cupy.ascontiguousarray(slot_mapping),
-                                np.int32(nkv), np.int32(k_cache.shape[2]), np.int32(d)))
+        _kernel("cache.cu", "rope_store_kvcache")(
+            (tokens,), (128,), (q, k, v, np.int64(q.strides[0] // 2), np.int64(k.strides[0] // 2),
+                                cupy.ascontiguousarray(positions), cupy.ascontiguousarray(cos_sin),
+                                cupy.ascontiguousarray(slot_mapping), out, k_cache, v_cache,
+                                np.int32(nq), np.int32(nkv), np.int32(k_cache.shape[2]), np.int32(d)))
+    return out
 
 
 def _swap(kernel, kv_cache, block_ids, staging):

@@ -1,8 +1,11 @@
 """The Llama-family forward pass, written once against `ops` (NumPy or CUDA).
 
-One straight line per step: embed -> for each layer [RMSNorm, fused QKV, RoPE,
-KV-cache write, paged attention, output projection, RMSNorm, fused gate/up,
-SiLU*up, down] -> final norm -> LM head on the rows that sample.
+One straight line per step: embed -> for each layer [RMSNorm (fused with the residual
+add), fused QKV, RoPE fused with the KV-cache write, attention, output projection,
+RMSNorm, fused gate/up, SiLU*up, down] -> final norm -> LM head on the rows that sample.
+On the GPU a decode step of this function is captured once per batch-size bucket and
+replayed as a CUDA graph (nano/graphs.py), so it must stay free of host synchronisation:
+shapes and launch choices may depend only on array shapes, never on array values.
 """
 from dataclasses import dataclass
 
@@ -85,10 +88,9 @@ class LlamaModel:
             q = qkv[:, :q_size].reshape(-1, self.num_heads, d)              # (T, nq, d)
             k = qkv[:, q_size:q_size + kv_size].reshape(-1, self.num_kv_heads, d)
             v = qkv[:, q_size + kv_size:].reshape(-1, self.num_kv_heads, d)
-            q, k = q.copy(), k.copy()  # contiguous, so RoPE can work in place
-            ops.rope(q, k, batch.positions, self.cos_sin)
             k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]
-            ops.store_kvcache(k, v, k_cache, v_cache, batch.slot_mapping)
+            q = ops.rope_store_kvcache(q, k, v, batch.positions, self.cos_sin, k_cache, v_cache,
+                                       batch.slot_mapping)                    # rotated q; K, V cached
             o = self._attention(q, k_cache, v_cache, batch)                  # (T, nq, d)
             h = self.all_reduce(ops.linear(o.reshape(-1, q_size), w.o_proj))  # (T, H)
             x, residual = ops.add_rms_norm(h, residual, w.post_norm, eps)

@@ -60,20 +60,6 @@ def linear(x, weight, bias=None):
     return y
 
 
-def rope(q, k, positions, cos_sin):
-    """Rotate-half RoPE, in place. q: (T, nq, d), k: (T, nkv, d), positions: (T,),
-    cos_sin: (max_positions, d) with cos in [:, :d/2] and sin in [:, d/2:]."""
-    if on_gpu(q):
-        return _kernels().rope(q, k, positions, cos_sin)
-    half = q.shape[-1] // 2
-    cos = cos_sin[positions, None, :half]  # (T, 1, d/2)
-    sin = cos_sin[positions, None, half:]
-    for x in (q, k):
-        x1, x2 = x[..., :half].copy(), x[..., half:].copy()
-        x[..., :half] = x1 * cos - x2 * sin
-        x[..., half:] = x2 * cos + x1 * sin
-
-
 def silu_mul(gate_up):
     """gate_up: (T, 2I) = [gate | up] -> silu(gate) * up: (T, I)."""
     if on_gpu(gate_up):
@@ -83,18 +69,29 @@ def silu_mul(gate_up):
     return gate / (1.0 + np.exp(-gate)) * up
 
 
-def store_kvcache(k, v, k_cache, v_cache, slot_mapping):
-    """Write the step's new keys/values into their cache slots.
-    k, v: (T, nkv, d); slot_mapping: (T,) int32, slot = block * block_size + offset,
-    -1 for a token whose KV is already cached (skipped)."""
-    if on_gpu(k):
-        return _kernels().store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+def rope_store_kvcache(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
+    """Rotate-half RoPE on q and k, then write k and v into their cache slots (one kernel on
+    the GPU). q: (T, nq, d), k, v: (T, nkv, d), possibly views into the fused QKV output, not
+    modified; positions: (T,); cos_sin: (max_positions, d) with cos in [:, :d/2] and sin in
+    [:, d/2:]; slot_mapping: (T,) int32, slot = block * block_size + offset, -1 for a token
+    whose KV is already cached (skipped). Returns the rotated q: (T, nq, d), contiguous."""
+    if on_gpu(q):
+        return _kernels().rope_store_kvcache(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    half = q.shape[-1] // 2
+    cos = cos_sin[positions, None, :half]  # (T, 1, d/2)
+    sin = cos_sin[positions, None, half:]
+
+    def rotate(x):
+        x1, x2 = x[..., :half], x[..., half:]
+        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
     block_size = k_cache.shape[2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, :, offsets] = k[keep]
+    k_cache[blocks, :, offsets] = rotate(k[keep])
     v_cache[blocks, :, offsets] = v[keep]
+    return rotate(q)
 
 
 def _gather_context(cache, block_table, context_len):
@@ -194,11 +191,79 @@ def scatter_blocks(kv_cache, block_ids, staging):
     kv_cache[:, :, block_ids] = staging
 
 
-def argmax(logits):
-    """Greedy pick. logits: (S, V) -> (S,) int32."""
+def sample(logits, temperature, top_k, top_p, seeds, counters):
+    """One token per row. logits: (R, V); temperature: (R,) float32, 0 = greedy;
+    top_k: (R,) int32, <= 0 or >= V = off; top_p: (R,) float32, 1 = off; seeds: (R,) uint64;
+    counters: (R,) int32, the row's sequence's output tokens so far -> (R,) int32.
+
+    The algorithm (cuda/sampling.cu runs the same steps, one thread block per row):
+    greedy rows take the first largest logit. Other rows keep the tokens whose logit key
+    (an order-preserving float -> uint32 map) reaches a threshold: the k-th largest key
+    (top-k), then raised to the smallest nucleus holding top_p of the remaining softmax mass
+    (top-p); both thresholds are found by bisection over the key range, so no sort. Among
+    the kept tokens, the largest logit / T + Gumbel noise wins (the Gumbel-max trick: an
+    exact draw from softmax(logits / T) restricted to them). The noise comes from a hash of
+    (seed, counter, token id): a sequence's draws depend on nothing but its seed and how
+    many tokens it has output, never on the batch around it."""
     if on_gpu(logits):
-        return _kernels().argmax(logits)
-    return logits.argmax(axis=-1).astype(np.int32)
+        return _kernels().sample(logits, temperature, top_k, top_p, seeds, counters)
+    logits = np.asarray(logits, np.float32)
+    seeds = np.asarray(seeds, np.uint64)
+    return np.array([_sample_row(x, np.float32(t), int(k), np.float32(p), int(seed), int(c))
+                     for x, t, k, p, seed, c in zip(logits, temperature, top_k, top_p, seeds, counters)],
+                    dtype=np.int32).reshape(len(logits))
+
+
+def _fmix32(h):
+    """murmur3's 32-bit finalizer, on a Python int or a uint32 array (wrapping like C)."""
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+def float_keys(x):
+    """float32 array -> uint32 keys that order like the floats (a < b <=> key a < key b)."""
+    u = np.asarray(x, np.float32).view(np.uint32)
+    return np.where(u & 0x80000000, ~u, u | 0x80000000).astype(np.uint32)
+
+
+def uniforms(seed: int, counter: int, size: int) -> np.ndarray:
+    """The (0, 1) numbers behind one draw: u_i = top 23 bits of a hash of (seed, counter, i),
+    plus half a step, so neither 0 nor 1 (exact in float32, identical on the GPU)."""
+    row_key = _fmix32((seed & 0xFFFFFFFF) ^ _fmix32((seed >> 32) ^ _fmix32(counter & 0xFFFFFFFF)))
+    h = _fmix32(np.uint32(row_key) + np.arange(size, dtype=np.uint32) * np.uint32(0x9E3779B9))
+    return ((h >> 9).astype(np.float32) + np.float32(0.5)) * np.float32(2.0 ** -23)
+
+
+def _largest_passing(lo: int, hi: int, passes) -> int:
+    """Bisection: the largest t in [lo, hi] with passes(t), given passes(lo) and a test
+    that, once false, stays false for larger t. At most 32 steps over 32-bit keys."""
+    while lo < hi:
+        mid = lo + (hi - lo + 1) // 2
+        if passes(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _sample_row(x, t, top_k, top_p, seed, counter) -> int:
+    if t == 0:
+        return int(np.argmax(x))
+    keys = float_keys(x)
+    key_max = int(keys.max())
+    threshold = 0  # keys >= threshold are allowed
+    if 0 < top_k < x.size:
+        threshold = _largest_passing(0, key_max, lambda m: np.count_nonzero(keys >= m) >= top_k)
+    if top_p < 1:
+        e = np.exp(x / t - x.max() / t)
+        target = top_p * e[keys >= threshold].sum(dtype=np.float32)
+        threshold = _largest_passing(threshold, key_max,
+                                     lambda m: e[keys >= m].sum(dtype=np.float32) >= target)
+    scores = x / t - np.log(-np.log(uniforms(seed, counter, x.size)))
+    return int(np.argmax(np.where(keys >= threshold, scores, -np.inf)))
 
 
 def concat(arrays):

@@ -4,12 +4,16 @@ KV memory:
   kv_cache:   (num_layers, 2, num_blocks, nkv, block_size, d) on the device ([:, 0] K, [:, 1] V)
   host_cache: (num_layers, 2, num_swap_blocks, nkv, block_size, d) in host memory (swap space)
 A swap moves all of a step's blocks in one gather + one device-host copy per direction.
+
+On the GPU, decode-only steps replay CUDA graphs (graphs.py); prefill and mixed steps run
+the model eagerly.
 """
 import time
 
 import numpy as np
 
 from nano import ops
+from nano.graphs import DecodeGraphs, GraphStep
 from nano.model import ForwardBatch
 from nano.scheduler import SchedulerOutput
 from nano.sequence import Sequence
@@ -63,7 +67,10 @@ class Device:
 
 class ModelRunner:
     def __init__(self, model, device: Device, num_blocks: int, num_swap_blocks: int,
-                 block_size: int, sampler):
+                 block_size: int, sampler, cuda_graphs: bool = False, max_num_seqs: int = 1,
+                 max_model_len: int = 1):
+        """cuda_graphs: on a GPU, replay decode steps of up to max_num_seqs sequences from
+        CUDA graphs (graphs.py); block tables are then max_model_len / block_size wide."""
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -73,6 +80,9 @@ class ModelRunner:
         self.kv_cache = device.xp.zeros(shape, dtype=device.dtype)
         # np.zeros maps pages lazily: swap space costs host memory only once used.
         self.host_cache = np.zeros(shape[:2] + (num_swap_blocks,) + shape[3:], dtype=device.dtype)
+        self.graphs = None
+        if cuda_graphs and device.kind == "gpu":
+            self.graphs = DecodeGraphs(model, self.kv_cache, max_num_seqs, -(-max_model_len // block_size))
 
     # ---- swap --------------------------------------------------------------------------
     def swap(self, plan: SchedulerOutput) -> tuple[int, float]:
@@ -127,19 +137,31 @@ class ModelRunner:
                  np.asarray(logits_indices, np.int32)]
         return np.concatenate(parts), sampled
 
-    def load(self, packed: np.ndarray) -> ForwardBatch:
+    def load(self, packed: np.ndarray) -> ForwardBatch | GraphStep:
         """Unpack pack()'s array: one host-to-device copy for all the step's metadata,
-        then views into it. Its header gives the sizes of the parts that follow."""
+        then views into it. Its header gives the sizes of the parts that follow.
+        A decode-only step that a CUDA graph can run goes into its bucket's static buffer
+        instead (also one copy)."""
         tokens, seqs, max_blocks, num_decodes, rows = packed[:PACKED_HEADER].tolist()
         sizes = [tokens, tokens, tokens, seqs, seqs * max_blocks, seqs - num_decodes + 1, rows]
-        flat = self.device.xp.asarray(packed[PACKED_HEADER:])
         offsets = np.cumsum([0] + sizes).tolist()
+        # Graphs run steps where every sequence has one token and samples (a one-token
+        # prefill chunk that does not reach the prompt's end has one token but no logits row).
+        if (self.graphs is not None and tokens == num_decodes == rows
+                and self.graphs.fits(seqs, max_blocks)):
+            ids, pos, slots, ctx, tables = (packed[PACKED_HEADER + a:PACKED_HEADER + b]
+                                            for a, b in zip(offsets[:5], offsets[1:6]))
+            return self.graphs.prepare(ids, pos, slots, ctx, tables.reshape(seqs, max_blocks))
+        flat = self.device.xp.asarray(packed[PACKED_HEADER:])
         ids, pos, slots, ctx, tables, cu, logits = (flat[a:b] for a, b in zip(offsets, offsets[1:]))
         return ForwardBatch(ids, pos, slots, num_decodes, ctx, tables.reshape(seqs, max_blocks),
                             cu, logits)
 
     # ---- forward + sample --------------------------------------------------------------
-    def forward(self, batch: ForwardBatch):
+    def forward(self, batch: ForwardBatch | GraphStep):
+        """Logits (R, V) of the rows that sample."""
+        if isinstance(batch, GraphStep):
+            return self.graphs.replay(batch)
         return self.model.forward(batch, self.kv_cache)
 
     def sample(self, logits, seqs: list[Sequence]) -> list[int]:

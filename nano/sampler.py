@@ -1,17 +1,16 @@
-"""Next-token choice: greedy at temperature 0, else temperature, top-k, top-p.
+"""Next-token choice: builds each row's sampling parameters and calls ops.sample.
 
-Every sequence draws from its own generator (seeded by its request), one
-uniform number per token, so its output does not depend on which other
-requests happen to share its batch.
+ops.sample (NumPy on the CPU, one CUDA kernel on the GPU, the same algorithm) does greedy
+at temperature 0, else a Gumbel-max draw restricted by top-k and top-p. Its randomness is a
+hash of (the sequence's seed, the number of tokens it has output so far, token id), so a
+sequence's output does not depend on which other requests happen to share its batch.
+On the GPU a step moves its parameters in with one copy and the sampled ids out with one
+copy; logits rows come to the host only for sequences that asked for them (return_logits).
 """
 import numpy as np
 
 from nano import ops
 from nano.sequence import Sequence
-
-# Top-p looks at the best candidates first: if they already hold the mass p
-# (nearly always) a sort of 1024 values replaces a sort of the whole vocabulary.
-TOP_P_CANDIDATES = 1024
 
 
 class Sampler:
@@ -20,43 +19,25 @@ class Sampler:
 
     def sample(self, logits, seqs: list[Sequence]) -> list[int]:
         """logits: (R, V), one row per sequence in seqs -> one token id per sequence."""
-        greedy = [s.params.temperature == 0 for s in seqs]
-        if all(greedy) and not any(s.params.return_logits for s in seqs):
-            return self.device.to_host(ops.argmax(logits)).tolist()
-        host = self.device.to_host(logits).astype(np.float32)  # (R, V)
-        tokens = []
-        for row, seq, is_greedy in zip(host, seqs, greedy):
-            if seq.params.return_logits:
-                seq.logits.append(row.copy())
-            tokens.append(int(row.argmax()) if is_greedy else sample_row(row, seq))
-        return tokens
+        keep = [i for i, seq in enumerate(seqs) if seq.params.return_logits]
+        if keep:
+            rows = self.device.to_host(logits[keep] if len(keep) < len(seqs) else logits)
+            for i, row in zip(keep, rows.astype(np.float32)):
+                seqs[i].logits.append(row)
+        tokens = ops.sample(logits, *self._parameters(seqs))
+        return self.device.to_host(tokens).tolist()
 
-
-def sample_row(logits: np.ndarray, seq: Sequence) -> int:
-    """One draw from softmax(logits / T) restricted to the top-k and the top-p nucleus."""
-    p = seq.params
-    logits = logits / p.temperature
-    if 0 < p.top_k < logits.size:
-        kth = np.partition(logits, -p.top_k)[-p.top_k]
-        logits = np.where(logits >= kth, logits, -np.inf)
-    probs = np.exp(logits - logits.max())
-    probs /= probs.sum()
-    if p.top_p < 1.0:
-        probs = _nucleus(probs, p.top_p)
-    cdf = np.cumsum(probs)
-    u = seq.rng.random() * cdf[-1]
-    return int(min(np.searchsorted(cdf, u, side="right"), probs.size - 1))
-
-
-def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
-    """Zero all but the smallest set of most likely tokens whose mass reaches top_p."""
-    k = min(TOP_P_CANDIDATES, probs.size)
-    candidates = np.argpartition(probs, -k)[-k:]
-    if probs[candidates].sum() < top_p:
-        candidates = np.arange(probs.size)
-    order = candidates[np.argsort(-probs[candidates], kind="stable")]
-    cum = np.cumsum(probs[order])
-    keep = order[:int(np.searchsorted(cum, top_p)) + 1]
-    out = np.zeros_like(probs)
-    out[keep] = probs[keep]
-    return out
+    def _parameters(self, seqs: list[Sequence]) -> tuple:
+        """ops.sample's per-row arrays (temperature, top_k, top_p, seeds, counters), packed
+        into one uint32 host array so that the GPU gets them in one copy, then viewed."""
+        r = len(seqs)
+        host = np.empty((6, r), np.uint32)
+        host[0].view(np.float32)[:] = [s.params.temperature for s in seqs]
+        host[1].view(np.int32)[:] = [s.params.top_k for s in seqs]
+        host[2].view(np.float32)[:] = [s.params.top_p for s in seqs]
+        host[3].view(np.int32)[:] = [s.num_output_tokens for s in seqs]
+        host[4:].reshape(-1).view(np.uint64)[:] = [s.seed % 2**64 for s in seqs]  # any int seed
+        xp = self.device.xp
+        packed = xp.asarray(host)
+        return (packed[0].view(xp.float32), packed[1].view(xp.int32), packed[2].view(xp.float32),
+                packed[4:].reshape(-1).view(xp.uint64), packed[3].view(xp.int32))

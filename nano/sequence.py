@@ -62,7 +62,7 @@ class Sequence:
         self.finish_reason: str | None = None        # stop | length | rejected (error says why)
         self.error: str | None = None
         self.logits: list[np.ndarray] = []           # only with params.return_logits
-        self.rng = np.random.default_rng(seed)       # this request's own stream of draws
+        self.seed = seed                             # with the output count, keys each random draw
 
     @property
     def num_tokens(self) -> int:

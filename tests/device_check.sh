@@ -6,5 +6,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nvidia-smi -L
-python -m pytest -q -m gpu tests/test_kernels_gpu.py tests/test_engine_gpu.py
+python -m pytest -q -m gpu tests/test_kernels_gpu.py tests/test_graphs_gpu.py tests/test_engine_gpu.py
 python tests/bench_kernels.py

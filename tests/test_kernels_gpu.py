@@ -9,8 +9,11 @@ and float32 accumulation order, hence:
                 largest magnitude; ~8x the rounding of one output)
   F16_NORM_ERR  ||got - ref|| / ||ref|| <= 2e-3                 (rounding averages out)
 
-Copies (embedding, KV-cache writes, swaps) and argmax must match exactly.
-Buffers the kernels allocate are poisoned with NaN (float) or -7 (int32) first, so an
+Copies (embedding, V-cache writes, swaps) and greedy sampling must match exactly; sampled
+tokens must match except on near-ties (see test_sample_matches_reference).
+The cuBLAS GEMM (ops.linear) is also compared with cupy.matmul: both accumulate in float32
+and round once, so LINEAR_ERR = 2e-3 relative to max |ref| (a few float16 ulps).
+Buffers the kernels allocate are poisoned with NaN (float) or -7 (signed int) first, so an
 element a kernel forgets to write fails the comparison.
 """
 import numpy as np
@@ -23,6 +26,7 @@ pytestmark = pytest.mark.gpu
 
 F16_MAX_ERR = 4e-3
 F16_NORM_ERR = 2e-3
+LINEAR_ERR = 2e-3
 
 
 @pytest.fixture(autouse=True)
@@ -31,7 +35,8 @@ def poisoned(monkeypatch):
     empty, empty_like = cupy.empty, cupy.empty_like
 
     def poison(a):
-        a.fill(np.nan if a.dtype.kind == "f" else -7)
+        if a.dtype.kind in "fi":  # not the uint8 cuBLAS workspace
+            a.fill(np.nan if a.dtype.kind == "f" else -7)
         return a
 
     monkeypatch.setattr(cupy, "empty", lambda *a, **k: poison(empty(*a, **k)))
@@ -93,22 +98,46 @@ def test_linear(rng, bias):
     assert_close(ops.linear(x_d, w_d, b_d), ops.linear(x, w, b))
 
 
+@pytest.mark.parametrize("tokens, k, n", [(1, 576, 1536), (7, 136, 40), (33, 2048, 8200), (300, 72, 24)])
+def test_cublas_linear_matches_cupy_matmul(rng, tokens, k, n):
+    """Odd shapes (T not a multiple of 8, N not a multiple of 16) and a strided x (a column
+    slice of a wider array, as the model's QKV views are)."""
+    wide, wide_d = f16(rng.normal(size=(tokens, k + 24)) / 8)
+    x_d = wide_d[:, 8:8 + k]
+    w, w_d = f16(rng.normal(size=(n, k)) / 8)
+    got = cupy.asnumpy(ops.linear(x_d, w_d)).astype(np.float32)
+    ref = cupy.asnumpy(cupy.matmul(cupy.ascontiguousarray(x_d), w_d.T)).astype(np.float32)
+    assert np.abs(got - ref).max() <= LINEAR_ERR * np.abs(ref).max()
+    assert_close(ops.linear(x_d, w_d), ops.linear(wide[:, 8:8 + k], w))
+
+
 @pytest.mark.parametrize("nq, nkv, d", [(9, 3, 64), (32, 8, 128)])
-def test_rope_on_strided_views(rng, nq, nkv, d):
-    """q and k are views into one fused QKV output, as the model produces them."""
-    tokens = 21
+def test_rope_store_kvcache_on_strided_views(rng, nq, nkv, d):
+    """q, k, v are views into one fused QKV output, as the model produces them; slot -1
+    tokens are rotated (q) but write nothing."""
+    tokens, num_blocks, block_size = 21, 6, 16
     qkv, qkv_d = f16(rng.normal(size=(tokens, (nq + 2 * nkv) * d)))
+    before = qkv_d.copy()
     positions = rng.integers(0, 4096, size=tokens).astype(np.int32)
+    slots = rng.permutation(num_blocks * block_size)[:tokens].astype(np.int32)
+    slots[[0, 7, 20]] = -1
     inv_freq = 1.0 / 10000 ** (np.arange(0, d, 2) / d)
     angles = np.arange(4096)[:, None] * inv_freq[None, :]
     cos_sin = np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
+    k_cache, k_cache_d = f16(rng.normal(size=(num_blocks, nkv, block_size, d)))
+    v_cache, v_cache_d = f16(rng.normal(size=(num_blocks, nkv, block_size, d)))
 
     def split(a):
-        return a[:, :nq * d].reshape(tokens, nq, d), a[:, nq * d:(nq + nkv) * d].reshape(tokens, nkv, d)
+        return (a[:, :nq * d].reshape(tokens, nq, d), a[:, nq * d:(nq + nkv) * d].reshape(tokens, nkv, d),
+                a[:, (nq + nkv) * d:].reshape(tokens, nkv, d))
 
-    ops.rope(*split(qkv), positions, cos_sin)
-    ops.rope(*split(qkv_d), cupy.asarray(positions), cupy.asarray(cos_sin))
-    assert_close(qkv_d, qkv)  # also checks the V part was left alone
+    ref_q = ops.rope_store_kvcache(*split(qkv), positions, cos_sin, k_cache, v_cache, slots)
+    got_q = ops.rope_store_kvcache(*split(qkv_d), cupy.asarray(positions), cupy.asarray(cos_sin),
+                                   k_cache_d, v_cache_d, cupy.asarray(slots))
+    assert_close(got_q, ref_q)
+    assert_close(k_cache_d, k_cache)  # untouched slots too: they keep their random values
+    np.testing.assert_array_equal(cupy.asnumpy(v_cache_d).astype(np.float32), v_cache)
+    assert cupy.array_equal(qkv_d, before)  # inputs are not modified
 
 
 def test_silu_mul(rng):
@@ -116,31 +145,44 @@ def test_silu_mul(rng):
     assert_close(ops.silu_mul(gate_up_d), ops.silu_mul(gate_up))
 
 
-def test_argmax_ties_go_to_lowest_index(rng):
+# ---------------------------------------------------------------- sampling
+
+def sample_args(rows, temperature, top_k, top_p, rng):
+    return (np.full(rows, temperature, np.float32), np.full(rows, top_k, np.int32),
+            np.full(rows, top_p, np.float32), rng.integers(0, 2**63, rows).astype(np.uint64),
+            rng.integers(0, 5000, rows).astype(np.int32))
+
+
+def test_sample_greedy_ties_go_to_lowest_index(rng):
     logits = rng.normal(size=(5, 128256)).astype(np.float16)
     logits[1, [70000, 900, 128255]] = 30.0  # tie: lowest index wins
     logits[2, -1] = 30.0                    # maximum in the last column
     logits[3, :] = -60000.0                 # all equal
     logits[4, 0] = 30.0                     # first column
-    got = cupy.asnumpy(ops.argmax(cupy.asarray(logits)))
-    np.testing.assert_array_equal(got, ops.argmax(logits.astype(np.float32)))
+    args = sample_args(5, 0.0, 3, 0.5, rng)
+    got = cupy.asnumpy(ops.sample(cupy.asarray(logits), *map(cupy.asarray, args)))
+    np.testing.assert_array_equal(got, ops.sample(logits.astype(np.float32), *args))
+    np.testing.assert_array_equal(got, [logits[0].argmax(), 900, 128255, 0, 0])
+
+
+@pytest.mark.parametrize("vocab", [49152, 128256, 1000])
+@pytest.mark.parametrize("temperature, top_k, top_p", [
+    (1.0, -1, 1.0), (0.7, -1, 1.0), (1.0, 40, 1.0), (0.8, -1, 0.9), (0.6, 50, 0.95), (1.3, 1, 1.0),
+])
+def test_sample_matches_reference(rng, vocab, temperature, top_k, top_p):
+    """Same algorithm, same float32 inputs: identical tokens, except where two allowed
+    tokens' noisy scores are within float32 rounding (logf/expf vs NumPy, ~1 ulp) or a
+    nucleus boundary is within summation-order rounding. With 64 random rows such cases
+    have probability ~1e-4, so we allow at most one mismatching row."""
+    rows = 64
+    logits = (3 * rng.normal(size=(rows, vocab))).astype(np.float16)
+    args = sample_args(rows, temperature, top_k, top_p, rng)
+    got = cupy.asnumpy(ops.sample(cupy.asarray(logits), *map(cupy.asarray, args)))
+    ref = ops.sample(logits.astype(np.float32), *args)
+    assert (got != ref).sum() <= 1, np.flatnonzero(got != ref)
 
 
 # ---------------------------------------------------------------- cache
-
-def test_store_kvcache_skips_minus_one(rng):
-    num_blocks, nkv, block_size, d, tokens = 10, 3, 16, 64, 23
-    k_cache, k_cache_d = f16(rng.normal(size=(num_blocks, nkv, block_size, d)))
-    v_cache, v_cache_d = f16(rng.normal(size=(num_blocks, nkv, block_size, d)))
-    k, k_d = f16(rng.normal(size=(tokens, nkv, d)))
-    v, v_d = f16(rng.normal(size=(tokens, nkv, d)))
-    slots = rng.permutation(num_blocks * block_size)[:tokens].astype(np.int32)
-    slots[[0, 5, 22]] = -1
-    ops.store_kvcache(k, v, k_cache, v_cache, slots)
-    ops.store_kvcache(k_d, v_d, k_cache_d, v_cache_d, cupy.asarray(slots))
-    np.testing.assert_array_equal(cupy.asnumpy(k_cache_d).astype(np.float32), k_cache)
-    np.testing.assert_array_equal(cupy.asnumpy(v_cache_d).astype(np.float32), v_cache)
-
 
 def test_swap_round_trip_is_bitwise(rng):
     layers, num_blocks, nkv, block_size, d = 3, 20, 2, 16, 64

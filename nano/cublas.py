@@ -1,0 +1,116 @@
+"""cuBLAS called through ctypes: the GEMM behind ops.linear on the GPU.
+
+Why not cupy.matmul: decode steps replay CUDA graphs (nano/graphs.py), and CuPy refuses
+cuBLAS while a stream is being captured (cupy.matmul and cupy_backends' cublas.gemmEx raise
+NotImplementedError). The same library called directly captures and replays correctly,
+measured on the H200 (DESIGN.md): [8,576]x[576,1536] fp16 in 3.1 us per replayed GEMM,
+11 us eager through ctypes, against ~27 us of host time for an eager cupy.matmul. So eager
+and captured steps share this one path.
+
+Why not our own mma.sync GEMM kernel: it would capture too, but matching cuBLAS's per-shape
+kernel choice (split-K for the skinny decode shapes, tile sizes for prefill) is a project of
+its own, and nothing could be measured when this was written; cuBLAS through ctypes is the
+measured, safe path.
+
+Layout: nano keeps row-major x (T, K) and checkpoint-layout weights (N, K), and wants
+y (T, N) = x @ w^T. cuBLAS is column-major, where the same bytes read as x^T (K, T),
+w^T (K, N) and y^T (N, T). So y^T = w x^T is one column-major GEMM:
+    m = N, n = T, k = K;  A = w read as (K, N) with lda = K, transposed (OP_T) -> (N, K);
+    B = x read as (K, T) with ldb = x's row stride, not transposed;  C = y with ldc = N.
+"""
+import ctypes
+import functools
+import glob
+import os
+
+import cupy
+
+OP_N, OP_T = 0, 1       # cublasOperation_t
+R_16F = 2               # cudaDataType CUDA_R_16F
+COMPUTE_32F = 68        # cublasComputeType_t CUBLAS_COMPUTE_32F: float32 accumulation
+GEMM_DEFAULT = -1       # cublasGemmAlgo_t CUBLAS_GEMM_DEFAULT: cuBLAS's heuristics choose
+# cuBLAS's own workspace pool would be allocated with cudaMalloc on first use, which is not
+# captured into a graph; we hand it a buffer instead. 32 MiB is NVIDIA's advice for Hopper.
+WORKSPACE_BYTES = 32 * 2**20
+
+
+def _candidates() -> list[str]:
+    """Where libcublas.so.13 may be: the CUDA toolkit (on the device machine), the nvidia
+    cuBLAS wheel (pip installs), and last the dynamic loader's own search path."""
+    paths = []
+    for root in (os.environ.get("CUDA_PATH"), cupy.cuda.get_cuda_path(), "/usr/local/cuda"):
+        if root:
+            paths.append(os.path.join(root, "lib64", "libcublas.so.13"))
+    try:
+        import nvidia
+        for root in nvidia.__path__:
+            paths += sorted(glob.glob(os.path.join(root, "**", "lib", "libcublas.so*"), recursive=True))
+    except ImportError:
+        pass
+    return paths + ["libcublas.so.13"]
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    for path in _candidates():
+        if os.path.sep in path and not os.path.isfile(path):
+            continue
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        p, i, size = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+        lib.cublasCreate_v2.argtypes = [ctypes.POINTER(p)]
+        lib.cublasSetStream_v2.argtypes = [p, p]
+        lib.cublasSetWorkspace_v2.argtypes = [p, p, size]
+        lib.cublasGemmEx.argtypes = [p, i, i, i, i, i, p, p, i, i, p, i, i, p, p, i, i, i, i]
+        return lib
+    raise RuntimeError("libcublas.so.13 not found (looked in CUDA_PATH, the CUDA toolkit, the "
+                       "nvidia wheels and the loader's path): install the CUDA toolkit or nvidia-cublas")
+
+
+def _check(status: int, call: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{call} failed: cuBLAS status {status}")
+
+
+class Handle:
+    """One cuBLAS handle with its own workspace, for one device."""
+
+    def __init__(self):
+        self.lib = _library()
+        self.ptr = ctypes.c_void_p()
+        _check(self.lib.cublasCreate_v2(ctypes.byref(self.ptr)), "cublasCreate_v2")
+        self.workspace = cupy.empty(WORKSPACE_BYTES, cupy.uint8)
+        self.stream = None  # the stream the handle was last set to
+        self.one, self.zero = ctypes.c_float(1.0), ctypes.c_float(0.0)  # alpha, beta (float32 compute)
+
+    def _use_current_stream(self) -> None:
+        """Enqueue on CuPy's current stream: the legacy default stream when eager, the
+        capturing stream inside a graph capture."""
+        stream = cupy.cuda.get_current_stream().ptr
+        if stream == self.stream:
+            return
+        _check(self.lib.cublasSetStream_v2(self.ptr, stream), "cublasSetStream_v2")
+        # cublasSetStream resets the workspace to cuBLAS's default pool: set ours again.
+        _check(self.lib.cublasSetWorkspace_v2(self.ptr, self.workspace.data.ptr, WORKSPACE_BYTES),
+               "cublasSetWorkspace_v2")
+        self.stream = stream
+
+    def linear(self, x, weight, out) -> None:
+        """out (T, N) = x (T, K) @ weight (N, K)^T in float16 with float32 accumulation.
+        weight and out are C-contiguous; x's rows may be strided (elements contiguous)."""
+        tokens, k = x.shape
+        n = weight.shape[0]
+        self._use_current_stream()
+        _check(self.lib.cublasGemmEx(
+            self.ptr, OP_T, OP_N, n, tokens, k, ctypes.byref(self.one),
+            weight.data.ptr, R_16F, k, x.data.ptr, R_16F, x.strides[0] // x.itemsize,
+            ctypes.byref(self.zero), out.data.ptr, R_16F, n, COMPUTE_32F, GEMM_DEFAULT), "cublasGemmEx")
+
+
+@functools.cache
+def handle(device_id: int) -> Handle:
+    """The handle of a device, created on first use (outside any graph capture: the first
+    GEMM of a process is an eager prefill, and every capture is preceded by a warm-up run)."""
+    return Handle()

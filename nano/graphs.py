@@ -1,0 +1,126 @@
+"""CUDA graphs for decode steps: one graph per batch-size bucket, captured on first use.
+
+Why: an eager decode step launches every kernel of every layer from Python, each paying
+host time (a RawKernel launch ~4.4 us, an eager CuPy op 12-27 us; measured on the H200,
+DESIGN.md), so the default model's ~300 launches cost milliseconds while its weights take
+~65 us to read. A captured graph replays the same launches for ~0.5 us each.
+
+Buckets: a graph bakes in every shape and pointer, so a step with n decoding sequences runs
+the graph of the smallest bucket >= n (1, 2, 4, 8, then every 16 up to max_num_seqs),
+rows n.. padded: token 0 at position 0, slot -1 (nothing written to the cache), context
+length 1 over block 0 (a real block, so attention reads valid memory); their outputs are
+ignored. Rows never mix in the forward pass (GEMMs, norms and activations work row by row;
+attention reads only the row's own block table), so padding cannot change real rows.
+
+Static inputs: each bucket owns one int32 device buffer, and its ForwardBatch is views into
+it; a step fills a host array of the same layout and moves it with ONE host-to-device copy
+before the replay. Block tables have a static width, ceil(max_model_len / block_size), so
+the split-KV choice of paged attention (which reads only shapes) is fixed per bucket.
+
+Memory: buffers allocated while capturing belong to the graph, which writes them on every
+replay, so they must never be handed to anything else. They come from a memory pool of
+their own that only captures allocate from. Graphs share it: buffers one capture freed can
+be reused by a later capture, which is safe because graphs replay one at a time on one
+stream and each graph's output logits are read right after its own replay.
+
+Prefill and mixed steps stay eager. Tensor parallelism disables graphs (the all-reduces
+go through MPI on the host; see engine.py).
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+from nano.model import ForwardBatch
+
+FIELDS = 5  # ids, positions, slots, context lengths, logits rows: one int32 per row each
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    sizes = [b for b in [1, 2, 4, 8] + list(range(16, max_num_seqs + 1, 16)) if b <= max_num_seqs]
+    return sizes if sizes[-1] == max_num_seqs else sizes + [max_num_seqs]
+
+
+@dataclass
+class GraphStep:
+    """A decode step whose inputs are already in its bucket's static buffer."""
+    bucket: int
+    num_seqs: int
+
+
+@dataclass
+class _Captured:
+    inputs: object   # the bucket's static int32 device buffer
+    graph: object    # cupy.cuda.Graph
+    logits: object   # (bucket, V): written by every replay
+
+
+class DecodeGraphs:
+    def __init__(self, model, kv_cache, max_num_seqs: int, max_blocks: int):
+        import cupy
+        self.model, self.kv_cache = model, kv_cache
+        self.buckets = batch_buckets(max_num_seqs)
+        self.max_blocks = max_blocks  # block table width
+        self.stream = cupy.cuda.Stream(non_blocking=True)  # capture cannot use the legacy default stream
+        self.pool = cupy.cuda.MemoryPool()
+        self.captured: dict[int, _Captured] = {}
+
+    def fits(self, num_seqs: int, max_blocks: int) -> bool:
+        return num_seqs <= self.buckets[-1] and max_blocks <= self.max_blocks
+
+    def layout(self, bucket: int, ids, positions, slots, context_lens, block_tables) -> np.ndarray:
+        """The bucket's input buffer on the host: the step's n rows, then padding rows."""
+        n, w = block_tables.shape
+        host = np.empty(FIELDS * bucket + 1 + bucket * self.max_blocks, np.int32)
+        fields = host[:FIELDS * bucket].reshape(FIELDS, bucket)
+        for field, real, pad in zip(fields, (ids, positions, slots, context_lens), (0, 0, -1, 1)):
+            field[:n], field[n:] = real, pad
+        fields[4] = np.arange(bucket)  # every row's logits (padding rows' are ignored)
+        host[FIELDS * bucket] = 0      # cu_seqlens_q: no prefill chunk
+        tables = host[FIELDS * bucket + 1:].reshape(bucket, self.max_blocks)
+        tables.fill(-1)
+        tables[:n, :w] = block_tables
+        tables[n:, 0] = 0              # padding rows read block 0
+        return host
+
+    def prepare(self, ids, positions, slots, context_lens, block_tables) -> GraphStep:
+        """Host arrays of a decode step (n rows) -> its bucket's static buffer, one copy."""
+        n = len(ids)
+        bucket = next(b for b in self.buckets if b >= n)
+        host = self.layout(bucket, ids, positions, slots, context_lens, block_tables)
+        if bucket not in self.captured:
+            self.captured[bucket] = self._capture(bucket)
+        self.captured[bucket].inputs.set(host)
+        return GraphStep(bucket, n)
+
+    def replay(self, step: GraphStep):
+        """Replays on the current stream, after the input copy. Returns logits (n, V)."""
+        captured = self.captured[step.bucket]
+        captured.graph.launch()
+        return captured.logits[:step.num_seqs]
+
+    def _batch(self, inputs, bucket: int) -> ForwardBatch:
+        ids, positions, slots, context_lens, logits_rows = (
+            inputs[i * bucket:(i + 1) * bucket] for i in range(FIELDS))
+        cu_seqlens = inputs[FIELDS * bucket:FIELDS * bucket + 1]
+        tables = inputs[FIELDS * bucket + 1:].reshape(bucket, self.max_blocks)
+        return ForwardBatch(ids, positions, slots, bucket, context_lens, tables, cu_seqlens, logits_rows)
+
+    def _capture(self, bucket: int) -> _Captured:
+        """Warm up (loads kernels, lets cuBLAS choose its algorithms, fills the graph pool with
+        this bucket's buffers), then capture the same forward pass on the capture stream.
+        The inputs are all padding rows, so neither run writes the KV cache."""
+        import cupy
+        none = np.zeros(0, np.int32)
+        inputs = cupy.asarray(self.layout(bucket, none, none, none, none, none.reshape(0, 0)))
+        batch = self._batch(inputs, bucket)
+        cupy.cuda.Device().synchronize()  # the input copy ran on the default stream
+        with cupy.cuda.using_allocator(self.pool.malloc), self.stream:
+            self.model.forward(batch, self.kv_cache)
+            self.stream.synchronize()
+            self.stream.begin_capture()
+            try:
+                logits = self.model.forward(batch, self.kv_cache)
+            finally:
+                graph = self.stream.end_capture()
+        self.stream.synchronize()
+        return _Captured(inputs, graph, logits)

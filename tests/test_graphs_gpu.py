@@ -1,0 +1,116 @@
+"""CUDA graphs for decode (nano/graphs.py) against eager steps, on random-weight models in
+real shapes (needs a GPU).
+
+Graph and eager decode steps are not bitwise equal: a bucket pads the batch (cuBLAS may
+pick another kernel for another row count) and block tables have the static width
+ceil(max_model_len / block_size) (paged attention may split the context differently).
+Both change only float32 accumulation order before a float16 rounding, so we require
+logits within LOGIT_TOL = 1e-2 of max |logit| and identical greedy tokens over the first
+GREEDY_HORIZON tokens. A replay against an eager run of the very same padded batch runs
+the same kernels on the same shapes, so it should be bitwise equal; SAME_BATCH_TOL = 1e-3
+leaves room only for cuBLAS picking another algorithm under capture.
+"""
+import numpy as np
+import pytest
+
+from nano.config import EngineConfig
+from nano.engine import LLMEngine
+from nano.model import ForwardBatch
+from nano.sequence import SamplingParams
+from reference import make_random_model
+
+cupy = pytest.importorskip("cupy")
+pytestmark = pytest.mark.gpu
+
+LOGIT_TOL = 1e-2
+SAME_BATCH_TOL = 1e-3
+GREEDY_HORIZON = 8
+
+SHAPES = {
+    "smollm2_135m": dict(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, vocab=49152),
+    "head_dim_128": dict(hidden=1024, layers=4, heads=8, kv_heads=2, intermediate=2816, vocab=32000),
+}
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def shaped_model(request, tmp_path_factory):
+    shape = SHAPES[request.param]
+    return make_random_model(tmp_path_factory.mktemp(request.param), max_pos=2048, dtype="float16",
+                             seed=3, **shape), shape["vocab"]
+
+
+def relative_error(a, b) -> float:
+    a, b = (cupy.asnumpy(x).astype(np.float32) for x in (a, b))
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def test_graphs_do_not_change_greedy_output(shaped_model):
+    """Requests of different lengths: the batch shrinks 7 -> 1, through buckets 8, 4, 2, 1."""
+    model_dir, vocab = shaped_model
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, vocab, int(rng.integers(5, 80))).tolist() for _ in range(7)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, return_logits=True)
+              for m in (2, 5, 9, 14, 20, 27, 40)]
+    runs = {}
+    for eager in (True, False):
+        engine = LLMEngine(EngineConfig(model=str(model_dir), device="gpu", num_blocks=512,
+                                        max_num_seqs=16, enforce_eager=eager))
+        runs[eager] = engine.generate(prompts, params)
+        assert (engine.runner.graphs is None) == eager
+    assert set(engine.runner.graphs.captured) >= {1, 2, 4, 8}
+    for e, g in zip(runs[True], runs[False]):
+        assert g.output_token_ids[:GREEDY_HORIZON] == e.output_token_ids[:GREEDY_HORIZON]
+        for step, (le, lg) in enumerate(zip(e.logits, g.logits)):
+            assert np.abs(lg - le).max() <= LOGIT_TOL * np.abs(le).max(), (e.seq_id, step)
+            if e.output_token_ids[step] != g.output_token_ids[step]:
+                break  # inputs differ from here on
+
+
+@pytest.mark.parametrize("n", [1, 3, 8, 13, 17])
+def test_replay_with_padding_matches_eager(shaped_model, n):
+    """n decode rows over random KV contents: replay vs (a) eager on the same padded batch
+    (SAME_BATCH_TOL) and (b) eager on the n rows alone (LOGIT_TOL); the KV cache gets the
+    same writes, at the n rows' slots only (padding rows write nothing)."""
+    model_dir, _ = shaped_model
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device="gpu", num_blocks=256, max_num_seqs=32))
+    runner, graphs = engine.runner, engine.runner.graphs
+    kv = runner.kv_cache
+    kv[...] = cupy.random.standard_normal(kv.shape, dtype=cupy.float32).astype(cupy.float16)
+    rng = np.random.default_rng(n)
+    bs = runner.block_size
+    context = rng.integers(1, 300, n).astype(np.int32)
+    blocks = rng.permutation(256).astype(np.int32)
+    width = int(-(-context.max() // bs))
+    tables = np.full((n, width), -1, np.int32)
+    start = 0
+    for i, c in enumerate(context):  # distinct blocks per row: no two rows write one slot
+        used = -(-int(c) // bs)
+        tables[i, :used] = blocks[start:start + used]
+        start += used
+    positions = context - 1
+    slots = tables[np.arange(n), positions // bs] * bs + positions % bs
+    ids = rng.integers(3, 1000, n).astype(np.int32)
+    before = kv.copy()
+
+    step = graphs.prepare(ids, positions, slots, context, tables)
+    graph_logits = runner.forward(step).copy()
+    graph_kv = kv.copy()
+
+    kv[...] = before
+    padded = graphs._batch(graphs.captured[step.bucket].inputs, step.bucket)
+    padded_logits = runner.model.forward(padded, kv)[:n]
+    assert relative_error(graph_logits, padded_logits) <= SAME_BATCH_TOL
+    assert relative_error(graph_kv, kv) <= SAME_BATCH_TOL
+
+    kv[...] = before
+    d = cupy.asarray
+    alone = ForwardBatch(d(ids), d(positions), d(slots.astype(np.int32)), n, d(context), d(tables),
+                         d(np.zeros(1, np.int32)), d(np.arange(n, dtype=np.int32)))
+    assert relative_error(graph_logits, runner.model.forward(alone, kv)) <= LOGIT_TOL
+    assert relative_error(graph_kv, kv) <= LOGIT_TOL
+
+    written = np.zeros(kv.shape[2] * bs, bool)
+    written[slots] = True
+    untouched = cupy.asarray(~written.reshape(-1, bs))  # (num_blocks, block_size)
+    mask = untouched[None, None, :, None, :, None]
+    assert cupy.array_equal(cupy.where(mask, graph_kv, 0), cupy.where(mask, before, 0))

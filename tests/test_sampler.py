@@ -1,0 +1,128 @@
+"""The NumPy reference of ops.sample (what the CPU engine runs, and the oracle of the CUDA
+kernel): greedy, temperature, top-k, top-p, seeding, and the Sampler around it."""
+import numpy as np
+import pytest
+
+from nano import ops
+from nano.runner import Device
+from nano.sampler import Sampler
+from nano.sequence import SamplingParams, Sequence
+
+
+def draw(logits, n, temperature=1.0, top_k=-1, top_p=1.0, seed=7):
+    """n draws from one row: the same seed, counters 0..n-1 (a sequence's n output tokens)."""
+    rows = np.repeat(np.asarray(logits, np.float32)[None], n, axis=0)
+    return ops.sample(rows, np.full(n, temperature, np.float32), np.full(n, top_k, np.int32),
+                      np.full(n, top_p, np.float32), np.full(n, seed, np.uint64),
+                      np.arange(n, dtype=np.int32))
+
+
+def softmax(x, t=1.0):
+    e = np.exp((x - x.max()) / t)
+    return e / e.sum()
+
+
+def test_greedy_is_argmax_with_ties_to_lowest_index():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(6, 1000)).astype(np.float32)
+    logits[1, [700, 90, 999]] = 9.0
+    logits[2, :] = -3.0
+    got = ops.sample(logits, np.zeros(6, np.float32), np.full(6, 5, np.int32), np.full(6, 0.5, np.float32),
+                     np.arange(6, dtype=np.uint64), np.zeros(6, np.int32))
+    np.testing.assert_array_equal(got, logits.argmax(axis=1))
+    assert got[1] == 90 and got[2] == 0
+
+
+def test_temperature_frequencies_match_softmax():
+    """Chi-square over 4000 draws on an 8-token vocabulary: 7 degrees of freedom, so a
+    statistic above 30 has probability ~1e-4 for a correct sampler (the draws are fixed by
+    the seed, so this cannot flake: it either holds for this seed or never)."""
+    logits = np.array([1.0, 0.5, 0.0, -0.5, 2.0, -1.0, 0.2, 1.5], np.float32)
+    n, t = 4000, 0.8
+    counts = np.bincount(draw(logits, n, temperature=t), minlength=8)
+    expected = n * softmax(logits, t)
+    assert ((counts - expected) ** 2 / expected).sum() < 30, counts
+
+
+def test_top_k_stays_in_the_top_k_and_keeps_ties():
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=500).astype(np.float32)
+    top = set(np.argsort(-logits)[:10].tolist())
+    got = draw(logits, 2000, temperature=2.0, top_k=10)
+    assert set(got.tolist()) == top  # never outside; at temperature 2 every one shows up
+    tied = np.zeros(50, np.float32)
+    tied[[3, 8]] = 5.0
+    tied[[11, 20, 30]] = 4.0  # the 3rd largest value is shared by 3 tokens: all stay allowed
+    assert set(draw(tied, 3000, temperature=3.0, top_k=3).tolist()) == {3, 8, 11, 20, 30}
+
+
+def test_top_p_stays_in_the_nucleus():
+    rng = np.random.default_rng(2)
+    logits = (2 * rng.normal(size=300)).astype(np.float32)
+    p, t = 0.7, 1.3
+    probs = softmax(logits, t)
+    order = np.argsort(-probs)
+    nucleus = set(order[:int(np.searchsorted(np.cumsum(probs[order]), p)) + 1].tolist())
+    got = draw(logits, 3000, temperature=t, top_p=p)
+    assert set(got.tolist()) == nucleus
+
+
+def test_top_k_then_top_p():
+    logits = np.log(np.array([0.4, 0.3, 0.2, 0.05, 0.05], np.float32))
+    # top-k 3 renormalises to 4/9, 3/9, 2/9: a nucleus of 0.7 needs the first two.
+    assert set(draw(logits, 500, top_k=3, top_p=0.7).tolist()) == {0, 1}
+
+
+def test_same_seed_and_counter_same_token_whatever_the_rest_of_the_batch():
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(5, 200)).astype(np.float32)
+    args = (np.full(5, 1.0, np.float32), np.array([-1, 5, -1, 50, 0], np.int32),
+            np.array([1.0, 1.0, 0.9, 0.8, 1.0], np.float32), np.array([1, 2, 3, 2**63 + 5, 9], np.uint64),
+            np.array([0, 4, 4, 100, 7], np.int32))
+    batch = ops.sample(logits, *args)
+    for r in range(5):
+        alone = ops.sample(logits[r:r + 1], *(a[r:r + 1] for a in args))
+        assert alone[0] == batch[r]
+    assert len(set(draw(logits[0], 40).tolist())) > 1   # counters change the draw
+    np.testing.assert_array_equal(draw(logits[0], 40, seed=11), draw(logits[0], 40, seed=11))
+
+
+def test_float_keys_order_like_floats():
+    x = np.array([-np.inf, -3e38, -1.0, -1e-30, -0.0, 0.0, 1e-30, 0.5, 1.0, 3e38, np.inf], np.float32)
+    assert (np.diff(ops.float_keys(x).astype(np.int64)) >= 0).all()
+    assert np.all(np.diff(ops.float_keys(x[[0, 1, 2, 3, 5, 6, 7, 8, 9, 10]]).astype(np.int64)) > 0)
+
+
+def test_uniforms_are_open_unit_interval_and_fixed():
+    u = ops.uniforms(2**64 - 1, 2**31 - 1, 100_000)
+    assert u.dtype == np.float32 and 0 < u.min() and u.max() < 1
+    assert abs(u.mean() - 0.5) < 0.01
+    # Pinned values: the CUDA kernel computes the same bits (a change here changes outputs).
+    np.testing.assert_array_equal(ops.uniforms(0, 0, 3), ops.uniforms(0, 0, 5)[:3])
+    assert not np.array_equal(ops.uniforms(0, 0, 3), ops.uniforms(0, 1, 3))
+    assert not np.array_equal(ops.uniforms(1, 0, 3), ops.uniforms(2**32 + 1, 0, 3))
+
+
+def test_sampler_rows_params_and_logits():
+    rng = np.random.default_rng(4)
+    logits = rng.normal(size=(3, 64)).astype(np.float32)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.9, top_k=5, return_logits=True),
+              SamplingParams(temperature=1.0, top_p=0.5, seed=-3)]
+    seqs = [Sequence(i, "", [1, 2, 3], p, 0.0, seed=-3 if i == 2 else 10 + i) for i, p in enumerate(params)]
+    seqs[1].token_ids.append(4)  # one output token so far: counter 1
+    tokens = Sampler(Device("cpu")).sample(logits, seqs)
+    assert tokens[0] == int(logits[0].argmax())
+    assert tokens[1] == ops.sample(logits[1:2], np.float32([0.9]), np.int32([5]), np.float32([1.0]),
+                                   np.uint64([11]), np.int32([1]))[0]
+    assert tokens[2] == ops.sample(logits[2:3], np.float32([1.0]), np.int32([-1]), np.float32([0.5]),
+                                   np.uint64([2**64 - 3]), np.int32([0]))[0]
+    assert len(seqs[1].logits) == 1 and not seqs[0].logits
+    np.testing.assert_array_equal(seqs[1].logits[0], logits[1])
+
+
+@pytest.mark.parametrize("vocab", [1, 2, 49152])
+def test_edge_vocab_sizes(vocab):
+    logits = np.random.default_rng(5).normal(size=(2, vocab)).astype(np.float32)
+    got = ops.sample(logits, np.float32([0.7, 1.0]), np.int32([1, vocab]), np.float32([1.0, 1e-6]),
+                     np.uint64([1, 2]), np.int32([0, 0]))
+    assert got[0] == logits[0].argmax() and got[1] == logits[1].argmax()  # top-1 and a tiny nucleus
