@@ -50,11 +50,16 @@ def add_rms_norm(x, residual, weight, eps):
     return rms_norm(x, weight, eps), x
 
 
+SMALL_BATCH = 64
+
+
 def linear(x, weight, bias=None):
     """x: (T, K), weight: (N, K) as stored in checkpoints, bias: (N,) -> (T, N)."""
     if on_gpu(x):
         return _kernels().linear(x, weight, bias)
-    y = x @ weight.T
+    # OpenBLAS runs (W @ x^T)^T ~25% faster than x @ W^T for a decode batch of up to 64 rows,
+    # and ~1.5x slower for a prefill's thousands (2-core CPU, the default model's shapes).
+    y = np.ascontiguousarray((weight @ x.T).T) if x.shape[0] <= SMALL_BATCH else x @ weight.T
     if bias is not None:
         y += bias
     return y
@@ -119,7 +124,7 @@ def _attend(q, keys, values, query_positions, scale):
     return out.reshape(nkv, n, group, d).transpose(1, 0, 2, 3).reshape(n, nq, d)
 
 
-DECODE_GROUP = 16  # sequences per batched matmul in the NumPy decode attention
+DECODE_GROUP = 32  # sequences per batched matmul in the NumPy decode attention
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
@@ -144,8 +149,10 @@ def _decode_group(q, k_cache, v_cache, block_tables, context_lens, scale):
     tables = block_tables[:, :num_blocks]  # -1 entries gather some block; masked out below
     length = num_blocks * block_size
 
-    def gather(cache):  # (s, nkv, length, d)
-        return cache[tables].transpose(0, 2, 1, 3, 4).reshape(s, nkv, length, d)
+    heads = np.arange(nkv)[None, :, None]
+
+    def gather(cache):  # (s, nkv, length, d), in one copy: index straight into that order
+        return cache[tables[:, None, :], heads].reshape(s, nkv, length, d)
 
     qg = q.reshape(s, nkv, nq // nkv, d)
     scores = (qg @ gather(k_cache).transpose(0, 1, 3, 2)) * scale  # (s, nkv, group, length)
