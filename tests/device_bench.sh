@@ -13,7 +13,7 @@ timeout 120 python -m pytest -q -m gpu tests/test_graphs_gpu.py tests/test_kerne
 
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
-timeout 60 python - "$WORK" <<'PY'
+timeout 150 python - "$WORK" <<'PY'
 import sys
 sys.path.insert(0, "tests")
 from reference import make_random_model
