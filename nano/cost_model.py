@@ -5,7 +5,8 @@ sequence's KV to host and back, or to recompute its tokens later; and (under
 the deadline policy) how long the remaining work of a request will take.
 
 Step time is modelled as linear in what the step does:
-    t = c0 + c_prefill * prefill_tokens + c_decode * decode_seqs + c_ctx * context_tokens_read
+    t = c0 + c_prefill * prefill_tokens + c_decode * decode_seqs + c_ctx * decode_context_tokens
+(decode_context_tokens: the cached tokens the step's decodes attend to)
 fitted by least squares over a sliding window of measured steps, with a prior
 (the starting coefficients) so it answers sensibly before the first step.
 """

@@ -215,7 +215,7 @@ class LLMEngine:
         seconds = now - start
         prefill = sum(n for _, n in plan.scheduled if n > 1)
         decodes = sum(1 for _, n in plan.scheduled if n == 1)
-        context = sum(s.num_computed_tokens for s, _ in plan.scheduled)
+        context = sum(s.num_computed_tokens for s, n in plan.scheduled if n == 1)  # KV the decodes read
         if plan.scheduled:
             self.cost.observe_step(prefill, decodes, context, seconds - swap_seconds)
         self.cost.observe_swap(swap_bytes, swap_seconds)

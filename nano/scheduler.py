@@ -20,7 +20,9 @@ Policies (--policy):
             token). Its slack is the time it can still afford to wait: deadline - now -
             the work it has left, priced by the step-time model that cost_model.py fits
             online. Admission and the prefill-chunk budget go to the least slack first; the
-            victim is the running sequence with the most slack; a waiting request whose
+            victim is the running sequence with the most slack; a step carries no more
+            prefill tokens than the tightest slack of the sequences decoding in it can
+            absorb (time per output token is an average); a waiting request whose
             slack is already negative can no longer make its target and is moved behind
             those that still can (or rejected, with --drop-late), so it does not make
             others late too.
@@ -113,10 +115,15 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
         prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        budget = self._schedule_each(decodes, out, budget)
         if self.deadline:  # the prefill budget goes to the least slack first
             prefills.sort(key=self.slack)
-        for seq in decodes + prefills:
-            if seq.status is not Status.RUNNING:  # preempted earlier in this loop
+            budget = min(budget, self._prefill_cap(out))
+        return self._schedule_each(prefills, out, budget)
+
+    def _schedule_each(self, seqs: list[Sequence], out: SchedulerOutput, budget: int) -> int:
+        for seq in seqs:
+            if seq.status is not Status.RUNNING:  # preempted earlier in this step
                 continue
             if not self._room(out, budget):
                 break
@@ -125,6 +132,21 @@ class Scheduler:
                 out.scheduled.append((seq, n))
                 budget -= n
         return budget
+
+    def _prefill_cap(self, out: SchedulerOutput) -> int:
+        """Deadline policy: how many prefill tokens this step may carry. A decoding sequence's
+        TPOT target is an average, so a long step is fine while it has slack; the step may add
+        as much prefill as the tightest slack among the sequences decoding in it can absorb
+        (priced per token by the cost model); sequences already past saving do not count.
+        Throughput wants the largest chunks (fewer,
+        fuller steps); TPOT wants short steps: here the two pull apart. At least one block's
+        worth, so that prompts always make progress."""
+        slacks = [self.slack(s) for s, _ in out.scheduled
+                  if s.params.tpot_slo and s.first_token_time is not None]
+        slacks = [x for x in slacks if x >= 0]  # already late: short steps would not save it
+        if not slacks or self.cost.coef[1] <= 0:
+            return self.config.max_num_batched_tokens
+        return max(int(min(slacks) / self.cost.coef[1]), self.bm.block_size)
 
     def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Find blocks for seq's next n tokens, preempting others if needed.
@@ -212,7 +234,7 @@ class Scheduler:
             return seq.arrival_time + p.ttft_slo - self.now - prefill_time
         if p.tpot_slo is None:
             return math.inf
-        context = sum(s.num_computed_tokens for s in self.running)
+        context = sum(s.num_computed_tokens for s in self.running if s.num_uncomputed_tokens == 1)
         decode_step = self.cost.step_time(0, max(len(self.running), 1), context)
         remaining = p.max_tokens - seq.num_output_tokens
         deadline = seq.first_token_time + p.tpot_slo * (p.max_tokens - 1)
