@@ -14,7 +14,6 @@ from nano.capacity import blocks_for_memory, kv_bytes_per_token
 from nano.clock import Clock
 from nano.config import EngineConfig, ModelConfig
 from nano.cost_model import CostModel
-from nano.errors import NanoError
 from nano.metrics import Metrics, MetricsWriter, QueueState
 from nano.runner import Device, ModelRunner, gpu_count, select_device
 from nano.sampler import Sampler

@@ -53,7 +53,6 @@ def copy_bandwidth_gbs():
         dst.data.copy_from_device_async(src.data, n)
 
     ms = median_ms(copy, reps=30, flush=False)
-    del pairs
     return 2 * n / ms / 1e6
 
 
