@@ -223,7 +223,10 @@ def rope_store_kvcache(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mappi
     if d % 16:
         raise ValueError(f"rope_store_kvcache: head_dim must be a multiple of 16, got {d}")
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.strides[1:] != (d * 2, 2) or x.strides[0] % 16 or x.data.ptr % 16:
+        # A length-1 heads axis (one KV head per TP rank, or MQA) carries whatever stride
+        # CuPy's reshape gives it (the row stride); the kernel never steps along it.
+        heads_ok = x.shape[1] == 1 or x.strides[1] == d * 2
+        if not heads_ok or x.strides[2] != 2 or x.strides[0] % 16 or x.data.ptr % 16:
             raise ValueError(f"rope_store_kvcache: {name} needs contiguous, 16-byte aligned rows "
                              f"of heads, strides {x.strides}")
     if k.strides[0] != v.strides[0]:

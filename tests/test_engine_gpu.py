@@ -5,8 +5,10 @@ Tolerances: weights are stored as float16 so both paths use identical weight val
 GPU keeps activations and the KV cache in float16 (11-bit mantissa, ~5e-4 relative per
 rounding) through 16-30 layers, so logits differ by up to a few percent of their scale.
 We require max |gpu - cpu| <= LOGIT_TOL * max |cpu| on every teacher-forced step (steps
-where both paths have been fed the same tokens), and identical greedy tokens over the
-first GREEDY_HORIZON tokens of every request.
+where both paths have been fed the same tokens), and every GPU greedy token to be exactly
+the argmax of the logits row it was sampled from. The greedy tokens of the two paths must
+agree, except where the CPU's top two logits are within twice the tolerance (a near-tie,
+which rounding may break either way); the comparison stops there, as inputs differ.
 """
 import numpy as np
 import pytest
@@ -19,7 +21,6 @@ from reference import make_random_model
 pytestmark = pytest.mark.gpu
 
 LOGIT_TOL = 3e-2
-GREEDY_HORIZON = 4
 
 SHAPES = {
     "smollm2_135m": dict(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, vocab=49152),
@@ -48,11 +49,13 @@ def generate(model_dir, device, prompts, max_tokens=8, **engine_args):
 
 def compare(cpu_seqs, gpu_seqs):
     for c, g in zip(cpu_seqs, gpu_seqs):
-        assert g.output_token_ids[:GREEDY_HORIZON] == c.output_token_ids[:GREEDY_HORIZON]
         for step, (lc, lg) in enumerate(zip(c.logits, g.logits)):
             err = np.abs(lg - lc).max() / np.abs(lc).max()
             assert err <= LOGIT_TOL, f"seq {c.seq_id} step {step}: relative logit error {err:.2e}"
+            assert g.output_token_ids[step] == int(np.argmax(lg)), f"seq {c.seq_id} step {step}: not greedy"
             if c.output_token_ids[step] != g.output_token_ids[step]:
+                top2 = np.sort(lc)[-2:]  # tokens may part only at a near-tie of the reference
+                assert top2[1] - top2[0] <= 2 * LOGIT_TOL * np.abs(lc).max(), f"seq {c.seq_id} step {step}"
                 break  # inputs differ from here on: no longer teacher-forced
 
 

@@ -111,10 +111,11 @@ def test_cublas_linear_matches_cupy_matmul(rng, tokens, k, n):
     assert_close(ops.linear(x_d, w_d), ops.linear(wide[:, 8:8 + k], w))
 
 
-@pytest.mark.parametrize("nq, nkv, d", [(9, 3, 64), (32, 8, 128)])
+@pytest.mark.parametrize("nq, nkv, d", [(9, 3, 64), (32, 8, 128), (4, 1, 128)])
 def test_rope_store_kvcache_on_strided_views(rng, nq, nkv, d):
     """q, k, v are views into one fused QKV output, as the model produces them; slot -1
-    tokens are rotated (q) but write nothing."""
+    tokens are rotated (q) but write nothing. One KV head (a TP rank's share, or MQA): CuPy
+    gives the length-1 heads axis of k and v the row stride."""
     tokens, num_blocks, block_size = 21, 6, 16
     qkv, qkv_d = f16(rng.normal(size=(tokens, (nq + 2 * nkv) * d)))
     before = qkv_d.copy()
