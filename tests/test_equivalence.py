@@ -12,6 +12,7 @@ from nano.config import EngineConfig
 from nano.engine import LLMEngine
 from nano.sequence import SamplingParams
 from nano.weights import Tokenizer
+from reference import DenseLlama, make_random_model
 
 # float32 everywhere; the engine sums attention in a different order (paged, chunked),
 # so logits agree to rounding: relative to the logit scale, 1e-4 is ~100x the noise seen.
@@ -92,3 +93,13 @@ def test_default_model_matches_dense(default_model, default_dense, name):
         args["num_blocks"] = 14  # 4 prompts of ~40 tokens + 12 generated need 16
     _, seqs = run(default_model, prompts, max_tokens=12, **args)
     check_against_dense(default_dense, prompts, seqs)
+
+
+@pytest.mark.parametrize("variant", [dict(bias=True, tie=False), dict(dtype="bfloat16"),
+                                     dict(dtype="float16", kv_heads=1), dict(kv_heads=4)])
+def test_checkpoint_variants_match_dense(tmp_path, variant):
+    """q/k/v biases (Qwen2) and a separate LM head, bfloat16 / float16 files, MQA and MHA."""
+    model_dir = make_random_model(tmp_path, seed=5, **variant)
+    prompts = shared_prefix_prompts(512, np.random.default_rng(3), n=3)
+    _, seqs = run(model_dir, prompts, max_tokens=10, max_num_batched_tokens=16)
+    check_against_dense(DenseLlama(model_dir), prompts, seqs)
