@@ -185,6 +185,8 @@ def main(argv=None) -> int:
             raise NanoError("give --prompt-file FILE (or --bench, or --plan)")
         requests = (read_requests(args.prompt_file, params)
                     if args.prompt_file and not args.bench and group.rank == 0 else None)
+        if args.output and group.rank == 0:  # find out now, not after generating everything
+            write_jsonl(args.output, [], [], None)
 
     if args.plan:
         from nano.capacity import format_plan, plan_from_config

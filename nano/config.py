@@ -23,6 +23,10 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
+        missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads", "vocab_size") if k not in cfg]
+        if missing:
+            raise NanoError(f"config.json is not a Llama-family config: no {missing[0]!r}")
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)

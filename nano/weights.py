@@ -295,7 +295,11 @@ def _token_str(tok) -> str | None:
 class Tokenizer:
     def __init__(self, model_dir: Path):
         model_dir = Path(model_dir)
-        self._tok = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        path = model_dir / "tokenizer.json"
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as e:  # the library raises a bare Exception for a missing or bad file
+            raise NanoError(f"cannot load {path}: {e}") from None
         cfg_path = model_dir / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         self.bos_token = _token_str(cfg.get("bos_token"))

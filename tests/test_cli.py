@@ -104,3 +104,18 @@ def test_jsonl_prompts_with_targets_and_plan(tmp_path, default_model):
     assert plan.returncode == 0, plan.stderr
     assert "KV cache per token  46080 bytes" in plan.stdout and "without GQA it would be 138240" in plan.stdout
     assert "8192" in plan.stdout
+
+
+def test_broken_model_folder_and_output_path(tmp_path, default_model):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text('{"hidden_size": 8}')
+    (tmp_path / "p.txt").write_text("hi\n")
+    assert_one_line_error(run_cli("--prompt-file", tmp_path / "p.txt", "--model", tmp_path / "m"),
+                          "not a Llama-family config")
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / "m" / name).unlink(missing_ok=True)
+        (tmp_path / "m" / name).symlink_to(default_model / name)
+    assert_one_line_error(run_cli("--prompt-file", tmp_path / "p.txt", "--model", tmp_path / "m"),
+                          "tokenizer.json")
+    assert_one_line_error(run_cli("--prompt-file", tmp_path / "p.txt", "--output", tmp_path / "no" / "o.jsonl"),
+                          "cannot write")
