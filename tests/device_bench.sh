@@ -16,14 +16,12 @@ trap 'rm -rf "$WORK"' EXIT
 timeout 150 python - "$WORK" <<'PY'
 import sys
 sys.path.insert(0, "tests")
-from reference import make_random_model
+from reference import LLAMA_32_1B, SMOLLM2_135M, make_random_model
 root = sys.argv[1]
 # max_pos 2048: the bench's longest request (1024 + 1024 tokens) fits; graphs' block
 # tables are 2048 / 16 = 128 blocks wide.
-make_random_model(f"{root}/smollm2-135m", hidden=576, layers=30, heads=9, kv_heads=3,
-                  intermediate=1536, vocab=49152, max_pos=2048, dtype="float16", seed=1)
-make_random_model(f"{root}/llama-3.2-1b", hidden=2048, layers=16, heads=32, kv_heads=8,
-                  intermediate=8192, vocab=128256, max_pos=2048, dtype="float16", seed=1)
+make_random_model(f"{root}/smollm2-135m", max_pos=2048, dtype="float16", seed=1, **SMOLLM2_135M)
+make_random_model(f"{root}/llama-3.2-1b", max_pos=2048, dtype="float16", seed=1, **LLAMA_32_1B)
 PY
 
 ROWS="$WORK/rows.txt"

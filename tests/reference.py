@@ -105,6 +105,10 @@ class DenseLlama:
 
 # ---------------------------------------------------------------- tiny random models
 
+# Real model shapes, for random-weight models on the GPU (make_random_model(dir, **shape)).
+SMOLLM2_135M = dict(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, vocab=49152)
+LLAMA_32_1B = dict(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, vocab=128256)
+
 _CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
            " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
            "{{ '<|im_start|>assistant\n' }}{% endif %}")

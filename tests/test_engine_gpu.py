@@ -16,16 +16,13 @@ import pytest
 from nano.config import EngineConfig
 from nano.engine import LLMEngine
 from nano.sequence import SamplingParams
-from reference import make_random_model
+from reference import LLAMA_32_1B, SMOLLM2_135M, make_random_model
 
 pytestmark = pytest.mark.gpu
 
 LOGIT_TOL = 3e-2
 
-SHAPES = {
-    "smollm2_135m": dict(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, vocab=49152),
-    "llama_3.2_1b": dict(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, vocab=128256),
-}
+SHAPES = {"smollm2_135m": SMOLLM2_135M, "llama_3.2_1b": LLAMA_32_1B}
 
 
 @pytest.fixture(scope="module", params=list(SHAPES))

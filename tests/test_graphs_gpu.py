@@ -19,7 +19,7 @@ from nano.config import EngineConfig
 from nano.engine import LLMEngine
 from nano.model import ForwardBatch
 from nano.sequence import SamplingParams
-from reference import make_random_model
+from reference import SMOLLM2_135M, make_random_model
 
 cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.gpu
@@ -28,7 +28,7 @@ LOGIT_TOL = 1e-2
 SAME_BATCH_TOL = 1e-3
 
 SHAPES = {
-    "smollm2_135m": dict(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536, vocab=49152),
+    "smollm2_135m": SMOLLM2_135M,
     "head_dim_128": dict(hidden=1024, layers=4, heads=8, kv_heads=2, intermediate=2816, vocab=32000),
 }
 
