@@ -8,7 +8,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi -L
-timeout 200 python -m pytest -q -x --durations=10 -m gpu \
+timeout 200 python -m pytest -q --durations=10 -m gpu \
   tests/test_kernels_gpu.py tests/test_graphs_gpu.py tests/test_engine_gpu.py
 status=$?
 timeout 80 python tests/bench_kernels.py
