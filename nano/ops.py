@@ -259,6 +259,9 @@ def _largest_passing(lo: int, hi: int, passes) -> int:
 def _sample_row(x, t, top_k, top_p, seed, counter) -> int:
     if t == 0:
         return int(np.argmax(x))
+    scores = x / t - np.log(-np.log(uniforms(seed, counter, x.size)))
+    if not (0 < top_k < x.size or top_p < 1):  # the whole vocabulary is allowed
+        return int(np.argmax(scores))
     keys = float_keys(x)
     key_max = int(keys.max())
     threshold = 0  # keys >= threshold are allowed
@@ -269,7 +272,6 @@ def _sample_row(x, t, top_k, top_p, seed, counter) -> int:
         target = top_p * e[keys >= threshold].sum(dtype=np.float32)
         threshold = _largest_passing(threshold, key_max,
                                      lambda m: e[keys >= m].sum(dtype=np.float32) >= target)
-    scores = x / t - np.log(-np.log(uniforms(seed, counter, x.size)))
     return int(np.argmax(np.where(keys >= threshold, scores, -np.inf)))
 
 
