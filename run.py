@@ -206,6 +206,7 @@ def main(argv=None) -> int:
             args.num_seqs, parse_range(args.input_len, "--input-len"),
             parse_range(args.output_len, "--output-len"), engine.model_config.vocab_size,
             params.ttft_slo, params.tpot_slo)
+        bench.warm_up(engine)
     else:
         chat = not args.no_chat and engine.tokenizer.chat_template is not None
         inputs = [engine.tokenizer.apply_chat_template(p) if chat else p for p, _ in requests]
@@ -268,6 +269,7 @@ def rate_bench(args, config: EngineConfig) -> int:
             args.num_seqs, parse_range(args.input_len, "--input-len"),
             parse_range(args.output_len, "--output-len"), engine.model_config.vocab_size,
             params.ttft_slo, params.tpot_slo)
+        bench.warm_up(engine)
         _, wall = run_all(engine, inputs, per_request, arrivals)
         results[policy] = engine.metrics.summary(wall)
         print(f"--- {policy}\n{format_summary(results[policy])}")

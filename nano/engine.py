@@ -142,6 +142,9 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
+    def reset_metrics(self) -> None:
+        self.metrics = Metrics(self.block_manager.num_blocks)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
