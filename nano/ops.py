@@ -71,7 +71,12 @@ def silu_mul(gate_up):
         return _kernels().silu_mul(gate_up)
     inter = gate_up.shape[-1] // 2
     gate, up = gate_up[:, :inter], gate_up[:, inter:]
-    return gate / (1.0 + np.exp(-gate)) * up
+    out = np.negative(gate)  # silu(g) * up = g / (1 + exp(-g)) * up, in one buffer
+    np.exp(out, out=out)
+    out += 1.0
+    np.divide(gate, out, out=out)
+    out *= up
+    return out
 
 
 def rope_store_kvcache(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
