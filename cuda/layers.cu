@@ -50,24 +50,32 @@ __device__ void store8(__half* p, const float* f) {
     *reinterpret_cast<uint4*>(p) = u;
 }
 
+// out = src * inv_rms * weight over one row; each thread handles the same 8-value chunks it
+// handled in its first pass, so it only re-reads what it wrote itself.
+__device__ void scale_row(const __half* src, const __half* __restrict__ weight, __half* out,
+                          int hidden, float inv_rms) {
+    float f[8], w[8];
+    for (int c = threadIdx.x * 8; c < hidden; c += blockDim.x * 8) {
+        load8(src + c, f);
+        load8(weight + c, w);
+        for (int i = 0; i < 8; i++) f[i] = f[i] * inv_rms * w[i];
+        store8(out + c, f);
+    }
+}
+
 // out = x * rsqrt(mean(x^2) + eps) * weight. Reads the row twice; the second read hits cache.
 extern "C" __global__ void rms_norm(const __half* __restrict__ x, const __half* __restrict__ weight,
                                     __half* __restrict__ out, int hidden, float eps) {
     __shared__ float shared[32];
     const long long row = (long long)blockIdx.x * hidden;
-    float f[8], w[8];
+    float f[8];
     float sum_sq = 0.0f;
     for (int c = threadIdx.x * 8; c < hidden; c += blockDim.x * 8) {
         load8(x + row + c, f);
         for (int i = 0; i < 8; i++) sum_sq += f[i] * f[i];
     }
     const float inv_rms = rsqrtf(block_sum(sum_sq, shared) / hidden + eps);
-    for (int c = threadIdx.x * 8; c < hidden; c += blockDim.x * 8) {
-        load8(x + row + c, f);
-        load8(weight + c, w);
-        for (int i = 0; i < 8; i++) f[i] = f[i] * inv_rms * w[i];
-        store8(out + row + c, f);
-    }
+    scale_row(x + row, weight, out + row, hidden, inv_rms);
 }
 
 // new_residual = x + residual (rounded to float16, as the next layer will read it);
@@ -80,7 +88,7 @@ extern "C" __global__ void add_rms_norm(const __half* __restrict__ x,
                                         int hidden, float eps) {
     __shared__ float shared[32];
     const long long row = (long long)blockIdx.x * hidden;
-    float f[8], r[8], w[8];
+    float f[8], r[8];
     float sum_sq = 0.0f;
     for (int c = threadIdx.x * 8; c < hidden; c += blockDim.x * 8) {
         load8(x + row + c, f);
@@ -90,12 +98,7 @@ extern "C" __global__ void add_rms_norm(const __half* __restrict__ x,
         for (int i = 0; i < 8; i++) sum_sq += f[i] * f[i];
     }
     const float inv_rms = rsqrtf(block_sum(sum_sq, shared) / hidden + eps);
-    for (int c = threadIdx.x * 8; c < hidden; c += blockDim.x * 8) {
-        load8(new_residual + row + c, f);
-        load8(weight + c, w);
-        for (int i = 0; i < 8; i++) f[i] = f[i] * inv_rms * w[i];
-        store8(out + row + c, f);
-    }
+    scale_row(new_residual + row, weight, out + row, hidden, inv_rms);
 }
 
 // out[t, j] = silu(gate[t, j]) * up[t, j], 8 outputs per thread; n8 = T * I / 8.

@@ -71,8 +71,8 @@ __device__ T block_reduce(T value, Op op, T* shared) {
     return value;
 }
 
-// The (value, index) pair with the largest value, ties to the lower index; every thread gets it.
-__device__ int block_argmax(float best, int index, float* values, int* indices) {
+// Within a warp: the (value, index) pair with the largest value, ties to the lower index.
+__device__ void warp_argmax(float& best, int& index) {
     for (int o = 16; o > 0; o >>= 1) {
         const float v = __shfl_xor_sync(0xffffffff, best, o);
         const int i = __shfl_xor_sync(0xffffffff, index, o);
@@ -81,6 +81,11 @@ __device__ int block_argmax(float best, int index, float* values, int* indices) 
             index = i;
         }
     }
+}
+
+// The (value, index) pair with the largest value, ties to the lower index; every thread gets it.
+__device__ int block_argmax(float best, int index, float* values, int* indices) {
+    warp_argmax(best, index);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     __syncthreads();  // `values` may be block_reduce's `shared`, still being read
     if (lane == 0) {
@@ -90,14 +95,7 @@ __device__ int block_argmax(float best, int index, float* values, int* indices) 
     __syncthreads();
     best = values[lane];
     index = indices[lane];
-    for (int o = 16; o > 0; o >>= 1) {
-        const float v = __shfl_xor_sync(0xffffffff, best, o);
-        const int i = __shfl_xor_sync(0xffffffff, index, o);
-        if (v > best || (v == best && i < index)) {
-            best = v;
-            index = i;
-        }
-    }
+    warp_argmax(best, index);
     return index;
 }
 
