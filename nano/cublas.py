@@ -35,9 +35,17 @@ WORKSPACE_BYTES = 32 * 2**20
 
 
 def _candidates() -> list[str]:
-    """Where libcublas.so.13 may be: the CUDA toolkit (on the device machine), the nvidia
-    cuBLAS wheel (pip installs), and last the dynamic loader's own search path."""
+    """Where libcublas.so.13 may be: where CuPy's cuda.pathfinder finds it, the CUDA toolkit,
+    the nvidia cuBLAS wheel (pip installs), and last the dynamic loader's own search path."""
     paths = []
+    try:  # first the copy CuPy's own cuBLAS bindings use (CuPy 14 loads it with cuda.pathfinder,
+        # libcublasLt first, RTLD_GLOBAL): one libcublas per process, its libcublasLt resolved
+        from cuda import pathfinder
+        loaded = pathfinder.load_nvidia_dynamic_lib("cublas").abs_path
+        if loaded:
+            paths.append(loaded)
+    except Exception:  # no pathfinder, or it found no cuBLAS: the places below
+        pass
     for root in (os.environ.get("CUDA_PATH"), cupy.cuda.get_cuda_path(), "/usr/local/cuda"):
         if root:
             paths.append(os.path.join(root, "lib64", "libcublas.so.13"))
@@ -81,7 +89,10 @@ class Handle:
         self.lib = _library()
         self.ptr = ctypes.c_void_p()
         _check(self.lib.cublasCreate_v2(ctypes.byref(self.ptr)), "cublasCreate_v2")
-        self.workspace = cupy.empty(WORKSPACE_BYTES, cupy.uint8)
+        # A raw allocation this handle owns, in no memory pool: the handle is cached for the
+        # process, so its workspace must outlive whatever allocator is current when it is created
+        # (inside DecodeGraphs' warm-up that is a graph pool, freed with its engine).
+        self.workspace = cupy.cuda.Memory(WORKSPACE_BYTES)
         self.stream = None  # the stream the handle was last set to
         self.one, self.zero = ctypes.c_float(1.0), ctypes.c_float(0.0)  # alpha, beta (float32 compute)
 
@@ -93,7 +104,7 @@ class Handle:
             return
         _check(self.lib.cublasSetStream_v2(self.ptr, stream), "cublasSetStream_v2")
         # cublasSetStream resets the workspace to cuBLAS's default pool: set ours again.
-        _check(self.lib.cublasSetWorkspace_v2(self.ptr, self.workspace.data.ptr, WORKSPACE_BYTES),
+        _check(self.lib.cublasSetWorkspace_v2(self.ptr, self.workspace.ptr, WORKSPACE_BYTES),
                "cublasSetWorkspace_v2")
         self.stream = stream
 

@@ -87,6 +87,7 @@ def _module(name: str) -> cupy.RawModule:
                           backend="nvrtc", name_expressions=_TEMPLATES.get(name))
 
 
+@functools.cache  # get_function builds a new RawKernel each call: host time on every eager launch
 def _kernel(source: str, name: str):
     return _module(source).get_function(name)
 

@@ -5,15 +5,21 @@
 # decoding and the 256-sequence bench workload, each eager (--enforce-eager) and with
 # graphs. The markdown table of results is the last thing printed.
 # Every step has its own time limit, so a hang costs its row, not the table.
+# NANO_SKIP_TESTS=1 skips the tests (when device_check.sh ran them in the same call); where
+# $OUT is set (the device tool), every run's full log is appended to $OUT/bench_runs.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
 nvidia-smi -L
-timeout 120 python -m pytest -q -m gpu tests/test_graphs_gpu.py tests/test_kernels_gpu.py
+if [ -z "${NANO_SKIP_TESTS:-}" ]; then
+  timeout 120 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_graphs_gpu.py tests/test_kernels_gpu.py
+fi
 
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
-timeout 150 python - "$WORK" <<'PY'
+ALL=${OUT:-$WORK}/bench_runs.log
+timeout 150 $PY - "$WORK" <<'PY'
 import sys
 sys.path.insert(0, "tests")
 from reference import LLAMA_32_1B, SMOLLM2_135M, make_random_model
@@ -30,13 +36,14 @@ for model in smollm2-135m llama-3.2-1b; do
     set -- $run
     flag=$([ "$1" = eager ] && echo --enforce-eager || true)
     log="$WORK/$model-$1-$3.log"
-    timeout "$2" python run.py --bench --model "$WORK/$model" --device gpu $flag \
+    timeout "$2" $PY run.py --bench --model "$WORK/$model" --device gpu $flag \
       --num-seqs "$3" --input-len "$4" --output-len "$5" > "$log" 2>&1
     echo "$model|$1|$3 seqs, in $4, out $5|$?|$log" >> "$ROWS"
+    { echo "=== $model $run"; cat "$log"; } >> "$ALL"
   done
 done
 
-python - "$ROWS" <<'PY'
+$PY - "$ROWS" <<'PY'
 import re, sys
 print("\n| model | mode | workload | output tok/s | total tok/s | mean decode step | floor | fraction of floor |")
 print("|---|---|---|---|---|---|---|---|")

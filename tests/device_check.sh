@@ -4,12 +4,23 @@
 # against the CPU path), then the kernel benchmark, whose markdown table is printed last.
 # A failing test does not hide the benchmark; the exit code is the tests'. Each part has a
 # time limit so that a hang costs that part, not the call. Budget: under 5 minutes.
+# Where $OUT is set (the device tool), the full pytest log is written there too.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+LOGS=${OUT:-$(mktemp -d)}
 nvidia-smi -L
-timeout 200 python -m pytest -q --durations=10 -m gpu \
-  tests/test_kernels_gpu.py tests/test_graphs_gpu.py tests/test_engine_gpu.py
-status=$?
-timeout 80 python tests/bench_kernels.py
+# pytest-timeout, where installed, bounds each test so one hang costs one test
+per_test=$($PY -c "import pytest_timeout" 2>/dev/null && echo "--timeout=100")
+status=0
+for part in "100 kernels tests/test_kernels_gpu.py" "60 graphs tests/test_graphs_gpu.py" \
+            "150 engine tests/test_engine_gpu.py"; do
+  set -- $part
+  timeout "$1" $PY -m pytest -q -rfE --durations=8 -p no:cacheprovider -m gpu $per_test "$3" \
+    > "$LOGS/check_$2.log" 2>&1 || status=1
+  echo "== $2 tests (limit $1 s):"
+  grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed|error)|Timeout" "$LOGS/check_$2.log" | cut -c1-240 | tail -25
+done
+timeout 80 $PY tests/bench_kernels.py
 exit $status
