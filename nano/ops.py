@@ -13,6 +13,8 @@ Shapes used below:
   k_cache / v_cache: one layer's (num_blocks, nkv, block_size, d)
   block_tables: (S, max_blocks) int32, -1 past each sequence's last block
 """
+import functools
+
 import numpy as np
 
 
@@ -51,6 +53,7 @@ def add_rms_norm(x, residual, weight, eps):
 
 
 SMALL_BATCH = 64
+LINEAR_SLICE = 2048
 
 
 def linear(x, weight, bias=None):
@@ -59,7 +62,15 @@ def linear(x, weight, bias=None):
         return _kernels().linear(x, weight, bias)
     # OpenBLAS runs (W @ x^T)^T ~25% faster than x @ W^T for a decode batch of up to 64 rows,
     # and ~1.5x slower for a prefill's thousands (2-core CPU, the default model's shapes).
-    y = np.ascontiguousarray((weight @ x.T).T) if x.shape[0] <= SMALL_BATCH else x @ weight.T
+    # W in slices of 2048 output rows: the LM head (49152 x 576) for 32 rows took 17.5 ms
+    # instead of 23.5 in one call (same machine, interleaved repeats); no change for 1 row.
+    if x.shape[0] > SMALL_BATCH:
+        y = x @ weight.T
+    else:
+        yt = np.empty((weight.shape[0], x.shape[0]), np.result_type(x, weight))  # (N, T)
+        for i in range(0, weight.shape[0], LINEAR_SLICE):
+            np.matmul(weight[i:i + LINEAR_SLICE], x.T, out=yt[i:i + LINEAR_SLICE])
+        y = np.ascontiguousarray(yt.T)
     if bias is not None:
         y += bias
     return y
@@ -226,13 +237,22 @@ def sample(logits, temperature, top_k, top_p, seeds, counters):
                     dtype=np.int32).reshape(len(logits))
 
 
-def _fmix32(h):
-    """murmur3's 32-bit finalizer, on a Python int or a uint32 array (wrapping like C)."""
+def _fmix32(h: np.ndarray) -> np.ndarray:
+    """murmur3's 32-bit finalizer, in place on a uint32 array (products wrap like C)."""
     h ^= h >> 16
-    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h *= np.uint32(0x85EBCA6B)
     h ^= h >> 13
-    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
-    return h ^ (h >> 16)
+    h *= np.uint32(0xC2B2AE35)
+    h ^= h >> 16
+    return h
+
+
+@functools.cache
+def _token_hashes(size: int) -> np.ndarray:
+    """i * 0x9E3779B9 (mod 2^32) for every token id i: the same for every draw, so kept."""
+    hashes = np.arange(size, dtype=np.uint32) * np.uint32(0x9E3779B9)
+    hashes.flags.writeable = False
+    return hashes
 
 
 def float_keys(x):
@@ -244,9 +264,15 @@ def float_keys(x):
 def uniforms(seed: int, counter: int, size: int) -> np.ndarray:
     """The (0, 1) numbers behind one draw: u_i = top 23 bits of a hash of (seed, counter, i),
     plus half a step, so neither 0 nor 1 (exact in float32, identical on the GPU)."""
-    row_key = _fmix32((seed & 0xFFFFFFFF) ^ _fmix32((seed >> 32) ^ _fmix32(counter & 0xFFFFFFFF)))
-    h = _fmix32(np.uint32(row_key) + np.arange(size, dtype=np.uint32) * np.uint32(0x9E3779B9))
-    return ((h >> 9).astype(np.float32) + np.float32(0.5)) * np.float32(2.0 ** -23)
+    key = _fmix32(np.array([counter & 0xFFFFFFFF], np.uint32))
+    key = _fmix32(key ^ np.uint32(seed >> 32 & 0xFFFFFFFF))
+    key = _fmix32(key ^ np.uint32(seed & 0xFFFFFFFF))  # (1,): the row's key
+    h = _fmix32(_token_hashes(size) + key)
+    h >>= 9
+    u = h.astype(np.float32)  # in place below: 49152 draws in 0.05 ms instead of 0.08-0.2
+    u += np.float32(0.5)
+    u *= np.float32(2.0 ** -23)
+    return u
 
 
 def _largest_passing(lo: int, hi: int, passes) -> int:
