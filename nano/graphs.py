@@ -120,7 +120,12 @@ class DecodeGraphs:
             self.stream.begin_capture()
             try:
                 logits = self.model.forward(batch, self.kv_cache)
-            finally:
-                graph = self.stream.end_capture()
+            except Exception:
+                try:  # leave capture mode; the forward pass's own error is the one to report
+                    self.stream.end_capture()
+                except Exception:
+                    pass
+                raise
+            graph = self.stream.end_capture()
         self.stream.synchronize()
         return _Captured(inputs, graph, logits)
