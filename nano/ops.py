@@ -52,25 +52,12 @@ def add_rms_norm(x, residual, weight, eps):
     return rms_norm(x, weight, eps), x
 
 
-SMALL_BATCH = 64
-LINEAR_SLICE = 2048
-
-
 def linear(x, weight, bias=None):
-    """x: (T, K), weight: (N, K) as stored in checkpoints, bias: (N,) -> (T, N)."""
+    """x: (T, K), weight: (N, K) as in checkpoints, bias: (N,) -> (T, N). On the CPU the
+    weight is stored column-major (Device.put), so this is one GEMM with plain operands."""
     if on_gpu(x):
         return _kernels().linear(x, weight, bias)
-    # OpenBLAS runs (W @ x^T)^T ~25% faster than x @ W^T for a decode batch of up to 64 rows,
-    # and ~1.5x slower for a prefill's thousands (2-core CPU, the default model's shapes).
-    # W in slices of 2048 output rows: the LM head (49152 x 576) for 32 rows took 17.5 ms
-    # instead of 23.5 in one call (same machine, interleaved repeats); no change for 1 row.
-    if x.shape[0] > SMALL_BATCH:
-        y = x @ weight.T
-    else:
-        yt = np.empty((weight.shape[0], x.shape[0]), np.result_type(x, weight))  # (N, T)
-        for i in range(0, weight.shape[0], LINEAR_SLICE):
-            np.matmul(weight[i:i + LINEAR_SLICE], x.T, out=yt[i:i + LINEAR_SLICE])
-        y = np.ascontiguousarray(yt.T)
+    y = x @ weight.T
     if bias is not None:
         y += bias
     return y

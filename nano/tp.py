@@ -91,12 +91,12 @@ def load_model(reader, cfg: ModelConfig, plan: ShardPlan, to_device, max_positio
                                   get(p + "mlp.up_proj.weight", rows=plan.inter)])
         layers.append(LayerWeights(
             input_norm=to_device(get(p + "input_layernorm.weight")),
-            qkv=to_device(qkv),
+            qkv=to_device(qkv, gemm=True),
             qkv_bias=bias,
-            o_proj=to_device(get(p + "self_attn.o_proj.weight", cols=q_rows)),
+            o_proj=to_device(get(p + "self_attn.o_proj.weight", cols=q_rows), gemm=True),
             post_norm=to_device(get(p + "post_attention_layernorm.weight")),
-            gate_up=to_device(gate_up),
-            down=to_device(get(p + "mlp.down_proj.weight", cols=plan.inter)),
+            gate_up=to_device(gate_up, gemm=True),
+            down=to_device(get(p + "mlp.down_proj.weight", cols=plan.inter), gemm=True),
         ))
     # Embedding and LM head are replicated, not split by vocabulary. Vocab-parallel would
     # save each rank (tp-1)/tp of the (V, H) table -- for the default model at tp=2, 28 MB
@@ -108,9 +108,9 @@ def load_model(reader, cfg: ModelConfig, plan: ShardPlan, to_device, max_positio
     # 0.2 / 12.6 MB of logits in 0.02 / 1.0 ms. So vocab-parallel would save about 4 ms of a
     # ~90 ms one-sequence decode step (~5%), more for big batches: real, but replicating
     # keeps the model and the sampler unaware of TP.
-    embed = to_device(get("model.embed_tokens.weight"))
     tied = cfg.tie_word_embeddings or "lm_head.weight" not in names
-    lm_head = embed if tied else to_device(get("lm_head.weight"))
+    embed = to_device(get("model.embed_tokens.weight"), gemm=tied)  # tied: also the LM head
+    lm_head = embed if tied else to_device(get("lm_head.weight"), gemm=True)
     return LlamaModel(cfg, plan.num_heads, plan.num_kv_heads, embed, lm_head,
                       to_device(get("model.norm.weight")), layers,
                       to_device(rope_cos_sin(cfg, max_positions), keep_float32=True), all_reduce)
