@@ -10,16 +10,8 @@ import argparse
 import dataclasses
 import gc
 import json
-import os
 import sys
 import time
-
-# Under mpirun each rank's BLAS gets its share of this host's cores, set before NumPy loads:
-# with every core per rank, tp=2 on 2 cores ran a decode step in 1.3 s instead of 57 ms.
-if "OMPI_COMM_WORLD_LOCAL_SIZE" in os.environ:
-    share = str(max(1, (os.cpu_count() or 1) // int(os.environ["OMPI_COMM_WORLD_LOCAL_SIZE"])))
-    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
-        os.environ.setdefault(var, share)
 
 from nano import bench, parallel
 from nano.config import EngineConfig, parse_bytes
