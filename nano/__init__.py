@@ -1,7 +1,7 @@
 """nano: a minimal LLM inference engine (paged KV cache, continuous batching, CUDA kernels)."""
-from nano import blas
+from nano import cpu_setup
 
-blas.configure()  # first: OpenBLAS reads its settings when NumPy loads it
+cpu_setup.configure()  # first: OpenBLAS reads its settings when NumPy loads it
 
 from nano.llm import LLM, RequestOutput
 from nano.sequence import SamplingParams

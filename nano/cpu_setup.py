@@ -1,6 +1,8 @@
-"""OpenBLAS settings for the CPU path. OpenBLAS reads them when NumPy loads it, so
-nano/__init__.py calls configure() before anything imports NumPy; a variable the user has
-set is left alone. (No effect where NumPy was imported before nano.)"""
+"""Process settings for the CPU path: OpenBLAS threads and kernels, glibc malloc thresholds.
+OpenBLAS reads its variables when NumPy loads it, so nano/__init__.py calls configure()
+before anything imports NumPy; a variable the user has set is left alone. (The OpenBLAS
+part has no effect where NumPy was imported before nano.)"""
+import ctypes
 import os
 
 
@@ -33,4 +35,23 @@ def configure() -> None:
     vendor, flags = _cpu_flags()
     if vendor == "AuthenticAMD" and "avx512f" in flags:
         os.environ.setdefault("OPENBLAS_CORETYPE", "Zen")
+    _keep_freed_memory()
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
+
+
+def _keep_freed_memory() -> None:
+    """A forward pass allocates and frees the same large temporaries (activations of
+    hundreds of KB to MBs) at every op. By default glibc maps those with mmap or trims them
+    off the heap when freed, so each new one is page-faulted in again: RMSNorm over 256
+    tokens took 690 us with 265 page faults a call, 128 us with none once freed memory is
+    kept; the example prompts' TTFT went from 395-696 to 317-351 ms. Arrays over 32 MiB
+    (glibc's cap) are still mapped. Not glibc (macOS, musl): nothing to do."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(M_MMAP_THRESHOLD, 32 * 2**20)
+        libc.mallopt(M_TRIM_THRESHOLD, 2**30)
+    except (OSError, AttributeError):
+        pass
 
