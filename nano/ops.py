@@ -89,7 +89,7 @@ def rope_store_kvcache(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mappi
     cos = cos_sin[positions, None, :half]  # (T, 1, d/2)
     sin = cos_sin[positions, None, half:]
 
-    def rotate(x):
+    def rotate(x, cos, sin):
         x1, x2 = x[..., :half], x[..., half:]
         return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
@@ -97,9 +97,9 @@ def rope_store_kvcache(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mappi
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, :, offsets] = rotate(k[keep])
+    k_cache[blocks, :, offsets] = rotate(k[keep], cos[keep], sin[keep])  # kept tokens' angles
     v_cache[blocks, :, offsets] = v[keep]
-    return rotate(q)
+    return rotate(q, cos, sin)
 
 
 def _gather_context(cache, block_table, context_len):

@@ -37,3 +37,23 @@ def test_llama3_scaling_matches_the_loop_recipe():
             expected.append((1 - smooth) * freq / 32.0 + smooth * freq)
     np.testing.assert_allclose(table[8999, :32], np.cos(8999 * np.array(expected)), atol=2e-5)
     np.testing.assert_allclose(table[8999, 32:], np.sin(8999 * np.array(expected)), atol=2e-5)
+
+
+def test_rope_store_skips_slot_minus_one_and_rotates_each_token_by_its_own_position():
+    """Tokens with slot -1 (already cached; CUDA-graph padding rows) write nothing, and the
+    others' keys still get their own positions' angles: equal to one call per token."""
+    from nano import ops
+    rng = np.random.default_rng(0)
+    t, nq, nkv, d, num_blocks, block_size = 7, 4, 2, 16, 5, 4
+    q, k, v = (rng.standard_normal((t, n, d)).astype(np.float32) for n in (nq, nkv, nkv))
+    positions = rng.permutation(20)[:t]
+    slots = np.array([-1, 3, 17, -1, 8, 0, -1], np.int32)
+    cos_sin = rope_cos_sin(config(head_dim=d, rope_theta=10000.0), 20)
+    caches = [rng.standard_normal((num_blocks, nkv, block_size, d)).astype(np.float32) for _ in range(2)]
+    expected = [c.copy() for c in caches]
+    rows = [ops.rope_store_kvcache(q[i:i + 1], k[i:i + 1], v[i:i + 1], positions[i:i + 1], cos_sin,
+                                   *expected, slots[i:i + 1]) for i in range(t)]
+    got = ops.rope_store_kvcache(q, k, v, positions, cos_sin, *caches, slots)
+    np.testing.assert_array_equal(got, np.concatenate(rows))
+    np.testing.assert_array_equal(caches[0], expected[0])
+    np.testing.assert_array_equal(caches[1], expected[1])
