@@ -54,4 +54,3 @@ def _keep_freed_memory() -> None:
         libc.mallopt(M_TRIM_THRESHOLD, 2**30)
     except (OSError, AttributeError):
         pass
-

@@ -103,6 +103,24 @@ class DenseLlama:
         return out
 
 
+def assert_greedy_runs_agree(ref_seqs, seqs, tol: float) -> None:
+    """Two greedy runs of the same requests (return_logits=True), `seqs` checked against
+    `ref_seqs`: on every step both were fed the same tokens, logits within tol * max |ref|;
+    each token of `seqs` the argmax of its own logits row; the runs may part only at a
+    near-tie of the reference's top two logits (within 2 * tol * max |ref|, which rounding
+    may break either way), and the comparison stops there, as their inputs then differ."""
+    for r, s in zip(ref_seqs, seqs):
+        for step, (lr, ls) in enumerate(zip(r.logits, s.logits)):
+            scale = np.abs(lr).max()
+            err = np.abs(ls - lr).max() / scale
+            assert err <= tol, f"seq {r.seq_id} step {step}: relative logit error {err:.2e}"
+            assert s.output_token_ids[step] == int(np.argmax(ls)), f"seq {r.seq_id} step {step}: not greedy"
+            if r.output_token_ids[step] != s.output_token_ids[step]:
+                top2 = np.sort(lr)[-2:]
+                assert top2[1] - top2[0] <= 2 * tol * scale, f"seq {r.seq_id} step {step}: parted, no near-tie"
+                break
+
+
 # ---------------------------------------------------------------- tiny random models
 
 # Real model shapes, for random-weight models on the GPU (make_random_model(dir, **shape)).

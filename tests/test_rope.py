@@ -3,6 +3,7 @@ import math
 
 import numpy as np
 
+from nano import ops
 from nano.config import ModelConfig
 from nano.model import rope_cos_sin
 
@@ -42,7 +43,6 @@ def test_llama3_scaling_matches_the_loop_recipe():
 def test_rope_store_skips_slot_minus_one_and_rotates_each_token_by_its_own_position():
     """Tokens with slot -1 (already cached; CUDA-graph padding rows) write nothing, and the
     others' keys still get their own positions' angles: equal to one call per token."""
-    from nano import ops
     rng = np.random.default_rng(0)
     t, nq, nkv, d, num_blocks, block_size = 7, 4, 2, 16, 5, 4
     q, k, v = (rng.standard_normal((t, n, d)).astype(np.float32) for n in (nq, nkv, nkv))
