@@ -13,7 +13,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 nvidia-smi -L
 if [ -z "${NANO_SKIP_TESTS:-}" ]; then
-  timeout 120 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_graphs_gpu.py tests/test_kernels_gpu.py
+  timeout 120 $PY -m pytest -q -p no:cacheprovider -m gpu tests/test_graphs_gpu.py tests/test_kernels.py
 fi
 
 WORK=$(mktemp -d)

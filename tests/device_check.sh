@@ -14,7 +14,7 @@ nvidia-smi -L
 # pytest-timeout, where installed, bounds each test so one hang costs one test
 per_test=$($PY -c "import pytest_timeout" 2>/dev/null && echo "--timeout=100")
 status=0
-for part in "100 kernels tests/test_kernels_gpu.py" "60 graphs tests/test_graphs_gpu.py" \
+for part in "100 kernels tests/test_kernels.py" "60 graphs tests/test_graphs_gpu.py" \
             "150 engine tests/test_engine_gpu.py"; do
   set -- $part
   timeout "$1" $PY -m pytest -q -rfE --durations=8 -p no:cacheprovider -m gpu $per_test "$3" \

@@ -1,4 +1,6 @@
-"""Each CUDA kernel against its NumPy reference in nano/ops.py (needs a GPU).
+"""Each CUDA kernel against its NumPy reference in nano/ops.py, on two backends: the GPU
+(`gpu` marker, skipped without one) and the CPU emulator in tests/cuda_host (every run; it
+also checks barriers, shuffles, bounds and thread-order independence, see its shim.h).
 
 Inputs are drawn in float32, rounded to float16, and both sides see the same rounded
 values: the reference runs the ops on them as float32 NumPy arrays, the kernel on float16
@@ -19,18 +21,36 @@ element a kernel forgets to write fails the comparison.
 import numpy as np
 import pytest
 
-cupy = pytest.importorskip("cupy")
+pytest.importorskip("cupy")  # nano/kernels.py imports it, also to run on the emulator
+from cuda_host import cupy_stub, emulator  # noqa: E402
 from nano import kernels, ops  # noqa: E402
-
-pytestmark = pytest.mark.gpu
 
 F16_MAX_ERR = 4e-3
 F16_NORM_ERR = 2e-3
 LINEAR_ERR = 2e-3
 
 
+@pytest.fixture(scope="module", params=[pytest.param("gpu", marks=pytest.mark.gpu), "emulator"])
+def cupy(request):
+    """The array module the kernels run on: CuPy on the GPU, or the emulator's stand-in."""
+    if request.param == "gpu":
+        import cupy
+        yield cupy
+        return
+    reason = emulator.unavailable()
+    if reason:
+        pytest.skip(reason)
+    with cupy_stub.emulating(kernels) as stub:
+        yield stub
+
+
+def needs_cublas(cupy):
+    if cupy is cupy_stub:
+        pytest.skip("cuBLAS is a library, not one of cuda/*.cu: GPU only")
+
+
 @pytest.fixture(autouse=True)
-def poisoned(monkeypatch):
+def poisoned(monkeypatch, cupy):
     """Make cupy.empty / empty_like (used by nano.kernels for outputs) return poisoned memory."""
     empty, empty_like = cupy.empty, cupy.empty_like
 
@@ -48,13 +68,13 @@ def rng():
     return np.random.default_rng(0)
 
 
-def f16(x):
+def f16(cupy, x):
     """Round to float16 and return (float32 copy for the reference, CuPy float16 for the kernel)."""
     x = np.asarray(x).astype(np.float16)
     return x.astype(np.float32), cupy.asarray(x)
 
 
-def assert_close(got, ref):
+def assert_close(cupy, got, ref):
     got = cupy.asnumpy(got).astype(np.float32)
     assert got.shape == ref.shape
     assert np.isfinite(got).all(), "kernel left unwritten (NaN) or non-finite elements"
@@ -65,59 +85,61 @@ def assert_close(got, ref):
 
 # ---------------------------------------------------------------- layers
 
-def test_embedding(rng):
-    table, table_d = f16(rng.normal(size=(1000, 136)))
+def test_embedding(cupy, rng):
+    table, table_d = f16(cupy, rng.normal(size=(1000, 136)))
     ids = rng.integers(0, 1000, size=37).astype(np.int32)
     got = ops.embedding(cupy.asarray(ids), table_d)
     np.testing.assert_array_equal(cupy.asnumpy(got).astype(np.float32), ops.embedding(ids, table))
 
 
 @pytest.mark.parametrize("tokens, hidden", [(1, 576), (33, 960), (7, 4104)])
-def test_rms_norm(rng, tokens, hidden):
-    x, x_d = f16(rng.normal(size=(tokens, hidden)))
-    w, w_d = f16(rng.uniform(0.5, 1.5, size=hidden))
-    assert_close(ops.rms_norm(x_d, w_d, 1e-5), ops.rms_norm(x, w, 1e-5))
+def test_rms_norm(cupy, rng, tokens, hidden):
+    x, x_d = f16(cupy, rng.normal(size=(tokens, hidden)))
+    w, w_d = f16(cupy, rng.uniform(0.5, 1.5, size=hidden))
+    assert_close(cupy, ops.rms_norm(x_d, w_d, 1e-5), ops.rms_norm(x, w, 1e-5))
 
 
 @pytest.mark.parametrize("with_residual", [True, False])
-def test_add_rms_norm(rng, with_residual):
-    x, x_d = f16(rng.normal(size=(29, 576)))
-    r, r_d = f16(rng.normal(size=(29, 576))) if with_residual else (None, None)
-    w, w_d = f16(rng.uniform(0.5, 1.5, size=576))
+def test_add_rms_norm(cupy, rng, with_residual):
+    x, x_d = f16(cupy, rng.normal(size=(29, 576)))
+    r, r_d = f16(cupy, rng.normal(size=(29, 576))) if with_residual else (None, None)
+    w, w_d = f16(cupy, rng.uniform(0.5, 1.5, size=576))
     out, res = ops.add_rms_norm(x_d, r_d, w_d, 1e-5)
     ref_out, ref_res = ops.add_rms_norm(x, r, w, 1e-5)
-    assert_close(res, ref_res)
-    assert_close(out, ref_out)
+    assert_close(cupy, res, ref_res)
+    assert_close(cupy, out, ref_out)
 
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_linear(rng, bias):
-    x, x_d = f16(rng.normal(size=(19, 192)) / 8)
-    w, w_d = f16(rng.normal(size=(72, 192)) / 8)
-    b, b_d = f16(rng.normal(size=72)) if bias else (None, None)
-    assert_close(ops.linear(x_d, w_d, b_d), ops.linear(x, w, b))
+def test_linear(cupy, rng, bias):
+    needs_cublas(cupy)
+    x, x_d = f16(cupy, rng.normal(size=(19, 192)) / 8)
+    w, w_d = f16(cupy, rng.normal(size=(72, 192)) / 8)
+    b, b_d = f16(cupy, rng.normal(size=72)) if bias else (None, None)
+    assert_close(cupy, ops.linear(x_d, w_d, b_d), ops.linear(x, w, b))
 
 
 @pytest.mark.parametrize("tokens, k, n", [(1, 576, 1536), (7, 136, 40), (33, 2048, 8200), (300, 72, 24)])
-def test_cublas_linear_matches_cupy_matmul(rng, tokens, k, n):
+def test_cublas_linear_matches_cupy_matmul(cupy, rng, tokens, k, n):
     """Odd shapes (T not a multiple of 8, N not a multiple of 16) and a strided x (a column
     slice of a wider array, as the model's QKV views are)."""
-    wide, wide_d = f16(rng.normal(size=(tokens, k + 24)) / 8)
+    needs_cublas(cupy)
+    wide, wide_d = f16(cupy, rng.normal(size=(tokens, k + 24)) / 8)
     x_d = wide_d[:, 8:8 + k]
-    w, w_d = f16(rng.normal(size=(n, k)) / 8)
+    w, w_d = f16(cupy, rng.normal(size=(n, k)) / 8)
     got = cupy.asnumpy(ops.linear(x_d, w_d)).astype(np.float32)
     ref = cupy.asnumpy(cupy.matmul(cupy.ascontiguousarray(x_d), w_d.T)).astype(np.float32)
     assert np.abs(got - ref).max() <= LINEAR_ERR * np.abs(ref).max()
-    assert_close(ops.linear(x_d, w_d), ops.linear(wide[:, 8:8 + k], w))
+    assert_close(cupy, ops.linear(x_d, w_d), ops.linear(wide[:, 8:8 + k], w))
 
 
 @pytest.mark.parametrize("nq, nkv, d", [(9, 3, 64), (32, 8, 128), (4, 1, 128)])
-def test_rope_store_kvcache_on_strided_views(rng, nq, nkv, d):
+def test_rope_store_kvcache_on_strided_views(cupy, rng, nq, nkv, d):
     """q, k, v are views into one fused QKV output, as the model produces them; slot -1
     tokens are rotated (q) but write nothing. One KV head (a TP rank's share, or MQA): CuPy
     gives the length-1 heads axis of k and v the row stride."""
     tokens, num_blocks, block_size = 21, 6, 16
-    qkv, qkv_d = f16(rng.normal(size=(tokens, (nq + 2 * nkv) * d)))
+    qkv, qkv_d = f16(cupy, rng.normal(size=(tokens, (nq + 2 * nkv) * d)))
     before = qkv_d.copy()
     positions = rng.integers(0, 4096, size=tokens).astype(np.int32)
     slots = rng.permutation(num_blocks * block_size)[:tokens].astype(np.int32)
@@ -125,8 +147,8 @@ def test_rope_store_kvcache_on_strided_views(rng, nq, nkv, d):
     inv_freq = 1.0 / 10000 ** (np.arange(0, d, 2) / d)
     angles = np.arange(4096)[:, None] * inv_freq[None, :]
     cos_sin = np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
-    k_cache, k_cache_d = f16(rng.normal(size=(num_blocks, nkv, block_size, d)))
-    v_cache, v_cache_d = f16(rng.normal(size=(num_blocks, nkv, block_size, d)))
+    k_cache, k_cache_d = f16(cupy, rng.normal(size=(num_blocks, nkv, block_size, d)))
+    v_cache, v_cache_d = f16(cupy, rng.normal(size=(num_blocks, nkv, block_size, d)))
 
     def split(a):
         return (a[:, :nq * d].reshape(tokens, nq, d), a[:, nq * d:(nq + nkv) * d].reshape(tokens, nkv, d),
@@ -135,15 +157,15 @@ def test_rope_store_kvcache_on_strided_views(rng, nq, nkv, d):
     ref_q = ops.rope_store_kvcache(*split(qkv), positions, cos_sin, k_cache, v_cache, slots)
     got_q = ops.rope_store_kvcache(*split(qkv_d), cupy.asarray(positions), cupy.asarray(cos_sin),
                                    k_cache_d, v_cache_d, cupy.asarray(slots))
-    assert_close(got_q, ref_q)
-    assert_close(k_cache_d, k_cache)  # untouched slots too: they keep their random values
+    assert_close(cupy, got_q, ref_q)
+    assert_close(cupy, k_cache_d, k_cache)  # untouched slots too: they keep their random values
     np.testing.assert_array_equal(cupy.asnumpy(v_cache_d).astype(np.float32), v_cache)
     assert cupy.array_equal(qkv_d, before)  # inputs are not modified
 
 
-def test_silu_mul(rng):
-    gate_up, gate_up_d = f16(rng.normal(size=(17, 2 * 1544)) * 3)
-    assert_close(ops.silu_mul(gate_up_d), ops.silu_mul(gate_up))
+def test_silu_mul(cupy, rng):
+    gate_up, gate_up_d = f16(cupy, rng.normal(size=(17, 2 * 1544)) * 3)
+    assert_close(cupy, ops.silu_mul(gate_up_d), ops.silu_mul(gate_up))
 
 
 # ---------------------------------------------------------------- sampling
@@ -154,7 +176,7 @@ def sample_args(rows, temperature, top_k, top_p, rng):
             rng.integers(0, 5000, rows).astype(np.int32))
 
 
-def test_sample_greedy_ties_go_to_lowest_index(rng):
+def test_sample_greedy_ties_go_to_lowest_index(cupy, rng):
     logits = rng.normal(size=(5, 128256)).astype(np.float16)
     logits[1, [70000, 900, 128255]] = 30.0  # tie: lowest index wins
     logits[2, -1] = 30.0                    # maximum in the last column
@@ -170,7 +192,7 @@ def test_sample_greedy_ties_go_to_lowest_index(rng):
 @pytest.mark.parametrize("temperature, top_k, top_p", [
     (1.0, -1, 1.0), (0.7, -1, 1.0), (1.0, 40, 1.0), (0.8, -1, 0.9), (0.6, 50, 0.95), (1.3, 1, 1.0),
 ])
-def test_sample_matches_reference(rng, vocab, temperature, top_k, top_p):
+def test_sample_matches_reference(cupy, rng, vocab, temperature, top_k, top_p):
     """Same algorithm, same float32 inputs: identical tokens, except where two allowed
     tokens' noisy scores are within float32 rounding (logf/expf vs NumPy, ~1 ulp) or a
     nucleus boundary is within summation-order rounding. With 64 random rows such cases
@@ -185,7 +207,7 @@ def test_sample_matches_reference(rng, vocab, temperature, top_k, top_p):
 
 # ---------------------------------------------------------------- cache
 
-def test_swap_round_trip_is_bitwise(rng):
+def test_swap_round_trip_is_bitwise(cupy, rng):
     layers, num_blocks, nkv, block_size, d = 3, 20, 2, 16, 64
     kv = rng.normal(size=(layers, 2, num_blocks, nkv, block_size, d)).astype(np.float16)
     kv_d = cupy.asarray(kv)
@@ -201,7 +223,7 @@ def test_swap_round_trip_is_bitwise(rng):
 
 # ---------------------------------------------------------------- attention
 
-def make_cache(rng, context_lens, nkv, d, block_size):
+def make_cache(cupy, rng, context_lens, nkv, d, block_size):
     """A KV cache holding each sequence's context in shuffled physical blocks."""
     needed = [-(-c // block_size) for c in context_lens]
     num_blocks = sum(needed) + 3  # a few blocks nobody owns
@@ -211,8 +233,8 @@ def make_cache(rng, context_lens, nkv, d, block_size):
     for i, n in enumerate(needed):
         tables[i, :n] = ids[start:start + n]
         start += n
-    k_cache, k_cache_d = f16(rng.normal(size=(num_blocks, nkv, block_size, d)))
-    v_cache, v_cache_d = f16(rng.normal(size=(num_blocks, nkv, block_size, d)))
+    k_cache, k_cache_d = f16(cupy, rng.normal(size=(num_blocks, nkv, block_size, d)))
+    v_cache, v_cache_d = f16(cupy, rng.normal(size=(num_blocks, nkv, block_size, d)))
     return (k_cache, v_cache, tables), (k_cache_d, v_cache_d, cupy.asarray(tables))
 
 
@@ -227,25 +249,25 @@ HEADS = [(9, 3, 64), (8, 8, 64), (32, 8, 128), (64, 8, 128), (12, 4, 128), (24, 
     ([250, 3, 129], 32),                        # another power-of-two block size
     ([5, 70, 2], 1),                            # block_size 1
 ])
-def test_paged_attention(rng, nq, nkv, d, context_lens, block_size):
-    (k_cache, v_cache, tables), (k_cache_d, v_cache_d, tables_d) = make_cache(rng, context_lens, nkv, d, block_size)
-    q, q_d = f16(rng.normal(size=(len(context_lens), nq, d)))
+def test_paged_attention(cupy, rng, nq, nkv, d, context_lens, block_size):
+    (k_cache, v_cache, tables), (k_cache_d, v_cache_d, tables_d) = make_cache(cupy, rng, context_lens, nkv, d, block_size)
+    q, q_d = f16(cupy, rng.normal(size=(len(context_lens), nq, d)))
     lens = np.array(context_lens, np.int32)
     scale = d ** -0.5
     got = ops.paged_attention(q_d, k_cache_d, v_cache_d, tables_d, cupy.asarray(lens), scale)
-    assert_close(got, ops.paged_attention(q, k_cache, v_cache, tables, lens, scale))
+    assert_close(cupy, got, ops.paged_attention(q, k_cache, v_cache, tables, lens, scale))
 
 
-def test_paged_attention_many_sequences_no_split(rng):
+def test_paged_attention_many_sequences_no_split(cupy, rng):
     """Enough sequences to fill the GPU: one partition per (sequence, KV head)."""
     nq, nkv, d, block_size = 9, 3, 64, 16
     context_lens = rng.integers(1, 600, size=120).tolist()
     assert kernels.decode_partitions(120 * nkv, 600 * 2, 132)[0] == 1
-    (k_cache, v_cache, tables), (k_cache_d, v_cache_d, tables_d) = make_cache(rng, context_lens, nkv, d, block_size)
-    q, q_d = f16(rng.normal(size=(len(context_lens), nq, d)))
+    (k_cache, v_cache, tables), (k_cache_d, v_cache_d, tables_d) = make_cache(cupy, rng, context_lens, nkv, d, block_size)
+    q, q_d = f16(cupy, rng.normal(size=(len(context_lens), nq, d)))
     lens = np.array(context_lens, np.int32)
     got = ops.paged_attention(q_d, k_cache_d, v_cache_d, tables_d, cupy.asarray(lens), 0.125)
-    assert_close(got, ops.paged_attention(q, k_cache, v_cache, tables, lens, 0.125))
+    assert_close(cupy, got, ops.paged_attention(q, k_cache, v_cache, tables, lens, 0.125))
 
 
 @pytest.mark.parametrize("nq, nkv, d", HEADS)
@@ -254,13 +276,13 @@ def test_paged_attention_many_sequences_no_split(rng):
     [(37, 37), (50, 300), (1, 90)],         # full prefill, mid-sequence chunk, 1-token chunk
     [(64, 64), (130, 1000), (21, 21)],      # exact tile, long chunk deep into the sequence
 ])
-def test_prefill_attention(rng, nq, nkv, d, chunks):
+def test_prefill_attention(cupy, rng, nq, nkv, d, chunks):
     block_size = 16
     context_lens = [ctx for _, ctx in chunks]
-    (k_cache, v_cache, tables), (k_cache_d, v_cache_d, tables_d) = make_cache(rng, context_lens, nkv, d, block_size)
+    (k_cache, v_cache, tables), (k_cache_d, v_cache_d, tables_d) = make_cache(cupy, rng, context_lens, nkv, d, block_size)
     cu = np.concatenate([[0], np.cumsum([n for n, _ in chunks])]).astype(np.int32)
-    q, q_d = f16(rng.normal(size=(int(cu[-1]), nq, d)))
+    q, q_d = f16(cupy, rng.normal(size=(int(cu[-1]), nq, d)))
     lens = np.array(context_lens, np.int32)
     scale = d ** -0.5
     got = ops.prefill_attention(q_d, k_cache_d, v_cache_d, cupy.asarray(cu), tables_d, cupy.asarray(lens), scale)
-    assert_close(got, ops.prefill_attention(q, k_cache, v_cache, cu, tables, lens, scale))
+    assert_close(cupy, got, ops.prefill_attention(q, k_cache, v_cache, cu, tables, lens, scale))

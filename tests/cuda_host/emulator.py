@@ -1,0 +1,358 @@
+"""Build cuda/*.cu for the host and launch kernels there (see shim.h for what is emulated).
+
+`Module(code, options, name_expressions)` compiles one unchanged CUDA source with g++, with
+shim.h force-included, into a shared library linked to the runtime (runtime.cpp); a
+generated table lists its kernels: the `extern "C"` ones found in the source and the
+template instantiations nano/kernels.py asks for (its `name_expressions`), each with its C
+parameter types and its __launch_bounds__. `Module.get_function(name)` returns a `Function`
+that launches like a CuPy RawKernel: `f(grid, block, args, shared_mem=0)`.
+
+Every launch is checked before it runs (argument count, each argument's C type against the
+NumPy scalar or array dtype passed, grid and block limits, __launch_bounds__) and then runs
+once per thread order in ORDERS, each time from the same inputs with a different poison byte
+in shared memory. The outputs of all runs must be bit-identical: a difference means a race
+between threads or a read of shared memory nobody wrote. A fault at a guard page after an
+argument's buffer (see cupy_stub.py) is reported with the argument's name.
+
+Variants: plain (-O2, used in the normal test run) and sanitize (-fsanitize=address,undefined,
+set NANO_CUDA_HOST_SANITIZE=1 and preload libasan; tests/test_cuda_host.py does this in a
+subprocess).
+"""
+import ctypes
+import functools
+import hashlib
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+BUILD_DIR = HERE / ".build"
+SANITIZE = os.environ.get("NANO_CUDA_HOST_SANITIZE") == "1"
+# Thread orders every launch runs under: 0 in order, 1 reversed, 2 shuffled (seeded).
+ORDERS = tuple(int(o) for o in os.environ.get("NANO_CUDA_HOST_ORDERS", "0,1,2").split(","))
+POISON = {0: 0xFF, 1: 0x7F, 2: 0xA5}  # NaN / -1 as float / int; huge; garbage
+WORKERS = int(os.environ.get("NANO_CUDA_HOST_WORKERS", os.cpu_count() or 1))
+FLAGS = (["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+          "-fno-omit-frame-pointer"] if SANITIZE else ["-O2"])
+
+# What was launched in this process: {kernel name: launches}; the test summary prints it.
+launches: dict[str, int] = {}
+
+
+class EmulatorError(RuntimeError):
+    """A kernel did something a GPU would get wrong or fault on, or a launch was invalid."""
+
+
+def unavailable() -> str | None:
+    """Why the emulator cannot run here, or None."""
+    import platform
+    if platform.machine() != "x86_64":
+        return f"the CUDA host emulator switches fibers with x86-64 code; this is {platform.machine()}"
+    if not shutil.which("g++"):
+        return "no g++: install a C++ compiler (Debian: apt-get install g++) to run kernels on the CPU"
+    return None
+
+
+def _cccl_include() -> str:
+    """<nv/target>, which cuda_fp16.h includes, comes with CuPy's copy of libcudacxx."""
+    spec = importlib.util.find_spec("cupy")
+    for root in spec.submodule_search_locations:
+        path = Path(root) / "_core" / "include" / "cupy" / "_cccl" / "libcudacxx"
+        if (path / "nv" / "target").exists():
+            return str(path)
+    raise EmulatorError("CuPy's libcudacxx headers (nv/target) not found")
+
+
+def _compile(source: str, out_name: str, extra: list[str]) -> Path:
+    """g++ `source` into BUILD_DIR/out_name-<hash>.so; reused while nothing that goes into it changes."""
+    flags = ["-std=c++17", "-fPIC", "-shared", "-pthread", "-fno-strict-aliasing",
+             "-fno-extern-tls-init", "-Wno-unknown-pragmas", *FLAGS,
+             f"-I{HERE / 'include'}", f"-I{HERE}", *extra, f"-I{_cccl_include()}"]
+    key = hashlib.sha256("\0".join([source, *flags, (HERE / "shim.h").read_text(),
+                                    (HERE / "include" / "crt" / "host_defines.h").read_text()])
+                         .encode()).hexdigest()[:16]
+    target = BUILD_DIR / f"{out_name}-{'asan-' if SANITIZE else ''}{key}.so"
+    if target.exists():
+        return target
+    BUILD_DIR.mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=BUILD_DIR) as tmp:
+        src = Path(tmp) / f"{out_name}.cpp"
+        src.write_text(source)
+        out = Path(tmp) / target.name
+        cmd = ["g++", *flags, str(src), "-o", str(out)]
+        if out_name != "libcuda_host":
+            cmd[1:1] = ["-include", str(HERE / "shim.h"), "-fvisibility=hidden"]
+            runtime = _runtime_path(tuple(extra))
+            cmd += [f"-L{runtime.parent}", f"-l:{runtime.name}", "-Wl,-rpath,$ORIGIN"]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            raise EmulatorError(f"g++ failed for {out_name}:\n{done.stderr[-6000:]}")
+        os.replace(out, target)  # atomic: a concurrent build of the same key is harmless
+    return target
+
+
+@functools.cache
+def _runtime_path(options: tuple) -> Path:
+    """The runtime, built with the same -std and include directories as the kernels."""
+    return _compile((HERE / "runtime.cpp").read_text(), "libcuda_host", list(options))
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared_bytes", ctypes.c_ulonglong), ("order", ctypes.c_int),
+                ("seed", ctypes.c_ulonglong), ("poison", ctypes.c_int), ("workers", ctypes.c_int)]
+
+
+class _LaunchResult(ctypes.Structure):
+    _fields_ = [("status", ctypes.c_int), ("fault_addr", ctypes.c_ulonglong),
+                ("fault_write", ctypes.c_int), ("message", ctypes.c_char * 2048)]
+
+
+class _Kernel(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("signature", ctypes.c_char_p),
+                ("max_threads", ctypes.c_int), ("invoke", ctypes.c_void_p), ("fn", ctypes.c_void_p)]
+
+
+class _Module(ctypes.Structure):
+    _fields_ = [("kernels", ctypes.POINTER(_Kernel)), ("num_kernels", ctypes.c_int),
+                ("tls_anchor", ctypes.c_void_p), ("num_dynamic", ctypes.c_int),
+                ("dynamic_shared", ctypes.c_void_p)]
+
+
+@functools.cache
+def _runtime(path: Path):
+    lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+    lib.cuda_host_launch.argtypes = [ctypes.POINTER(_Module), ctypes.POINTER(_Kernel),
+                                     ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
+                                     ctypes.POINTER(_LaunchResult)]
+    lib.cuda_host_launch.restype = None
+    return lib
+
+
+# ------------------------------------------------------------------ reading the source
+
+_EXTERN_C = re.compile(r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\([^)]*\)\s+)?void\s+'
+                       r'(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(')
+_BOUNDS = re.compile(r"__launch_bounds__\(\s*([^,)]+)[^)]*\)\s+(\w+)\s*\(")
+_DYNAMIC = re.compile(r"extern\s+__shared__\s+([^;\[]*?)\s*\b(\w+)\s*\[\s*\]\s*;")
+
+
+def _parameter_names(code: str, kernel: str) -> list[str]:
+    """Names of a __global__ function's parameters, for messages ('k_cache', not 'argument 5')."""
+    match = re.search(rf"__global__[^;{{]*?\b{kernel}\s*\(", code)
+    if not match:
+        return []
+    depth, i = 1, match.end()
+    while depth and i < len(code):
+        depth += {"(": 1, ")": -1}.get(code[i], 0)
+        i += 1
+    params = code[match.end():i - 1]
+    return [re.findall(r"\w+", p)[-1] for p in params.split(",") if p.strip()]
+
+
+def _registry(cu_path: Path, code: str, name_expressions) -> str:
+    """C++ that includes the source and exports its kernel table (a cuda_host::Module)."""
+    names = _EXTERN_C.findall(code) + list(name_expressions or ())
+    bounds = {name: expr for expr, name in _BOUNDS.findall(code)}
+    dynamic = _DYNAMIC.findall(code)
+    lines = [f'#include "{cu_path}"']
+    for type_, name in dynamic:
+        element = re.sub(r"__align__\(\s*\d+\s*\)", "", type_)
+        lines.append(f"__shared__ {type_} {name}[CUDA_HOST_DYNAMIC_SHARED / sizeof({element})];")
+    entries = ",\n    ".join(
+        f'cuda_host::kernel(&{name}, "{name}", {bounds.get(name.split("<")[0], "0")})' for name in names)
+    cases = "".join(f"        case {i}: return {name};\n" for i, (_, name) in enumerate(dynamic))
+    lines.append(f"""
+static thread_local char cuda_host_anchor;
+static void* cuda_host_tls_anchor() {{ return &cuda_host_anchor; }}
+static void* cuda_host_dynamic_shared(int i) {{
+    switch (i) {{
+{cases}    }}
+    return nullptr;
+}}
+static const cuda_host::Kernel cuda_host_kernels[] = {{
+    {entries}
+}};
+extern "C" __attribute__((visibility("default"))) const cuda_host::Module* cuda_host_module() {{
+    static const cuda_host::Module module{{cuda_host_kernels, {len(names)}, cuda_host_tls_anchor,
+                                          {len(dynamic)}, cuda_host_dynamic_shared}};
+    return &module;
+}}""")
+    return "\n".join(lines) + "\n"
+
+
+def _compile_options(options) -> list[str]:
+    """NVRTC options that mean something to g++: -std, -I, -D. Others are refused, not ignored."""
+    out = []
+    for opt in options:
+        if opt.startswith(("-std=", "-I", "-D")):
+            out.append(opt)
+        elif opt.startswith(("-arch", "--gpu-architecture", "-ftz", "--use_fast_math", "-lineinfo")):
+            continue  # device code generation only
+        else:
+            raise EmulatorError(f"the emulator does not know the NVRTC option {opt!r}")
+    return out
+
+
+# ------------------------------------------------------------------ modules and launches
+
+class Module:
+    """One compiled source, like cupy.RawModule(code=..., options=..., name_expressions=...)."""
+
+    def __init__(self, code: str, options=(), name_expressions=None, path: Path | None = None):
+        self.code = code
+        self.path = path or _source_path(code)
+        extra = [o for o in _compile_options(options) if not o.startswith("-std=")]
+        std = [o for o in options if o.startswith("-std=")]
+        source = _registry(self.path, code, name_expressions)
+        library = _compile(source, self.path.stem, std[-1:] + extra)
+        self._runtime = _runtime(_runtime_path(tuple(std[-1:] + extra)))
+        self._lib = ctypes.CDLL(str(library))
+        self._lib.cuda_host_module.restype = ctypes.POINTER(_Module)
+        self._module = self._lib.cuda_host_module()
+        self._kernels = {}
+        m = self._module.contents
+        for i in range(m.num_kernels):
+            k = m.kernels[i]
+            self._kernels[k.name.decode()] = ctypes.pointer(k)
+
+    def get_function(self, name: str) -> "Function":
+        if name not in self._kernels:
+            raise EmulatorError(f"no kernel {name!r} in {self.path.name} (have {sorted(self._kernels)})")
+        return Function(self, name, self._kernels[name])
+
+
+def _source_path(code: str) -> Path:
+    """RawModule gets the code, not a file name: find the cuda/ file it came from, so that
+    g++ messages and emulator reports name lines of the real source (else a copy)."""
+    for path in sorted((HERE.parent.parent / "cuda").glob("*.cu")):
+        if path.read_text() == code:
+            return path
+    digest = hashlib.sha256(code.encode()).hexdigest()[:16]
+    path = BUILD_DIR / "sources" / f"{digest}.cu"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(code)
+    return path
+
+
+_DTYPE_CODES = {np.dtype(t): c for t, c in [
+    (np.float16, "f2"), (np.float32, "f4"), (np.float64, "f8"), (np.int8, "i1"), (np.uint8, "u1"),
+    (np.int16, "i2"), (np.uint16, "u2"), (np.int32, "i4"), (np.uint32, "u4"), (np.int64, "i8"),
+    (np.uint64, "u8"), (np.bool_, "b1")]}
+
+
+class Function:
+    """A kernel, launched like a CuPy RawKernel."""
+
+    def __init__(self, module: Module, name: str, kernel):
+        self.module, self.name, self._kernel = module, name, kernel
+        self.signature = kernel.contents.signature.decode().split()
+        self.max_threads = kernel.contents.max_threads
+        params = _parameter_names(module.code, name.split("<")[0])
+        self.params = params if len(params) == len(self.signature) else [
+            f"#{i}" for i in range(len(self.signature))]
+
+    def __call__(self, grid, block, args, *, shared_mem=0, stream=None):
+        from .cupy_stub import allocation_of  # arrays carry their guarded allocation
+        grid, block = _dim3(grid, "grid"), _dim3(block, "block")
+        cells, bound = self._marshal(args, allocation_of)
+        argv = (ctypes.c_void_p * len(cells))(*[c.ctypes.data for c in cells])
+        allocations = list({id(a): a for _, a in bound}.values())
+        before = [a.snapshot() for a in allocations]
+        results = None
+        for run, order in enumerate(ORDERS):
+            if run:
+                for a, saved in zip(allocations, before):
+                    a.restore(saved)
+            self._launch(grid, block, shared_mem, order, argv, bound)
+            after = [a.snapshot() for a in allocations]
+            if results is None:
+                results = after
+            else:
+                self._compare(results, after, allocations, bound, ORDERS[0], order)
+        launches[self.name] = launches.get(self.name, 0) + 1
+
+    def _marshal(self, args, allocation_of):
+        """One cell of bytes per argument (a pointer or a scalar), type-checked against the C
+        parameter; returns the cells and (parameter name, allocation) of each array argument."""
+        if len(args) != len(self.signature):
+            raise EmulatorError(f"{self.name} takes {len(self.signature)} arguments, got {len(args)}")
+        cells, arrays = [], []
+        for value, code, param in zip(args, self.signature, self.params):
+            where = f"{self.name} argument {param!r}"
+            if isinstance(value, np.ndarray) and value.ndim >= 1:
+                if not code.startswith("p"):
+                    raise EmulatorError(f"{where} is a {code} scalar in C, got an array")
+                got = _DTYPE_CODES.get(value.dtype)
+                if code[1:] != got:
+                    raise EmulatorError(f"{where} points to {code[1:]} in C, got a {value.dtype} array")
+                allocation = allocation_of(value)
+                if allocation is None:
+                    raise EmulatorError(f"{where}: the array was not allocated by the emulated device "
+                                        "(cupy_stub); NumPy arithmetic on device arrays makes host memory")
+                arrays.append((param, allocation))
+                cells.append(np.array([value.ctypes.data], np.uint64))
+            elif isinstance(value, np.generic):
+                got = _DTYPE_CODES.get(value.dtype)
+                if code != got:
+                    raise EmulatorError(f"{where} is {code} in C, got {value.dtype}")
+                cells.append(np.array(value))
+            else:
+                raise EmulatorError(f"{where}: pass arrays or NumPy scalars (the C type must be "
+                                    f"explicit), got {type(value).__name__}")
+        return cells, arrays
+
+    def _launch(self, grid, block, shared_mem, order, argv, bound):
+        cfg = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
+                            order, 0x5EED + order, POISON[order], WORKERS)
+        result = _LaunchResult()
+        for _, a in bound:
+            a.fill_slack()
+        self.module._runtime.cuda_host_launch(self.module._module, self._kernel, ctypes.byref(cfg), argv,
+                                    ctypes.byref(result))
+        message = result.message.decode(errors="replace")
+        if result.status == 2:
+            message += ": " + _describe_fault(result.fault_addr, bool(result.fault_write), bound)
+        if result.status:
+            raise EmulatorError(f"{self.name} grid {grid} block {block}: {message}")
+        for name, a in bound:
+            if not a.slack_intact():
+                raise EmulatorError(f"{self.name}: wrote past the end of argument {name!r} "
+                                    f"({a.nbytes} bytes)")
+
+    def _compare(self, first, other, allocations, bound, order_a, order_b):
+        for a, x, y in zip(allocations, first, other):
+            if x != y:
+                names = ", ".join(repr(name) for name, b in bound if b is a)
+                diff = np.flatnonzero(np.frombuffer(x, np.uint8) != np.frombuffer(y, np.uint8))
+                raise EmulatorError(
+                    f"{self.name}: argument {names} differs between thread orders {order_a} and "
+                    f"{order_b} in {diff.size} bytes (first at byte {diff[0]} of {a.nbytes}): a race "
+                    "between threads, or a read of shared memory that no thread wrote")
+
+
+def _dim3(value, what) -> tuple:
+    dims = tuple(value) if isinstance(value, tuple | list) else (value,)
+    if not 1 <= len(dims) <= 3 or not all(isinstance(d, int | np.integer) for d in dims):
+        raise EmulatorError(f"{what} must be 1 to 3 integers, got {value!r}")
+    return tuple(int(d) for d in dims) + (1,) * (3 - len(dims))
+
+
+def _describe_fault(address: int, write: bool, bound) -> str:
+    verb = "write" if write else "access"
+    for name, a in bound:
+        start, end = a.start, a.start + a.nbytes
+        if end <= address < a.guard_end:
+            return f"{verb} {address - end} bytes past the end of argument {name!r} ({a.nbytes} bytes)"
+        if start <= address < end:
+            return f"{verb} inside argument {name!r} at byte {address - start}"
+    if address == 0:  # x86-64 reports no address for a non-canonical one
+        return f"wild {verb}, far outside every argument (an index read from uninitialised memory?)"
+    return f"{verb} at 0x{address:x}, not in or next to any argument"

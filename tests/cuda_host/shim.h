@@ -1,0 +1,196 @@
+// CUDA C++ on the host: force-included (g++ -include shim.h) before each unchanged cuda/*.cu
+// so that the tests can run the kernels on a machine with no GPU. runtime.cpp holds the other
+// half; emulator.py builds both and launches kernels the way nano/kernels.py asks CuPy to.
+//
+// What is emulated, and how:
+//   threads      every CUDA thread of a block is a fiber (a stack of its own, switched by
+//                runtime.cpp); a fiber runs until it reaches __syncthreads, __syncwarp or a
+//                warp shuffle, or returns. Blocks run one at a time on each OS worker thread.
+//   built-ins    threadIdx, blockIdx, blockDim, gridDim read the running fiber's copy.
+//   __shared__   thread_local: the worker's copy is the running block's shared memory. The
+//                runtime fills it with a poison byte before every block, so a read of shared
+//                memory that no thread wrote gives garbage instead of the previous block's data.
+//                `extern __shared__` (dynamic) arrays get CUDA_HOST_DYNAMIC_SHARED bytes.
+//   barriers     __syncthreads and __syncwarp are real rendezvous: a thread waits until every
+//                thread that must arrive has. A barrier some threads skip or leave by
+//                returning, or reach on another line, is reported with the threads and lines.
+//   shuffles     __shfl_sync / _up / _down / _xor are rendezvous of the lanes in the mask,
+//                with PTX's lane arithmetic for `width`. Reported: a lane outside its own
+//                mask, lanes that disagree on mask, width or line, a mask naming a lane that
+//                has exited, a read from a lane outside the mask.
+//   __half       the toolkit's own cuda_fp16.h host code (conversions round to nearest even).
+//   math         __expf, expf, logf, rsqrtf, ... from libm in float32. The GPU's fast
+//                approximations differ in the last bits; the tests' tolerances cover both.
+// Not emulated: timing, the memory model between blocks or between threads that a barrier
+// does not order (the fibers interleave only at the points above), bank conflicts, registers.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+// Before the toolkit headers, which keep definitions they find (crt/host_defines.h).
+#define __host__
+#define __device__
+#define __global__
+#define __shared__ thread_local
+#define __noinline__ __attribute__((noinline))
+
+#include <cuda_fp16.h>  // also brings vector_types.h (uint4, float2, dim3) and make_*()
+#include <math_constants.h>
+
+#undef __launch_bounds__  // the runtime checks block sizes against it (emulator.py reads it)
+#define __launch_bounds__(...)
+
+#ifndef CUDA_HOST_DYNAMIC_SHARED
+#define CUDA_HOST_DYNAMIC_SHARED (48 * 1024)  // CUDA's default limit without an opt-in
+#endif
+
+constexpr int warpSize = 32;
+
+namespace cuda_host {
+
+struct Builtins {
+    uint3 thread_idx, block_idx;
+    dim3 block_dim, grid_dim;
+};
+// The runtime's entry points. Kernel modules are built with hidden visibility (so that calls
+// between a kernel's own functions inline instead of going through the PLT); these are not.
+#define CUDA_HOST_API __attribute__((visibility("default")))
+
+// The running fiber's built-ins, set by the runtime at every switch.
+extern thread_local CUDA_HOST_API const Builtins* current;
+
+enum ShuffleMode { SHFL_IDX, SHFL_UP, SHFL_DOWN, SHFL_XOR, SYNCWARP };
+
+CUDA_HOST_API void syncthreads(const char* file, int line);
+CUDA_HOST_API unsigned long long warp_op(ShuffleMode mode, unsigned mask, unsigned long long bits, int arg,
+                           int width, const char* file, int line);
+
+template <typename T>
+T shuffle(ShuffleMode mode, unsigned mask, T value, int arg, int width, const char* file, int line) {
+    static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>, "shuffles move up to 8 bytes");
+    unsigned long long bits = 0;
+    std::memcpy(&bits, &value, sizeof(T));
+    bits = warp_op(mode, mask, bits, arg, width, file, line);
+    std::memcpy(&value, &bits, sizeof(T));
+    return value;
+}
+
+// One kernel as the runtime sees it: `invoke` unpacks a cuLaunchKernel-style argument array
+// (args[i] points at parameter i's bytes) and calls the kernel.
+struct Kernel {
+    const char* name;
+    const char* signature;  // one type code per parameter, space-separated (emulator.py)
+    int max_threads;        // __launch_bounds__, 0 without
+    void (*invoke)(void* fn, void* const* args);
+    void* fn;
+};
+
+template <typename T>
+std::string type_code() {
+    using U = std::remove_cv_t<T>;
+    if constexpr (std::is_pointer_v<U>) {
+        return "p" + type_code<std::remove_pointer_t<U>>();
+    } else if constexpr (std::is_same_v<U, __half>) {
+        return "f2";
+    } else if constexpr (std::is_floating_point_v<U>) {
+        return "f" + std::to_string(sizeof(U));
+    } else if constexpr (std::is_same_v<U, bool>) {
+        return "b1";
+    } else if constexpr (std::is_integral_v<U>) {
+        return (std::is_signed_v<U> ? "i" : "u") + std::to_string(sizeof(U));
+    } else {
+        return "s" + std::to_string(sizeof(U));  // a struct such as uint4
+    }
+}
+
+template <typename... A, std::size_t... I>
+void invoke(void* fn, void* const* args, std::index_sequence<I...>) {
+    reinterpret_cast<void (*)(A...)>(fn)(*static_cast<std::remove_cv_t<A>*>(args[I])...);
+}
+
+template <typename... A>
+void invoke(void* fn, void* const* args) {
+    invoke<A...>(fn, args, std::index_sequence_for<A...>{});
+}
+
+template <typename... A>
+Kernel kernel(void (*fn)(A...), const char* name, int max_threads) {
+    static const std::string signature = [] {
+        std::string s;
+        ((s += type_code<A>() + " "), ...);
+        return s;
+    }();
+    return {name, signature.c_str(), max_threads, &invoke<A...>, reinterpret_cast<void*>(fn)};
+}
+
+// What a built kernel module exports (emulator.py generates the tables).
+struct Module {
+    const Kernel* kernels;
+    int num_kernels;
+    void* (*tls_anchor)();  // address of a __shared__ variable: makes this thread's copy exist
+    int num_dynamic;
+    void* (*dynamic_shared)(int i);  // this thread's copy of extern __shared__ array i
+};
+
+}  // namespace cuda_host
+
+#define threadIdx (cuda_host::current->thread_idx)
+#define blockIdx (cuda_host::current->block_idx)
+#define blockDim (cuda_host::current->block_dim)
+#define gridDim (cuda_host::current->grid_dim)
+
+inline void __syncthreads(const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+    cuda_host::syncthreads(file, line);
+}
+
+inline void __syncwarp(unsigned mask = 0xffffffffu, const char* file = __builtin_FILE(),
+                       int line = __builtin_LINE()) {
+    cuda_host::warp_op(cuda_host::SYNCWARP, mask, 0, 0, warpSize, file, line);
+}
+
+template <typename T>
+T __shfl_sync(unsigned mask, T var, int src_lane, int width = warpSize,
+              const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+    return cuda_host::shuffle(cuda_host::SHFL_IDX, mask, var, src_lane, width, file, line);
+}
+
+template <typename T>
+T __shfl_up_sync(unsigned mask, T var, unsigned delta, int width = warpSize,
+                 const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+    return cuda_host::shuffle(cuda_host::SHFL_UP, mask, var, (int)delta, width, file, line);
+}
+
+template <typename T>
+T __shfl_down_sync(unsigned mask, T var, unsigned delta, int width = warpSize,
+                   const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+    return cuda_host::shuffle(cuda_host::SHFL_DOWN, mask, var, (int)delta, width, file, line);
+}
+
+template <typename T>
+T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = warpSize,
+                  const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+    return cuda_host::shuffle(cuda_host::SHFL_XOR, mask, var, lane_mask, width, file, line);
+}
+
+// Integer min/max are device built-ins in CUDA; the float ones come from <cmath>.
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline unsigned min(unsigned a, unsigned b) { return a < b ? a : b; }
+inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
+inline long long min(long long a, long long b) { return a < b ? a : b; }
+inline long long max(long long a, long long b) { return a > b ? a : b; }
+
+// Bit casts and math intrinsics.
+inline float __int_as_float(int x) { float f; std::memcpy(&f, &x, 4); return f; }
+inline float __uint_as_float(unsigned x) { float f; std::memcpy(&f, &x, 4); return f; }
+inline int __float_as_int(float f) { int x; std::memcpy(&x, &f, 4); return x; }
+inline unsigned __float_as_uint(float f) { unsigned x; std::memcpy(&x, &f, 4); return x; }
+inline float __expf(float x) { return expf(x); }
+inline float __logf(float x) { return logf(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }

@@ -1,0 +1,265 @@
+"""The CUDA host emulator (tests/cuda_host) itself: its CUDA semantics are right, and it
+catches the kernel bugs it claims to. Each injected bug is a one-place edit of a copy of
+cuda/; the same small checks pass on the unchanged sources (test_checks_pass_unchanged), so
+each failure is the bug's doing. tests/test_kernels.py runs the full kernel cases on it."""
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("cupy")  # nano/kernels.py imports it
+from cuda_host import cupy_stub, emulator  # noqa: E402
+from nano import kernels, ops  # noqa: E402
+from test_kernels import assert_close, f16, make_cache  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+if emulator.unavailable():
+    pytest.skip(emulator.unavailable(), allow_module_level=True)
+
+
+@pytest.fixture
+def cp():
+    with cupy_stub.emulating(kernels) as stub:
+        yield stub
+
+
+def build(code: str) -> emulator.Module:
+    return emulator.Module(code, ("-std=c++17", f"-I{_cuda_include()}"))
+
+
+def _cuda_include() -> str:
+    return kernels._options()[1][2:]
+
+
+# ---------------------------------------------------------------- CUDA semantics
+
+def test_half_conversions_round_to_nearest_even(cp):
+    """float -> half -> float through the kernels' own intrinsics, against NumPy (IEEE
+    round to nearest even): every half value, ties, subnormals, overflow, NaN."""
+    module = build(textwrap.dedent("""
+        #include <cuda_fp16.h>
+        extern "C" __global__ void round_trip(const float* x, float* y, unsigned short* bits, int n) {
+            const int i = blockIdx.x * blockDim.x + threadIdx.x;
+            if (i >= n) return;
+            const __half h = __float2half(x[i]);
+            y[i] = __half2float(h);
+            bits[i] = __half_as_ushort(h);
+        }"""))
+    halves = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
+    finite = halves[np.isfinite(halves)]
+    ties = (finite[:-1].astype(np.float64) + np.diff(finite.astype(np.float64)) / 2).astype(np.float32)
+    rng = np.random.default_rng(1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        x = np.concatenate([halves, ties, rng.normal(0, 1e4, 20000), rng.normal(0, 1e-6, 20000),
+                            [7e4, -7e4, 65519.99, 65520.0, np.inf, -np.inf]]).astype(np.float32)
+        want = x.astype(np.float16)
+    x_d, y_d, bits_d = cp.asarray(x), cp.empty(x.size, cp.float32), cp.empty(x.size, cp.uint16)
+    module.get_function("round_trip")(((x.size + 255) // 256,), (256,), (x_d, y_d, bits_d, np.int32(x.size)))
+    nan = np.isnan(x)  # CUDA makes every NaN the canonical 0x7fff; NumPy keeps the payload
+    np.testing.assert_array_equal(cp.asnumpy(bits_d)[~nan], want.view(np.uint16)[~nan])
+    assert (cp.asnumpy(bits_d)[nan] == 0x7FFF).all()
+    np.testing.assert_array_equal(cp.asnumpy(y_d), want.astype(np.float32))
+
+
+SHUFFLES = textwrap.dedent("""
+    extern "C" __global__ void shuffles(int* out, int width) {
+        const int lane = threadIdx.x;
+        out[0 * 32 + lane] = __shfl_sync(0xffffffff, lane * 10, 5, width);
+        out[1 * 32 + lane] = __shfl_up_sync(0xffffffff, lane * 10, 3, width);
+        out[2 * 32 + lane] = __shfl_down_sync(0xffffffff, lane * 10, 3, width);
+        out[3 * 32 + lane] = __shfl_xor_sync(0xffffffff, lane * 10, 9, width);
+    }""")
+
+
+@pytest.mark.parametrize("width", [32, 16, 8, 1])
+def test_shuffles_follow_ptx_lane_arithmetic(cp, width):
+    """Expected values from the CUDA programming guide's definitions, per segment of `width` lanes."""
+    out = cp.empty((4, 32), cp.int32)
+    build(SHUFFLES).get_function("shuffles")((1,), (32,), (out, np.int32(width)))
+    lane = np.arange(32)
+    base, pos = lane - lane % width, lane % width
+    expect = np.stack([
+        base + 5 % width,
+        np.where(pos >= 3, lane - 3, lane),
+        np.where(pos + 3 < width, lane + 3, lane),
+        np.where((lane ^ 9) < base + width, lane ^ 9, lane),
+    ]) * 10
+    np.testing.assert_array_equal(cp.asnumpy(out), expect)
+
+
+def test_argument_types_are_checked(cp):
+    """A C parameter is int but the launch passes int64 (CuPy would pass 8 bytes silently)."""
+    out = cp.empty((4, 32), cp.int32)
+    with pytest.raises(emulator.EmulatorError, match="'width' is i4 in C, got int64"):
+        build(SHUFFLES).get_function("shuffles")((1,), (32,), (out, np.int64(32)))
+    with pytest.raises(emulator.EmulatorError, match="'out' points to i4 in C, got a float32 array"):
+        build(SHUFFLES).get_function("shuffles")((1,), (32,), (cp.empty(128, cp.float32), np.int32(32)))
+
+
+def test_launch_bounds_are_checked(cp):
+    with pytest.raises(emulator.EmulatorError, match="exceeds paged_attention_kernel<64, 3>'s __launch_bounds__"):
+        module = cp.RawModule(code=(REPO / "cuda" / "paged_attention.cu").read_text(),
+                              options=kernels._options(), name_expressions=["paged_attention_kernel<64, 3>"])
+        args = [cp.empty(8, cp.float16)] + [cp.empty(8, cp.float32)] * 3 + [cp.empty(8, cp.float16)] * 3 \
+            + [cp.empty(8, cp.int32)] * 2 + [np.int32(1)] * 3 + [np.float32(1)]
+        module.get_function("paged_attention_kernel<64, 3>")((1, 1, 1), (256,), args)
+
+
+# ---------------------------------------------------------------- injected bugs
+
+def check_paged(cp, rng):
+    """Decode attention without split (many sequences would be slow; 5 odd lengths) and with
+    split-KV (one sequence of 300 tokens: 3 partitions on 132 SMs)."""
+    for context_lens in ([1, 17, 64, 100, 33], [300]):
+        (k, v, tables), (k_d, v_d, tables_d) = make_cache(cp, rng, context_lens, 3, 64, 16)
+        q, q_d = f16(cp, rng.normal(size=(len(context_lens), 9, 64)))
+        lens = np.array(context_lens, np.int32)
+        got = ops.paged_attention(q_d, k_d, v_d, tables_d, cp.asarray(lens), 0.125)
+        assert_close(cp, got, ops.paged_attention(q, k, v, tables, lens, 0.125))
+
+
+def check_prefill(cp, rng):
+    chunks = [(37, 37), (50, 300), (1, 90)]
+    (k, v, tables), (k_d, v_d, tables_d) = make_cache(cp, rng, [c for _, c in chunks], 3, 64, 16)
+    cu = np.concatenate([[0], np.cumsum([n for n, _ in chunks])]).astype(np.int32)
+    q, q_d = f16(cp, rng.normal(size=(int(cu[-1]), 9, 64)))
+    lens = np.array([c for _, c in chunks], np.int32)
+    got = ops.prefill_attention(q_d, k_d, v_d, cp.asarray(cu), tables_d, cp.asarray(lens), 0.125)
+    assert_close(cp, got, ops.prefill_attention(q, k, v, cu, tables, lens, 0.125))
+
+
+def check_layers(cp, rng):
+    x, x_d = f16(cp, rng.normal(size=(5, 576)))
+    w, w_d = f16(cp, rng.uniform(0.5, 1.5, size=576))
+    assert_close(cp, ops.rms_norm(x_d, w_d, 1e-5), ops.rms_norm(x, w, 1e-5))
+    gate_up, gate_up_d = f16(cp, rng.normal(size=(3, 2 * 72)))
+    assert_close(cp, ops.silu_mul(gate_up_d), ops.silu_mul(gate_up))
+
+
+def check_sample(cp, rng):
+    logits = (3 * rng.normal(size=(2, 1000))).astype(np.float16)
+    args = (np.full(2, 0.8, np.float32), np.full(2, 40, np.int32), np.full(2, 0.9, np.float32),
+            np.array([1, 2], np.uint64), np.array([0, 5], np.int32))
+    got = cp.asnumpy(ops.sample(cp.asarray(logits), *map(cp.asarray, args)))
+    np.testing.assert_array_equal(got, ops.sample(logits.astype(np.float32), *args))
+
+
+CHECKS = {"paged_attention.cu": check_paged, "prefill_attention.cu": check_prefill,
+          "layers.cu": check_layers, "sampling.cu": check_sample}
+
+# (what, file, text, replacement, what the emulator must say; None: a wrong result is enough)
+BUGS = [
+    ("tile bound off by one", "paged_attention.cu",
+     "threadIdx.x < rows && logical < max_blocks", "threadIdx.x <= rows && logical < max_blocks", None),
+    ("missing __syncthreads", "paged_attention.cu",
+     "        __syncthreads();\n\n        // 2. Stage K and V", "\n        // 2. Stage K and V",
+     "differs between thread orders|invalid memory access"),
+    ("wrong shuffle width", "paged_attention.cu",
+     "v += __shfl_xor_sync(0xffffffff, v, o);", "v += __shfl_xor_sync(0xffffffff, v, o, 16);", None),
+    ("wrong block-table index", "prefill_attention.cu", "table[logical]", "table[logical + 1]", None),
+    ("dropped causal mask", "prefill_attention.cu",
+     "key_ok && t < tokens && key <= pos0 + t", "key_ok && t < tokens", None),
+    ("uninitialised shared memory", "paged_attention.cu", "        s_sum[threadIdx.x] = 0.0f;\n", "",
+     "differs between thread orders"),
+    ("barrier inside a branch", "layers.cu",
+     "if (lane == 0) shared[warp] = value;\n    __syncthreads();",
+     "if (lane == 0) {\n        shared[warp] = value;\n        __syncthreads();\n    }", "deadlock|divergent"),
+    ("shuffle skipped by half a warp", "paged_attention.cu",
+     "sum = warp_sum(sum);", "if (lane < 16) sum = warp_sum(sum);", "different warp operations"),
+    ("shuffle mask leaves out the caller", "sampling.cu",
+     "const float v = __shfl_xor_sync(0xffffffff, best, o);",
+     "const float v = __shfl_xor_sync(0x0000ffff, best, o);", "leaves out its own lane"),
+    ("read past the end of an input", "layers.cu", "if (i8 >= n8) return;", "if (i8 > n8) return;",
+     "past the end of argument 'gate_up'"),
+]
+
+
+@pytest.fixture
+def cuda_copy(tmp_path, monkeypatch):
+    """A copy of cuda/ that nano/kernels.py compiles from; returns a function that edits it."""
+    shutil.copytree(REPO / "cuda", tmp_path / "cuda")
+    monkeypatch.setattr(kernels, "CUDA_DIR", tmp_path / "cuda")
+
+    def edit(name, text, replacement):
+        path = tmp_path / "cuda" / name
+        source = path.read_text()
+        assert source.count(text) == 1, f"the bug's anchor text is not unique in {name}: {text!r}"
+        path.write_text(source.replace(text, replacement))
+    return edit
+
+
+@pytest.mark.parametrize("name", sorted(CHECKS))
+def test_checks_pass_unchanged(cuda_copy, cp, name):
+    CHECKS[name](cp, np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("what, name, text, replacement, message", BUGS, ids=[b[0] for b in BUGS])
+def test_injected_bug_is_caught(cuda_copy, what, name, text, replacement, message):
+    cuda_copy(name, text, replacement)
+    with cupy_stub.emulating(kernels) as cp:  # after the edit: compiles the edited copy
+        with pytest.raises((emulator.EmulatorError, AssertionError)) as caught:
+            CHECKS[name](cp, np.random.default_rng(0))
+    if message:
+        assert caught.type is emulator.EmulatorError, caught.value
+        assert caught.match(message)
+
+
+# ---------------------------------------------------------------- sanitizers
+
+def sanitizer_env() -> dict:
+    libasan = subprocess.run(["g++", "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
+    if not os.path.isabs(libasan):
+        pytest.skip("g++ has no AddressSanitizer runtime (libasan)")
+    return {**os.environ, "LD_PRELOAD": libasan, "ASAN_OPTIONS": "detect_leaks=0",
+            "UBSAN_OPTIONS": "print_stacktrace=1", "NANO_CUDA_HOST_SANITIZE": "1",
+            "NANO_CUDA_HOST_ORDERS": "0", "PYTHONPATH": str(REPO)}
+
+
+# One case of each kernel family and launch shape, small enough for ASan's slowdown.
+SANITIZED = ("emulator and (embedding or rms_norm or silu or rope or swap or greedy"
+             " or (sample_matches and 1000 and 0.6) or (paged_attention and 9-3-64)"
+             " or (prefill_attention and 12-4-128))")
+
+
+def test_kernels_under_address_and_undefined_behaviour_sanitizers():
+    """tests/test_kernels.py's emulated cases again (a smaller set), built with
+    -fsanitize=address,undefined: out-of-bounds on either side of a buffer, misaligned vector
+    loads, integer overflow, shifts. One thread order: the plain runs cover the orders."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           str(REPO / "tests" / "test_kernels.py"), "-k", SANITIZED],
+                          env=sanitizer_env(), cwd=REPO, capture_output=True, text=True, timeout=900)
+    print(done.stdout.splitlines()[-1] if done.stdout else "")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert " passed" in done.stdout and "failed" not in done.stdout
+
+
+def test_sanitizers_catch_a_read_before_the_start(tmp_path):
+    """The guard page only sits after a buffer; in sanitizer runs the bytes before it are
+    poisoned too. Bug: gather_blocks reads block - 1, i.e. before kv_cache for block 0."""
+    shutil.copytree(REPO / "cuda", tmp_path / "cuda")
+    cache = tmp_path / "cuda" / "cache.cu"
+    text = "chunk, kv_cache + (lk * num_blocks + block) * chunk"
+    assert cache.read_text().count(text) == 1
+    cache.write_text(cache.read_text().replace(text, "chunk, kv_cache + (lk * num_blocks + block - 1) * chunk"))
+    script = textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {str(REPO / 'tests')!r})
+        from pathlib import Path
+        import numpy as np
+        from cuda_host import cupy_stub
+        from nano import kernels, ops
+        kernels.CUDA_DIR = Path({str(tmp_path / 'cuda')!r})
+        with cupy_stub.emulating(kernels) as cp:
+            kv = cp.asarray(np.ones((1, 2, 4, 1, 16, 64), np.float16))
+            ops.gather_blocks(kv, cp.asarray(np.array([0, 2], np.int32)))
+        print("no error")""")
+    done = subprocess.run([sys.executable, "-c", script], env=sanitizer_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode != 0 and "no error" not in done.stdout
+    assert "AddressSanitizer: use-after-poison" in done.stderr, done.stderr[-3000:]
+    assert "in gather_blocks" in done.stderr  # the report points at the kernel's source line
