@@ -1,5 +1,7 @@
 """Shared fixtures (the real default model, a tiny random model, the dense reference) and the
 `gpu` marker: gpu-marked tests run only where CuPy sees a CUDA device."""
+import sys
+
 import pytest
 
 from nano.weights import resolve_model
@@ -41,3 +43,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How much of cuda/ ran on the CPU emulator (tests/cuda_host) in this run."""
+    emulator = sys.modules.get("cuda_host.emulator")
+    if not emulator or not emulator.launches:
+        return
+    passed = terminalreporter.stats.get("passed", [])
+    cases = sum("[emulator" in r.nodeid for r in passed)
+    checks = sum(r.nodeid.startswith("tests/test_cuda_host.py") for r in passed)
+    unlaunched = sorted(set(emulator.compiled) - set(emulator.launches))
+    terminalreporter.write_line(
+        f"cuda_host emulator: {cases} kernel test cases and {checks} emulator checks passed; "
+        f"{sum(emulator.launches.values())} launches of {len(emulator.launches)} kernels, each in "
+        f"{len(emulator.ORDERS)} thread orders; compiled but never launched: {', '.join(unlaunched) or 'none'}")

@@ -286,3 +286,27 @@ def test_prefill_attention(cupy, rng, nq, nkv, d, chunks):
     scale = d ** -0.5
     got = ops.prefill_attention(q_d, k_cache_d, v_cache_d, cupy.asarray(cu), tables_d, cupy.asarray(lens), scale)
     assert_close(cupy, got, ops.prefill_attention(q, k_cache, v_cache, cu, tables, lens, scale))
+
+
+@pytest.mark.parametrize("d", kernels.HEAD_DIMS)
+@pytest.mark.parametrize("group", kernels.GROUPS)
+def test_every_attention_instantiation(cupy, rng, d, group):
+    """Each template instance nano/kernels.py compiles (head dim x GQA group), decode with and
+    without split-KV and a prefill chunk starting mid-sequence; the cases above cover some."""
+    nkv, block_size = 2, 16
+    nq = nkv * group
+    decode_lens, chunks = [1, 37, 300], [(5, 5), (20, 40)]
+    (k_cache, v_cache, tables), (k_cache_d, v_cache_d, tables_d) = make_cache(
+        cupy, rng, decode_lens + [ctx for _, ctx in chunks], nkv, d, block_size)
+    scale = d ** -0.5
+    q, q_d = f16(cupy, rng.normal(size=(len(decode_lens), nq, d)))
+    lens = np.array(decode_lens, np.int32)
+    got = ops.paged_attention(q_d, k_cache_d, v_cache_d, tables_d[:3], cupy.asarray(lens), scale)
+    assert_close(cupy, got, ops.paged_attention(q, k_cache, v_cache, tables[:3], lens, scale))
+    got = ops.paged_attention(q_d[2:], k_cache_d, v_cache_d, tables_d[2:3], cupy.asarray(lens[2:]), scale)
+    assert_close(cupy, got, ops.paged_attention(q[2:], k_cache, v_cache, tables[2:3], lens[2:], scale))
+    cu = np.array([0, 5, 25], np.int32)
+    q, q_d = f16(cupy, rng.normal(size=(25, nq, d)))
+    lens = np.array([ctx for _, ctx in chunks], np.int32)
+    got = ops.prefill_attention(q_d, k_cache_d, v_cache_d, cupy.asarray(cu), tables_d[3:], cupy.asarray(lens), scale)
+    assert_close(cupy, got, ops.prefill_attention(q, k_cache, v_cache, cu, tables[3:], lens, scale))

@@ -41,7 +41,8 @@ WORKERS = int(os.environ.get("NANO_CUDA_HOST_WORKERS", os.cpu_count() or 1))
 FLAGS = (["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
           "-fno-omit-frame-pointer"] if SANITIZE else ["-O2"])
 
-# What was launched in this process: {kernel name: launches}; the test summary prints it.
+# What this process compiled (kernel names) and launched ({name: launches}), for the test summary.
+compiled: set[str] = set()
 launches: dict[str, int] = {}
 
 
@@ -221,6 +222,7 @@ class Module:
         for i in range(m.num_kernels):
             k = m.kernels[i]
             self._kernels[k.name.decode()] = ctypes.pointer(k)
+        compiled.update(self._kernels)
 
     def get_function(self, name: str) -> "Function":
         if name not in self._kernels:
@@ -346,7 +348,7 @@ def _dim3(value, what) -> tuple:
 
 
 def _describe_fault(address: int, write: bool, bound) -> str:
-    verb = "write" if write else "access"
+    verb = "write" if write else "read"
     for name, a in bound:
         start, end = a.start, a.start + a.nbytes
         if end <= address < a.guard_end:
