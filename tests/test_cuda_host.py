@@ -93,6 +93,31 @@ def test_shuffles_follow_ptx_lane_arithmetic(cp, width):
     np.testing.assert_array_equal(cp.asnumpy(out), expect)
 
 
+DYNAMIC = textwrap.dedent("""
+    // Block sum through dynamic shared memory: one float per thread.
+    extern "C" __global__ void block_sum(const float* x, float* out, int overrun) {
+        extern __shared__ __align__(16) float partial[];
+        partial[threadIdx.x + overrun] = x[blockIdx.x * blockDim.x + threadIdx.x];
+        __syncthreads();
+        for (int half = blockDim.x / 2; half > 0; half /= 2) {
+            if (threadIdx.x < half) partial[threadIdx.x] += partial[threadIdx.x + half];
+            __syncthreads();
+        }
+        if (threadIdx.x == 0) out[blockIdx.x] = partial[0];
+    }""")
+
+
+def test_dynamic_shared_memory(cp):
+    """extern __shared__ gets the bytes the launch asks for; a write past them is reported."""
+    x = np.arange(3 * 128, dtype=np.float32)
+    out = cp.empty(3, cp.float32)
+    kernel = build(DYNAMIC).get_function("block_sum")
+    kernel((3,), (128,), (cp.asarray(x), out, np.int32(0)), shared_mem=128 * 4)
+    np.testing.assert_array_equal(cp.asnumpy(out), x.reshape(3, 128).sum(axis=1))
+    with pytest.raises(emulator.EmulatorError, match="past the 512 bytes the launch requested"):
+        kernel((3,), (128,), (cp.asarray(x), out, np.int32(1)), shared_mem=128 * 4)
+
+
 def test_argument_types_are_checked(cp):
     """A C parameter is int but the launch passes int64 (CuPy would pass 8 bytes silently)."""
     out = cp.empty((4, 32), cp.int32)

@@ -157,8 +157,11 @@ def array_equal(a, b) -> bool:
     return bool(np.array_equal(np.asarray(a), np.asarray(b)))
 
 
+_source_dir = None  # where the sources of the modules being built live (nano/kernels.py's CUDA_DIR)
+
+
 def RawModule(code, options=(), backend="nvrtc", name_expressions=None):
-    return emulator.Module(code, options, name_expressions)
+    return emulator.Module(code, options, name_expressions, _source_dir)
 
 
 class _Device:
@@ -173,8 +176,10 @@ cuda = SimpleNamespace(get_cuda_path=lambda: None, Device=_Device)
 def emulating(kernels):
     """Run nano/kernels.py against this module instead of CuPy; its caches of compiled
     modules and device facts are cleared on the way in and out."""
+    global _source_dir
     caches = [getattr(kernels, name) for name in ("_module", "_kernel", "_num_sms", "_options")]
     real = kernels.cupy
+    _source_dir = kernels.CUDA_DIR
     for c in caches:
         c.cache_clear()
     kernels.cupy = sys.modules[__name__]
@@ -182,5 +187,6 @@ def emulating(kernels):
         yield kernels.cupy
     finally:
         kernels.cupy = real
+        _source_dir = None
         for c in caches:
             c.cache_clear()

@@ -206,14 +206,12 @@ def _compile_options(options) -> list[str]:
 class Module:
     """One compiled source, like cupy.RawModule(code=..., options=..., name_expressions=...)."""
 
-    def __init__(self, code: str, options=(), name_expressions=None, path: Path | None = None):
+    def __init__(self, code: str, options=(), name_expressions=None, source_dir: Path | None = None):
         self.code = code
-        self.path = path or _source_path(code)
-        extra = [o for o in _compile_options(options) if not o.startswith("-std=")]
-        std = [o for o in options if o.startswith("-std=")]
-        source = _registry(self.path, code, name_expressions)
-        library = _compile(source, self.path.stem, std[-1:] + extra)
-        self._runtime = _runtime(_runtime_path(tuple(std[-1:] + extra)))
+        self.path = _source_path(code, source_dir)
+        options = _compile_options(options)
+        library = _compile(_registry(self.path, code, name_expressions), self.path.stem, options)
+        self._runtime = _runtime(_runtime_path(tuple(options)))
         self._lib = ctypes.CDLL(str(library))
         self._lib.cuda_host_module.restype = ctypes.POINTER(_Module)
         self._module = self._lib.cuda_host_module()
@@ -230,10 +228,11 @@ class Module:
         return Function(self, name, self._kernels[name])
 
 
-def _source_path(code: str) -> Path:
-    """RawModule gets the code, not a file name: find the cuda/ file it came from, so that
-    g++ messages and emulator reports name lines of the real source (else a copy)."""
-    for path in sorted((HERE.parent.parent / "cuda").glob("*.cu")):
+def _source_path(code: str, source_dir: Path | None) -> Path:
+    """RawModule gets the code, not a file name: find the file it came from (in source_dir,
+    else the repository's cuda/), so that g++ messages and emulator reports name lines of
+    the real source; else a copy."""
+    for path in sorted(Path(source_dir or HERE.parent.parent / "cuda").glob("*.cu")):
         if path.read_text() == code:
             return path
     digest = hashlib.sha256(code.encode()).hexdigest()[:16]
@@ -256,7 +255,6 @@ class Function:
     def __init__(self, module: Module, name: str, kernel):
         self.module, self.name, self._kernel = module, name, kernel
         self.signature = kernel.contents.signature.decode().split()
-        self.max_threads = kernel.contents.max_threads
         params = _parameter_names(module.code, name.split("<")[0])
         self.params = params if len(params) == len(self.signature) else [
             f"#{i}" for i in range(len(self.signature))]
