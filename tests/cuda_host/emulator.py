@@ -70,12 +70,13 @@ def _cccl_include() -> str:
     raise EmulatorError("CuPy's libcudacxx headers (nv/target) not found")
 
 
-def _compile(source: str, out_name: str, extra: list[str]) -> Path:
-    """g++ `source` into BUILD_DIR/out_name-<hash>.so; reused while nothing that goes into it changes."""
+def _compile(source: str, out_name: str, extra: list[str], inputs: str = "") -> Path:
+    """g++ `source` into BUILD_DIR/out_name-<hash>.so; reused while nothing that goes into it
+    changes: the source, the flags, the shim, and `inputs` (the text of the files it includes)."""
     flags = ["-std=c++17", "-fPIC", "-shared", "-pthread", "-fno-strict-aliasing",
              "-fno-extern-tls-init", "-Wno-unknown-pragmas", *FLAGS,
              f"-I{HERE / 'include'}", f"-I{HERE}", *extra, f"-I{_cccl_include()}"]
-    key = hashlib.sha256("\0".join([source, *flags, (HERE / "shim.h").read_text(),
+    key = hashlib.sha256("\0".join([source, inputs, *flags, (HERE / "shim.h").read_text(),
                                     (HERE / "include" / "crt" / "host_defines.h").read_text()])
                          .encode()).hexdigest()[:16]
     target = BUILD_DIR / f"{out_name}-{'asan-' if SANITIZE else ''}{key}.so"
@@ -210,7 +211,10 @@ class Module:
         self.code = code
         self.path = _source_path(code, source_dir)
         options = _compile_options(options)
-        library = _compile(_registry(self.path, code, name_expressions), self.path.stem, options)
+        # The registry #includes the source by path: its text and its neighbour headers go in the key.
+        headers = [p for p in sorted(self.path.parent.iterdir()) if p.suffix in (".cuh", ".h")]
+        inputs = "\0".join([code, *(p.read_text() for p in headers)])
+        library = _compile(_registry(self.path, code, name_expressions), self.path.stem, options, inputs)
         self._runtime = _runtime(_runtime_path(tuple(options)))
         self._lib = ctypes.CDLL(str(library))
         self._lib.cuda_host_module.restype = ctypes.POINTER(_Module)
