@@ -22,31 +22,12 @@
 // Requires d % 16 == 0 and 16-byte aligned rows (checked in nano/kernels.py). Offsets are
 // 64-bit: a large cache has more than 2^31 elements.
 //
-// Versions:
-//   v1: store_kvcache (no RoPE) 30 regs, gather/scatter 18 regs, 0 spills. Not measured.
-//   v2: rope_store_kvcache replaces store_kvcache and layers.cu's rope: 64 regs, gather/scatter
-//       18 regs, 0 spills (nvcc 13.0, sm_90).
-//       Not yet measured on a GPU.
-#include <cuda_fp16.h>
+// Version v2 (rope_store_kvcache: RoPE fused into the cache write): 64 registers, gather and
+// scatter 18, no spills (tests/kernel_resources.py). Not yet measured on a GPU; earlier
+// versions are in docs/perf_notes.md.
+#include "common.cuh"
 
-// 8 halfs <-> 8 floats through one 16-byte load or store; 8 floats through two.
-__device__ void load8(const __half* p, float* f) {
-    const uint4 u = *reinterpret_cast<const uint4*>(p);
-    const __half2* h = reinterpret_cast<const __half2*>(&u);
-    for (int i = 0; i < 4; i++) {
-        const float2 t = __half22float2(h[i]);
-        f[2 * i] = t.x;
-        f[2 * i + 1] = t.y;
-    }
-}
-
-__device__ void store8(__half* p, const float* f) {
-    uint4 u;
-    __half2* h = reinterpret_cast<__half2*>(&u);
-    for (int i = 0; i < 4; i++) h[i] = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
-    *reinterpret_cast<uint4*>(p) = u;
-}
-
+// 8 floats through two 16-byte loads.
 __device__ void load8f(const float* p, float* f) {
     const float4 a = *reinterpret_cast<const float4*>(p);
     const float4 b = *reinterpret_cast<const float4*>(p + 4);

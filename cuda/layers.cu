@@ -11,44 +11,10 @@
 // H, d and I must be multiples of 8 so rows can be moved as 16-byte uint4 chunks
 // (checked in nano/kernels.py).
 //
-// Versions:
-//   v1: rms_norm 32 regs, add_rms_norm 32, rope 32, silu_mul 32, embedding 18, argmax 17;
-//       0 spills (nvcc 13.0, sm_90). Not yet measured on a GPU.
-//   v2: rope moved to cache.cu (fused with the cache write), argmax to sampling.cu; the
-//       rest unchanged: rms_norm 32 regs, add_rms_norm 32, silu_mul 32, embedding 18, 0 spills
-//       (nvcc 13.0, sm_90). Not yet measured on a GPU.
-#include <cuda_fp16.h>
-
-// Sum of `value` over the thread block; every thread gets the result.
-// `shared` holds one float per warp. blockDim.x must be a multiple of 32.
-__device__ float block_sum(float value, float* shared) {
-    for (int o = 16; o > 0; o >>= 1) value += __shfl_xor_sync(0xffffffff, value, o);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    __syncthreads();  // `shared` may still be read by a previous call
-    if (lane == 0) shared[warp] = value;
-    __syncthreads();
-    value = lane < blockDim.x / 32 ? shared[lane] : 0.0f;
-    for (int o = 16; o > 0; o >>= 1) value += __shfl_xor_sync(0xffffffff, value, o);
-    return value;
-}
-
-// 8 halfs <-> 8 floats through one 16-byte load or store.
-__device__ void load8(const __half* p, float* f) {
-    const uint4 u = *reinterpret_cast<const uint4*>(p);
-    const __half2* h = reinterpret_cast<const __half2*>(&u);
-    for (int i = 0; i < 4; i++) {
-        const float2 t = __half22float2(h[i]);
-        f[2 * i] = t.x;
-        f[2 * i + 1] = t.y;
-    }
-}
-
-__device__ void store8(__half* p, const float* f) {
-    uint4 u;
-    __half2* h = reinterpret_cast<__half2*>(&u);
-    for (int i = 0; i < 4; i++) h[i] = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
-    *reinterpret_cast<uint4*>(p) = u;
-}
+// Version v2: rms_norm, add_rms_norm and silu_mul 32 registers, embedding 18, no spills
+// (tests/kernel_resources.py). Not yet measured on a GPU; earlier versions are in
+// docs/perf_notes.md.
+#include "common.cuh"
 
 // out = src * inv_rms * weight over one row; each thread handles the same 8-value chunks it
 // handled in its first pass, so it only re-reads what it wrote itself.
@@ -74,7 +40,7 @@ extern "C" __global__ void rms_norm(const __half* __restrict__ x, const __half* 
         load8(x + row + c, f);
         for (int i = 0; i < 8; i++) sum_sq += f[i] * f[i];
     }
-    const float inv_rms = rsqrtf(block_sum(sum_sq, shared) / hidden + eps);
+    const float inv_rms = rsqrtf(block_reduce(sum_sq, Sum(), shared) / hidden + eps);
     scale_row(x + row, weight, out + row, hidden, inv_rms);
 }
 
@@ -97,7 +63,7 @@ extern "C" __global__ void add_rms_norm(const __half* __restrict__ x,
         store8(new_residual + row + c, f);
         for (int i = 0; i < 8; i++) sum_sq += f[i] * f[i];
     }
-    const float inv_rms = rsqrtf(block_sum(sum_sq, shared) / hidden + eps);
+    const float inv_rms = rsqrtf(block_reduce(sum_sq, Sum(), shared) / hidden + eps);
     scale_row(new_residual + row, weight, out + row, hidden, inv_rms);
 }
 

@@ -27,27 +27,13 @@
 // writes its normalised partial output, max and sum-exp (float32); paged_attention_merge
 // then combines them with log-sum-exp weights. gridDim.z == 1 writes `out` directly.
 //
-// Versions:
-//   v1: head_dim 64: 54-62 regs, 19-23 KB shared; head_dim 128: 88-103 regs, 36-41 KB shared;
-//       0 spills except head_dim 128 with groups 5 and 6 (8 bytes); merge 32 regs
-//       (nvcc 13.0, sm_90). Not yet measured on a GPU.
-#include <cuda_fp16.h>
-#include <math_constants.h>  // CUDART_INF_F: NVRTC has no <cmath> INFINITY
-
-#define NEG_INF (-CUDART_INF_F)
+// Version v1: head dim 64: 54-63 registers, 19-23 KB shared; head dim 128: 88-103 registers,
+// 36-41 KB shared; merge 32 registers; no spills (tests/kernel_resources.py). Not yet
+// measured on a GPU.
+#include "common.cuh"
 
 constexpr int NUM_THREADS = 128;
 constexpr int TILE = 64;  // context tokens staged in shared memory per step
-
-__device__ float warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
-    return v;
-}
-
-__device__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-    return v;
-}
 
 template <int HEAD_DIM, int GROUP>
 __global__ void __launch_bounds__(NUM_THREADS) paged_attention_kernel(
@@ -64,7 +50,6 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_kernel(
     constexpr int ROW = HEAD_DIM + 8;
     constexpr int PAIRS = GROUP * HEAD_DIM / 2;  // (head, dim pair) outputs of the block
     constexpr int PAIRS_PER_THREAD = (PAIRS + NUM_THREADS - 1) / NUM_THREADS;
-    static_assert(TILE * CHUNKS % NUM_THREADS == 0, "staging loop assumes whole rounds");
 
     __shared__ __align__(16) float s_q[GROUP][HEAD_DIM];
     __shared__ __align__(16) __half s_k[TILE * ROW];
@@ -79,7 +64,6 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_kernel(
     const int begin = part * partition_size;
     if (begin >= ctx) return;  // this sequence is shorter than the longest one
     const int end = min(ctx, begin + partition_size);
-    const int block_size = 1 << log2_block_size;
     const int* table = block_tables + (long long)seq * max_blocks;
 
     const __half* q_group = q + ((long long)seq * nq + kv_head * GROUP) * HEAD_DIM;
@@ -94,32 +78,10 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_kernel(
 
     for (int tile = begin; tile < end; tile += TILE) {
         const int rows = min(TILE, end - tile);
-        // 1. Physical block of each row of the tile.
-        if (threadIdx.x < TILE) {
-            const int logical = (tile + threadIdx.x) >> log2_block_size;
-            s_block[threadIdx.x] =
-                threadIdx.x < rows && logical < max_blocks ? table[logical] : -1;
-        }
-        __syncthreads();
-
-        // 2. Stage K and V; a skipped row becomes zeros so step 5 can multiply it by p = 0.
-#pragma unroll
-        for (int j = 0; j < TILE * CHUNKS / NUM_THREADS; j++) {
-            const int i = threadIdx.x + j * NUM_THREADS;
-            const int r = i / CHUNKS, c = i % CHUNKS;
-            const int block = s_block[r];
-            uint4 kval = make_uint4(0, 0, 0, 0), vval = kval;
-            if (block >= 0) {
-                const int offset = (tile + r) & (block_size - 1);
-                const long long src =
-                    (((long long)block * nkv + kv_head) * block_size + offset) * HEAD_DIM + c * 8;
-                kval = *reinterpret_cast<const uint4*>(k_cache + src);
-                vval = *reinterpret_cast<const uint4*>(v_cache + src);
-            }
-            *reinterpret_cast<uint4*>(&s_k[r * ROW + c * 8]) = kval;
-            *reinterpret_cast<uint4*>(&s_v[r * ROW + c * 8]) = vval;
-        }
-        __syncthreads();
+        // 1-2. Physical block of each row, then K and V rows into shared memory.
+        stage_kv_tile<TILE, HEAD_DIM, ROW, NUM_THREADS>(s_k, s_v, s_block, k_cache, v_cache, table,
+                                                        max_blocks, tile, rows, kv_head, nkv,
+                                                        log2_block_size);
 
         // 3. Scores (q was pre-scaled); -inf for skipped rows.
         for (int i = threadIdx.x; i < GROUP * TILE; i += NUM_THREADS) {
@@ -149,7 +111,7 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_kernel(
             float tile_max = NEG_INF;
             for (int r = lane; r < TILE; r += 32) tile_max = fmaxf(tile_max, s_p[g][r]);
             const float old_max = s_max[g];
-            const float new_max = fmaxf(old_max, warp_max(tile_max));
+            const float new_max = fmaxf(old_max, warp_reduce(tile_max, Max()));
             float sum = 0.0f;
             for (int r = lane; r < TILE; r += 32) {
                 const float s = s_p[g][r];
@@ -157,7 +119,7 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_kernel(
                 s_p[g][r] = p;
                 sum += p;
             }
-            sum = warp_sum(sum);
+            sum = warp_reduce(sum, Sum());
             __syncwarp();  // every lane has read s_max[g] before lane 0 replaces it
             if (lane == 0) {
                 const float alpha = old_max == NEG_INF ? 0.0f : __expf(old_max - new_max);

@@ -27,13 +27,9 @@
 //   registers), 5. acc = acc * alpha + P @ V, each thread owning a dim pair of 8 or 16 rows.
 // Key tiles past the block's last query position are never visited (fully masked).
 //
-// Versions:
-//   v1: head_dim 64: 80 regs (101 for group 7), 27.5 KB shared; head_dim 128: 127-128 regs,
-//       43.9 KB shared; 0 spills (nvcc 13.0, sm_90). Not yet measured on a GPU.
-#include <cuda_fp16.h>
-#include <math_constants.h>  // CUDART_INF_F: NVRTC has no <cmath> INFINITY
-
-#define NEG_INF (-CUDART_INF_F)
+// Version v1: head dim 64: 79-101 registers, 27.5 KB shared; head dim 128: 127-128
+// registers, 43.9 KB shared; no spills (tests/kernel_resources.py). Not yet measured on a GPU.
+#include "common.cuh"
 
 constexpr int NUM_THREADS = 256;
 constexpr int ROWS = 64;  // query rows (token, head) per thread block
@@ -52,8 +48,7 @@ __global__ void __launch_bounds__(NUM_THREADS) prefill_attention_kernel(
     constexpr int PAIR_COLS = HEAD_DIM / 2;                   // dim pairs per row: 32 or 64
     constexpr int ROW_STEP = NUM_THREADS / PAIR_COLS;          // 8 or 4
     constexpr int OUT_ROWS = ROWS / ROW_STEP;                  // output rows per thread: 8 or 16
-    static_assert(KEYS * CHUNKS % NUM_THREADS == 0 && ROWS * CHUNKS % NUM_THREADS == 0,
-                  "staging loops assume whole rounds");
+    static_assert(ROWS * CHUNKS % NUM_THREADS == 0, "the q staging loop assumes whole rounds");
 
     __shared__ __align__(16) __half s_q[ROWS * ROW];
     __shared__ __align__(16) __half s_k[KEYS * ROW];
@@ -71,7 +66,6 @@ __global__ void __launch_bounds__(NUM_THREADS) prefill_attention_kernel(
     const int tokens = min(TOKENS, q_len - first);
     const int pos0 = context_lens[seq] - q_len + first;  // position of that token
     const int last_key = pos0 + tokens - 1;              // no row sees a later key
-    const int block_size = 1 << log2_block_size;
     const int* table = block_tables + (long long)seq * max_blocks;
 
     // Row r is token r / GROUP, head r % GROUP; a token's GROUP heads are contiguous in q.
@@ -97,31 +91,10 @@ __global__ void __launch_bounds__(NUM_THREADS) prefill_attention_kernel(
     const int kr = threadIdx.x % KEYS, sr0 = threadIdx.x / KEYS * SCORE_ROWS;
 
     for (int key0 = 0; key0 <= last_key; key0 += KEYS) {
-        // 1. Physical block of each key.
-        if (threadIdx.x < KEYS) {
-            const int key = key0 + threadIdx.x, logical = key >> log2_block_size;
-            s_block[threadIdx.x] = key <= last_key && logical < max_blocks ? table[logical] : -1;
-        }
-        __syncthreads();
-
-        // 2. Stage K and V; skipped keys become zeros (their p is 0 in step 5).
-#pragma unroll
-        for (int j = 0; j < KEYS * CHUNKS / NUM_THREADS; j++) {
-            const int i = threadIdx.x + j * NUM_THREADS;
-            const int r = i / CHUNKS, c = i % CHUNKS;
-            const int block = s_block[r];
-            uint4 kval = make_uint4(0, 0, 0, 0), vval = kval;
-            if (block >= 0) {
-                const int offset = (key0 + r) & (block_size - 1);
-                const long long src =
-                    (((long long)block * nkv + kv_head) * block_size + offset) * HEAD_DIM + c * 8;
-                kval = *reinterpret_cast<const uint4*>(k_cache + src);
-                vval = *reinterpret_cast<const uint4*>(v_cache + src);
-            }
-            *reinterpret_cast<uint4*>(&s_k[r * ROW + c * 8]) = kval;
-            *reinterpret_cast<uint4*>(&s_v[r * ROW + c * 8]) = vval;
-        }
-        __syncthreads();
+        // 1-2. Physical block of each key, then K and V rows into shared memory.
+        stage_kv_tile<KEYS, HEAD_DIM, ROW, NUM_THREADS>(s_k, s_v, s_block, k_cache, v_cache, table,
+                                                        max_blocks, key0, last_key - key0 + 1,
+                                                        kv_head, nkv, log2_block_size);
 
         // 3. Scores. Lanes read 32 different K rows at the same chunk: rows are an odd
         // number of 16-byte units apart, so no bank conflicts; q rows are broadcast.

@@ -20,13 +20,11 @@
 // within float32 rounding of each other (logf / expf here vs NumPy's: ~1 ulp apart) and
 // (b) a top-p nucleus whose mass is within float32 summation-order rounding of p * Z.
 //
-// Versions:
-//   v1: sample 40 registers, 0 spills, 384 bytes shared (nvcc 13.0, sm_90, -ftz=true as CuPy
-//       compiles it). Not yet measured on a GPU.
-#include <cuda_fp16.h>
-#include <math_constants.h>  // CUDART_INF_F: NVRTC has no <cmath> INFINITY
+// Version v1: 32 registers, no spills, 384 bytes shared (tests/kernel_resources.py). Not yet
+// measured on a GPU.
+#include "common.cuh"
 
-constexpr int THREADS = 1024;  // 32 warps: the block reductions below rely on it
+constexpr int THREADS = 1024;  // 32 warps: block_argmax below relies on it
 
 // murmur3's 32-bit finalizer: a bijection whose output bits each depend on every input bit.
 __device__ unsigned int fmix32(unsigned int h) {
@@ -49,26 +47,6 @@ __device__ float uniform(unsigned int row_key, unsigned int i) {
 __device__ unsigned int float_key(float x) {
     const unsigned int u = __float_as_uint(x);
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
-struct Sum {
-    template <typename T> __device__ T operator()(T a, T b) const { return a + b; }
-};
-struct Max {
-    __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
-};
-
-// Reduce `value` over the 1024 threads with `op`; every thread gets the result.
-template <typename T, typename Op>
-__device__ T block_reduce(T value, Op op, T* shared) {
-    for (int o = 16; o > 0; o >>= 1) value = op(value, __shfl_xor_sync(0xffffffff, value, o));
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    __syncthreads();  // `shared` may still be read by a previous call
-    if (lane == 0) shared[warp] = value;
-    __syncthreads();
-    value = shared[lane];
-    for (int o = 16; o > 0; o >>= 1) value = op(value, __shfl_xor_sync(0xffffffff, value, o));
-    return value;
 }
 
 // Within a warp: the (value, index) pair with the largest value, ties to the lower index.

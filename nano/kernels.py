@@ -40,8 +40,9 @@ SOURCES = ("layers.cu", "cache.cu", "sampling.cu", "paged_attention.cu", "prefil
 
 @functools.cache
 def _options() -> tuple:
-    """NVRTC options: C++17 and the directory holding cuda_fp16.h, which NVRTC does not
-    find by itself (the CUDA toolkit CuPy uses, or the nvidia-cuda-runtime wheel)."""
+    """NVRTC options: C++17, cuda/ (for common.cuh) and the directory holding cuda_fp16.h,
+    which NVRTC does not find by itself (the CUDA toolkit CuPy uses, or the
+    nvidia-cuda-runtime wheel)."""
     candidates = []
     cuda_path = cupy.cuda.get_cuda_path()
     if cuda_path:
@@ -55,14 +56,15 @@ def _options() -> tuple:
         pass
     for include in candidates:
         if os.path.isfile(os.path.join(include, "cuda_fp16.h")):
-            return ("-std=c++17", f"-I{include}")
+            return ("-std=c++17", f"-I{CUDA_DIR}", f"-I{include}")
     raise RuntimeError("cuda_fp16.h not found: install the CUDA toolkit or nvidia-cuda-runtime")
 
 
-def compile_all(arch: str = "sm_90") -> dict:
+def compile_all(arch: str = "sm_90", extra_options: tuple = ()) -> dict:
     """Compile every cuda/*.cu for `arch` with NVRTC directly, without a GPU, using the
     options the RawModules use (CuPy adds its own -arch, -ftz=true and
-    --device-as-default-execution-space at load time). Returns {file name: compile log};
+    --device-as-default-execution-space at load time) and `extra_options` (e.g. ptxas's
+    resource report, see tests/kernel_resources.py). Returns {file name: compile log};
     raises RuntimeError with the log if a file does not compile."""
     from cupy_backends.cuda.libs import nvrtc
     logs = {}
@@ -72,7 +74,7 @@ def compile_all(arch: str = "sm_90") -> dict:
             for expression in _TEMPLATES.get(name, ()):
                 nvrtc.addNameExpression(prog, expression)
             try:
-                nvrtc.compileProgram(prog, _options() + (f"-arch={arch}",))
+                nvrtc.compileProgram(prog, _options() + (f"-arch={arch}",) + tuple(extra_options))
             except nvrtc.NVRTCError as e:
                 raise RuntimeError(f"{name} does not compile:\n{nvrtc.getProgramLog(prog)}") from e
             logs[name] = nvrtc.getProgramLog(prog)

@@ -30,11 +30,8 @@ def cp():
 
 
 def build(code: str) -> emulator.Module:
-    return emulator.Module(code, ("-std=c++17", f"-I{_cuda_include()}"))
-
-
-def _cuda_include() -> str:
-    return kernels._options()[1][2:]
+    """A test kernel, compiled with the options nano/kernels.py uses."""
+    return emulator.Module(code, kernels._options())
 
 
 # ---------------------------------------------------------------- CUDA semantics
@@ -175,33 +172,36 @@ def check_sample(cp, rng):
     np.testing.assert_array_equal(got, ops.sample(logits.astype(np.float32), *args))
 
 
-CHECKS = {"paged_attention.cu": check_paged, "prefill_attention.cu": check_prefill,
-          "layers.cu": check_layers, "sampling.cu": check_sample}
+CHECKS = {"paged": check_paged, "prefill": check_prefill, "layers": check_layers, "sample": check_sample}
 
-# (what, file, text, replacement, what the emulator must say; None: a wrong result is enough)
+# (what, file, text, replacement, check that runs it, what the emulator must say; None: a
+# wrong result is enough). common.cuh's helpers run inside the attention and layer kernels.
 BUGS = [
-    ("tile bound off by one", "paged_attention.cu",
-     "threadIdx.x < rows && logical < max_blocks", "threadIdx.x <= rows && logical < max_blocks", None),
-    ("missing __syncthreads", "paged_attention.cu",
-     "        __syncthreads();\n\n        // 2. Stage K and V", "\n        // 2. Stage K and V",
-     "differs between thread orders|invalid memory access"),
-    ("wrong shuffle width", "paged_attention.cu",
-     "v += __shfl_xor_sync(0xffffffff, v, o);", "v += __shfl_xor_sync(0xffffffff, v, o, 16);", None),
-    ("wrong block-table index", "prefill_attention.cu", "table[logical]", "table[logical + 1]", None),
+    ("tile bound off by one", "common.cuh",
+     "(int)threadIdx.x < rows && logical < max_blocks", "(int)threadIdx.x <= rows && logical < max_blocks",
+     "paged", None),
+    ("missing __syncthreads", "common.cuh",
+     "    }\n    __syncthreads();\n    const int block_size", "    }\n    const int block_size",
+     "paged", "differs between thread orders|invalid memory access"),
+    ("wrong shuffle width", "common.cuh",
+     "__shfl_xor_sync(0xffffffff, value, o)", "__shfl_xor_sync(0xffffffff, value, o, 16)", "paged", None),
+    ("wrong block-table index", "common.cuh", "table[logical]", "table[logical + 1]", "prefill", None),
     ("dropped causal mask", "prefill_attention.cu",
-     "key_ok && t < tokens && key <= pos0 + t", "key_ok && t < tokens", None),
+     "key_ok && t < tokens && key <= pos0 + t", "key_ok && t < tokens", "prefill", None),
     ("uninitialised shared memory", "paged_attention.cu", "        s_sum[threadIdx.x] = 0.0f;\n", "",
-     "differs between thread orders"),
-    ("barrier inside a branch", "layers.cu",
+     "paged", "differs between thread orders"),
+    ("barrier inside a branch", "common.cuh",
      "if (lane == 0) shared[warp] = value;\n    __syncthreads();",
-     "if (lane == 0) {\n        shared[warp] = value;\n        __syncthreads();\n    }", "deadlock|divergent"),
+     "if (lane == 0) {\n        shared[warp] = value;\n        __syncthreads();\n    }",
+     "layers", "deadlock|divergent"),
     ("shuffle skipped by half a warp", "paged_attention.cu",
-     "sum = warp_sum(sum);", "if (lane < 16) sum = warp_sum(sum);", "different warp operations"),
+     "sum = warp_reduce(sum, Sum());", "if (lane < 16) sum = warp_reduce(sum, Sum());",
+     "paged", "different warp operations"),
     ("shuffle mask leaves out the caller", "sampling.cu",
      "const float v = __shfl_xor_sync(0xffffffff, best, o);",
-     "const float v = __shfl_xor_sync(0x0000ffff, best, o);", "leaves out its own lane"),
+     "const float v = __shfl_xor_sync(0x0000ffff, best, o);", "sample", "leaves out its own lane"),
     ("read past the end of an input", "layers.cu", "if (i8 >= n8) return;", "if (i8 > n8) return;",
-     "past the end of argument 'gate_up'"),
+     "layers", "past the end of argument 'gate_up'"),
 ]
 
 
@@ -224,12 +224,12 @@ def test_checks_pass_unchanged(cuda_copy, cp, name):
     CHECKS[name](cp, np.random.default_rng(0))
 
 
-@pytest.mark.parametrize("what, name, text, replacement, message", BUGS, ids=[b[0] for b in BUGS])
-def test_injected_bug_is_caught(cuda_copy, what, name, text, replacement, message):
+@pytest.mark.parametrize("what, name, text, replacement, check, message", BUGS, ids=[b[0] for b in BUGS])
+def test_injected_bug_is_caught(cuda_copy, what, name, text, replacement, check, message):
     cuda_copy(name, text, replacement)
     with cupy_stub.emulating(kernels) as cp:  # after the edit: compiles the edited copy
         with pytest.raises((emulator.EmulatorError, AssertionError)) as caught:
-            CHECKS[name](cp, np.random.default_rng(0))
+            CHECKS[check](cp, np.random.default_rng(0))
     if message:
         assert caught.type is emulator.EmulatorError, caught.value
         assert caught.match(message)

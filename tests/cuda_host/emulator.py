@@ -88,21 +88,13 @@ def _compile(source: str, out_name: str, extra: list[str], inputs: str = "") -> 
         src.write_text(source)
         out = Path(tmp) / target.name
         cmd = ["g++", *flags, str(src), "-o", str(out)]
-        if out_name != "libcuda_host":
+        if out_name != "libcuda_host":  # a kernel module: the runtime's symbols stay undefined
             cmd[1:1] = ["-include", str(HERE / "shim.h"), "-fvisibility=hidden"]
-            runtime = _runtime_path(tuple(extra))
-            cmd += [f"-L{runtime.parent}", f"-l:{runtime.name}", "-Wl,-rpath,$ORIGIN"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             raise EmulatorError(f"g++ failed for {out_name}:\n{done.stderr[-6000:]}")
         os.replace(out, target)  # atomic: a concurrent build of the same key is harmless
     return target
-
-
-@functools.cache
-def _runtime_path(options: tuple) -> Path:
-    """The runtime, built with the same -std and include directories as the kernels."""
-    return _compile((HERE / "runtime.cpp").read_text(), "libcuda_host", list(options))
 
 
 class _LaunchConfig(ctypes.Structure):
@@ -127,14 +119,23 @@ class _Module(ctypes.Structure):
                 ("dynamic_shared", ctypes.c_void_p)]
 
 
-@functools.cache
-def _runtime(path: Path):
-    lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
-    lib.cuda_host_launch.argtypes = [ctypes.POINTER(_Module), ctypes.POINTER(_Kernel),
-                                     ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
-                                     ctypes.POINTER(_LaunchResult)]
-    lib.cuda_host_launch.restype = None
-    return lib
+_runtime_lib = None
+
+
+def _runtime(options: list[str]) -> ctypes.CDLL:
+    """The one runtime of this process, loaded with RTLD_GLOBAL before any kernel module: the
+    modules leave its symbols undefined, so they all bind to it (two copies would each have
+    their own `current` fiber). Built with the first module's include directories."""
+    global _runtime_lib
+    if _runtime_lib is None:
+        path = _compile((HERE / "runtime.cpp").read_text(), "libcuda_host", options)
+        lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+        lib.cuda_host_launch.argtypes = [ctypes.POINTER(_Module), ctypes.POINTER(_Kernel),
+                                         ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
+                                         ctypes.POINTER(_LaunchResult)]
+        lib.cuda_host_launch.restype = None
+        _runtime_lib = lib
+    return _runtime_lib
 
 
 # ------------------------------------------------------------------ reading the source
@@ -214,8 +215,8 @@ class Module:
         # The registry #includes the source by path: its text and its neighbour headers go in the key.
         headers = [p for p in sorted(self.path.parent.iterdir()) if p.suffix in (".cuh", ".h")]
         inputs = "\0".join([code, *(p.read_text() for p in headers)])
+        self._runtime = _runtime(options)
         library = _compile(_registry(self.path, code, name_expressions), self.path.stem, options, inputs)
-        self._runtime = _runtime(_runtime_path(tuple(options)))
         self._lib = ctypes.CDLL(str(library))
         self._lib.cuda_host_module.restype = ctypes.POINTER(_Module)
         self._module = self._lib.cuda_host_module()
