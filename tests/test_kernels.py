@@ -205,6 +205,14 @@ def test_sample_matches_reference(cupy, rng, vocab, temperature, top_k, top_p):
     assert (got != ref).sum() <= 1, np.flatnonzero(got != ref)
 
 
+def test_sample_pinned_draws(cupy):
+    """The same bits as the NumPy reference on the pinned draws (literal tokens)."""
+    from test_sampler import PINNED_ARGS, PINNED_LOGITS, PINNED_TOKENS
+    logits = cupy.asarray(PINNED_LOGITS.astype(np.float16))
+    got = ops.sample(logits, *map(cupy.asarray, PINNED_ARGS))
+    np.testing.assert_array_equal(cupy.asnumpy(got), PINNED_TOKENS)
+
+
 # ---------------------------------------------------------------- cache
 
 def test_swap_round_trip_is_bitwise(cupy, rng):

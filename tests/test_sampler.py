@@ -93,11 +93,28 @@ def test_float_keys_order_like_floats():
     assert np.all(np.diff(ops.float_keys(x[[0, 1, 2, 3, 5, 6, 7, 8, 9, 10]]).astype(np.int64)) > 0)
 
 
+# Draws pinned to literal values: a change to the hash, its constants or the thresholds shows
+# here. tests/test_kernels.py asserts that cuda/sampling.cu gives the same tokens.
+PINNED_LOGITS = np.repeat((np.arange(64, dtype=np.float32) / 16 - 2)[None], 8, axis=0)  # exact in float16
+PINNED_ARGS = (np.float32([1.0, 0.7, 1.0, 0.8, 1.3, 1.0, 0.5, 2.0]),          # temperature
+               np.int32([-1, -1, 10, -1, 3, -1, -1, 5]),                      # top_k
+               np.float32([1, 1, 1, 0.9, 1, 0.5, 1, 0.8]),                    # top_p
+               np.array([0, 1, 7, 2**32 + 1, 2**63, 2**64 - 1, 12345, 99], np.uint64),  # seeds
+               np.int32([0, 3, 6, 9, 12, 15, 18, 2**31 - 1]))                 # counters
+PINNED_TOKENS = [62, 57, 62, 61, 61, 60, 59, 63]
+
+
+def test_draws_are_pinned():
+    np.testing.assert_array_equal(ops.sample(PINNED_LOGITS, *PINNED_ARGS), PINNED_TOKENS)
+    u = ops.uniforms(0x0123456789ABCDEF, 5, 6)
+    np.testing.assert_array_equal(u.view(np.uint32), [1033321640, 1055463570, 1064463239,
+                                                      1046039420, 1004789120, 1063697259])
+
+
 def test_uniforms_are_open_unit_interval_and_fixed():
     u = ops.uniforms(2**64 - 1, 2**31 - 1, 100_000)
     assert u.dtype == np.float32 and 0 < u.min() and u.max() < 1
     assert abs(u.mean() - 0.5) < 0.01
-    # Pinned values: the CUDA kernel computes the same bits (a change here changes outputs).
     np.testing.assert_array_equal(ops.uniforms(0, 0, 3), ops.uniforms(0, 0, 5)[:3])
     assert not np.array_equal(ops.uniforms(0, 0, 3), ops.uniforms(0, 1, 3))
     assert not np.array_equal(ops.uniforms(1, 0, 3), ops.uniforms(2**32 + 1, 0, 3))
