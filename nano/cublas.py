@@ -3,7 +3,7 @@
 Why not cupy.matmul: decode steps replay CUDA graphs (nano/graphs.py), and CuPy refuses
 cuBLAS while a stream is being captured (cupy.matmul and cupy_backends' cublas.gemmEx raise
 NotImplementedError). The same library called directly captures and replays correctly,
-measured on the H200 (DESIGN.md): [8,576]x[576,1536] fp16 in 3.1 us per replayed GEMM,
+measured on the H200 (docs/h200_figures.md): [8,576]x[576,1536] fp16 in 3.1 us per replayed GEMM,
 11 us eager through ctypes, against ~27 us of host time for an eager cupy.matmul. So eager
 and captured steps share this one path.
 

@@ -1,9 +1,9 @@
 """CUDA graphs for decode steps: one graph per batch-size bucket, captured on first use.
 
 Why: an eager decode step launches every kernel of every layer from Python, each paying
-host time (a RawKernel launch ~4.4 us, an eager CuPy op 12-27 us; measured on the H200,
-DESIGN.md), so the default model's ~300 launches cost milliseconds while its weights take
-~65 us to read. A captured graph replays the same launches for ~0.5 us each.
+host time (a RawKernel launch ~4.4 us, an eager CuPy op 12-27 us on an H200,
+docs/h200_figures.md), so the default model's ~300 launches cost milliseconds while its
+weights take ~65 us to read. A captured graph replays the same launches for ~0.5 us each.
 
 Buckets: a graph bakes in every shape and pointer, so a step with n decoding sequences runs
 the graph of the smallest bucket >= n (1, 2, 4, 8, then every 16 up to max_num_seqs),
