@@ -1,6 +1,8 @@
 """EngineConfig and ModelConfig: every knob in one place, validated once."""
+import math
 from dataclasses import dataclass
 
+from nano import checks
 from nano.errors import NanoError
 
 
@@ -23,28 +25,59 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
+        """From a config.json's contents, every field it uses checked (a wrong one would
+        otherwise fail as a reshape or index error while loading or running the model)."""
+        if not isinstance(cfg, dict):
+            raise NanoError("config.json is not a JSON object")
         missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads", "vocab_size") if k not in cfg]
         if missing:
             raise NanoError(f"config.json is not a Llama-family config: no {missing[0]!r}")
-        heads = cfg["num_attention_heads"]
+
+        def count(key, default=None):
+            return checks.integer(f"config.json {key}", cfg.get(key, default), low=1)
+
+        def positive(key, default):
+            return checks.number(f"config.json {key}", cfg.get(key, default), low=0, open_low=True)
+
+        heads, hidden = count("num_attention_heads"), count("hidden_size")
+        kv_heads = count("num_key_value_heads", heads)
+        if heads % kv_heads:
+            raise NanoError(f"config.json num_attention_heads ({heads}) must be a multiple of "
+                            f"num_key_value_heads ({kv_heads})")
+        head_dim = count("head_dim") if cfg.get("head_dim") is not None else hidden // heads
+        if head_dim < 2 or head_dim % 2:
+            raise NanoError(f"config.json head dimension must be even (RoPE rotates pairs), got {head_dim}")
         eos = cfg.get("eos_token_id")
-        eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
         return cls(
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
+            hidden_size=hidden,
+            intermediate_size=count("intermediate_size"),
+            num_layers=count("num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads", heads),
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            vocab_size=cfg["vocab_size"],
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", 10000.0),
-            rope_scaling=cfg.get("rope_scaling"),
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            eos_token_ids=eos,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            vocab_size=count("vocab_size"),
+            rms_norm_eps=positive("rms_norm_eps", 1e-6),
+            rope_theta=positive("rope_theta", 10000.0),
+            rope_scaling=_rope_scaling(cfg.get("rope_scaling")),
+            max_position_embeddings=count("max_position_embeddings", 2048),
+            tie_word_embeddings=checks.flag("config.json tie_word_embeddings",
+                                            cfg.get("tie_word_embeddings", False)),
+            eos_token_ids=tuple(checks.integer("config.json eos_token_id", t, low=0) for t in eos),
         )
+
+
+def _rope_scaling(scaling) -> dict | None:
+    """None, or a dict; Llama 3's kind needs its four numbers (model.rope_cos_sin)."""
+    if scaling is None:
+        return None
+    if not isinstance(scaling, dict):
+        raise NanoError(f"config.json rope_scaling must be an object or null, got {scaling!r:.40}")
+    if scaling.get("rope_type", scaling.get("type")) == "llama3":
+        for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            checks.number(f"config.json rope_scaling {key}", scaling.get(key), low=0, open_low=True)
+    return scaling
 
 
 def parse_bytes(text: str) -> int:
@@ -62,10 +95,12 @@ def parse_bytes(text: str) -> int:
     try:
         value = float(s) * mult
     except ValueError:
-        raise NanoError(f"cannot read a byte size from {text!r} (e.g. 2GB, 512MiB)") from None
-    if value <= 0:
-        raise NanoError(f"byte size must be positive, got {text!r}")
-    return int(value)
+        value = math.nan
+    if not math.isfinite(value):  # also 'inf' and 'nan', which float() reads
+        raise NanoError(f"cannot read a byte size from {text!r} (e.g. 2GB, 512MiB)")
+    if value < 0:
+        raise NanoError(f"byte size must not be negative, got {text!r}")
+    return int(value)  # the flag's own check says whether it is enough (EngineConfig.validate)
 
 
 @dataclass
@@ -92,29 +127,25 @@ class EngineConfig:
     metrics_interval: int = 1                # steps between snapshots
 
     def validate(self) -> None:
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+        checks.integer("--block-size", self.block_size, low=1)
+        if self.block_size & (self.block_size - 1):
             raise NanoError(f"--block-size must be a power of two, got {self.block_size}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise NanoError(f"--num-blocks must be positive, got {self.num_blocks}")
-        if self.max_num_batched_tokens < 1:
-            raise NanoError(f"--max-num-batched-tokens must be positive, got {self.max_num_batched_tokens}")
-        if self.max_num_seqs < 1:
-            raise NanoError(f"--max-num-seqs must be positive, got {self.max_num_seqs}")
-        if not 0.0 <= self.watermark < 1.0:
-            raise NanoError(f"--watermark must be in [0, 1), got {self.watermark}")
-        if self.preemption not in ("swap", "recompute", "auto"):
-            raise NanoError(f"--preemption must be swap, recompute or auto, got {self.preemption!r}")
-        if self.device not in ("auto", "cpu", "gpu"):
-            raise NanoError(f"--device must be auto, cpu or gpu, got {self.device!r}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise NanoError(f"--max-model-len must be at least 2, got {self.max_model_len}")
-        if self.swap_space < 0:
-            raise NanoError("--swap-space must not be negative")
-        if self.policy not in ("fcfs", "deadline"):
-            raise NanoError(f"--policy must be fcfs or deadline, got {self.policy!r}")
+        checks.integer("--kv-cache-memory", self.kv_cache_memory, low=1, optional=True)
+        checks.integer("--num-blocks", self.num_blocks, low=1, optional=True)
+        checks.integer("--swap-space", self.swap_space, low=0)
+        checks.integer("--max-num-batched-tokens", self.max_num_batched_tokens, low=1)
+        checks.integer("--max-num-seqs", self.max_num_seqs, low=1)
+        checks.integer("--max-model-len", self.max_model_len, low=2, optional=True)
+        checks.number("--watermark", self.watermark, 0, 1, open_high=True)
+        for name in ("enable_prefix_caching", "enforce_eager", "drop_late"):
+            checks.flag(name, getattr(self, name))
+        checks.choice("--preemption", self.preemption, ("swap", "recompute", "auto"))
+        checks.choice("--device", self.device, ("auto", "cpu", "gpu"))
+        checks.choice("--policy", self.policy, ("fcfs", "deadline"))
         if self.drop_late and self.policy != "deadline":
             raise NanoError("--drop-late needs --policy deadline")
-        if self.metrics_interval < 1:
-            raise NanoError(f"--metrics-interval must be positive, got {self.metrics_interval}")
-        if self.tp < 1:
-            raise NanoError(f"--tp must be positive, got {self.tp}")
+        checks.integer("--seed", self.seed)
+        checks.integer("--tp", self.tp, low=1)
+        checks.writable_file("--metrics-file", self.metrics_file)
+        checks.writable_file("--metrics-prom", self.metrics_prom)
+        checks.integer("--metrics-interval", self.metrics_interval, low=1)

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nano.errors import NanoError
+from nano import checks
 
 
 @dataclass
@@ -20,18 +20,24 @@ class SamplingParams:
     tpot_slo: float | None = None  # seconds per output token after the first
 
     def validate(self) -> None:
-        if self.max_tokens < 1:
-            raise NanoError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise NanoError(f"temperature must not be negative, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise NanoError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise NanoError(f"top_k must be -1 (off) or positive, got {self.top_k}")
-        for name in ("ttft_slo", "tpot_slo"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise NanoError(f"{name} must be positive, got {value}")
+        for name, check in FIELD_RULES.items():
+            check(name, getattr(self, name))
+
+
+# What each field accepts (the one place each rule is written): SamplingParams.validate
+# applies them, and so does the JSONL prompt reader to each field of a line under its own
+# name (its latency targets are in ms, which the same rules fit).
+FIELD_RULES = {
+    "temperature": lambda name, v: checks.number(name, v, low=0),
+    "top_p": lambda name, v: checks.number(name, v, 0, 1, open_low=True),
+    "top_k": lambda name, v: checks.integer(name, v, -1, checks.INT32_MAX),
+    "max_tokens": lambda name, v: checks.integer(name, v, 1, checks.INT32_MAX),
+    "seed": lambda name, v: checks.integer(name, v, optional=True),  # any int: the sampler takes it mod 2**64
+    "ignore_eos": checks.flag,
+    "return_logits": checks.flag,
+    "ttft_slo": lambda name, v: checks.number(name, v, low=0, open_low=True, optional=True),
+    "tpot_slo": lambda name, v: checks.number(name, v, low=0, open_low=True, optional=True),
+}
 
 
 class Status(enum.Enum):
@@ -59,7 +65,7 @@ class Sequence:
         self.admitted_at = -1                        # admission counter: preemption victim order
         self.first_token_time: float | None = None
         self.token_times: list[float] = []
-        self.finish_reason: str | None = None        # stop | length | rejected (error says why)
+        self.finish_reason: str | None = None        # stop | length | rejected (error says why) | aborted
         self.error: str | None = None
         self.logits: list[np.ndarray] = []           # only with params.return_logits
         self.seed = seed                             # with the output count, keys each random draw

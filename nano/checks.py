@@ -1,0 +1,109 @@
+"""Checks for values that come from users: Python API arguments, CLI flags, JSONL prompt
+fields, config.json entries. One function per kind of value; each returns the value or
+raises a NanoError, one line naming the value and saying what it must be, so that a
+mistake is reported where it is made instead of as a NumPy error deep inside a step."""
+import math
+import numbers
+import os
+
+from nano.errors import NanoError
+
+INT32_MAX = 2**31 - 1  # the sampler packs top_k and output counts (up to max_tokens) as int32
+
+
+def integer(name: str, value, low: int | None = None, high: int | None = None,
+            optional: bool = False) -> int | None:
+    if value is None and optional:
+        return None
+    # bool is an int to Python, but `"max_tokens": true` is a mistake, not 1.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not _within(value, low, high):
+        raise NanoError(f"{name} must be {_kind('an integer', low, high)}, got {_show(value)}")
+    return int(value)
+
+
+def number(name: str, value, low: float | None = None, high: float | None = None,
+           open_low: bool = False, open_high: bool = False, optional: bool = False) -> float | None:
+    """A finite real number within [low, high] (open_low / open_high: excluding that end)."""
+    if value is None and optional:
+        return None
+    try:  # bool is a number to Python too, but never a temperature
+        x = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else math.nan
+    except OverflowError:  # an int beyond any float
+        x = math.inf
+    if not (math.isfinite(x) and _within(x, low, high) and not (open_low and x == low)
+            and not (open_high and x == high)):
+        kind = _kind("a number", low, high, "(" if open_low else "[", ")" if open_high else "]")
+        raise NanoError(f"{name} must be {kind}, got {_show(value)}")
+    return x
+
+
+def flag(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise NanoError(f"{name} must be true or false, got {_show(value)}")
+    return value
+
+
+def choice(name: str, value, options: tuple[str, ...]) -> str:
+    if value not in options:
+        raise NanoError(f"{name} must be {', '.join(options[:-1])} or {options[-1]}, got {_show(value)}")
+    return value
+
+
+def text(name: str, value) -> str:
+    """A string the tokenizer and the output files can take: valid Unicode (JSON's \\ud800
+    escapes can make a lone surrogate, which has no UTF-8 encoding)."""
+    if not isinstance(value, str):
+        raise NanoError(f"{name} must be a string, got {_show(value)}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise NanoError(f"{name} is not valid Unicode text (it holds a lone surrogate)") from None
+    return value
+
+
+def token_ids(name: str, value, vocab_size: int) -> list[int]:
+    """A list of token ids, each one a row of the embedding table."""
+    if not isinstance(value, (list, tuple)):
+        raise NanoError(f"{name} must be a string or a list of token ids, got {_show(value)}")
+    for i, t in enumerate(value):
+        integer(f"{name} token {i}", t, 0, vocab_size - 1)
+    return [int(t) for t in value]
+
+
+def writable_file(name: str, path: str | None) -> str | None:
+    """A file this process can create or overwrite, checked without touching it (so that a
+    run refuses a bad path before loading the model, and leaves the old file alone)."""
+    if path is None:
+        return None
+    if not isinstance(path, (str, os.PathLike)):
+        raise NanoError(f"{name} must be a file path, got {_show(path)}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise NanoError(f"cannot write {name} {path}: it is a folder")
+    if not os.path.isdir(folder):
+        raise NanoError(f"cannot write {name} {path}: no folder {folder}")
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise NanoError(f"cannot write {name} {path}: permission denied")
+    return path
+
+
+def _within(value, low, high) -> bool:
+    return (low is None or value >= low) and (high is None or value <= high)
+
+
+def _kind(kind: str, low, high, left: str = "[", right: str = "]") -> str:
+    """What a value must be, in words: bounds are both given, a low one alone, or none."""
+    if high is not None:
+        return f"{kind} in {left}{low}, {high}{right}"
+    if low is not None:
+        return f"{kind} {'>' if left == '(' else '>='} {low}"
+    return kind
+
+
+def _show(value) -> str:
+    """The offending value, short and on one line (repr escapes newlines)."""
+    try:
+        shown = repr(value)
+    except ValueError:  # an int of over 4300 digits, which Python refuses to print
+        return "an integer too long to print"
+    return shown if len(shown) <= 40 else shown[:37] + "..."
