@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from nano.errors import writing
 from nano.scheduler import SchedulerOutput
 from nano.sequence import Sequence
 
@@ -176,18 +177,21 @@ class MetricsWriter:
     for a node exporter's textfile collector to pick up)."""
 
     def __init__(self, jsonl_path: str | None, prom_path: str | None):
-        self.jsonl = open(jsonl_path, "w", encoding="utf-8") if jsonl_path else None
-        self.prom_path = prom_path
+        self.jsonl_path, self.prom_path = jsonl_path, prom_path
+        with writing(jsonl_path):
+            self.jsonl = open(jsonl_path, "w", encoding="utf-8") if jsonl_path else None
 
     def write(self, snap: dict) -> None:
         if self.jsonl:
-            self.jsonl.write(json.dumps(snap) + "\n")
-            self.jsonl.flush()
+            with writing(self.jsonl_path):
+                self.jsonl.write(json.dumps(snap) + "\n")
+                self.jsonl.flush()
         if self.prom_path:
             tmp = self.prom_path + ".tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(prometheus_text(snap))
-            os.replace(tmp, self.prom_path)
+            with writing(self.prom_path):
+                with open(tmp, "w", encoding="utf-8") as f:
+                    f.write(prometheus_text(snap))
+                os.replace(tmp, self.prom_path)
 
     def close(self) -> None:
         if self.jsonl:
