@@ -149,6 +149,11 @@ class BlockManager:
         seq.block_table = [host for _, host in pairs]
         return pairs
 
+    def free_swapped(self, seq: Sequence) -> None:
+        """A swapped-out sequence that will not come back gives its host blocks up."""
+        self.free_host_blocks.extend(seq.block_table)
+        seq.block_table, seq.block_hashes = [], []
+
     def can_swap_in(self, seq: Sequence, num_new_tokens: int, watermark_blocks: int) -> bool:
         need = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
         return self.num_free_blocks - need >= watermark_blocks

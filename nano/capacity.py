@@ -9,6 +9,7 @@ prints exactly what the engine will allocate.
 A decode step must read every weight once and every cached token of every sequence
 once; nothing can make it faster than moving those bytes at the device's bandwidth.
 """
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -25,6 +26,19 @@ def kv_bytes_per_token(cfg: ModelConfig, num_kv_heads: int, itemsize: int) -> in
 
 def blocks_for_memory(memory: int, bytes_per_token: int, block_size: int) -> int:
     return memory // (bytes_per_token * block_size)
+
+
+def host_memory() -> tuple[int, int]:
+    """(available, total) bytes of host memory. Available is Linux's MemAvailable (free
+    memory plus the page cache it can reclaim); elsewhere, what sysconf calls free."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = os.sysconf("SC_PHYS_PAGES") * page
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024, total
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_AVPHYS_PAGES") * page, total
 
 
 def measure_copy_bandwidth(xp, nbytes: int = 256 * 2**20, reps: int = 5) -> float:
@@ -116,15 +130,13 @@ def format_plan(p: CapacityPlan) -> str:
 
 def plan_from_config(config) -> CapacityPlan:
     """What an engine built from `config` would allocate, without loading any weights."""
-    from nano.config import ModelConfig
     from nano.engine import DEFAULT_CPU_KV_MEMORY, GPU_MEMORY_UTILIZATION
     from nano.runner import Device, select_device
     from nano.tp import plan_shard, shard_num_params
-    from nano.weights import CheckpointReader, load_config, resolve_model
+    from nano.weights import open_model
 
-    model_dir = resolve_model(config.model)
-    cfg = ModelConfig.from_hf(load_config(model_dir))
-    names = set(CheckpointReader(model_dir).names())
+    folder = open_model(config.model, tokenizer=False)
+    model_dir, cfg, names = folder.path, folder.config, set(folder.reader.names())
     bias = "model.layers.0.self_attn.q_proj.bias" in names
     tied = cfg.tie_word_embeddings or "lm_head.weight" not in names
     device = Device(select_device(config.device))
@@ -134,8 +146,7 @@ def plan_from_config(config) -> CapacityPlan:
     if config.kv_cache_memory:
         memory = config.kv_cache_memory
     elif device.kind == "gpu":  # as the engine measures it: free memory once weights are loaded
-        free, _ = device.xp.cuda.runtime.memGetInfo()
-        memory = int((free - weight_bytes) * GPU_MEMORY_UTILIZATION)
+        memory = int((device.free_memory() - weight_bytes) * GPU_MEMORY_UTILIZATION)
     else:
         memory = DEFAULT_CPU_KV_MEMORY
     max_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)

@@ -8,19 +8,20 @@ them; the other ranks only swap and run the forward pass (run_worker).
 """
 import numpy as np
 
-from nano import parallel
+from nano import checks, parallel
 from nano.block_manager import BlockManager
-from nano.capacity import blocks_for_memory, kv_bytes_per_token
+from nano.capacity import blocks_for_memory, host_memory, kv_bytes_per_token
 from nano.clock import Clock
-from nano.config import EngineConfig, ModelConfig
+from nano.config import EngineConfig
 from nano.cost_model import CostModel
+from nano.errors import NanoError
 from nano.metrics import Metrics, MetricsWriter, QueueState
 from nano.runner import Device, ModelRunner, gpu_count, select_device
 from nano.sampler import Sampler
 from nano.scheduler import Scheduler, SchedulerOutput
 from nano.sequence import SamplingParams, Sequence
 from nano.tp import load_model, plan_shard
-from nano.weights import CheckpointReader, Tokenizer, load_config, resolve_model
+from nano.weights import open_model
 
 # Rough device figures for the cost model's starting point (it then learns from real steps).
 DEVICE_PRIORS = {  # flop/s, memory bytes/s, host<->device bytes/s
@@ -38,8 +39,9 @@ class LLMEngine:
         with group.together():  # a rank failing here fails them all, before any collective
             config.validate()
             group.require(config.tp)
-            self.model_dir = resolve_model(config.model)
-            self.model_config = cfg = ModelConfig.from_hf(load_config(self.model_dir))
+            folder = open_model(config.model, tokenizer=group.rank == 0)
+            self.model_dir = folder.path
+            self.model_config = cfg = folder.config
             self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
                                      cfg.max_position_embeddings)
             self.shards = [plan_shard(cfg, r, group.world) for r in range(group.world)]
@@ -48,10 +50,9 @@ class LLMEngine:
             # Ranks take the visible GPUs round-robin; several may share one.
             self.device = Device(kind, group.rank % gpu_count() if kind == "gpu" else 0)
             group.cuda_aware = kind == "gpu" and group.world > 1 and parallel.cuda_aware_mpi()
-            model = load_model(CheckpointReader(self.model_dir), cfg, shard, self.device.put,
+            model = load_model(folder.reader, cfg, shard, self.device.put,
                                self.max_model_len, group.all_reduce)
-            if group.rank == 0:
-                self.tokenizer = Tokenizer(self.model_dir)
+            self.tokenizer = folder.tokenizer  # rank 0's alone
 
         # Each rank's pool holds only its KV heads; all must agree on the number of blocks.
         self.kv_bytes_per_token = self._kv_bytes_per_token(shard)
@@ -61,6 +62,8 @@ class LLMEngine:
         if num_blocks < 1:  # agreed, so every rank raises it
             raise parallel.SharedError(f"KV cache memory holds no block of {block_bytes} bytes")
         num_swap_blocks = group.min(config.swap_space // block_bytes)
+        with group.together():
+            self._check_memory(num_blocks * block_bytes, num_swap_blocks * block_bytes)
         self.weight_bytes = _nbytes(model)
         self.runner = ModelRunner(model, self.device, num_blocks, num_swap_blocks,
                                   config.block_size, Sampler(self.device),
@@ -78,7 +81,7 @@ class LLMEngine:
         self.metrics = Metrics(num_blocks)
         self.metrics_writer = (MetricsWriter(config.metrics_file, config.metrics_prom)
                                if config.metrics_file or config.metrics_prom else None)
-        self.rng = np.random.default_rng(config.seed)
+        self.rng = np.random.default_rng(config.seed % 2**64)  # any int seed, as the sampler's
         self.next_id = 0
         self.arrival_times: list[float] = []  # of every request added, for the arrived count
 
@@ -91,10 +94,25 @@ class LLMEngine:
             return self.config.kv_cache_memory
         if self.device.kind == "gpu":
             # Measured after every rank has loaded its weights (the together block above).
-            free, _ = self.device.xp.cuda.runtime.memGetInfo()
+            free = self.device.free_memory()
             sharing = len(range(self.group.rank % gpu_count(), self.group.world, gpu_count()))
             return int(free * GPU_MEMORY_UTILIZATION) // sharing
         return DEFAULT_CPU_KV_MEMORY
+
+    def _check_memory(self, kv_bytes: int, swap_bytes: int) -> None:
+        """Refuse a KV pool or swap space the machine cannot hold, before allocating it (else
+        a NumPy or CuPy error, or the kernel killing the process once the pages are used).
+        The KV pool is written as it fills, so it must fit in what is free now; swap space is
+        only touched under preemption, so it must fit in the machine's memory."""
+        free = self.device.free_memory()
+        if kv_bytes > free:
+            where = "GPU" if self.device.kind == "gpu" else "host"
+            raise NanoError(f"a KV cache of {kv_bytes / 1e9:.2f} GB does not fit: {free / 1e9:.2f} GB of "
+                            f"{where} memory is available (give a smaller --kv-cache-memory or --num-blocks)")
+        _, total = host_memory()
+        if swap_bytes > total:
+            raise NanoError(f"swap space of {swap_bytes / 1e9:.2f} GB does not fit: this machine has "
+                            f"{total / 1e9:.2f} GB of memory (give a smaller --swap-space)")
 
     def _cost_model(self, model) -> CostModel:
         flops, bandwidth, link = DEVICE_PRIORS[self.device.kind]
@@ -131,9 +149,15 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> Sequence:
         """Queue a request. A future arrival_time makes it invisible to the scheduler until then
-        (how the --request-rate bench replays a Poisson arrival trace)."""
+        (how the --request-rate bench replays a Poisson arrival trace). Bad input raises
+        NanoError here, before anything is queued: once in a step, it would fail the step."""
+        if not isinstance(params, SamplingParams):
+            raise NanoError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(checks.text("prompt", prompt))
+        else:
+            token_ids = checks.token_ids("prompt", prompt, self.model_config.vocab_size)
         seed = params.seed if params.seed is not None else int(self.rng.integers(2**63))
         seq = Sequence(self.next_id, prompt if isinstance(prompt, str) else "", token_ids,
                        params, self.clock.now() if arrival_time is None else arrival_time, seed)
@@ -241,14 +265,36 @@ class LLMEngine:
     # ---- all at once --------------------------------------------------------------------
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams],
                  on_step=None) -> list[Sequence]:
-        """Run every prompt to completion; returns their sequences in input order."""
-        params = params if isinstance(params, list) else [params] * len(prompts)
-        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
-        while self.has_unfinished():
-            finished = self.step()
-            if on_step:
-                on_step(finished)
+        """Run every prompt to completion; returns their sequences in input order.
+        If anything raises (bad input, an interrupt), this call's requests are dropped, so
+        the engine is left as it was and the next call runs normally."""
+        if not isinstance(prompts, (list, tuple)):
+            raise NanoError(f"prompts must be a list of strings or token-id lists, got {type(prompts).__name__}")
+        if isinstance(params, (list, tuple)) and len(params) != len(prompts):
+            raise NanoError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        params = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        seqs = []
+        try:
+            for i, (prompt, sp) in enumerate(zip(prompts, params)):
+                try:
+                    seqs.append(self.add_request(prompt, sp))
+                except NanoError as e:
+                    raise NanoError(f"request {i}: {e}") from None
+            while self.has_unfinished():
+                finished = self.step()
+                if on_step:
+                    on_step(finished)
+        except BaseException:
+            for seq in seqs:
+                self.abort(seq)
+            raise
         return seqs
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop an unfinished request: out of its queue, its blocks freed, as if it never came."""
+        if not seq.is_finished:
+            self.scheduler.abort(seq)
+            self.arrival_times.remove(seq.arrival_time)
 
     def decode(self, seq: Sequence) -> str:
         return self.tokenizer.decode(seq.output_token_ids)

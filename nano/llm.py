@@ -1,10 +1,11 @@
 """The Python API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
 from nano.config import EngineConfig
 from nano.engine import LLMEngine
+from nano.errors import NanoError
 from nano.sequence import SamplingParams, Sequence
 
 
@@ -21,11 +22,15 @@ class RequestOutput:
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args):
+        unknown = set(engine_args) - {f.name for f in fields(EngineConfig)}
+        if unknown:
+            raise NanoError(f"unknown engine argument {sorted(unknown)[0]!r}")
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
 
     def generate(self, prompts: list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        seqs = self.engine.generate(prompts, params or SamplingParams())
+        """Bad input raises NanoError before any work starts, and leaves this LLM usable."""
+        seqs = self.engine.generate(prompts, SamplingParams() if params is None else params)
         return [self.output(seq) for seq in seqs]
 
     def output(self, seq: Sequence) -> RequestOutput:

@@ -13,6 +13,7 @@ import time
 import numpy as np
 
 from nano import ops
+from nano.capacity import host_memory
 from nano.graphs import DecodeGraphs, GraphStep
 from nano.model import ForwardBatch
 from nano.scheduler import SchedulerOutput
@@ -62,6 +63,12 @@ class Device:
         if gemm and self.kind == "cpu":
             return np.asfortranarray(host, dtype=dtype)
         return self.xp.asarray(np.ascontiguousarray(host, dtype=dtype))
+
+    def free_memory(self) -> int:
+        """Bytes that can still be allocated on this device."""
+        if self.kind == "gpu":
+            return self.xp.cuda.runtime.memGetInfo()[0]
+        return host_memory()[0]
 
     def to_host(self, arr) -> np.ndarray:
         return arr.get() if self.kind == "gpu" else arr

@@ -269,6 +269,15 @@ class Scheduler:
         seq.status = Status.FINISHED
         seq.finish_reason = reason
 
+    def abort(self, seq: Sequence) -> None:
+        """Take an unfinished sequence out of whichever queue holds it and free its blocks."""
+        if seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is Status.SWAPPED:
+            self.swapped.remove(seq)
+            self.bm.free_swapped(seq)
+        self.finish(seq, "aborted")
+
     def _finish(self, seq: Sequence, reason: str, out: SchedulerOutput) -> None:
         self.finish(seq, reason)
         out.finished.append(seq)
