@@ -10,14 +10,15 @@ import argparse
 import dataclasses
 import gc
 import json
+import os
 import sys
 import time
 
-from nano import bench, parallel
+from nano import bench, checks, parallel
 from nano.config import EngineConfig, parse_bytes
-from nano.errors import NanoError
+from nano.errors import NanoError, writing
 from nano.metrics import format_summary
-from nano.sequence import SamplingParams
+from nano.sequence import FIELD_RULES, SamplingParams
 
 
 class Parser(argparse.ArgumentParser):
@@ -88,6 +89,10 @@ def engine_config(args) -> EngineConfig:
 
 
 def sampling_params(args) -> SamplingParams:
+    """The sampling flags, each checked by its field's rule (FIELD_RULES) under the flag's
+    name: --ttft-slo and --tpot-slo are in ms, which the same rules fit."""
+    for field in ("temperature", "top_p", "top_k", "max_tokens", "seed", "ttft_slo", "tpot_slo"):
+        FIELD_RULES[field]("--" + field.replace("_", "-"), getattr(args, field))
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                           max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos,
                           ttft_slo=ms(args.ttft_slo), tpot_slo=ms(args.tpot_slo))
@@ -119,24 +124,29 @@ JSONL_FIELDS = {"max_tokens": "max_tokens", "temperature": "temperature", "top_p
 
 
 def _jsonl_request(path: str, lineno: int, line: str, defaults: SamplingParams):
+    """One line's prompt and its SamplingParams, each field checked by SamplingParams' own
+    rule (FIELD_RULES) under the name the file gives it."""
     where = f"{path} line {lineno}"
     try:
         record = json.loads(line)
     except json.JSONDecodeError as e:
         raise NanoError(f"{where}: not JSON ({e.msg})") from None
-    if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+    except ValueError:  # Python reads no integer of over 4300 digits
+        raise NanoError(f"{where}: a number too long to read") from None
+    except RecursionError:
+        raise NanoError(f"{where}: nested too deeply") from None
+    if not isinstance(record, dict) or "prompt" not in record:
         raise NanoError(f'{where}: expected an object with a "prompt" string')
     unknown = set(record) - set(JSONL_FIELDS) - {"prompt"}
     if unknown:
         raise NanoError(f"{where}: unknown field {sorted(unknown)[0]!r}")
-    overrides = {JSONL_FIELDS[k]: (ms(v) if k.endswith("_ms") else v)
-                 for k, v in record.items() if k != "prompt"}
-    try:
-        params = dataclasses.replace(defaults, **overrides)
-        params.validate()
-    except (TypeError, NanoError) as e:
-        raise NanoError(f"{where}: {e}") from None
-    return record["prompt"], params
+    prompt = checks.text(f"{where}: field prompt", record.pop("prompt"))
+    overrides = {}
+    for key, value in record.items():
+        field = JSONL_FIELDS[key]
+        value = FIELD_RULES[field](f"{where}: field {key}", value)
+        overrides[field] = ms(value) if key.endswith("_ms") else value
+    return prompt, dataclasses.replace(defaults, **overrides)
 
 
 def parse_range(text: str, name: str) -> tuple[int, int]:
@@ -178,15 +188,13 @@ def main(argv=None) -> int:
         if not args.plan:  # a plan for --tp N is computed in one process
             group.require(config.tp)
         params = sampling_params(args)
-        params.validate()
         if args.bench:
             check_bench_args(args, config)
         elif not args.prompt_file and not args.plan:
             raise NanoError("give --prompt-file FILE (or --bench, or --plan)")
         requests = (read_requests(args.prompt_file, params)
                     if args.prompt_file and not args.bench and group.rank == 0 else None)
-        if args.output and group.rank == 0:  # find out now, not after generating everything
-            write_jsonl(args.output, [], [], None)
+        checks.writable_file("--output", args.output)  # now, not after generating everything
 
     if args.plan:
         from nano.capacity import format_plan, plan_from_config
@@ -204,27 +212,28 @@ def main(argv=None) -> int:
         return 0
     print(engine.describe(), file=sys.stderr)
     if args.bench:
-        inputs, per_request = bench.random_requests(
-            args.num_seqs, parse_range(args.input_len, "--input-len"),
-            parse_range(args.output_len, "--output-len"), engine.model_config.vocab_size,
-            params.ttft_slo, params.tpot_slo)
+        inputs, per_request = bench_requests(args, engine, params)
+        prompts = [""] * len(inputs)
         bench.warm_up(engine)
     else:
         chat = not args.no_chat and engine.tokenizer.chat_template is not None
-        inputs = [engine.tokenizer.apply_chat_template(p) if chat else p for p, _ in requests]
+        prompts = [p for p, _ in requests]
+        inputs = [engine.tokenizer.apply_chat_template(p) if chat else p for p in prompts]
         per_request = [sp for _, sp in requests]
 
-    seqs, wall = run_all(engine, inputs, per_request)
+    output = OutputFile(args.output, prompts, engine.decode) if args.output else None
+    try:
+        seqs, wall = run_all(engine, inputs, per_request, output=output)
+    finally:  # also on Ctrl-C or an error: what finished is kept, in input order
+        if output:
+            output.close()
     engine.stop_workers()
     if not args.bench:
-        for i, ((prompt, _), seq) in enumerate(zip(requests, seqs)):
+        for i, (prompt, seq) in enumerate(zip(prompts, seqs)):
             if seq.finish_reason == "rejected":
                 print(f"[{i}] rejected: {seq.error}", file=sys.stderr)
             else:
                 print(f"[{i}] {prompt}\n{engine.decode(seq)}\n")
-    if args.output:
-        prompts = [p for p, _ in requests] if requests else [""] * len(seqs)
-        write_jsonl(args.output, prompts, seqs, engine)
     summary = engine.metrics.summary(wall)
     print(format_summary(summary))
     if args.bench:
@@ -235,25 +244,38 @@ def main(argv=None) -> int:
 
 
 def check_bench_args(args, config: EngineConfig) -> None:
-    if args.num_seqs < 1:
-        raise NanoError(f"--num-seqs must be positive, got {args.num_seqs}")
+    checks.integer("--num-seqs", args.num_seqs, low=1)
     parse_range(args.input_len, "--input-len")
     parse_range(args.output_len, "--output-len")
-    if args.request_rate is not None:
-        if not args.request_rate > 0:
-            raise NanoError(f"--request-rate must be positive, got {args.request_rate}")
-        if config.tp > 1:
-            raise NanoError("--request-rate compares two policies in one process: run it without --tp")
+    checks.number("--request-rate", args.request_rate, low=0, open_low=True, optional=True)
+    if args.request_rate is not None and config.tp > 1:
+        raise NanoError("--request-rate compares two policies in one process: run it without --tp")
 
 
-def run_all(engine, inputs, per_request, arrivals=None):
-    """Generate everything (arrivals: seconds from now at which each request arrives)."""
+def bench_requests(args, engine, params: SamplingParams):
+    """The benchmark's random prompts, each of which must fit the model's context."""
+    input_len = parse_range(args.input_len, "--input-len")
+    if input_len[1] >= engine.max_model_len:
+        raise NanoError(f"--input-len {args.input_len}: prompts must be shorter than the model "
+                        f"context of {engine.max_model_len} tokens")
+    return bench.random_requests(args.num_seqs, input_len, parse_range(args.output_len, "--output-len"),
+                                 engine.model_config.vocab_size, params.ttft_slo, params.tpot_slo)
+
+
+def run_all(engine, inputs, per_request, arrivals=None, output=None):
+    """Generate everything (arrivals: seconds from now at which each request arrives; output:
+    an OutputFile that gets each request as it finishes)."""
     progress = Progress(len(inputs))
     start = engine.clock.now()
     seqs = [engine.add_request(p, sp, None if arrivals is None else start + t)
             for p, sp, t in zip(inputs, per_request, arrivals if arrivals is not None else [None] * len(inputs))]
+    index = {seq.seq_id: i for i, seq in enumerate(seqs)}
     while engine.has_unfinished():
-        progress.update(len(engine.step()), engine.metrics.generated_tokens)
+        finished = engine.step()
+        progress.update(len(finished), engine.metrics.generated_tokens)
+        if output:
+            for seq in finished:
+                output.write(index[seq.seq_id], seq)
     return seqs, engine.clock.now() - start
 
 
@@ -267,10 +289,7 @@ def rate_bench(args, config: EngineConfig) -> int:
         engine = LLMEngine(dataclasses.replace(config, policy=policy))
         if policy == "fcfs":
             print(engine.describe(), file=sys.stderr)
-        inputs, per_request = bench.random_requests(
-            args.num_seqs, parse_range(args.input_len, "--input-len"),
-            parse_range(args.output_len, "--output-len"), engine.model_config.vocab_size,
-            params.ttft_slo, params.tpot_slo)
+        inputs, per_request = bench_requests(args, engine, params)
         bench.warm_up(engine)
         _, wall = run_all(engine, inputs, per_request, arrivals)
         results[policy] = engine.metrics.summary(wall)
@@ -285,17 +304,40 @@ def rate_bench(args, config: EngineConfig) -> int:
     return 0
 
 
-def write_jsonl(path: str, prompts: list[str], seqs, engine) -> None:
-    try:
-        with open(path, "w", encoding="utf-8") as f:
-            for prompt, seq in zip(prompts, seqs):
-                record = {"prompt": prompt, "text": engine.decode(seq), "token_ids": seq.output_token_ids,
-                          "finish_reason": seq.finish_reason, "num_prompt_tokens": seq.num_prompt_tokens}
-                if seq.error:
-                    record["error"] = seq.error
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    except OSError as e:
-        raise NanoError(f"cannot write {path}: {e.strerror}") from None
+class OutputFile:
+    """--output F.jsonl: one JSON object per prompt, `index` its position in the input. Each
+    is appended, and flushed, the moment its request finishes, so a run that is interrupted
+    or killed keeps every finished completion; close() (at the end, and on Ctrl-C or an
+    error) then puts them in input order in one step, a rename. The file is not touched
+    before the first request finishes."""
+
+    def __init__(self, path: str, prompts: list[str], decode):
+        self.path, self.prompts, self.decode = path, prompts, decode
+        self.records: dict[int, str] = {}  # index -> JSON line
+        self.file = None
+
+    def write(self, index: int, seq) -> None:
+        record = {"index": index, "prompt": self.prompts[index], "text": self.decode(seq),
+                  "token_ids": seq.output_token_ids, "finish_reason": seq.finish_reason,
+                  "num_prompt_tokens": seq.num_prompt_tokens}
+        if seq.error:
+            record["error"] = seq.error
+        self.records[index] = json.dumps(record, ensure_ascii=False) + "\n"
+        with writing(self.path):
+            if self.file is None:
+                self.file = open(self.path, "w", encoding="utf-8")
+            self.file.write(self.records[index])
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file is None:
+            return
+        self.file.close()
+        tmp = self.path + ".tmp"
+        with writing(self.path):
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.writelines(self.records[i] for i in sorted(self.records))
+            os.replace(tmp, self.path)
 
 
 if __name__ == "__main__":
@@ -303,9 +345,8 @@ if __name__ == "__main__":
         sys.exit(main())
     except NanoError as e:
         parallel.exit_on_error(e, 2)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt:  # under mpirun, on any rank: every rank ends (exit_on_error)
+        parallel.exit_on_error(NanoError("interrupted"), 130)
     except Exception as e:  # a bug: alone, show the traceback; under MPI, end every rank
         if parallel.world().world == 1:
             raise

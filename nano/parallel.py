@@ -181,4 +181,5 @@ def exit_on_error(error: Exception, code: int) -> None:
             print(f"error: {message}", file=sys.stderr, flush=True)
         sys.exit(code)
     print(f"error: rank {group.rank}: {message}", file=sys.stderr, flush=True)
+    time.sleep(0.2)  # for mpirun to pass this line on before it prints its own abort notice
     group.comm.Abort(code)
