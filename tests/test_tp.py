@@ -5,8 +5,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -187,3 +189,67 @@ def test_a_failure_on_every_rank_is_printed_once(prompt_file, tmp_path):
     proc = launch(["run.py", "--tp", "2", "--prompt-file", str(prompt_file),
                    "--model", str(tmp_path / "nowhere")], 2)
     assert_one_line_error(proc, f"model folder not found: {tmp_path / 'nowhere'}")
+
+
+@needs_mpi
+def test_bad_jsonl_field_and_damaged_model_end_every_rank(tmp_path, tiny_model):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": "hi"}\n{"prompt": "hi", "seed": "abc"}\n')
+    proc = launch(["run.py", "--tp", "2", "--prompt-file", str(bad), "--model", str(tiny_model)], 2)
+    assert_one_line_error(proc, f"{bad} line 2: field seed must be an integer, got 'abc'")
+    model = shutil.copytree(tiny_model, tmp_path / "m")
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    good = tmp_path / "p.txt"
+    good.write_text("hi\n")
+    proc = launch(["run.py", "--tp", "2", "--prompt-file", str(good), "--model", str(model)], 2)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stderr[-3000:]
+    assert errors[0].startswith(f"error: {weights} is damaged or truncated: tensor")
+
+
+@needs_mpi
+@pytest.mark.parametrize("rank", [1, 0])
+def test_ctrl_c_on_one_rank_ends_every_rank_and_keeps_finished_work(tmp_path, tiny_model, rank):
+    """SIGINT to one rank mid-run: every rank ends within seconds (before, SIGINT on rank 1
+    hung the job), one error line, and the completions that finished are in the file."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("\n".join(f"prompt number {i}" for i in range(40)) + "\n")
+    out = tmp_path / "out.jsonl"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    job = subprocess.Popen([mpirun(), "-n", "2", "--allow-run-as-root", "--oversubscribe", sys.executable,
+                            "run.py", "--tp", "2", "--prompt-file", str(prompts), "--model", str(tiny_model),
+                            "--no-chat", "--num-blocks", "256", "--output", str(out), "--temperature", "0",
+                            "--ignore-eos", "--max-tokens", "400", "--max-num-seqs", "1"],
+                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + TIMEOUT
+    while not (out.exists() and out.read_text().count('"index"') >= 2):
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+        time.sleep(0.05)
+    os.kill(rank_pid(job.pid, rank), signal.SIGINT)
+    start = time.monotonic()
+    _, stderr = job.communicate(timeout=TIMEOUT)
+    assert time.monotonic() - start < 10 and job.returncode != 0
+    assert [line for line in stderr.splitlines() if line.startswith("error:")] == \
+        [f"error: rank {rank}: interrupted"], stderr[-3000:]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) >= 2 and all(len(r["token_ids"]) == 400 for r in records)
+    assert sorted(r["index"] for r in records) == list(range(len(records)))  # first come, first finished
+
+
+def rank_pid(root: int, rank: int) -> int:
+    """The process of MPI rank `rank` among the descendants of process `root` (mpirun)."""
+    def parent(pid: int) -> int:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+    for proc in Path("/proc").iterdir():
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+            pid = int(proc.name) if f"OMPI_COMM_WORLD_RANK={rank}".encode() in env else 0
+            while pid > 1 and pid != root:
+                pid = parent(pid)
+        except (ValueError, OSError):  # not a process, or one that has just ended
+            continue
+        if pid == root:
+            return int(proc.name)
+    raise AssertionError(f"no rank {rank} under process {root}")

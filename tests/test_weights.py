@@ -1,6 +1,10 @@
 """Default model conversion, checkpoint reading, tokenizer, and the dense reference."""
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -8,7 +12,7 @@ from safetensors.numpy import save_file
 
 from nano.errors import NanoError
 from nano.weights import (CheckpointReader, Tokenizer, _unpermute, download_gguf, load_config,
-                          resolve_model)
+                          open_model, resolve_model)
 from reference import DenseLlama, make_random_model
 
 CHATML_FRANCE = (
@@ -176,6 +180,60 @@ def test_resolve_model_errors(tmp_path):
     with pytest.raises(NanoError, match="no config.json"):
         resolve_model(str(tmp_path))
     assert resolve_model(str(make_random_model(tmp_path / "m"))) == tmp_path / "m"
+
+
+def default_model_in(tmp_path, monkeypatch):
+    """A weights/ folder under tmp_path holding a (tiny, random) default model, and a fake
+    conversion that rebuilds it and counts its calls: the real one downloads 98 MB."""
+    import nano.weights
+    monkeypatch.setattr(nano.weights, "WEIGHTS_DIR", tmp_path)
+    folder = tmp_path / nano.weights.DEFAULT_MODEL
+    make_random_model(folder)
+    fetches = []
+
+    def fetch(folder):
+        fetches.append(folder)
+        shutil.rmtree(folder)
+        make_random_model(folder)
+
+    monkeypatch.setattr(nano.weights, "_fetch_default", fetch)
+    return folder, fetches
+
+
+@pytest.mark.parametrize("name,keep", [("model.safetensors", 5000), ("model.safetensors", 7),
+                                       ("config.json", 20), ("tokenizer.json", 100)])
+def test_damaged_default_model_is_converted_again(tmp_path, monkeypatch, capsys, name, keep):
+    folder, fetches = default_model_in(tmp_path, monkeypatch)
+    assert open_model(None).config.hidden_size == 64 and not fetches  # intact: used as it is
+    (folder / name).write_bytes((folder / name).read_bytes()[:keep])   # an interrupted copy
+    opened = open_model(None)
+    assert fetches == [folder] and opened.path == folder and opened.tokenizer is not None
+    err = capsys.readouterr().err
+    assert err.startswith("weights/SmolLM2-135M-Instruct is damaged (") and str(folder / name) in err
+
+
+def test_damaged_user_model_is_an_error_not_a_download(tmp_path, monkeypatch):
+    _, fetches = default_model_in(tmp_path / "weights", monkeypatch)
+    folder = make_random_model(tmp_path / "mine")
+    (folder / "config.json").write_text("{")
+    with pytest.raises(NanoError, match="config.json is not valid JSON"):
+        open_model(str(folder))
+    assert not fetches
+
+
+def test_stale_download_folders_are_removed(tmp_path, monkeypatch):
+    """A fetch killed mid-download leaves its scratch folder (~190 MB): the next run removes
+    it, but not one whose process is still running (another run converting right now)."""
+    default_model_in(tmp_path, monkeypatch)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    stale = [tmp_path / f".fetch-{gone}-abc", tmp_path / ".fetch-xyz"]  # dead process; old naming
+    live = tmp_path / f".fetch-{os.getpid()}-def"
+    for d in stale + [live]:
+        (d / "out").mkdir(parents=True)
+        (d / "out" / "model.safetensors").write_bytes(b"partial")
+    resolve_model(None)
+    assert not any(d.exists() for d in stale) and live.exists()
 
 
 # ---------------------------------------------------------------- reference model
