@@ -37,16 +37,19 @@ def build(code: str) -> emulator.Module:
 # ---------------------------------------------------------------- CUDA semantics
 
 def test_half_conversions_round_to_nearest_even(cp):
-    """float -> half -> float through the kernels' own intrinsics, against NumPy (IEEE
-    round to nearest even): every half value, ties, subnormals, overflow, NaN."""
+    """float -> half -> float through the kernels' intrinsics (single and paired), against
+    NumPy (IEEE round to nearest even): every half value, ties, subnormals, overflow, NaN."""
     module = build(textwrap.dedent("""
         #include <cuda_fp16.h>
         extern "C" __global__ void round_trip(const float* x, float* y, unsigned short* bits, int n) {
             const int i = blockIdx.x * blockDim.x + threadIdx.x;
             if (i >= n) return;
             const __half h = __float2half(x[i]);
-            y[i] = __half2float(h);
             bits[i] = __half_as_ushort(h);
+            y[i] = __half2float(h);
+            const float2 pair = __half22float2(__floats2half2_rn(x[i], -x[i]));  // paired versions
+            y[n + i] = pair.x;
+            y[2 * n + i] = pair.y;
         }"""))
     halves = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
     finite = halves[np.isfinite(halves)]
@@ -56,12 +59,14 @@ def test_half_conversions_round_to_nearest_even(cp):
         x = np.concatenate([halves, ties, rng.normal(0, 1e4, 20000), rng.normal(0, 1e-6, 20000),
                             [7e4, -7e4, 65519.99, 65520.0, np.inf, -np.inf]]).astype(np.float32)
         want = x.astype(np.float16)
-    x_d, y_d, bits_d = cp.asarray(x), cp.empty(x.size, cp.float32), cp.empty(x.size, cp.uint16)
+    x_d, y_d, bits_d = cp.asarray(x), cp.empty(3 * x.size, cp.float32), cp.empty(x.size, cp.uint16)
     module.get_function("round_trip")(((x.size + 255) // 256,), (256,), (x_d, y_d, bits_d, np.int32(x.size)))
     nan = np.isnan(x)  # CUDA makes every NaN the canonical 0x7fff; NumPy keeps the payload
     np.testing.assert_array_equal(cp.asnumpy(bits_d)[~nan], want.view(np.uint16)[~nan])
     assert (cp.asnumpy(bits_d)[nan] == 0x7FFF).all()
-    np.testing.assert_array_equal(cp.asnumpy(y_d), want.astype(np.float32))
+    y = cp.asnumpy(y_d).reshape(3, x.size)
+    np.testing.assert_array_equal(y, [want.astype(np.float32), want.astype(np.float32),
+                                      -want.astype(np.float32)])
 
 
 SHUFFLES = textwrap.dedent("""

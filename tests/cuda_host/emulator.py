@@ -55,6 +55,8 @@ def unavailable() -> str | None:
     import platform
     if platform.machine() != "x86_64":
         return f"the CUDA host emulator switches fibers with x86-64 code; this is {platform.machine()}"
+    if "f16c" not in Path("/proc/cpuinfo").read_text().split():
+        return "the CUDA host emulator converts halves with F16C instructions, which this CPU lacks"
     if not shutil.which("g++"):
         return "no g++: install a C++ compiler (Debian: apt-get install g++) to run kernels on the CPU"
     return None
@@ -73,7 +75,7 @@ def _cccl_include() -> str:
 def _compile(source: str, out_name: str, extra: list[str], inputs: str = "") -> Path:
     """g++ `source` into BUILD_DIR/out_name-<hash>.so; reused while nothing that goes into it
     changes: the source, the flags, the shim, and `inputs` (the text of the files it includes)."""
-    flags = ["-std=c++17", "-fPIC", "-shared", "-pthread", "-fno-strict-aliasing",
+    flags = ["-std=c++17", "-fPIC", "-shared", "-pthread", "-fno-strict-aliasing", "-mf16c",
              "-fno-extern-tls-init", "-Wno-unknown-pragmas", *FLAGS,
              f"-I{HERE / 'include'}", f"-I{HERE}", *extra, f"-I{_cccl_include()}"]
     key = hashlib.sha256("\0".join([source, inputs, *flags, (HERE / "shim.h").read_text(),

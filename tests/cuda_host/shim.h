@@ -18,7 +18,9 @@
 //                with PTX's lane arithmetic for `width`. Reported: a lane outside its own
 //                mask, lanes that disagree on mask, width or line, a mask naming a lane that
 //                has exited, a read from a lane outside the mask.
-//   __half       the toolkit's own cuda_fp16.h host code (conversions round to nearest even).
+//   __half       the toolkit's own cuda_fp16.h host code, except the conversions the kernels
+//                use all the time: those go through the CPU's F16C instructions (exact IEEE,
+//                round to nearest even, NaN made CUDA's canonical 0x7fff), see below.
 //   math         __expf, expf, logf, rsqrtf, ... from libm in float32. The GPU's fast
 //                approximations differ in the last bits; the tests' tolerances cover both.
 // Not emulated: timing, the memory model between blocks or between threads that a barrier
@@ -40,6 +42,7 @@
 #define __noinline__ __attribute__((noinline))
 
 #include <cuda_fp16.h>  // also brings vector_types.h (uint4, float2, dim3) and make_*()
+#include <immintrin.h>
 #include <math_constants.h>
 
 #undef __launch_bounds__  // the runtime checks block sizes against it (emulator.py reads it)
@@ -176,6 +179,35 @@ T __shfl_xor_sync(unsigned mask, T var, int lane_mask, int width = warpSize,
                   const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
     return cuda_host::shuffle(cuda_host::SHFL_XOR, mask, var, lane_mask, width, file, line);
 }
+
+// float <-> half. cuda_fp16.h's host versions convert bit by bit and took 40% of an emulated
+// attention launch; F16C does 4 at a time in hardware, with the same IEEE results.
+namespace cuda_host {
+// By reference and read as raw bits (the build has -fno-strict-aliasing): __half2 has a
+// user-written copy constructor, so a by-value argument was built in memory two halves at a
+// time and then read as 4 bytes, a store-forwarding stall.
+inline float half_to_float(const __half& h) { return _cvtsh_ss(*reinterpret_cast<const unsigned short*>(&h)); }
+inline __half float_to_half(float f) {
+    return __ushort_as_half(f != f ? 0x7fff : _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
+}
+inline float2 half2_to_float2(const __half2& h) {
+    const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const int*>(&h)));
+    return make_float2(_mm_cvtss_f32(f), _mm_cvtss_f32(_mm_shuffle_ps(f, f, 1)));
+}
+inline __half2 floats_to_half2(float a, float b) {
+    const __m128i h = _mm_cvtps_ph(_mm_set_ps(0.0f, 0.0f, b, a), _MM_FROUND_TO_NEAREST_INT);
+    __half2 out;
+    *reinterpret_cast<int*>(&out) = _mm_cvtsi128_si32(h);
+    if (a != a) out.x = __ushort_as_half(0x7fff);  // CUDA's canonical NaN
+    if (b != b) out.y = __ushort_as_half(0x7fff);
+    return out;
+}
+}  // namespace cuda_host
+#define __half2float(h) cuda_host::half_to_float(h)
+#define __float2half(f) cuda_host::float_to_half(f)
+#define __float2half_rn(f) cuda_host::float_to_half(f)
+#define __half22float2(h) cuda_host::half2_to_float2(h)
+#define __floats2half2_rn(a, b) cuda_host::floats_to_half2(a, b)
 
 // Integer min/max are device built-ins in CUDA; the float ones come from <cmath>.
 inline int min(int a, int b) { return a < b ? a : b; }
