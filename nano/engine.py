@@ -18,7 +18,8 @@ from nano.errors import NanoError
 from nano.metrics import Metrics, MetricsWriter, QueueState
 from nano.runner import Device, ModelRunner, gpu_count, select_device
 from nano.sampler import Sampler
-from nano.scheduler import Scheduler, SchedulerOutput
+from nano.plan import SchedulerOutput
+from nano.scheduler import Scheduler
 from nano.sequence import SamplingParams, Sequence
 from nano.tp import load_model, plan_shard
 from nano.weights import open_model

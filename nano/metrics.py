@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nano.errors import writing
-from nano.scheduler import SchedulerOutput
+from nano.plan import SchedulerOutput
 from nano.sequence import Sequence
 
 # Latency histogram bucket bounds in seconds (Prometheus style: cumulative, then +Inf).

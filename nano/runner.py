@@ -16,7 +16,7 @@ from nano import ops
 from nano.capacity import host_memory
 from nano.graphs import DecodeGraphs, GraphStep
 from nano.model import ForwardBatch
-from nano.scheduler import SchedulerOutput
+from nano.plan import SchedulerOutput
 from nano.sequence import Sequence
 
 PACKED_HEADER = 5  # pack()'s leading sizes: tokens, sequences, max blocks, decodes, logits rows

@@ -41,33 +41,12 @@ the second):
 """
 import math
 from collections import deque
-from dataclasses import dataclass, field
 
 from nano.block_manager import BlockManager
 from nano.config import EngineConfig
 from nano.cost_model import CostModel
+from nano.plan import Preemption, SchedulerOutput
 from nano.sequence import Sequence, Status
-
-
-@dataclass
-class Preemption:
-    seq: Sequence
-    mode: str          # swap | recompute
-    reason: str        # why this mode: forced | swap_cheaper | recompute_cheaper | no_swap_space
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens this step)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host, device)
-    preempted: list[Preemption] = field(default_factory=list)
-    admitted: list[Sequence] = field(default_factory=list)  # newly given blocks from the waiting queue
-    finished: list[Sequence] = field(default_factory=list)  # ended by the scheduler (rejected, or out of KV)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
 
 
 class Scheduler:

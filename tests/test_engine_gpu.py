@@ -86,7 +86,7 @@ def test_gpu_sampling_is_seeded(shaped_model):
 def test_swap_round_trip_is_exact(shaped_model):
     """Swap-out then swap-in through the runner returns the KV bytes exactly."""
     import cupy
-    from nano.scheduler import SchedulerOutput
+    from nano.plan import SchedulerOutput
 
     model_dir, _ = shaped_model
     engine = LLMEngine(EngineConfig(model=str(model_dir), device="gpu", num_blocks=64,
