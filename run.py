@@ -21,6 +21,11 @@ from nano.metrics import format_summary
 from nano.sequence import FIELD_RULES, SamplingParams
 
 
+ENGINE = EngineConfig()      # the engine's defaults, which the flags show
+SAMPLING = SamplingParams()  # the API's sampling defaults
+CLI_MAX_TOKENS = 256         # the API's 16 (vLLM's) cuts a chat answer short
+
+
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, not argparse's usage dump
         raise NanoError(message)
@@ -35,35 +40,37 @@ def build_parser() -> Parser:
     io.add_argument("--no-chat", action="store_true", help="send raw text, without the chat template")
     io.add_argument("--output", help="write one JSON object per prompt to this .jsonl file")
     s = p.add_argument_group("sampling")
-    s.add_argument("--max-tokens", type=int, default=256)
-    s.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--top-k", type=int, default=-1)
-    s.add_argument("--seed", type=int, default=None, help="per-request seed (same seed, same output)")
+    s.add_argument("--max-tokens", type=int, default=CLI_MAX_TOKENS)
+    s.add_argument("--temperature", type=float, default=SAMPLING.temperature, help="0 = greedy")
+    s.add_argument("--top-p", type=float, default=SAMPLING.top_p)
+    s.add_argument("--top-k", type=int, default=SAMPLING.top_k)
+    s.add_argument("--seed", type=int, default=SAMPLING.seed, help="per-request seed (same seed, same output)")
     s.add_argument("--ignore-eos", action="store_true")
     s.add_argument("--ttft-slo", type=float, default=None, help="time-to-first-token target, ms")
     s.add_argument("--tpot-slo", type=float, default=None, help="time-per-output-token target, ms")
     e = p.add_argument_group("engine")
-    e.add_argument("--model", default=None, help="Hugging Face Llama-family folder (default: SmolLM2-135M-Instruct)")
-    e.add_argument("--device", default="auto", help="auto | cpu | gpu")
-    e.add_argument("--block-size", type=int, default=16)
-    e.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="bytes for the KV pool, e.g. 2GB")
-    e.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides --kv-cache-memory)")
-    e.add_argument("--swap-space", type=parse_bytes, default=4 * 2**30, help="host bytes for swapped-out KV")
-    e.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    e.add_argument("--max-num-seqs", type=int, default=256)
-    e.add_argument("--max-model-len", type=int, default=None)
-    e.add_argument("--watermark", type=float, default=0.01)
+    e.add_argument("--model", default=ENGINE.model, help="Hugging Face Llama-family folder (default: SmolLM2-135M-Instruct)")
+    e.add_argument("--device", default=ENGINE.device, help="auto | cpu | gpu")
+    e.add_argument("--block-size", type=int, default=ENGINE.block_size)
+    e.add_argument("--kv-cache-memory", type=parse_bytes, default=ENGINE.kv_cache_memory,
+                   help="bytes for the KV pool, e.g. 2GB")
+    e.add_argument("--num-blocks", type=int, default=ENGINE.num_blocks,
+                   help="KV pool size in blocks (overrides --kv-cache-memory)")
+    e.add_argument("--swap-space", type=parse_bytes, default=ENGINE.swap_space, help="host bytes for swapped-out KV")
+    e.add_argument("--max-num-batched-tokens", type=int, default=ENGINE.max_num_batched_tokens)
+    e.add_argument("--max-num-seqs", type=int, default=ENGINE.max_num_seqs)
+    e.add_argument("--max-model-len", type=int, default=ENGINE.max_model_len)
+    e.add_argument("--watermark", type=float, default=ENGINE.watermark)
     e.add_argument("--no-prefix-caching", action="store_true")
-    e.add_argument("--preemption", default="auto", help="swap | recompute | auto")
-    e.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: run under mpirun -n TP")
+    e.add_argument("--preemption", default=ENGINE.preemption, help="swap | recompute | auto")
+    e.add_argument("--tp", type=int, default=ENGINE.tp, help="tensor-parallel ranks: run under mpirun -n TP")
     e.add_argument("--enforce-eager", action="store_true", help="GPU: run decode steps eagerly, no CUDA graphs")
-    e.add_argument("--policy", default="fcfs", help="fcfs | deadline (by slack to the latency targets)")
+    e.add_argument("--policy", default=ENGINE.policy, help="fcfs | deadline (by slack to the latency targets)")
     e.add_argument("--drop-late", action="store_true", help="deadline: reject requests that can no longer make their TTFT")
     m = p.add_argument_group("metrics and planning")
     m.add_argument("--metrics-file", help="append a JSON metrics snapshot per step to this file")
     m.add_argument("--metrics-prom", help="keep this file rewritten with the latest snapshot in Prometheus text format")
-    m.add_argument("--metrics-interval", type=int, default=1, help="steps between snapshots")
+    m.add_argument("--metrics-interval", type=int, default=ENGINE.metrics_interval, help="steps between snapshots")
     m.add_argument("--plan", action="store_true", help="print the KV capacity plan and the bandwidth floor, then exit")
     b = p.add_argument_group("benchmark")
     b.add_argument("--bench", action="store_true", help="random-token prompts, EOS ignored, fixed seed")
@@ -82,7 +89,7 @@ def engine_config(args) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, watermark=args.watermark,
         enable_prefix_caching=not args.no_prefix_caching, preemption=args.preemption,
-        seed=args.seed or 0, tp=args.tp, enforce_eager=args.enforce_eager, policy=args.policy,
+        seed=ENGINE.seed if args.seed is None else args.seed, tp=args.tp, enforce_eager=args.enforce_eager, policy=args.policy,
         drop_late=args.drop_late,
         metrics_file=args.metrics_file, metrics_prom=args.metrics_prom,
         metrics_interval=args.metrics_interval)
@@ -182,65 +189,90 @@ class Progress:
 def main(argv=None) -> int:
     group = parallel.world()  # under mpirun: every rank runs main; rank 0 alone talks to the user
     with group.together():    # so a bad argument stops every rank, and is printed once
-        args = build_parser().parse_args(argv)
-        config = engine_config(args)
-        config.validate()
+        args, config, params, requests = parse(argv, group.rank)
         if not args.plan:  # a plan for --tp N is computed in one process
             group.require(config.tp)
-        params = sampling_params(args)
-        if args.bench:
-            check_bench_args(args, config)
-        elif not args.prompt_file and not args.plan:
-            raise NanoError("give --prompt-file FILE (or --bench, or --plan)")
-        requests = (read_requests(args.prompt_file, params)
-                    if args.prompt_file and not args.bench and group.rank == 0 else None)
-        checks.writable_file("--output", args.output)  # now, not after generating everything
-
     if args.plan:
-        from nano.capacity import format_plan, plan_from_config
-        print(format_plan(plan_from_config(config)))
-        return 0
+        return show_plan(config)
     if args.bench and args.request_rate:
-        return rate_bench(args, config)
-
+        return rate_bench(args, config, params)
     from nano.engine import LLMEngine  # after argument checks: loading takes seconds
     engine = LLMEngine(config)
     if group.rank > 0:
-        if args.bench:  # as rank 0's bench.warm_up does: page faults stay out of the figures
-            engine.runner.touch_kv_cache()
-        engine.run_worker()
-        return 0
+        return serve_rank(args, engine)
     print(engine.describe(), file=sys.stderr)
     if args.bench:
-        inputs, per_request = bench_requests(args, engine, params)
-        prompts = [""] * len(inputs)
-        bench.warm_up(engine)
-    else:
-        chat = not args.no_chat and engine.tokenizer.chat_template is not None
-        prompts = [p for p, _ in requests]
-        inputs = [engine.tokenizer.apply_chat_template(p) if chat else p for p in prompts]
-        per_request = [sp for _, sp in requests]
+        return run_bench(args, engine, params)
+    return run_prompts(args, engine, requests)
 
-    output = OutputFile(args.output, prompts, engine.decode) if args.output else None
+
+def parse(argv, rank: int):
+    """Flags, checked; the prompt file, read (on rank 0) before the model loads."""
+    args = build_parser().parse_args(argv)
+    config = engine_config(args)
+    config.validate()
+    params = sampling_params(args)
+    if args.bench:
+        check_bench_args(args, config)
+    elif not args.prompt_file and not args.plan:
+        raise NanoError("give --prompt-file FILE (or --bench, or --plan)")
+    requests = (read_requests(args.prompt_file, params)
+                if args.prompt_file and not args.bench and rank == 0 else None)
+    checks.writable_file("--output", args.output)  # now, not after generating everything
+    return args, config, params, requests
+
+
+def show_plan(config: EngineConfig) -> int:
+    from nano.capacity import format_plan, plan_from_config
+    print(format_plan(plan_from_config(config)))
+    return 0
+
+
+def serve_rank(args, engine) -> int:
+    """A TP rank > 0: runs the steps rank 0 broadcasts until it says stop."""
+    if args.bench:  # as rank 0's bench.warm_up does: page faults stay out of the figures
+        engine.runner.touch_kv_cache()
+    engine.run_worker()
+    return 0
+
+
+def run_prompts(args, engine, requests) -> int:
+    chat = not args.no_chat and engine.tokenizer.chat_template is not None
+    prompts = [p for p, _ in requests]
+    inputs = [engine.tokenizer.apply_chat_template(p) if chat else p for p in prompts]
+    seqs, wall = generate(args.output, engine, prompts, inputs, [sp for _, sp in requests])
+    for i, (prompt, seq) in enumerate(zip(prompts, seqs)):
+        if seq.finish_reason == "rejected":
+            print(f"[{i}] rejected: {seq.error}", file=sys.stderr)
+        else:
+            print(f"[{i}] {prompt}\n{engine.decode(seq)}\n")
+    print(format_summary(engine.metrics.summary(wall)))
+    return 0
+
+
+def run_bench(args, engine, params: SamplingParams) -> int:
+    inputs, per_request = bench_requests(args, engine, params)
+    bench.warm_up(engine)
+    _, wall = generate(args.output, engine, [""] * len(inputs), inputs, per_request)
+    summary = engine.metrics.summary(wall)
+    print(format_summary(summary))
+    print(f"bench: {summary['output_tokens_per_s']:.1f} output tokens/s, "
+          f"{summary['total_tokens_per_s']:.1f} total tokens/s")
+    print(bench.decode_floor(engine, summary))
+    return 0
+
+
+def generate(path: str | None, engine, prompts, inputs, per_request):
+    """run_all, with --output written as requests finish and put in input order at the end,
+    also on Ctrl-C or an error; then the TP ranks are told to stop."""
+    output = OutputFile(path, prompts, engine.decode) if path else None
     try:
         seqs, wall = run_all(engine, inputs, per_request, output=output)
-    finally:  # also on Ctrl-C or an error: what finished is kept, in input order
+    finally:
         if output:
             output.close()
     engine.stop_workers()
-    if not args.bench:
-        for i, (prompt, seq) in enumerate(zip(prompts, seqs)):
-            if seq.finish_reason == "rejected":
-                print(f"[{i}] rejected: {seq.error}", file=sys.stderr)
-            else:
-                print(f"[{i}] {prompt}\n{engine.decode(seq)}\n")
-    summary = engine.metrics.summary(wall)
-    print(format_summary(summary))
-    if args.bench:
-        print(f"bench: {summary['output_tokens_per_s']:.1f} output tokens/s, "
-              f"{summary['total_tokens_per_s']:.1f} total tokens/s")
-        print(bench.decode_floor(engine, summary))
-    return 0
+    return seqs, wall
 
 
 def check_bench_args(args, config: EngineConfig) -> None:
@@ -279,10 +311,9 @@ def run_all(engine, inputs, per_request, arrivals=None, output=None):
     return seqs, engine.clock.now() - start
 
 
-def rate_bench(args, config: EngineConfig) -> int:
+def rate_bench(args, config: EngineConfig, params: SamplingParams) -> int:
     """The same Poisson arrival trace served under FCFS and under the deadline policy."""
     from nano.engine import LLMEngine
-    params = sampling_params(args)
     arrivals = bench.poisson_arrivals(args.num_seqs, args.request_rate)
     results = {}
     for policy in ("fcfs", "deadline"):
