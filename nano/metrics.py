@@ -178,24 +178,20 @@ class MetricsWriter:
 
     def __init__(self, jsonl_path: str | None, prom_path: str | None):
         self.jsonl_path, self.prom_path = jsonl_path, prom_path
-        with writing(jsonl_path):
-            self.jsonl = open(jsonl_path, "w", encoding="utf-8") if jsonl_path else None
+        if jsonl_path:  # a new run starts a new file
+            with writing(jsonl_path):
+                open(jsonl_path, "w", encoding="utf-8").close()
 
     def write(self, snap: dict) -> None:
-        if self.jsonl:
-            with writing(self.jsonl_path):
-                self.jsonl.write(json.dumps(snap) + "\n")
-                self.jsonl.flush()
+        if self.jsonl_path:  # opened per snapshot: nothing is left open for anyone to close
+            with writing(self.jsonl_path), open(self.jsonl_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(snap) + "\n")
         if self.prom_path:
             tmp = self.prom_path + ".tmp"
             with writing(self.prom_path):
                 with open(tmp, "w", encoding="utf-8") as f:
                     f.write(prometheus_text(snap))
                 os.replace(tmp, self.prom_path)
-
-    def close(self) -> None:
-        if self.jsonl:
-            self.jsonl.close()
 
 
 def format_summary(s: dict) -> str:

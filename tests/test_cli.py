@@ -27,7 +27,7 @@ def test_paris_and_rejections_reported_in_order(tmp_path, default_model):
     prompts.write_text(f"What is the capital of France?\n\n{long_prompt}\nName a colour.\n")
     out = tmp_path / "out.jsonl"
     r = run_cli("--prompt-file", prompts, "--temperature", 0, "--max-tokens", 24,
-                "--max-model-len", 256, "--output", out)
+                "--max-model-len", 256, "--output", out, "--device", "cpu")  # float32 KV, below
     assert r.returncode == 0, r.stderr
     assert "The capital of France is Paris." in r.stdout
     assert "[1] rejected: prompt of" in r.stderr and "model context" in r.stderr
@@ -100,7 +100,7 @@ def test_jsonl_prompts_with_targets_and_plan(tmp_path, default_model):
     assert r.returncode == 0, r.stderr
     assert "The capital of France is Paris." in r.stdout
     assert "SLO attainment      100.0% of requests" in r.stdout
-    plan = run_cli("--plan", "--kv-cache-memory", "1GB")
+    plan = run_cli("--plan", "--kv-cache-memory", "1GB", "--device", "cpu")  # float32 KV
     assert plan.returncode == 0, plan.stderr
     assert "KV cache per token  46080 bytes" in plan.stdout and "without GQA it would be 138240" in plan.stdout
     assert "8192" in plan.stdout
