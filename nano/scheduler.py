@@ -1,51 +1,28 @@
-"""The scheduling policy: which sequences run in the next forward pass, and how many tokens each.
+"""The scheduler: which sequences run in the next forward pass, and how many tokens each.
 
 The batch is re-decided before every step (iteration-level batching):
   1. running sequences first: decodes (1 token each), then unfinished prompts,
      which get a chunk of whatever token budget is left (chunked prefill);
-     a decode that needs a new block and finds none preempts a victim
-     (the most recently admitted running sequence);
+     a decode that needs a new block and finds none preempts a victim;
   2. then swapped sequences come back, before any new admission;
-  3. then waiting requests are admitted in order, each only if the free blocks
-     after its allocation stay above the watermark. A request that could never
-     fit (longer than the model context, or than the whole pool) is rejected at
-     once instead of blocking the queue behind it.
+  3. then waiting requests are admitted, each only if the free blocks after its
+     allocation stay above the watermark. A request that could never fit (longer
+     than the model context, or than the whole pool) is rejected at once instead
+     of blocking the queue behind it.
 Every step respects one token budget (max_num_batched_tokens) and one sequence cap.
 A request is only considered once it has arrived (its arrival time has passed).
 
-Policies (--policy):
-  fcfs      admission in arrival order; prefill chunks in admission order; the victim is
-            the most recently admitted sequence.
-  deadline  every request may carry latency targets (time to first token, time per output
-            token). Its slack is the time it can still afford to wait: deadline - now -
-            the work it has left, priced by the step-time model that cost_model.py fits
-            online. Admission and the prefill-chunk budget go to the least slack first; the
-            victim is the running sequence with the most slack; a step carries no more
-            prefill tokens than the tightest slack of the sequences decoding in it can
-            absorb (time per output token is an average); a waiting request whose
-            slack is already negative can no longer make its target and is moved behind
-            those that still can (or rejected, with --drop-late), so it does not make
-            others late too.
-
-Where throughput and deadlines pull apart (the deadline policy gives up the first for
-the second):
-  - FCFS keeps the batch full of whatever came first; slack order may start a short urgent
-    prompt while a long one waits, so long prompts see worse TTFT and the first-come
-    prefix blocks are less often still cached when their siblings arrive.
-  - The cheapest victim to preempt for throughput is the one with the least KV to move or
-    recompute; the deadline victim is the one with the most slack, however large it is.
-  - Dropping a late request wastes nothing more, but the work already spent on it is lost;
-    keeping it (moved back) finishes it late and counts for throughput, not for goodput.
-  - Decodes go first under both policies: one token each keeps TPOT, but it takes budget
-    from prefill chunks that may be nearer their TTFT deadline.
+This file is the mechanism; the choices it leaves open (admission and prefill order, how
+much prefill a step may carry, the victim, rejecting late requests) are the policy's
+(policy.py: FCFS or Deadline, by --policy).
 """
-import math
 from collections import deque
 
 from nano.block_manager import BlockManager
 from nano.config import EngineConfig
 from nano.cost_model import CostModel
 from nano.plan import Preemption, SchedulerOutput
+from nano.policy import make_policy
 from nano.sequence import Sequence, Status
 
 
@@ -58,12 +35,11 @@ class Scheduler:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.cost = cost_model
         self.watermark_blocks = int(config.watermark * block_manager.num_blocks)
-        self.deadline = config.policy == "deadline"
         self.now = 0.0                        # the time of the step being scheduled
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []     # in admission order: the last is the first victim
+        self.running: list[Sequence] = []     # in admission order (swapped back in: admitted again)
         self.swapped: deque[Sequence] = deque()
-        self.num_admissions = 0
+        self.policy = make_policy(self)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -95,10 +71,8 @@ class Scheduler:
         decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
         prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
         budget = self._schedule_each(decodes, out, budget)
-        if self.deadline:  # the prefill budget goes to the least slack first
-            prefills.sort(key=self.slack)
-            budget = min(budget, self._prefill_cap(out))
-        return self._schedule_each(prefills, out, budget)
+        budget = self.policy.prefill_budget(budget, [s for s, _ in out.scheduled])
+        return self._schedule_each(self.policy.prefill_order(prefills), out, budget)
 
     def _schedule_each(self, seqs: list[Sequence], out: SchedulerOutput, budget: int) -> int:
         for seq in seqs:
@@ -112,21 +86,6 @@ class Scheduler:
                 budget -= n
         return budget
 
-    def _prefill_cap(self, out: SchedulerOutput) -> int:
-        """Deadline policy: how many prefill tokens this step may carry. A decoding sequence's
-        TPOT target is an average, so a long step is fine while it has slack; the step may add
-        as much prefill as the tightest slack among the sequences decoding in it can absorb
-        (priced per token by the cost model); sequences already past saving do not count.
-        Throughput wants the largest chunks (fewer,
-        fuller steps); TPOT wants short steps: here the two pull apart. At least one block's
-        worth, so that prompts always make progress."""
-        slacks = [self.slack(s) for s, _ in out.scheduled
-                  if s.params.tpot_slo and s.first_token_time is not None]
-        slacks = [x for x in slacks if x >= 0]  # already late: short steps would not save it
-        if not slacks or self.cost.coef[1] <= 0:
-            return self.config.max_num_batched_tokens
-        return max(int(min(slacks) / self.cost.coef[1]), self.bm.block_size)
-
     def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Find blocks for seq's next n tokens, preempting others if needed.
         Returns False if seq itself had to give way."""
@@ -137,7 +96,7 @@ class Scheduler:
                 # Alone and still out of blocks: no one can ever make room for it.
                 self._finish(seq, "length", out)
                 return False
-            victim = max(candidates, key=self.slack) if self.deadline else candidates[-1]
+            victim = self.policy.victim(candidates)
             self._preempt(victim, out)
             if victim is seq:
                 return False
@@ -162,17 +121,16 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        for seq in self._admission_order(out):
+        arrived = [s for s in self.waiting if s.arrival_time <= self.now]
+        for seq in self.policy.admission_order(self._reject_late(arrived, out)):
             if not self._room(out, budget):
                 break
             error = self._never_fits(seq)
             if error:
-                self.waiting.remove(seq)
                 if seq.num_output_tokens:  # preempted by recompute and grown too long to return
                     self._finish(seq, "length", out)
                 else:
-                    seq.error = error
-                    self._finish(seq, "rejected", out)
+                    self._reject(seq, error, out)
                 continue
             hits = self.bm.match_prefix(seq.token_ids)
             if not self.bm.can_admit(seq, hits, self.watermark_blocks):
@@ -186,38 +144,16 @@ class Scheduler:
             out.scheduled.append((seq, n))
             budget -= n
 
-    def _admission_order(self, out: SchedulerOutput) -> list[Sequence]:
-        """Arrived waiting requests in the order the policy admits them."""
-        arrived = [s for s in self.waiting if s.arrival_time <= self.now]
-        if not self.deadline:
-            return arrived
-        slack = {s.seq_id: self.slack(s) for s in arrived}
-        order = sorted(arrived, key=lambda s: (slack[s.seq_id] < 0, slack[s.seq_id]))
-        if self.config.drop_late:
-            for seq in [s for s in order if slack[s.seq_id] < 0 and s.first_token_time is None]:
-                order.remove(seq)
-                self.waiting.remove(seq)
-                seq.error = f"cannot meet its time-to-first-token target of {1e3 * seq.params.ttft_slo:.0f} ms"
-                self._finish(seq, "rejected", out)
-        return order
-
-    def slack(self, seq: Sequence) -> float:
-        """Seconds seq can still wait and meet its latency targets, given the work it has
-        left at the step times the cost model predicts; inf when it has no target."""
-        p = seq.params
-        prefill = seq.num_uncomputed_tokens - (seq.first_token_time is not None)
-        prefill_time = self.cost.step_time(prefill, 0, 0) if prefill > 0 else 0.0
-        if seq.first_token_time is None:
-            if p.ttft_slo is None:
-                return math.inf
-            return seq.arrival_time + p.ttft_slo - self.now - prefill_time
-        if p.tpot_slo is None:
-            return math.inf
-        context = sum(s.num_computed_tokens for s in self.running if s.num_uncomputed_tokens == 1)
-        decode_step = self.cost.step_time(0, max(len(self.running), 1), context)
-        remaining = p.max_tokens - seq.num_output_tokens
-        deadline = seq.first_token_time + p.tpot_slo * (p.max_tokens - 1)
-        return deadline - self.now - prefill_time - remaining * decode_step
+    def _reject_late(self, arrived: list[Sequence], out: SchedulerOutput) -> list[Sequence]:
+        """Reject the requests the policy gives up on (--drop-late); returns the others."""
+        kept = []
+        for seq in arrived:
+            error = self.policy.late_error(seq)
+            if error:
+                self._reject(seq, error, out)
+            else:
+                kept.append(seq)
+        return kept
 
     # ---- helpers -----------------------------------------------------------------------
     def _never_fits(self, seq: Sequence) -> str | None:
@@ -236,30 +172,33 @@ class Scheduler:
 
     def _start_running(self, seq: Sequence) -> None:
         seq.status = Status.RUNNING
-        seq.admitted_at = self.num_admissions
-        self.num_admissions += 1
         self.running.append(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """End a sequence: its blocks go back to the pool (full ones stay cached)."""
+        """End a sequence: out of whichever queue holds it, its blocks back to the pool (full
+        device blocks stay cached)."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
             self.bm.free(seq)
-        seq.status = Status.FINISHED
-        seq.finish_reason = reason
-
-    def abort(self, seq: Sequence) -> None:
-        """Take an unfinished sequence out of whichever queue holds it and free its blocks."""
-        if seq.status is Status.WAITING:
+        elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
         elif seq.status is Status.SWAPPED:
             self.swapped.remove(seq)
             self.bm.free_swapped(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop an unfinished sequence, wherever it is."""
         self.finish(seq, "aborted")
 
     def _finish(self, seq: Sequence, reason: str, out: SchedulerOutput) -> None:
         self.finish(seq, reason)
         out.finished.append(seq)
+
+    def _reject(self, seq: Sequence, error: str, out: SchedulerOutput) -> None:
+        seq.error = error
+        self._finish(seq, "rejected", out)
 
     def _preemption_mode(self, seq: Sequence) -> tuple[str, str]:
         if self.config.preemption == "recompute":
