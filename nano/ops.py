@@ -138,8 +138,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
     if on_gpu(q):
         return _kernels().paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
     out = np.empty_like(q)
-    # A few sequences at a time, padded to the longest: one batched matmul instead of S small
-    # ones (32 decodes of the default model: ~5x faster than a loop), with bounded memory.
+    # A few sequences at a time, padded to the longest: one batched product instead of S
+    # small ones, with bounded memory.
     for lo in range(0, q.shape[0], DECODE_GROUP):
         hi = min(lo + DECODE_GROUP, q.shape[0])
         out[lo:hi] = _decode_group(q[lo:hi], k_cache, v_cache, block_tables[lo:hi],
@@ -159,9 +159,8 @@ def _decode_group(q, k_cache, v_cache, block_tables, context_lens, scale):
     def gather(cache):  # (s, nkv, length, d), in one copy: index straight into that order
         return cache[tables[:, None, :], heads].reshape(s, nkv, length, d)
 
-    # np.matvec / np.vecmat rather than a batched @: for (group x d) @ (d x length) products
-    # the latter makes one BLAS call each, ~2.5 us with OpenBLAS's Zen kernels; 32 sequences
-    # at context ~112: 0.29 + 0.25 ms -> 0.14 + 0.11 ms per layer.
+    # np.matvec / np.vecmat rather than a batched @, which makes one BLAS call per tiny
+    # (group x d) @ (d x length) product (docs/perf_notes.md).
     qg = q.reshape(s, nkv, nq // nkv, d)
     scores = np.matvec(gather(k_cache)[:, :, None], qg) * scale      # (s, nkv, group, length)
     valid = np.arange(length)[None, :] < context_lens[:, None]      # (s, length)
