@@ -1,0 +1,137 @@
+"""The scheduler's rules on their own, without a model: a BlockManager, a CostModel with fixed
+coefficients, and a stand-in for the engine that computes what each step scheduled."""
+import itertools
+
+import pytest
+
+from nano.block_manager import BlockManager
+from nano.config import EngineConfig
+from nano.cost_model import CostModel
+from nano.scheduler import Scheduler
+from nano.sequence import SamplingParams, Sequence, Status
+
+BLOCK = 4
+KV_BYTES_PER_TOKEN = 1000
+# seconds: step base, per prefill token, per decode sequence, per context token
+COEF = (0.010, 0.001, 0.002, 0.0)
+seq_ids = itertools.count()
+
+
+def make_scheduler(num_blocks, num_swap_blocks=0, swap_bandwidth=1e9, **config_args) -> Scheduler:
+    config = EngineConfig(block_size=BLOCK, enable_prefix_caching=False, **config_args)
+    bm = BlockManager(num_blocks, BLOCK, num_swap_blocks, enable_prefix_caching=False)
+    return Scheduler(config, bm, max_model_len=4096, kv_bytes_per_token=KV_BYTES_PER_TOKEN,
+                     cost_model=CostModel(COEF, swap_bandwidth))
+
+
+def request(sched, prompt_len, arrival=0.0, **params) -> Sequence:
+    seq = Sequence(next(seq_ids), "", [7] * prompt_len,
+                   SamplingParams(temperature=0, max_tokens=params.pop("max_tokens", 100), **params),
+                   arrival, seed=0)
+    sched.add(seq)
+    return seq
+
+
+def step(sched, now=0.0):
+    """Schedule one step and do what the engine would: compute the scheduled tokens and
+    sample one more token for every sequence whose prompt is now all computed."""
+    out = sched.schedule(now)
+    for seq, n in out.scheduled:
+        seq.num_computed_tokens += n
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.token_ids.append(7)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+    return out
+
+
+def test_fcfs_victims_are_the_most_recently_admitted_first():
+    # Four one-block prompts fill the pool; at their first decode each needs a second block.
+    sched = make_scheduler(num_blocks=4, preemption="recompute", watermark=0.0)
+    a, b, c, d = (request(sched, BLOCK) for _ in range(4))
+    assert [s for s, _ in step(sched).scheduled] == [a, b, c, d]
+    out = step(sched)
+    # a's decode finds no block: d, admitted last, gives way (not a, which needs the block);
+    # then b's: c gives way. a and b grow into what d and c freed.
+    assert [p.seq for p in out.preempted] == [d, c]
+    assert [s for s, _ in out.scheduled] == [a, b]
+    assert list(sched.waiting) == [c, d]  # back at the front, in their old order
+
+
+def test_swapped_sequence_comes_back_below_the_watermark_when_nothing_runs():
+    # 10 blocks, watermark 2. b (1 block) was admitted first, a (7 blocks) second.
+    sched = make_scheduler(num_blocks=10, num_swap_blocks=10, preemption="swap", watermark=0.2)
+    b, a = request(sched, 4), request(sched, 28)
+    step(sched)                              # both prefilled; 2 blocks left
+    for _ in range(4):
+        step(sched)                          # decodes: a grows to 8 blocks, b to 2
+    out = step(sched)                        # b needs a 3rd block: a, the latest, is swapped out
+    assert [(p.seq, p.mode) for p in out.preempted] == [(a, "swap")]
+    sched.finish(b, "stop")                  # nothing runs; a needs 9 of the 10 free blocks,
+    out = step(sched)                        # which leaves 1, below the watermark of 2
+    assert out.blocks_to_swap_in and [s for s, _ in out.scheduled] == [a]
+    assert a.status is Status.RUNNING and len(a.block_table) == 9
+
+
+def test_alone_and_out_of_blocks_finishes_with_length():
+    sched = make_scheduler(num_blocks=2, preemption="swap", num_swap_blocks=4, watermark=0.0)
+    seq = request(sched, 2 * BLOCK - 1)
+    step(sched)                              # prompt computed, one token sampled: 8 tokens
+    step(sched)                              # the 8th token's KV fills the second block
+    out = step(sched)                        # the 9th needs a third block: there is none, ever
+    assert out.finished == [seq] and not out.preempted and not out.scheduled
+    assert seq.finish_reason == "length" and not sched.has_work()
+    assert sched.bm.num_free_blocks == 2
+
+
+@pytest.mark.parametrize("policy,chunk", [("fcfs", 1000), ("deadline", 292)])
+def test_deadline_caps_prefill_by_the_tightest_tpot_slack(policy, chunk):
+    sched = make_scheduler(num_blocks=1000, policy=policy, watermark=0.0)
+    decoding = request(sched, BLOCK, max_tokens=10, tpot_slo=0.1)
+    step(sched, now=0.0)                     # first token at t=0
+    request(sched, 1000, arrival=0.5)        # a long prompt arrives while it decodes
+    out = step(sched, now=0.5)
+    # decoding's slack at t=0.5: its last token is due at 0.1 * 9 = 0.9 s; 9 tokens are
+    # left at 0.012 s a step (base 0.010 + one decode 0.002): 0.9 - 0.5 - 0.108 = 0.292 s,
+    # which pays for 292 prefill tokens at 0.001 s each.
+    assert [n for _, n in out.scheduled] == [1, pytest.approx(chunk, abs=1)]
+
+
+def test_deadline_prefill_cap_ignores_decodes_already_late():
+    sched = make_scheduler(num_blocks=1000, policy="deadline", watermark=0.0)
+    request(sched, BLOCK, max_tokens=10, tpot_slo=0.01)   # due at 0.09 s: late by t=0.5
+    step(sched, now=0.0)
+    request(sched, 1000, arrival=0.5)
+    assert [n for _, n in step(sched, now=0.5).scheduled] == [1, 1000]
+
+
+def preempted_mode(sched) -> str:
+    """Fill a 2-block pool with two one-block prompts; at the first decode the second gives
+    way. Returns why it went the way it did."""
+    for _ in range(2):
+        request(sched, BLOCK)
+    step(sched)
+    (preemption,) = step(sched).preempted
+    return preemption.reason
+
+
+def test_learned_swap_bandwidth_turns_swap_into_recompute():
+    # The victim has 4 computed tokens: recompute costs 4 x 0.001 s; swapping 4,000 bytes
+    # out and back at the prior 1 GB/s costs 8 us.
+    args = dict(num_blocks=2, num_swap_blocks=2, preemption="auto", watermark=0.0)
+    assert preempted_mode(make_scheduler(**args)) == "swap_cheaper"
+    learned = make_scheduler(**args)
+    for _ in range(50):  # swaps measured at 1 MB/s: 8 ms, now dearer than recomputing
+        learned.cost.observe_swap(1_000_000, 1.0)
+    assert preempted_mode(learned) == "recompute_cheaper"
+
+
+def test_learned_prefill_cost_turns_recompute_into_swap():
+    # At 1 MB/s a swap of the victim costs 8 ms, more than the prior 4 ms of recompute.
+    args = dict(num_blocks=2, num_swap_blocks=2, preemption="auto", watermark=0.0, swap_bandwidth=1e6)
+    assert preempted_mode(make_scheduler(**args)) == "recompute_cheaper"
+    learned = make_scheduler(**args)
+    for i in range(32):  # steps measured at 10 ms per prefill token: recompute now costs 40 ms
+        prefill = 16 * (i % 8 + 1)
+        learned.cost.observe_step(prefill, 0, 0, COEF[0] + 0.010 * prefill)
+    assert preempted_mode(learned) == "swap_cheaper"
