@@ -28,9 +28,12 @@ the second):
     from prefill chunks that may be nearer their TTFT deadline.
 """
 import math
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from nano.sequence import Sequence
+
+if TYPE_CHECKING:  # only for annotations: the scheduler imports this module
+    from nano.scheduler import Scheduler
 
 
 class Policy(Protocol):
@@ -44,13 +47,15 @@ class Policy(Protocol):
         """Running prompts in the order they share the token budget for prefill chunks."""
 
     def prefill_budget(self, budget: int, decoding: list[Sequence]) -> int:
-        """How much of the budget left after the step's decodes the rest of it may take."""
+        """What the rest of the step (prefill chunks, swap-ins, admissions) may take of the
+        budget its decodes left."""
 
     def victim(self, candidates: list[Sequence]) -> Sequence:
         """Which running sequence gives way when a sequence finds no free block."""
 
 
 class FCFS:
+    """First come, first served."""
 
     def late_error(self, seq: Sequence) -> str | None:
         return None
@@ -72,7 +77,7 @@ class Deadline:
     """Least slack first. Slack depends on the time of the step and on the batch decoding in
     it, so this policy reads both from its scheduler as they change during the step."""
 
-    def __init__(self, scheduler):
+    def __init__(self, scheduler: "Scheduler"):
         self.sched = scheduler
 
     def late_error(self, seq: Sequence) -> str | None:
@@ -131,5 +136,5 @@ class Deadline:
         return self.sched.cost.step_time(0, max(len(running), 1), context)
 
 
-def make_policy(scheduler) -> Policy:
+def make_policy(scheduler: "Scheduler") -> Policy:
     return Deadline(scheduler) if scheduler.config.policy == "deadline" else FCFS()
