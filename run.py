@@ -187,7 +187,7 @@ class Progress:
 
 
 def main(argv=None) -> int:
-    group = parallel.world()  # under mpirun: every rank runs main; rank 0 alone talks to the user
+    group = parallel.tp_group()  # under mpirun: every rank runs main; rank 0 alone talks to the user
     with group.together():    # so a bad argument stops every rank, and is printed once
         args, config, params, requests = parse(argv, group.rank)
         if not args.plan:  # a plan for --tp N is computed in one process
@@ -196,10 +196,11 @@ def main(argv=None) -> int:
         return show_plan(config)
     if args.bench and args.request_rate:
         return rate_bench(args, config, params)
-    from nano.engine import LLMEngine  # after argument checks: loading takes seconds
-    engine = LLMEngine(config)
     if group.rank > 0:
-        return serve_rank(args, engine)
+        from nano.worker import Worker  # after argument checks: loading takes seconds
+        return serve_rank(args, Worker(config))
+    from nano.engine import LLMEngine
+    engine = LLMEngine(config)
     print(engine.describe(), file=sys.stderr)
     if args.bench:
         return run_bench(args, engine, params)
@@ -228,11 +229,11 @@ def show_plan(config: EngineConfig) -> int:
     return 0
 
 
-def serve_rank(args, engine) -> int:
+def serve_rank(args, worker) -> int:
     """A TP rank > 0: runs the steps rank 0 broadcasts until it says stop."""
     if args.bench:  # as rank 0's bench.warm_up does: page faults stay out of the figures
-        engine.runner.touch_kv_cache()
-    engine.run_worker()
+        worker.runner.touch_kv_cache()
+    worker.run()
     return 0
 
 
@@ -245,7 +246,7 @@ def run_prompts(args, engine, requests) -> int:
         if seq.finish_reason == "rejected":
             print(f"[{i}] rejected: {seq.error}", file=sys.stderr)
         else:
-            print(f"[{i}] {prompt}\n{engine.decode(seq)}\n")
+            print(f"[{i}] {prompt}\n{engine.detokenize(seq)}\n")
     print(format_summary(engine.metrics.summary(wall)))
     return 0
 
@@ -265,7 +266,7 @@ def run_bench(args, engine, params: SamplingParams) -> int:
 def generate(path: str | None, engine, prompts, inputs, per_request):
     """run_all, with --output written as requests finish and put in input order at the end,
     also on Ctrl-C or an error; then the TP ranks are told to stop."""
-    output = OutputFile(path, prompts, engine.decode) if path else None
+    output = OutputFile(path, prompts, engine.detokenize) if path else None
     try:
         seqs, wall = run_all(engine, inputs, per_request, output=output)
     finally:
@@ -379,6 +380,6 @@ if __name__ == "__main__":
     except KeyboardInterrupt:  # under mpirun, on any rank: every rank ends (exit_on_error)
         parallel.exit_on_error(NanoError("interrupted"), 130)
     except Exception as e:  # a bug: alone, show the traceback; under MPI, end every rank
-        if parallel.world().world == 1:
+        if parallel.tp_group().world == 1:
             raise
         parallel.exit_on_error(e, 1)

@@ -9,15 +9,21 @@ prints exactly what the engine will allocate.
 A decode step must read every weight once and every cached token of every sequence
 once; nothing can make it faster than moving those bytes at the device's bandwidth.
 """
-import os
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from nano.config import ModelConfig
+from nano.config import EngineConfig, ModelConfig, max_model_len
+from nano.device import Device, ranks_on_gpu, select_device
+from nano.tp import plan_shard, shard_num_params, tied_lm_head
+from nano.weights import open_model
 
 PLAN_CONTEXTS = (512, 2048, 8192)
+DEFAULT_CPU_KV_MEMORY = 2 * 2**30
+# Of the GPU memory still free once the weights are loaded (vLLM's gpu_memory_utilization
+# is a fraction of the total instead).
+GPU_FREE_MEMORY_FRACTION = 0.9
 
 
 def kv_bytes_per_token(cfg: ModelConfig, num_kv_heads: int, itemsize: int) -> int:
@@ -28,17 +34,21 @@ def blocks_for_memory(memory: int, bytes_per_token: int, block_size: int) -> int
     return memory // (bytes_per_token * block_size)
 
 
-def host_memory() -> tuple[int, int]:
-    """(available, total) bytes of host memory. Available is Linux's MemAvailable (free
-    memory plus the page cache it can reclaim); elsewhere, what sysconf calls free."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    total = os.sysconf("SC_PHYS_PAGES") * page
-    try:
-        with open("/proc/meminfo") as f:
-            fields = dict(line.split(":", 1) for line in f)
-        return int(fields["MemAvailable"].split()[0]) * 1024, total
-    except (OSError, KeyError, ValueError):
-        return os.sysconf("SC_AVPHYS_PAGES") * page, total
+def kv_pool_memory(config: EngineConfig, device: str, free_after_weights: int, rank: int,
+                   world: int) -> int:
+    """Bytes for rank's KV pool: --kv-cache-memory if given; on a GPU, a fraction of what is
+    free once the weights of every rank on it are loaded, split among those ranks; on the
+    CPU a fixed default."""
+    if config.kv_cache_memory:
+        return config.kv_cache_memory
+    if device == "gpu":
+        return int(free_after_weights * GPU_FREE_MEMORY_FRACTION) // len(ranks_on_gpu(rank, world))
+    return DEFAULT_CPU_KV_MEMORY
+
+
+def kv_pool_blocks(config: EngineConfig, memory: int, bytes_per_token: int) -> int:
+    """Blocks in the KV pool: --num-blocks if given, else as many as `memory` holds."""
+    return config.num_blocks or blocks_for_memory(memory, bytes_per_token, config.block_size)
 
 
 def measure_copy_bandwidth(xp, nbytes: int = 256 * 2**20, reps: int = 5) -> float:
@@ -87,20 +97,6 @@ class CapacityPlan:
         return (self.weight_bytes + batch * context * self.kv_bytes_per_token) / self.bandwidth
 
 
-def plan_capacity(cfg: ModelConfig, model: str, device: str, kv_memory: int, block_size: int,
-                  itemsize: int, weight_bytes: int, kv_heads_per_rank: list[int],
-                  bandwidth: float, max_model_len: int) -> CapacityPlan:
-    per_rank = [kv_bytes_per_token(cfg, h, itemsize) for h in kv_heads_per_rank]
-    mine = per_rank[0]
-    return CapacityPlan(
-        model=model, device=device, kv_memory=kv_memory, block_size=block_size,
-        weight_bytes=weight_bytes, kv_bytes_per_token=mine,
-        kv_bytes_per_token_full=kv_bytes_per_token(cfg, cfg.num_heads, itemsize),
-        kv_bytes_per_token_per_rank=per_rank,
-        num_blocks=blocks_for_memory(kv_memory, mine, block_size), bandwidth=bandwidth,
-        contexts=sorted({c for c in PLAN_CONTEXTS if c < max_model_len} | {max_model_len}))
-
-
 def format_plan(p: CapacityPlan) -> str:
     gqa = p.kv_bytes_per_token_full / sum(p.kv_bytes_per_token_per_rank)
     lines = [
@@ -128,31 +124,28 @@ def format_plan(p: CapacityPlan) -> str:
     return "\n".join(lines)
 
 
-def plan_from_config(config) -> CapacityPlan:
-    """What an engine built from `config` would allocate, without loading any weights."""
-    from nano.engine import DEFAULT_CPU_KV_MEMORY, GPU_MEMORY_UTILIZATION
-    from nano.runner import Device, select_device
-    from nano.tp import plan_shard, shard_num_params
-    from nano.weights import open_model
-
+def plan_from_config(config: EngineConfig) -> CapacityPlan:
+    """What an engine built from `config` would allocate on rank 0, without loading any
+    weights: the pool is sized by the engine's function, from the memory free now less the
+    weights of the ranks that will share rank 0's GPU."""
     folder = open_model(config.model, tokenizer=False)
-    model_dir, cfg, names = folder.path, folder.config, set(folder.reader.names())
+    cfg, names = folder.config, set(folder.reader.names())
     bias = "model.layers.0.self_attn.q_proj.bias" in names
-    tied = cfg.tie_word_embeddings or "lm_head.weight" not in names
+    tied = tied_lm_head(cfg, names)
     device = Device(select_device(config.device))
-    itemsize = np.dtype(device.dtype).itemsize
     shards = [plan_shard(cfg, r, config.tp) for r in range(config.tp)]
-    weight_bytes = shard_num_params(cfg, shards[0], bias, tied) * itemsize
-    if config.kv_cache_memory:
-        memory = config.kv_cache_memory
-    elif device.kind == "gpu":  # as the engine measures it: free memory once weights are loaded
-        memory = int((device.free_memory() - weight_bytes) * GPU_MEMORY_UTILIZATION)
-    else:
-        memory = DEFAULT_CPU_KV_MEMORY
-    max_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-    plan = plan_capacity(cfg, model_dir.name, device.kind, memory, config.block_size, itemsize,
-                         weight_bytes, [s.num_kv_heads for s in shards],
-                         measure_copy_bandwidth(device.xp), max_len)
-    if config.num_blocks:
-        plan.num_blocks = config.num_blocks
-    return plan
+    weight_bytes = [shard_num_params(cfg, s, bias, tied) * device.itemsize for s in shards]
+    free = device.free_memory()
+    if device.kind == "gpu":
+        free -= sum(weight_bytes[r] for r in ranks_on_gpu(0, config.tp))
+    per_token = [kv_bytes_per_token(cfg, s.num_kv_heads, device.itemsize) for s in shards]
+    memory = kv_pool_memory(config, device.kind, free, 0, config.tp)
+    context = max_model_len(config, cfg)
+    return CapacityPlan(
+        model=folder.path.name, device=device.kind, kv_memory=memory, block_size=config.block_size,
+        weight_bytes=weight_bytes[0], kv_bytes_per_token=per_token[0],
+        kv_bytes_per_token_full=kv_bytes_per_token(cfg, cfg.num_heads, device.itemsize),
+        kv_bytes_per_token_per_rank=per_token,
+        num_blocks=kv_pool_blocks(config, memory, per_token[0]),
+        bandwidth=measure_copy_bandwidth(device.xp),
+        contexts=sorted({c for c in PLAN_CONTEXTS if c < context} | {context}))

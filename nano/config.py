@@ -68,6 +68,12 @@ class ModelConfig:
         )
 
 
+def max_model_len(config: "EngineConfig", model: ModelConfig) -> int:
+    """The longest sequence the engine serves: --max-model-len, at most the model's
+    max_position_embeddings (the RoPE table's length)."""
+    return min(config.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
+
+
 def _rope_scaling(scaling) -> dict | None:
     """None, or a dict; Llama 3's kind needs its four numbers (model.rope_cos_sin)."""
     if scaling is None:

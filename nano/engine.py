@@ -2,84 +2,50 @@
 
     step() = schedule -> swap -> prepare inputs -> forward -> sample -> postprocess
 
-Under tensor parallelism (parallel.py) this engine runs on every rank: rank 0 does
-all of step() and broadcasts each step's swaps and packed inputs after preparing
-them; the other ranks only swap and run the forward pass (run_worker).
+Under tensor parallelism (parallel.py) this engine is rank 0: it owns the tokenizer, the
+scheduler and the sampler, and its runner sends each step's packed plan to the other ranks,
+which replay it on their shards (worker.Worker).
 """
 import numpy as np
 
 from nano import checks, parallel
 from nano.block_manager import BlockManager
-from nano.capacity import blocks_for_memory, host_memory, kv_bytes_per_token
+from nano.capacity import kv_bytes_per_token
 from nano.clock import Clock
 from nano.config import EngineConfig
 from nano.cost_model import CostModel
 from nano.errors import NanoError
 from nano.metrics import Metrics, MetricsWriter, QueueState
-from nano.runner import Device, ModelRunner, gpu_count, select_device
+from nano.plan import SchedulerOutput, decode_context, is_decode
 from nano.sampler import Sampler
-from nano.plan import SchedulerOutput
 from nano.scheduler import Scheduler
 from nano.sequence import SamplingParams, Sequence
-from nano.tp import load_model, plan_shard
-from nano.weights import open_model
+from nano.worker import load_shard
 
 # Rough device figures for the cost model's starting point (it then learns from real steps).
 DEVICE_PRIORS = {  # flop/s, memory bytes/s, host<->device bytes/s
     "cpu": (5e10, 1e10, 5e9),
     "gpu": (3e14, 3e12, 2e10),
 }
-DEFAULT_CPU_KV_MEMORY = 2 * 2**30
-GPU_MEMORY_UTILIZATION = 0.9
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, clock: Clock | None = None):
         self.config, self.clock = config, clock or Clock()
-        self.group = group = parallel.world()  # TP ranks: one, without MPI, unless under mpirun
-        with group.together():  # a rank failing here fails them all, before any collective
-            config.validate()
-            group.require(config.tp)
-            folder = open_model(config.model, tokenizer=group.rank == 0)
-            self.model_dir = folder.path
-            self.model_config = cfg = folder.config
-            self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings,
-                                     cfg.max_position_embeddings)
-            self.shards = [plan_shard(cfg, r, group.world) for r in range(group.world)]
-            shard = self.shards[group.rank]
-            kind = select_device(config.device)
-            # Ranks take the visible GPUs round-robin; several may share one.
-            self.device = Device(kind, group.rank % gpu_count() if kind == "gpu" else 0)
-            group.cuda_aware = kind == "gpu" and group.world > 1 and parallel.cuda_aware_mpi()
-            model = load_model(folder.reader, cfg, shard, self.device.put,
-                               self.max_model_len, group.all_reduce)
-            self.tokenizer = folder.tokenizer  # rank 0's alone
-
-        # Each rank's pool holds only its KV heads; all must agree on the number of blocks.
-        self.kv_bytes_per_token = self._kv_bytes_per_token(shard)
-        block_bytes = self.kv_bytes_per_token * config.block_size
-        num_blocks = group.min(config.num_blocks or blocks_for_memory(
-            self._kv_memory(), self.kv_bytes_per_token, config.block_size))
-        if num_blocks < 1:  # agreed, so every rank raises it
-            raise parallel.SharedError(f"KV cache memory holds no block of {block_bytes} bytes")
-        num_swap_blocks = group.min(config.swap_space // block_bytes)
-        with group.together():
-            self._check_memory(num_blocks * block_bytes, num_swap_blocks * block_bytes)
-        self.weight_bytes = _nbytes(model)
-        self.runner = ModelRunner(model, self.device, num_blocks, num_swap_blocks,
-                                  config.block_size, Sampler(self.device),
-                                  # MPI all-reduces run on the host: a TP step cannot be captured
-                                  cuda_graphs=not config.enforce_eager and group.world == 1,
-                                  max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len)
-        if group.rank > 0:
-            return  # a worker holds its shard and KV pool; rank 0 owns all below
-        self.eos_ids = set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)
-        self.block_manager = BlockManager(num_blocks, config.block_size, num_swap_blocks,
+        self.group = parallel.tp_group()  # TP ranks: one, without MPI, unless under mpirun
+        if self.group.rank > 0:
+            raise NanoError("LLMEngine runs on TP rank 0; the other ranks run worker.Worker")
+        self.shard = shard = load_shard(config, self.group)
+        self.model_config, self.tokenizer = shard.model_config, shard.tokenizer
+        self.max_model_len, self.device, self.runner = shard.max_model_len, shard.device, shard.runner
+        self.kv_bytes_per_token, self.weight_bytes = shard.kv_bytes_per_token, shard.weight_bytes
+        self.sampler = Sampler(self.device)
+        self.block_manager = BlockManager(shard.num_blocks, config.block_size, shard.num_swap_blocks,
                                           config.enable_prefix_caching)
-        self.cost = self._cost_model(model)
+        self.cost = self._cost_model()
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len,
                                    self.kv_bytes_per_token, self.cost)
-        self.metrics = Metrics(num_blocks)
+        self.metrics = Metrics(shard.num_blocks)
         self.metrics_writer = (MetricsWriter(config.metrics_file, config.metrics_prom)
                                if config.metrics_file or config.metrics_prom else None)
         self.rng = np.random.default_rng(config.seed % 2**64)  # any int seed, as the sampler's
@@ -87,37 +53,9 @@ class LLMEngine:
         self.arrival_times: list[float] = []  # of every request added, for the arrived count
 
     # ---- start-up -----------------------------------------------------------------------
-    def _kv_bytes_per_token(self, shard) -> int:
-        return kv_bytes_per_token(self.model_config, shard.num_kv_heads, np.dtype(self.device.dtype).itemsize)
-
-    def _kv_memory(self) -> int:
-        if self.config.kv_cache_memory:
-            return self.config.kv_cache_memory
-        if self.device.kind == "gpu":
-            # Measured after every rank has loaded its weights (the together block above).
-            free = self.device.free_memory()
-            sharing = len(range(self.group.rank % gpu_count(), self.group.world, gpu_count()))
-            return int(free * GPU_MEMORY_UTILIZATION) // sharing
-        return DEFAULT_CPU_KV_MEMORY
-
-    def _check_memory(self, kv_bytes: int, swap_bytes: int) -> None:
-        """Refuse a KV pool or swap space the machine cannot hold, before allocating it (else
-        a NumPy or CuPy error, or the kernel killing the process once the pages are used).
-        The KV pool is written as it fills, so it must fit in what is free now; swap space is
-        only touched under preemption, so it must fit in the machine's memory."""
-        free = self.device.free_memory()
-        if kv_bytes > free:
-            where = "GPU" if self.device.kind == "gpu" else "host"
-            raise NanoError(f"a KV cache of {kv_bytes / 1e9:.2f} GB does not fit: {free / 1e9:.2f} GB of "
-                            f"{where} memory is available (give a smaller --kv-cache-memory or --num-blocks)")
-        _, total = host_memory()
-        if swap_bytes > total:
-            raise NanoError(f"swap space of {swap_bytes / 1e9:.2f} GB does not fit: this machine has "
-                            f"{total / 1e9:.2f} GB of memory (give a smaller --swap-space)")
-
-    def _cost_model(self, model) -> CostModel:
+    def _cost_model(self) -> CostModel:
         flops, bandwidth, link = DEVICE_PRIORS[self.device.kind]
-        params = self.weight_bytes / np.dtype(self.device.dtype).itemsize
+        params = self.weight_bytes / self.device.itemsize
         prior = (self.weight_bytes / bandwidth, 2 * params / flops, 2 * params / flops,
                  self.kv_bytes_per_token / bandwidth)
         return CostModel(prior, swap_bandwidth=link)
@@ -125,7 +63,7 @@ class LLMEngine:
     def describe(self) -> str:
         bm, bs = self.block_manager, self.config.block_size
         per_seq = bm.num_blocks_for(self.max_model_len)
-        return (f"model {self.model_dir.name} on {self.device.kind}: weights {self.weight_bytes / 1e6:.0f} MB; "
+        return (f"model {self.shard.model_dir.name} on {self.device.kind}: weights {self.weight_bytes / 1e6:.0f} MB; "
                 f"KV cache {self.kv_bytes_per_token} bytes/token, {bm.num_blocks} blocks of {bs} tokens "
                 f"({bm.num_blocks * bs} tokens, {bm.num_blocks * bs * self.kv_bytes_per_token / 1e9:.2f} GB); "
                 f"batch ceiling {bm.num_blocks // per_seq} sequences of {self.max_model_len} tokens; "
@@ -138,8 +76,8 @@ class LLMEngine:
             return ""
         lines = [f"\ntensor parallel over {self.group.world} ranks (figures above: rank 0), "
                  f"each {self.block_manager.num_blocks} blocks:"]
-        for p in self.shards:
-            per_token = self._kv_bytes_per_token(p)
+        for p in self.shard.plans:
+            per_token = kv_bytes_per_token(self.model_config, p.num_kv_heads, self.device.itemsize)
             pool = self.block_manager.num_blocks * self.config.block_size * per_token
             lines.append(f"  rank {p.rank}: query heads {p.q_heads.start}..{p.q_heads.stop - 1}, "
                          f"KV heads {p.kv_heads.start}..{p.kv_heads.stop - 1}: "
@@ -178,20 +116,18 @@ class LLMEngine:
         """Run one forward pass over a freshly decided batch; returns sequences that finished."""
         start = self.clock.now()
         plan = self.scheduler.schedule(start)
-        swap_bytes, swap_seconds = self.runner.swap(plan)
+        swap = self.runner.swap(plan.blocks_to_swap_out, plan.blocks_to_swap_in)
+        inputs = self.runner.prepare(plan)  # under TP, sent to the other ranks too
         finished = list(plan.finished)
-        packed, sampling = self.runner.pack(plan) if plan.scheduled else (None, [])
-        if self.group.world > 1:  # the other ranks replay the step on their shards
-            self.group.broadcast(parallel.encode_step(plan.blocks_to_swap_out,
-                                                      plan.blocks_to_swap_in, packed))
-        if plan.scheduled:
-            logits = self.runner.forward(self.runner.load(packed))
-            tokens = self.runner.sample(logits, sampling)
+        if inputs is not None:
+            sampling = plan.sampling()  # asked before postprocessing advances the sequences
+            logits = self.runner.forward(inputs)
+            tokens = self.sampler.sample(logits, sampling)
             finished += self._postprocess(plan, sampling, tokens)
         elif not finished and self.scheduler.has_work():
             self._idle(start)
             return []
-        self._observe(plan, start, swap_bytes, swap_seconds, finished)
+        self._observe(plan, start, swap, finished)
         return finished
 
     def _idle(self, now: float) -> None:
@@ -200,14 +136,6 @@ class LLMEngine:
         if arrival is None:
             raise RuntimeError("scheduler made no progress")  # a bug, never a user error
         self.clock.sleep(arrival - now)
-
-    def run_worker(self) -> None:
-        """Ranks > 0: replay the steps rank 0 broadcasts on this rank's shard until it stops."""
-        while (message := self.group.broadcast(None)) is not None:
-            swap_out, swap_in, packed = parallel.decode_step(message)
-            self.runner.swap(SchedulerOutput(blocks_to_swap_out=swap_out, blocks_to_swap_in=swap_in))
-            if packed is not None:
-                self.runner.forward(self.runner.load(packed))  # rank 0 alone samples
 
     def stop_workers(self) -> None:
         if self.group.world > 1:
@@ -231,20 +159,21 @@ class LLMEngine:
         return finished
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        if token in self.eos_ids and not seq.params.ignore_eos:
+        if token in self.tokenizer.eos_token_ids and not seq.params.ignore_eos:
             return "stop"
         if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 
-    def _observe(self, plan, start, swap_bytes, swap_seconds, finished) -> None:
+    def _observe(self, plan: SchedulerOutput, start: float, swap: tuple[int, float],
+                 finished: list[Sequence]) -> None:
         now = self.clock.now()
         seconds = now - start
-        prefill = sum(n for _, n in plan.scheduled if n > 1)
-        decodes = sum(1 for _, n in plan.scheduled if n == 1)
-        context = sum(s.num_computed_tokens for s, n in plan.scheduled if n == 1)  # KV the decodes read
+        swap_bytes, swap_seconds = swap
+        prefill = sum(n for _, n in plan.scheduled if not is_decode(n))
+        decodes = plan.decodes()
         if plan.scheduled:
-            self.cost.observe_step(prefill, decodes, context, seconds - swap_seconds)
+            self.cost.observe_step(prefill, len(decodes), decode_context(decodes), seconds - swap_seconds)
         self.cost.observe_swap(swap_bytes, swap_seconds)
         self.metrics.on_step(plan, seconds, self.block_manager.num_free_blocks, swap_bytes,
                              *self.group.take_all_reduce_stats())
@@ -297,12 +226,6 @@ class LLMEngine:
             self.scheduler.abort(seq)
             self.arrival_times.remove(seq.arrival_time)
 
-    def decode(self, seq: Sequence) -> str:
+    def detokenize(self, seq: Sequence) -> str:
+        """The text of seq's generated tokens."""
         return self.tokenizer.decode(seq.output_token_ids)
-
-
-def _nbytes(model) -> int:
-    arrays = [model.embed, model.final_norm] + ([] if model.lm_head is model.embed else [model.lm_head])
-    for w in model.layers:
-        arrays += [a for a in vars(w).values() if a is not None]
-    return sum(a.nbytes for a in arrays)

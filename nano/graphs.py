@@ -12,9 +12,9 @@ length 1 over block 0 (a real block, so attention reads valid memory); their out
 ignored. Rows never mix in the forward pass (GEMMs, norms and activations work row by row;
 attention reads only the row's own block table), so padding cannot change real rows.
 
-Static inputs: each bucket owns one int32 device buffer, and its ForwardBatch is views into
-it; a step fills a host array of the same layout and moves it with ONE host-to-device copy
-before the replay. Block tables have a static width, ceil(max_model_len / block_size), so
+Static inputs: each bucket owns one int32 device buffer, a packed step (plan.py) of the
+bucket's sizes, and its ForwardBatch is views into it; a step fills a host array of the same
+layout and moves it with ONE host-to-device copy before the replay. Block tables have a static width, ceil(max_model_len / block_size), so
 the split-KV choice of paged attention (which reads only shapes) is fixed per bucket.
 
 Memory: buffers allocated while capturing belong to the graph, which writes them on every
@@ -31,8 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nano.model import ForwardBatch
-
-FIELDS = 5  # ids, positions, slots, context lengths, logits rows: one int32 per row each
+from nano.plan import StepSizes, pack_step, unpack_step
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -67,20 +66,27 @@ class DecodeGraphs:
     def fits(self, num_seqs: int, max_blocks: int) -> bool:
         return num_seqs <= self.buckets[-1] and max_blocks <= self.max_blocks
 
+    def sizes(self, bucket: int) -> StepSizes:
+        """A bucket's packed step: `bucket` one-token rows that all sample, no swaps."""
+        return StepSizes(tokens=bucket, seqs=bucket, decodes=bucket, max_blocks=self.max_blocks, logits=bucket)
+
     def layout(self, bucket: int, ids, positions, slots, context_lens, block_tables) -> np.ndarray:
         """The bucket's input buffer on the host: the step's n rows, then padding rows."""
         n, w = block_tables.shape
-        host = np.empty(FIELDS * bucket + 1 + bucket * self.max_blocks, np.int32)
-        fields = host[:FIELDS * bucket].reshape(FIELDS, bucket)
-        for field, real, pad in zip(fields, (ids, positions, slots, context_lens), (0, 0, -1, 1)):
-            field[:n], field[n:] = real, pad
-        fields[4] = np.arange(bucket)  # every row's logits (padding rows' are ignored)
-        host[FIELDS * bucket] = 0      # cu_seqlens_q: no prefill chunk
-        tables = host[FIELDS * bucket + 1:].reshape(bucket, self.max_blocks)
-        tables.fill(-1)
+
+        def padded(real, pad):
+            field = np.full(bucket, pad, np.int32)
+            field[:n] = real
+            return field
+
+        tables = np.full((bucket, self.max_blocks), -1, np.int32)
         tables[:n, :w] = block_tables
-        tables[n:, 0] = 0              # padding rows read block 0
-        return host
+        tables[n:, 0] = 0  # padding rows read block 0
+        return pack_step(self.sizes(bucket), blocks_to_swap_out=(), blocks_to_swap_in=(),
+                         input_ids=padded(ids, 0), positions=padded(positions, 0),
+                         slot_mapping=padded(slots, -1), context_lens=padded(context_lens, 1),
+                         block_tables=tables, cu_seqlens_q=[0],  # no prefill chunk
+                         logits_indices=np.arange(bucket))   # every row's (padding rows' ignored)
 
     def prepare(self, ids, positions, slots, context_lens, block_tables) -> GraphStep:
         """Host arrays of a decode step (n rows) -> its bucket's static buffer, one copy."""
@@ -99,11 +105,7 @@ class DecodeGraphs:
         return captured.logits[:step.num_seqs]
 
     def _batch(self, inputs, bucket: int) -> ForwardBatch:
-        ids, positions, slots, context_lens, logits_rows = (
-            inputs[i * bucket:(i + 1) * bucket] for i in range(FIELDS))
-        cu_seqlens = inputs[FIELDS * bucket:FIELDS * bucket + 1]
-        tables = inputs[FIELDS * bucket + 1:].reshape(bucket, self.max_blocks)
-        return ForwardBatch(ids, positions, slots, bucket, context_lens, tables, cu_seqlens, logits_rows)
+        return ForwardBatch.from_step(unpack_step(inputs, self.sizes(bucket)), bucket)
 
     def _capture(self, bucket: int) -> _Captured:
         """Warm up (loads kernels, lets cuBLAS choose its algorithms, fills the graph pool with

@@ -34,5 +34,5 @@ class LLM:
         return [self.output(seq) for seq in seqs]
 
     def output(self, seq: Sequence) -> RequestOutput:
-        return RequestOutput(seq.prompt, self.engine.decode(seq), seq.output_token_ids,
+        return RequestOutput(seq.prompt, self.engine.detokenize(seq), seq.output_token_ids,
                              seq.finish_reason, seq.num_prompt_tokens, seq.error, seq.logits)

@@ -7,7 +7,7 @@ On the GPU a decode step of this function is captured once per batch-size bucket
 replayed as a CUDA graph (nano/graphs.py), so it must stay free of host synchronisation:
 shapes and launch choices may depend only on array shapes, never on array values.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -27,6 +27,11 @@ class ForwardBatch:
     block_tables: object    # (S, max_blocks) int32, -1 padded
     cu_seqlens_q: object    # (S - num_decodes + 1,) int32 offsets of prefill chunks, relative to row num_decodes
     logits_indices: object  # (R,) int32 rows whose next-token logits are needed
+
+    @classmethod
+    def from_step(cls, views: dict, num_decodes: int) -> "ForwardBatch":
+        """From the views of a packed step (plan.unpack_step), whose fields bear these names."""
+        return cls(num_decodes=num_decodes, **{f.name: views[f.name] for f in fields(cls) if f.name in views})
 
 
 @dataclass
@@ -75,6 +80,14 @@ class LlamaModel:
         self.cos_sin = cos_sin          # (max_positions, d) float32
         self.scale = cfg.head_dim ** -0.5
         self.all_reduce = all_reduce or (lambda x: x)  # sums partial outputs across TP ranks
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weights this rank holds (a tied LM head counted once)."""
+        arrays = [self.embed, self.final_norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        for w in self.layers:
+            arrays += [a for a in vars(w).values() if a is not None]
+        return sum(a.nbytes for a in arrays)
 
     def forward(self, batch: ForwardBatch, kv_cache) -> object:
         """kv_cache: (num_layers, 2, num_blocks, nkv, block_size, d). Returns logits (R, V) float32."""

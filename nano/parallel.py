@@ -2,11 +2,11 @@
 
     mpirun -n 2 python run.py --tp 2 ...
 
-Every rank loads its own shard (tp.py) and runs the same forward pass; two
-all-reduces per layer add up the partial outputs. Rank 0 alone owns the
-tokenizer, the scheduler and the sampler: each step it broadcasts the step's
-plan (swap block pairs and the runner's packed int32 inputs) and the other
-ranks replay it on their shards until a stop message.
+Every rank loads its own shard (tp.py, worker.py) and runs the same forward
+pass; two all-reduces per layer add up the partial outputs. Rank 0 alone owns
+the tokenizer, the scheduler and the sampler: each step it broadcasts the
+packed step (plan.py: swap block pairs and model inputs in one int32 array)
+and the other ranks replay it on their shards until a stop message.
 
 MPI is imported only under mpirun: a plain `python run.py` never initialises
 it (and works where mpi4py cannot load).
@@ -36,7 +36,7 @@ class Group:
     def __init__(self, comm=None):
         self.comm = comm
         self.rank = comm.Get_rank() if comm else 0
-        self.world = comm.Get_size() if comm else 1
+        self.world = comm.Get_size() if comm else 1  # the number of ranks
         self.cuda_aware = False          # set by the engine once it knows the device
         self.all_reduce_seconds = 0.0    # since the last take_all_reduce_stats()
         self.all_reduce_bytes = 0
@@ -121,17 +121,17 @@ class Group:
             raise SharedError(f"rank {r}: {e}" if r else e)
 
 
-_world: Group | None = None
+_group: Group | None = None
 
 
 def launched_by_mpirun() -> bool:
     return any(var in os.environ for var in _LAUNCHER_VARS)
 
 
-def world() -> Group:
+def tp_group() -> Group:
     """The ranks this process belongs to: MPI's world under mpirun, else one rank, no MPI."""
-    global _world
-    if _world is None:
+    global _group
+    if _group is None:
         comm = None
         if launched_by_mpirun():
             try:
@@ -139,8 +139,8 @@ def world() -> Group:
             except Exception as e:  # ImportError, or the MPI library failing to load
                 raise NanoError(f"launched by mpirun but mpi4py cannot load: {e}") from None
             comm = MPI.COMM_WORLD
-        _world = Group(comm)
-    return _world
+        _group = Group(comm)
+    return _group
 
 
 def cuda_aware_mpi() -> bool:
@@ -153,28 +153,12 @@ def cuda_aware_mpi() -> bool:
         return False
 
 
-# ---- the step message ----------------------------------------------------------------
-def encode_step(swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
-                packed: np.ndarray | None) -> np.ndarray:
-    """[n_out, n_in, out pairs, in pairs, packed inputs (absent when nothing runs)]."""
-    pairs = np.array(swap_out + swap_in, dtype=np.int32).reshape(-1)
-    head = np.array([len(swap_out), len(swap_in)], dtype=np.int32)
-    return np.concatenate([head, pairs] + ([packed] if packed is not None else []))
-
-
-def decode_step(message: np.ndarray):
-    n_out, n_in = message[:2].tolist()
-    pairs = [tuple(p) for p in message[2:2 + 2 * (n_out + n_in)].reshape(-1, 2).tolist()]
-    packed = message[2 + 2 * (n_out + n_in):]
-    return pairs[:n_out], pairs[n_out:], packed if packed.size else None
-
-
 # ---- ending the run ------------------------------------------------------------------
 def exit_on_error(error: Exception, code: int) -> None:
     """Print one line and end this process and, under MPI, every other rank too.
     An error every rank shares is printed once (by rank 0) and the ranks exit together;
     any other one is printed with its rank and MPI_Abort ends the whole job."""
-    group = _world
+    group = _group
     message = str(error) if isinstance(error, NanoError) else f"{type(error).__name__}: {error}"
     if group is None or group.world == 1 or isinstance(error, SharedError):
         if group is None or group.rank == 0:

@@ -1,4 +1,5 @@
-"""Turns a scheduler plan into flat device arrays, runs the model, and owns the KV memory.
+"""The device side of a step: owns the KV memory, swaps blocks, turns a plan into device
+inputs (through the packed step of plan.py), runs the model.
 
 KV memory:
   kv_cache:   (num_layers, 2, num_blocks, nkv, block_size, d) on the device ([:, 0] K, [:, 1] V)
@@ -13,81 +14,23 @@ import time
 import numpy as np
 
 from nano import ops
-from nano.capacity import host_memory
+from nano.device import Device
 from nano.graphs import DecodeGraphs, GraphStep
 from nano.model import ForwardBatch
-from nano.plan import SchedulerOutput
-from nano.sequence import Sequence
-
-PACKED_HEADER = 5  # pack()'s leading sizes: tokens, sequences, max blocks, decodes, logits rows
-
-
-def select_device(name: str) -> str:
-    """'auto' takes the GPU when CuPy sees one."""
-    if name == "cpu":
-        return "cpu"
-    try:
-        import cupy
-        found = cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no CuPy, no driver, no device: all mean the same here
-        found = False
-    if name == "gpu" and not found:
-        from nano.errors import NanoError
-        raise NanoError("--device gpu: no CUDA device visible to CuPy")
-    return "gpu" if found else "cpu"
-
-
-def gpu_count() -> int:
-    import cupy
-    return cupy.cuda.runtime.getDeviceCount()
-
-
-class Device:
-    """Where arrays live: NumPy float32 on the CPU, CuPy float16 on the GPU."""
-
-    def __init__(self, kind: str, index: int = 0):
-        self.kind = kind
-        if kind == "gpu":
-            import cupy
-            cupy.cuda.Device(index).use()
-            self.xp, self.dtype = cupy, np.float16
-        else:
-            self.xp, self.dtype = np, np.float32
-
-    def put(self, host: np.ndarray, keep_float32: bool = False, gemm: bool = False):
-        """gemm: a (N, K) weight that ops.linear multiplies by. On the CPU it is stored
-        column-major, so x @ w.T is one plain GEMM with no transposed operand: measured on
-        the 2-core CPU (default model, weights streamed from memory), a 1-sequence decode
-        step took 25.5 ms instead of 28, and 32 rows no longer needed a copy of (w @ x.T).T."""
-        dtype = np.float32 if keep_float32 else self.dtype
-        if gemm and self.kind == "cpu":
-            return np.asfortranarray(host, dtype=dtype)
-        return self.xp.asarray(np.ascontiguousarray(host, dtype=dtype))
-
-    def free_memory(self) -> int:
-        """Bytes that can still be allocated on this device."""
-        if self.kind == "gpu":
-            return self.xp.cuda.runtime.memGetInfo()[0]
-        return host_memory()[0]
-
-    def to_host(self, arr) -> np.ndarray:
-        return arr.get() if self.kind == "gpu" else arr
-
-    def synchronize(self) -> None:
-        if self.kind == "gpu":
-            self.xp.cuda.get_current_stream().synchronize()
+from nano.plan import SchedulerOutput, StepSizes, is_decode, pack_step, samples, step_sizes, unpack_step
 
 
 class ModelRunner:
     def __init__(self, model, device: Device, num_blocks: int, num_swap_blocks: int,
-                 block_size: int, sampler, cuda_graphs: bool = False, max_num_seqs: int = 1,
-                 max_model_len: int = 1):
-        """cuda_graphs: on a GPU, replay decode steps of up to max_num_seqs sequences from
+                 block_size: int, broadcast=None, cuda_graphs: bool = False,
+                 max_num_seqs: int = 1, max_model_len: int = 1):
+        """broadcast: sends rank 0's packed steps to the other TP ranks (parallel.Group).
+        cuda_graphs: on a GPU, replay decode steps of up to max_num_seqs sequences from
         CUDA graphs (graphs.py); block tables are then max_model_len / block_size wide."""
         self.model = model
         self.device = device
         self.block_size = block_size
-        self.sampler = sampler
+        self.broadcast = broadcast or (lambda packed: packed)
         cfg = model.cfg
         shape = (cfg.num_layers, 2, num_blocks, model.num_kv_heads, block_size, cfg.head_dim)
         self.kv_cache = device.xp.zeros(shape, dtype=device.dtype)
@@ -99,26 +42,25 @@ class ModelRunner:
 
     def touch_kv_cache(self) -> None:
         """Write every page of the KV pool now. On the CPU np.zeros maps pages on first write,
-        which costs ~2 us per KB on this project's VMs (2.15 GB: 4.7 s): a 32-sequence decode
-        step in which every sequence opened a new block paid ~55 ms of page faults. A server
-        pays that once per block over its life; a benchmark pays it before timing. A GPU pool
-        is written by cupy.zeros already."""
+        which a step would otherwise pay as page faults whenever its sequences open new blocks
+        (docs/perf_notes.md): a server pays that once per block over its life, a benchmark
+        pays it before timing. A GPU pool is written by cupy.zeros already."""
         if self.device.kind == "cpu":
             self.kv_cache.fill(0)
 
     # ---- swap --------------------------------------------------------------------------
-    def swap(self, plan: SchedulerOutput) -> tuple[int, float]:
-        """Copy preempted blocks out to host and returning ones back in.
+    def swap(self, blocks_out, blocks_in) -> tuple[int, float]:
+        """Copy blocks out to host ((device, host) pairs) and back in ((host, device) pairs).
         Out first: blocks freed by a swap-out may be refilled in this same step.
         Returns (bytes moved, seconds) for the cost model."""
         moved, start = 0, time.perf_counter()
-        if plan.blocks_to_swap_out:
-            dev, host = (np.array(x, dtype=np.int32) for x in zip(*plan.blocks_to_swap_out))
+        if len(blocks_out):
+            dev, host = _columns(blocks_out)
             staging = ops.gather_blocks(self.kv_cache, self.device.xp.asarray(dev))
             self.host_cache[:, :, host] = self.device.to_host(staging)
             moved += staging.nbytes
-        if plan.blocks_to_swap_in:
-            host, dev = (np.array(x, dtype=np.int32) for x in zip(*plan.blocks_to_swap_in))
+        if len(blocks_in):
+            host, dev = _columns(blocks_in)
             staging = self.device.xp.asarray(self.host_cache[:, :, host])
             ops.scatter_blocks(self.kv_cache, self.device.xp.asarray(dev), staging)
             moved += staging.nbytes
@@ -127,64 +69,63 @@ class ModelRunner:
         return moved, time.perf_counter() - start
 
     # ---- inputs ------------------------------------------------------------------------
-    def pack(self, plan: SchedulerOutput) -> tuple[np.ndarray, list[Sequence]]:
-        """Flatten the plan, decodes first, then prefill chunks, into one int32 host array
-        (what rank 0 broadcasts under TP). Also returns the sequences that sample a token
-        this step (those whose chunk reaches their end)."""
-        scheduled = sorted(plan.scheduled, key=lambda item: item[1] != 1)  # stable: decodes first
-        num_decodes = sum(1 for _, n in scheduled if n == 1)
-        bs = self.block_size
-        ids, positions, context_lens, logits_indices, sampled = [], [], [], [], []
-        max_blocks = max(len(seq.block_table) for seq, _ in scheduled)
-        block_tables = np.full((len(scheduled), max_blocks), -1, dtype=np.int32)
-        cu_seqlens = [0]
-        for i, (seq, n) in enumerate(scheduled):
+    def prepare(self, plan: SchedulerOutput) -> ForwardBatch | GraphStep | None:
+        """Rank 0: the plan packed, sent to the other TP ranks (which replay it, worker.py),
+        and put on the device."""
+        packed = self.pack(plan)
+        self.broadcast(packed)
+        return self.to_device(packed)
+
+    def pack(self, plan: SchedulerOutput) -> np.ndarray:
+        """The plan as one packed step (plan.py): its swaps, then its rows' inputs."""
+        rows, bs = plan.rows(), self.block_size
+        max_blocks = max((len(seq.block_table) for seq, _ in rows), default=0)
+        tables = np.full((len(rows), max_blocks), -1, np.int32)
+        ids, positions, context_lens, cu_seqlens, logits = [], [], [], [0], []
+        for i, (seq, n) in enumerate(rows):
             start = seq.num_computed_tokens
             ids += seq.token_ids[start:start + n]
-            positions.append(np.arange(start, start + n, dtype=np.int32))
+            positions += range(start, start + n)
             context_lens.append(start + n)
-            block_tables[i, :len(seq.block_table)] = seq.block_table
-            if i >= num_decodes:
+            tables[i, :len(seq.block_table)] = seq.block_table
+            if not is_decode(n):
                 cu_seqlens.append(cu_seqlens[-1] + n)
-            if start + n == seq.num_tokens:
-                logits_indices.append(len(ids) - 1)
-                sampled.append(seq)
-        positions = np.concatenate(positions)
-        rows = np.repeat(np.arange(len(scheduled)), [n for _, n in scheduled])
-        slot_mapping = block_tables[rows, positions // bs] * bs + positions % bs
-        header = [len(ids), len(scheduled), max_blocks, num_decodes, len(logits_indices)]
-        parts = [np.asarray(header, np.int32), np.asarray(ids, np.int32), positions,
-                 slot_mapping.astype(np.int32), np.asarray(context_lens, np.int32),
-                 block_tables.ravel(), np.asarray(cu_seqlens, np.int32),
-                 np.asarray(logits_indices, np.int32)]
-        return np.concatenate(parts), sampled
+            if samples(seq, n):
+                logits.append(len(ids) - 1)
+        positions = np.asarray(positions, np.int32)
+        row_of_token = np.repeat(np.arange(len(rows)), [n for _, n in rows])
+        slot_mapping = tables[row_of_token, positions // bs] * bs + positions % bs
+        sizes = StepSizes(len(plan.blocks_to_swap_out), len(plan.blocks_to_swap_in), len(ids), len(rows),
+                          sum(is_decode(n) for _, n in rows), max_blocks, len(logits))
+        return pack_step(sizes, blocks_to_swap_out=plan.blocks_to_swap_out,
+                         blocks_to_swap_in=plan.blocks_to_swap_in, input_ids=ids, positions=positions,
+                         slot_mapping=slot_mapping, context_lens=context_lens, block_tables=tables,
+                         cu_seqlens_q=cu_seqlens, logits_indices=logits)
 
-    def load(self, packed: np.ndarray) -> ForwardBatch | GraphStep:
-        """Unpack pack()'s array: one host-to-device copy for all the step's metadata,
-        then views into it. Its header gives the sizes of the parts that follow.
-        A decode-only step that a CUDA graph can run goes into its bucket's static buffer
-        instead (also one copy)."""
-        tokens, seqs, max_blocks, num_decodes, rows = packed[:PACKED_HEADER].tolist()
-        sizes = [tokens, tokens, tokens, seqs, seqs * max_blocks, seqs - num_decodes + 1, rows]
-        offsets = np.cumsum([0] + sizes).tolist()
+    def to_device(self, packed: np.ndarray) -> ForwardBatch | GraphStep | None:
+        """A packed step's inputs on the device, None if no row runs: one host-to-device copy
+        of the whole array, then views into it. A decode-only step that a CUDA graph can run
+        goes into its bucket's static buffer instead (also one copy)."""
+        n = step_sizes(packed)
+        if n.seqs == 0:
+            return None
         # Graphs run steps where every sequence has one token and samples (a one-token
         # prefill chunk that does not reach the prompt's end has one token but no logits row).
-        if (self.graphs is not None and tokens == num_decodes == rows
-                and self.graphs.fits(seqs, max_blocks)):
-            ids, pos, slots, ctx, tables = (packed[PACKED_HEADER + a:PACKED_HEADER + b]
-                                            for a, b in zip(offsets[:5], offsets[1:6]))
-            return self.graphs.prepare(ids, pos, slots, ctx, tables.reshape(seqs, max_blocks))
-        flat = self.device.xp.asarray(packed[PACKED_HEADER:])
-        ids, pos, slots, ctx, tables, cu, logits = (flat[a:b] for a, b in zip(offsets, offsets[1:]))
-        return ForwardBatch(ids, pos, slots, num_decodes, ctx, tables.reshape(seqs, max_blocks),
-                            cu, logits)
+        if self.graphs is not None and n.tokens == n.decodes == n.logits and self.graphs.fits(n.seqs, n.max_blocks):
+            host = unpack_step(packed, n)
+            return self.graphs.prepare(host["input_ids"], host["positions"], host["slot_mapping"],
+                                       host["context_lens"], host["block_tables"])
+        return ForwardBatch.from_step(unpack_step(self.device.xp.asarray(packed), n), n.decodes)
 
-    # ---- forward + sample --------------------------------------------------------------
-    def forward(self, batch: ForwardBatch | GraphStep):
+    # ---- forward -----------------------------------------------------------------------
+    def forward(self, inputs: ForwardBatch | GraphStep):
         """Logits (R, V) of the rows that sample."""
-        if isinstance(batch, GraphStep):
-            return self.graphs.replay(batch)
-        return self.model.forward(batch, self.kv_cache)
+        if isinstance(inputs, GraphStep):
+            return self.graphs.replay(inputs)
+        return self.model.forward(inputs, self.kv_cache)
 
-    def sample(self, logits, seqs: list[Sequence]) -> list[int]:
-        return self.sampler.sample(logits, seqs)
+
+def _columns(pairs) -> tuple[np.ndarray, np.ndarray]:
+    """Block pairs (a list, or an (n, 2) array) -> the first blocks and the second blocks."""
+    first, second = np.asarray(pairs, np.int32).reshape(-1, 2).T
+    return np.ascontiguousarray(first), np.ascontiguousarray(second)

@@ -82,6 +82,9 @@ def load_model(reader, cfg: ModelConfig, plan: ShardPlan, to_device, max_positio
             raise NanoError(f"tensor {name} has shape {reader.shape(name)}, config.json implies {shape}")
         return reader.get(name, rows=rows, cols=cols)
 
+    def weight(array):  # a (N, K) matrix that ops.linear multiplies by
+        return to_device(array, cpu_column_major=True)
+
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
@@ -97,29 +100,29 @@ def load_model(reader, cfg: ModelConfig, plan: ShardPlan, to_device, max_positio
                                   get(p + "mlp.up_proj.weight", (inter, h), rows=plan.inter)])
         layers.append(LayerWeights(
             input_norm=to_device(get(p + "input_layernorm.weight", (h,))),
-            qkv=to_device(qkv, gemm=True),
+            qkv=weight(qkv),
             qkv_bias=bias,
-            o_proj=to_device(get(p + "self_attn.o_proj.weight", (h, q_dim), cols=q_rows), gemm=True),
+            o_proj=weight(get(p + "self_attn.o_proj.weight", (h, q_dim), cols=q_rows)),
             post_norm=to_device(get(p + "post_attention_layernorm.weight", (h,))),
-            gate_up=to_device(gate_up, gemm=True),
-            down=to_device(get(p + "mlp.down_proj.weight", (h, inter), cols=plan.inter), gemm=True),
+            gate_up=weight(gate_up),
+            down=weight(get(p + "mlp.down_proj.weight", (h, inter), cols=plan.inter)),
         ))
-    # Embedding and LM head are replicated, not split by vocabulary. Vocab-parallel would
-    # save each rank (tp-1)/tp of the (V, H) table -- for the default model at tp=2, 28 MB
-    # in float16 (57 MB in float32) -- and halve the LM-head matmul, but it needs a gather
-    # of the (S, V) logits to rank 0 (the sampler wants whole rows for top-k / top-p) and a
-    # masked lookup plus one more all-reduce per step for the embedding. Measured on the
-    # 2-core CPU (tp=2, V=49152, H=576, float32, one BLAS thread per rank): the full LM head
-    # takes 8.4 ms for S=1 row and 58 ms for S=64; half of it 4.2 / 29 ms, plus a gather of
-    # 0.2 / 12.6 MB of logits in 0.02 / 1.0 ms. So vocab-parallel would save about 4 ms of a
-    # ~90 ms one-sequence decode step (~5%), more for big batches: real, but replicating
-    # keeps the model and the sampler unaware of TP.
-    tied = cfg.tie_word_embeddings or "lm_head.weight" not in names
-    embed = to_device(get("model.embed_tokens.weight", (vocab, h)), gemm=tied)  # tied: also the LM head
-    lm_head = embed if tied else to_device(get("lm_head.weight", (vocab, h)), gemm=True)
+    # Embedding and LM head are replicated, not split by vocabulary: vocab-parallel would save
+    # each rank (tp-1)/tp of the (V, H) table and half the LM-head GEMM (~5% of a one-sequence
+    # CPU decode step at tp=2, docs/perf_notes.md), but needs a gather of the logits to rank 0
+    # and one more all-reduce per step; replicating keeps the model and the sampler unaware of TP.
+    tied = tied_lm_head(cfg, names)
+    embed = to_device(get("model.embed_tokens.weight", (vocab, h)), cpu_column_major=tied)  # tied: the LM head too
+    lm_head = embed if tied else weight(get("lm_head.weight", (vocab, h)))
     return LlamaModel(cfg, plan.num_heads, plan.num_kv_heads, embed, lm_head,
                       to_device(get("model.norm.weight", (h,))), layers,
                       to_device(rope_cos_sin(cfg, max_positions), keep_float32=True), all_reduce)
+
+
+def tied_lm_head(cfg: ModelConfig, names) -> bool:
+    """Whether the LM head is the embedding: config.json says so, or the checkpoint has no
+    lm_head.weight of its own."""
+    return cfg.tie_word_embeddings or "lm_head.weight" not in names
 
 
 def shard_num_params(cfg: ModelConfig, plan: ShardPlan, bias: bool, tied: bool) -> int:

@@ -77,8 +77,9 @@ def open_model(model: str | None, tokenizer: bool = True) -> ModelFolder:
 
 
 def _open(folder: Path, tokenizer: bool) -> ModelFolder:
-    return ModelFolder(folder, ModelConfig.from_hf(load_config(folder)), CheckpointReader(folder),
-                       Tokenizer(folder) if tokenizer else None)
+    config = ModelConfig.from_hf(load_config(folder))
+    return ModelFolder(folder, config, CheckpointReader(folder),
+                       Tokenizer(folder, config.eos_token_ids) if tokenizer else None)
 
 
 def load_config(model_dir: Path) -> dict:
@@ -386,7 +387,9 @@ def _token_str(tok) -> str | None:
 
 
 class Tokenizer:
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, eos_token_ids=()):
+        """eos_token_ids: the model's (config.json's, checked by ModelConfig); the tokenizer's
+        own eos_token is one too. Generation stops at any of them."""
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         try:
@@ -409,10 +412,7 @@ class Tokenizer:
         if cfg.get("add_bos_token") and self.bos_token is not None:
             self._bos_id = self._tok.token_to_id(self.bos_token)
 
-        eos = load_config(model_dir).get("eos_token_id") if (model_dir / "config.json").is_file() else None
-        if eos is None:
-            eos = []
-        self.eos_token_ids: set[int] = set(eos if isinstance(eos, list) else [eos])
+        self.eos_token_ids: set[int] = set(eos_token_ids)
         if self.eos_token is not None and self._tok.token_to_id(self.eos_token) is not None:
             self.eos_token_ids.add(self._tok.token_to_id(self.eos_token))
 

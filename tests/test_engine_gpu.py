@@ -86,7 +86,6 @@ def test_gpu_sampling_is_seeded(shaped_model):
 def test_swap_round_trip_is_exact(shaped_model):
     """Swap-out then swap-in through the runner returns the KV bytes exactly."""
     import cupy
-    from nano.plan import SchedulerOutput
 
     model_dir, _ = shaped_model
     engine = LLMEngine(EngineConfig(model=str(model_dir), device="gpu", num_blocks=64,
@@ -95,7 +94,7 @@ def test_swap_round_trip_is_exact(shaped_model):
     runner.kv_cache[...] = cupy.random.standard_normal(runner.kv_cache.shape).astype(cupy.float16)
     src, dst, host = [3, 17, 40, 5], [60, 1, 22, 9], [0, 7, 2, 11]
     before = runner.kv_cache[:, :, src].copy()
-    runner.swap(SchedulerOutput(blocks_to_swap_out=list(zip(src, host))))
-    runner.swap(SchedulerOutput(blocks_to_swap_in=list(zip(host, dst))))
+    runner.swap(list(zip(src, host)), [])
+    runner.swap([], list(zip(host, dst)))
     after = runner.kv_cache[:, :, dst]
     assert cupy.array_equal(before.view(cupy.uint16), after.view(cupy.uint16))

@@ -1,8 +1,12 @@
-"""Host-side logic of the decode CUDA graphs (nano/graphs.py), no GPU needed: buckets and
-the padded static-buffer layout that one host-to-device copy moves per step."""
+"""Host-side logic of the packed step (nano/plan.py) and of the decode CUDA graphs
+(nano/graphs.py), no GPU needed: the runner's packing of a plan, buckets, and the padded
+static-buffer layout that one host-to-device copy moves per step."""
 import numpy as np
 
-from nano.graphs import FIELDS, DecodeGraphs, batch_buckets
+from nano.graphs import DecodeGraphs, batch_buckets
+from nano.plan import SchedulerOutput, StepSizes, step_sizes, unpack_step
+from nano.runner import ModelRunner
+from nano.sequence import SamplingParams, Sequence
 
 
 def test_buckets():
@@ -18,14 +22,60 @@ def test_layout_pads_rows_safely():
     tables = np.array([[4, 9], [7, -1], [2, 3]], np.int32)
     host = graphs.layout(4, np.int32([11, 12, 13]), np.int32([20, 3, 17]), np.int32([73, 115, 49]),
                          np.int32([21, 4, 18]), tables)
-    ids, positions, slots, context, rows = host[:FIELDS * 4].reshape(FIELDS, 4)
+    fields = unpack_step(host, step_sizes(host))
+    ids, positions, slots, context, rows = (fields[k] for k in (
+        "input_ids", "positions", "slot_mapping", "context_lens", "logits_indices"))
     np.testing.assert_array_equal(ids, [11, 12, 13, 0])
     np.testing.assert_array_equal(positions, [20, 3, 17, 0])
     np.testing.assert_array_equal(slots, [73, 115, 49, -1])   # padding writes no KV
     np.testing.assert_array_equal(context, [21, 4, 18, 1])    # padding attends to one token...
     np.testing.assert_array_equal(rows, [0, 1, 2, 3])
-    assert host[FIELDS * 4] == 0
-    padded = host[FIELDS * 4 + 1:].reshape(4, 5)
+    assert fields["cu_seqlens_q"].tolist() == [0]
+    padded = fields["block_tables"]
     np.testing.assert_array_equal(padded[:3, :2], tables)
     assert (padded[:3, 2:] == -1).all()
     np.testing.assert_array_equal(padded[3], [0, -1, -1, -1, -1])  # ...in block 0, a real block
+
+
+def sequence(seq_id, tokens, computed, blocks):
+    seq = Sequence(seq_id, "", tokens, SamplingParams(), 0.0, 0)
+    seq.num_computed_tokens, seq.block_table = computed, blocks
+    return seq
+
+
+def test_runner_packs_a_mixed_step_in_the_plan_layout():
+    """Rows decodes first; a prefill chunk short of its prompt's end samples nothing; the
+    swaps travel in the same array (what rank 0 broadcasts under TP)."""
+    runner = ModelRunner.__new__(ModelRunner)  # pack needs only the block size
+    runner.block_size = 4
+    chunk = sequence(0, list(range(100, 110)), 0, [5, 6])       # 6 of 10 prompt tokens this step
+    decode = sequence(1, [7, 8, 9, 10, 11], 4, [2, 3])          # its 5th token
+    prefill = sequence(2, [20, 21, 22], 0, [9])                 # the whole prompt: samples
+    plan = SchedulerOutput(scheduled=[(chunk, 6), (decode, 1), (prefill, 3)],
+                           blocks_to_swap_out=[(4, 0)], blocks_to_swap_in=[(1, 8), (2, 9)])
+    assert plan.sampling() == [decode, prefill]
+    packed = runner.pack(plan)
+    sizes = step_sizes(packed)
+    assert sizes == StepSizes(swap_out=1, swap_in=2, tokens=10, seqs=3, decodes=1, max_blocks=2, logits=2)
+    f = unpack_step(packed, sizes)
+    assert f["blocks_to_swap_out"].tolist() == [[4, 0]] and f["blocks_to_swap_in"].tolist() == [[1, 8], [2, 9]]
+    assert f["input_ids"].tolist() == [11] + list(range(100, 106)) + [20, 21, 22]
+    assert f["positions"].tolist() == [4, 0, 1, 2, 3, 4, 5, 0, 1, 2]
+    assert f["slot_mapping"].tolist() == [12, 20, 21, 22, 23, 24, 25, 36, 37, 38]
+    assert f["context_lens"].tolist() == [5, 6, 3]
+    assert f["block_tables"].tolist() == [[2, 3], [5, 6], [9, -1]]
+    assert f["cu_seqlens_q"].tolist() == [0, 6, 9]
+    assert f["logits_indices"].tolist() == [0, 9]
+
+
+def test_a_decode_step_packs_as_its_graph_bucket_lays_it_out():
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.block_size = 4
+    seqs = [sequence(i, list(range(3 + i)), 2 + i, [i, 10 + i]) for i in range(2)]
+    packed = runner.pack(SchedulerOutput(scheduled=[(s, 1) for s in seqs]))
+    f = unpack_step(packed, step_sizes(packed))
+    graphs = DecodeGraphs.__new__(DecodeGraphs)
+    graphs.max_blocks = 2
+    host = graphs.layout(2, f["input_ids"], f["positions"], f["slot_mapping"], f["context_lens"],
+                         f["block_tables"])
+    np.testing.assert_array_equal(host, packed)

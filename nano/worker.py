@@ -1,0 +1,100 @@
+"""What every tensor-parallel rank loads (load_shard: LLMEngine on rank 0 and Worker on the
+others both call it), and what ranks > 0 do with it (Worker: replay rank 0's steps).
+
+Loading runs on every rank in step: its failures are shared (Group.together), and the
+ranks agree on one number of blocks, since rank 0 schedules for all of them.
+"""
+from dataclasses import dataclass
+from pathlib import Path
+
+from nano import parallel
+from nano.capacity import kv_bytes_per_token, kv_pool_blocks, kv_pool_memory
+from nano.config import EngineConfig, ModelConfig, max_model_len
+from nano.device import Device, gpu_of, host_memory, select_device
+from nano.errors import NanoError
+from nano.plan import step_sizes, unpack_step
+from nano.runner import ModelRunner
+from nano.tp import ShardPlan, load_model, plan_shard
+from nano.weights import Tokenizer, open_model
+
+
+@dataclass
+class Shard:
+    """One rank's part of the engine, loaded: its slice of the model on its device, and its
+    KV pool (in the runner), which holds only its KV heads."""
+    model_dir: Path
+    model_config: ModelConfig
+    tokenizer: Tokenizer | None      # rank 0's alone
+    max_model_len: int
+    plans: list[ShardPlan]           # every rank's heads and columns
+    device: Device
+    runner: ModelRunner
+    num_blocks: int                  # the same on every rank
+    num_swap_blocks: int
+    kv_bytes_per_token: int          # this rank's
+    weight_bytes: int                # this rank's
+
+
+def load_shard(config: EngineConfig, group: parallel.Group) -> Shard:
+    """This rank's weights on its device and its KV pool, sized from what is left."""
+    with group.together():  # a rank failing here fails them all, before any collective
+        config.validate()
+        group.require(config.tp)
+        folder = open_model(config.model, tokenizer=group.rank == 0)
+        cfg, context = folder.config, max_model_len(config, folder.config)
+        plans = [plan_shard(cfg, r, group.world) for r in range(group.world)]
+        kind = select_device(config.device)
+        device = Device(kind, gpu_of(group.rank) if kind == "gpu" else 0)
+        group.cuda_aware = kind == "gpu" and group.world > 1 and parallel.cuda_aware_mpi()
+        model = load_model(folder.reader, cfg, plans[group.rank], device.put, context, group.all_reduce)
+
+    per_token = kv_bytes_per_token(cfg, plans[group.rank].num_kv_heads, device.itemsize)
+    block_bytes = per_token * config.block_size
+    # Free memory measured once every rank has loaded its weights (the together block above).
+    memory = kv_pool_memory(config, device.kind, device.free_memory(), group.rank, group.world)
+    num_blocks = group.min(kv_pool_blocks(config, memory, per_token))
+    if num_blocks < 1:  # agreed, so every rank raises it
+        raise parallel.SharedError(f"KV cache memory holds no block of {block_bytes} bytes")
+    num_swap_blocks = group.min(config.swap_space // block_bytes)
+    with group.together():
+        _check_memory(device, num_blocks * block_bytes, num_swap_blocks * block_bytes)
+    runner = ModelRunner(model, device, num_blocks, num_swap_blocks, config.block_size, group.broadcast,
+                         # MPI all-reduces run on the host: a TP step cannot be captured
+                         cuda_graphs=not config.enforce_eager and group.world == 1,
+                         max_num_seqs=config.max_num_seqs, max_model_len=context)
+    return Shard(folder.path, cfg, folder.tokenizer, context, plans, device, runner, num_blocks,
+                 num_swap_blocks, per_token, model.nbytes)
+
+
+def _check_memory(device: Device, kv_bytes: int, swap_bytes: int) -> None:
+    """Refuse a KV pool or swap space the machine cannot hold, before allocating it (else
+    a NumPy or CuPy error, or the kernel killing the process once the pages are used).
+    The KV pool is written as it fills, so it must fit in what is free now; swap space is
+    only touched under preemption, so it must fit in the machine's memory."""
+    free = device.free_memory()
+    if kv_bytes > free:
+        where = "GPU" if device.kind == "gpu" else "host"
+        raise NanoError(f"a KV cache of {kv_bytes / 1e9:.2f} GB does not fit: {free / 1e9:.2f} GB of "
+                        f"{where} memory is available (give a smaller --kv-cache-memory or --num-blocks)")
+    _, total = host_memory()
+    if swap_bytes > total:
+        raise NanoError(f"swap space of {swap_bytes / 1e9:.2f} GB does not fit: this machine has "
+                        f"{total / 1e9:.2f} GB of memory (give a smaller --swap-space)")
+
+
+class Worker:
+    """A TP rank > 0: its shard and KV pool, running the steps rank 0 (engine.LLMEngine)
+    schedules, samples and broadcasts."""
+
+    def __init__(self, config: EngineConfig):
+        self.group = parallel.tp_group()
+        self.runner = load_shard(config, self.group).runner
+
+    def run(self) -> None:
+        """Replay each step rank 0 broadcasts on this rank's shard, until it says stop."""
+        while (packed := self.group.broadcast(None)) is not None:
+            swaps = unpack_step(packed, step_sizes(packed))
+            self.runner.swap(swaps["blocks_to_swap_out"], swaps["blocks_to_swap_in"])
+            inputs = self.runner.to_device(packed)
+            if inputs is not None:
+                self.runner.forward(inputs)  # its share of the all-reduces; rank 0 alone samples
