@@ -30,6 +30,7 @@ the second):
 import math
 from typing import TYPE_CHECKING, Protocol
 
+from nano.plan import decode_context, is_decode
 from nano.sequence import Sequence
 
 if TYPE_CHECKING:  # only for annotations: the scheduler imports this module
@@ -132,8 +133,8 @@ class Deadline:
     def _decode_step_time(self) -> float:
         """A decode step of the batch running now (at least this sequence)."""
         running = self.sched.running
-        context = sum(s.num_computed_tokens for s in running if s.num_uncomputed_tokens == 1)
-        return self.sched.cost.step_time(0, max(len(running), 1), context)
+        decoding = [s for s in running if is_decode(s.num_uncomputed_tokens)]
+        return self.sched.cost.step_time(0, max(len(running), 1), decode_context(decoding))
 
 
 def make_policy(scheduler: "Scheduler") -> Policy:

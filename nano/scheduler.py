@@ -21,7 +21,7 @@ from collections import deque
 from nano.block_manager import BlockManager
 from nano.config import EngineConfig
 from nano.cost_model import CostModel
-from nano.plan import Preemption, SchedulerOutput
+from nano.plan import Preemption, SchedulerOutput, is_decode
 from nano.policy import make_policy
 from nano.sequence import Sequence, Status
 
@@ -68,8 +68,8 @@ class Scheduler:
         return budget > 0 and len(out.scheduled) < self.config.max_num_seqs
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
-        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        decodes = [s for s in self.running if is_decode(s.num_uncomputed_tokens)]
+        prefills = [s for s in self.running if not is_decode(s.num_uncomputed_tokens)]
         budget = self._schedule_each(decodes, out, budget)
         budget = self.policy.prefill_budget(budget, [s for s, _ in out.scheduled])
         return self._schedule_each(self.policy.prefill_order(prefills), out, budget)
