@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nano.errors import writing
-from nano.plan import SchedulerOutput
+from nano.plan import SchedulerOutput, decode_context
 from nano.sequence import Sequence
 
 # Latency histogram bucket bounds in seconds (Prometheus style: cumulative, then +Inf).
@@ -66,10 +66,11 @@ class Metrics:
         self.steps += 1
         self.step_time += seconds
         self.last_step_time = seconds
-        if plan.scheduled and all(n == 1 for _, n in plan.scheduled):
+        decodes = plan.decodes()
+        if decodes and len(decodes) == len(plan.scheduled):  # a decode-only step
             self.decode_steps += 1
             self.decode_time += seconds
-            self.decode_kv_tokens += sum(s.num_computed_tokens for s, _ in plan.scheduled)
+            self.decode_kv_tokens += decode_context(decodes)
         self.swap_bytes += swap_bytes
         self.all_reduce_time += all_reduce_seconds
         self.all_reduce_bytes += all_reduce_bytes
