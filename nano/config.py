@@ -126,7 +126,7 @@ class EngineConfig:
     seed: int = 0                            # for requests without their own seed
     tp: int = 1                              # tensor-parallel ranks (under mpirun)
     enforce_eager: bool = False              # GPU: no CUDA graphs for decode steps (like vLLM's)
-    policy: str = "fcfs"                     # fcfs | deadline (see scheduler.py)
+    policy: str = "fcfs"                     # fcfs | deadline (see policy.py)
     drop_late: bool = False                  # deadline policy: reject requests that can no longer meet their TTFT
     metrics_file: str | None = None          # JSONL metrics snapshots
     metrics_prom: str | None = None          # Prometheus text file, rewritten at each snapshot

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from nano import ops
-from nano.runner import Device
+from nano.device import Device
 from nano.sampler import Sampler
 from nano.sequence import SamplingParams, Sequence
 
