@@ -187,8 +187,8 @@ class Progress:
 
 
 def main(argv=None) -> int:
-    group = parallel.tp_group()  # under mpirun: every rank runs main; rank 0 alone talks to the user
-    with group.together():    # so a bad argument stops every rank, and is printed once
+    group = parallel.tp_group()  # under mpirun every rank runs main; rank 0 alone talks to the user,
+    with group.together():       # so a bad argument stops every rank, and is printed once
         args, config, params, requests = parse(argv, group.rank)
         if not args.plan:  # a plan for --tp N is computed in one process
             group.require(config.tp)
