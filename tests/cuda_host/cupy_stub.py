@@ -149,6 +149,13 @@ def ascontiguousarray(a):
     return a if a.flags.c_contiguous else a.copy()
 
 
+def concatenate(arrays, axis=0):
+    joined = np.concatenate([np.asarray(a) for a in arrays], axis)
+    out = empty(joined.shape, joined.dtype)
+    out[...] = joined
+    return out
+
+
 def asnumpy(a) -> np.ndarray:
     return np.array(a)
 
@@ -168,8 +175,26 @@ class _Device:
     id = 0
     attributes = {"MultiProcessorCount": 132}
 
+    def __init__(self, index: int = 0):
+        self.id = index
 
-cuda = SimpleNamespace(get_cuda_path=lambda: None, Device=_Device)
+    def use(self):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+def _memory_info() -> tuple[int, int]:
+    """(free, total) of the emulated device: the host's (launches run synchronously on it)."""
+    import os
+    page = os.sysconf("SC_PAGE_SIZE")
+    return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+
+_stream = SimpleNamespace(synchronize=lambda: None)
+cuda = SimpleNamespace(get_cuda_path=lambda: None, Device=_Device, get_current_stream=lambda: _stream,
+                       runtime=SimpleNamespace(getDeviceCount=lambda: 1, memGetInfo=_memory_info))
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ subprocess).
 import ctypes
 import functools
 import hashlib
-import importlib.util
+import importlib.machinery
 import os
 import re
 import shutil
@@ -64,7 +64,7 @@ def unavailable() -> str | None:
 
 def _cccl_include() -> str:
     """<nv/target>, which cuda_fp16.h includes, comes with CuPy's copy of libcudacxx."""
-    spec = importlib.util.find_spec("cupy")
+    spec = importlib.machinery.PathFinder.find_spec("cupy")  # the package, even where a stub stands in
     for root in spec.submodule_search_locations:
         path = Path(root) / "_core" / "include" / "cupy" / "_cccl" / "libcudacxx"
         if (path / "nv" / "target").exists():
