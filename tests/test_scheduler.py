@@ -87,7 +87,7 @@ def test_alone_and_out_of_blocks_finishes_with_length():
 @pytest.mark.parametrize("policy,chunk", [("fcfs", 1000), ("deadline", 292)])
 def test_deadline_caps_prefill_by_the_tightest_tpot_slack(policy, chunk):
     sched = make_scheduler(num_blocks=1000, policy=policy, watermark=0.0)
-    decoding = request(sched, BLOCK, max_tokens=10, tpot_slo=0.1)
+    request(sched, BLOCK, max_tokens=10, tpot_slo=0.1)  # "decoding" below
     step(sched, now=0.0)                     # first token at t=0
     request(sched, 1000, arrival=0.5)        # a long prompt arrives while it decodes
     out = step(sched, now=0.5)

@@ -1,8 +1,8 @@
 """Build cuda/*.cu for the host and launch kernels there (see shim.h for what is emulated).
 
 `Module(code, options, name_expressions)` compiles one unchanged CUDA source with g++, with
-shim.h force-included, into a shared library linked to the runtime (runtime.cpp); a
-generated table lists its kernels: the `extern "C"` ones found in the source and the
+shim.h force-included, into a shared library whose calls into the runtime (runtime.cpp,
+loaded once per process) bind at load time; a generated table lists its kernels: the `extern "C"` ones found in the source and the
 template instantiations nano/kernels.py asks for (its `name_expressions`), each with its C
 parameter types and its __launch_bounds__. `Module.get_function(name)` returns a `Function`
 that launches like a CuPy RawKernel: `f(grid, block, args, shared_mem=0)`.
@@ -19,7 +19,6 @@ set NANO_CUDA_HOST_SANITIZE=1 and preload libasan; tests/test_cuda_host.py does 
 subprocess).
 """
 import ctypes
-import functools
 import hashlib
 import importlib.machinery
 import os
