@@ -20,8 +20,9 @@ import numpy as np
 
 def on_gpu(x) -> bool:
     """Device arrays are the ones with the CUDA array interface (CuPy's, or the CPU emulator's
-    in tests/cuda_host); everything else is NumPy."""
-    return hasattr(x, "__cuda_array_interface__")
+    in tests/cuda_host); everything else is NumPy. Asked of the type: on an array the
+    attribute is a property that builds a dict, on every op of an eager step."""
+    return hasattr(type(x), "__cuda_array_interface__")
 
 
 def _kernels():

@@ -187,9 +187,8 @@ class _Device:
 
 def _memory_info() -> tuple[int, int]:
     """(free, total) of the emulated device: the host's (launches run synchronously on it)."""
-    import os
-    page = os.sysconf("SC_PAGE_SIZE")
-    return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+    from nano.device import host_memory
+    return host_memory()
 
 
 _stream = SimpleNamespace(synchronize=lambda: None)
