@@ -17,6 +17,7 @@ import time
 from nano import bench, checks, parallel
 from nano.config import EngineConfig, parse_bytes
 from nano.errors import NanoError, writing
+from nano.kv_cache import DEFAULT_KEY_SCHEME
 from nano.metrics import format_summary
 from nano.sequence import FIELD_RULES, SamplingParams
 
@@ -63,6 +64,11 @@ def build_parser() -> Parser:
     e.add_argument("--watermark", type=float, default=ENGINE.watermark)
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--preemption", default=ENGINE.preemption, help="swap | recompute | auto")
+    e.add_argument("--kv-cache-dtype", default=ENGINE.kv_cache_dtype,
+                   help="auto (float16 GPU, float32 CPU) | int8 (per-token scales; 2x / 4x the blocks)")
+    e.add_argument("--kv-int8-keys", default=ENGINE.kv_int8_keys,
+                   help="int8 keys: token (one scale per token and head) | channel (channels pre-scaled, "
+                        "calibrated at load); default " + DEFAULT_KEY_SCHEME)
     e.add_argument("--tp", type=int, default=ENGINE.tp, help="tensor-parallel ranks: run under mpirun -n TP")
     e.add_argument("--enforce-eager", action="store_true", help="GPU: run decode steps eagerly, no CUDA graphs")
     e.add_argument("--policy", default=ENGINE.policy, help="fcfs | deadline (by slack to the latency targets)")
@@ -89,6 +95,7 @@ def engine_config(args) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, watermark=args.watermark,
         enable_prefix_caching=not args.no_prefix_caching, preemption=args.preemption,
+        kv_cache_dtype=args.kv_cache_dtype, kv_int8_keys=args.kv_int8_keys,
         seed=ENGINE.seed if args.seed is None else args.seed, tp=args.tp, enforce_eager=args.enforce_eager, policy=args.policy,
         drop_late=args.drop_late,
         metrics_file=args.metrics_file, metrics_prom=args.metrics_prom,

@@ -3,7 +3,8 @@
 The engine sizes its KV pool with these same functions, so `run.py --plan`
 prints exactly what the engine will allocate.
 
-  KV bytes per token = 2 (K and V) x layers x KV heads x head_dim x bytes per element
+  KV bytes per token = 2 (K and V) x layers x KV heads x (head_dim x bytes per element,
+                       or head_dim + 2 for int8 values and their float16 scale; kv_cache.py)
   batch ceiling at context C = blocks in the pool // blocks one C-token sequence needs
   decode-step floor = (weight bytes + KV bytes read) / memory bandwidth
 A decode step must read every weight once and every cached token of every sequence
@@ -14,7 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from nano.config import EngineConfig, ModelConfig, max_model_len
+from nano import kv_cache
+from nano.config import EngineConfig, max_model_len
 from nano.device import Device, ranks_on_gpu, select_device
 from nano.tp import plan_shard, shard_num_params, tied_lm_head
 from nano.weights import open_model
@@ -24,10 +26,6 @@ DEFAULT_CPU_KV_MEMORY = 2 * 2**30
 # Of the GPU memory still free once the weights are loaded (vLLM's gpu_memory_utilization
 # is a fraction of the total instead).
 GPU_FREE_MEMORY_FRACTION = 0.9
-
-
-def kv_bytes_per_token(cfg: ModelConfig, num_kv_heads: int, itemsize: int) -> int:
-    return 2 * cfg.num_layers * num_kv_heads * cfg.head_dim * itemsize
 
 
 def blocks_for_memory(memory: int, bytes_per_token: int, block_size: int) -> int:
@@ -76,6 +74,7 @@ class CapacityPlan:
     model: str
     device: str
     kv_memory: int                    # bytes given to the KV pool (per rank)
+    kv_dtype: str                     # what the pool holds (kv_cache.label)
     block_size: int
     weight_bytes: int                 # per rank
     kv_bytes_per_token: int           # per rank
@@ -101,7 +100,7 @@ def format_plan(p: CapacityPlan) -> str:
     gqa = p.kv_bytes_per_token_full / sum(p.kv_bytes_per_token_per_rank)
     lines = [
         f"model {p.model} on {p.device}; weights {p.weight_bytes / 1e6:.1f} MB per rank",
-        f"KV cache per token  {p.kv_bytes_per_token} bytes on rank 0"
+        f"KV cache per token  {p.kv_bytes_per_token} bytes on rank 0 ({p.kv_dtype})"
         + (f" (per rank: {', '.join(map(str, p.kv_bytes_per_token_per_rank))})"
            if len(p.kv_bytes_per_token_per_rank) > 1 else "")
         + f"; without GQA it would be {p.kv_bytes_per_token_full} ({gqa:.1f}x more)",
@@ -138,13 +137,17 @@ def plan_from_config(config: EngineConfig) -> CapacityPlan:
     free = device.free_memory()
     if device.kind == "gpu":
         free -= sum(weight_bytes[r] for r in ranks_on_gpu(0, config.tp))
-    per_token = [kv_bytes_per_token(cfg, s.num_kv_heads, device.itemsize) for s in shards]
+    def per_token_of(num_kv_heads):
+        return kv_cache.bytes_per_token(cfg, num_kv_heads, config.kv_cache_dtype, device.itemsize)
+
+    per_token = [per_token_of(s.num_kv_heads) for s in shards]
     memory = kv_pool_memory(config, device.kind, free, 0, config.tp)
     context = max_model_len(config, cfg)
     return CapacityPlan(
-        model=folder.path.name, device=device.kind, kv_memory=memory, block_size=config.block_size,
+        model=folder.path.name, device=device.kind, kv_memory=memory,
+        kv_dtype=kv_cache.label(config.kv_cache_dtype, config.key_scheme, device.dtype), block_size=config.block_size,
         weight_bytes=weight_bytes[0], kv_bytes_per_token=per_token[0],
-        kv_bytes_per_token_full=kv_bytes_per_token(cfg, cfg.num_heads, device.itemsize),
+        kv_bytes_per_token_full=per_token_of(cfg.num_heads),
         kv_bytes_per_token_per_rank=per_token,
         num_blocks=kv_pool_blocks(config, memory, per_token[0]),
         bandwidth=measure_copy_bandwidth(device.xp),

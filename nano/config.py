@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 from nano import checks
 from nano.errors import NanoError
+from nano.kv_cache import DEFAULT_KEY_SCHEME, KEY_SCHEMES, KV_CACHE_DTYPES
 
 
 @dataclass
@@ -122,6 +123,8 @@ class EngineConfig:
     max_model_len: int | None = None         # default: the model's max_position_embeddings
     watermark: float = 0.01                  # fraction of blocks kept free at admission
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"             # auto (the device's float dtype) | int8 (nano/kv_cache.py)
+    kv_int8_keys: str | None = None          # int8 keys: token | channel (None: kv_cache.DEFAULT_KEY_SCHEME)
     preemption: str = "auto"                 # swap | recompute | auto
     seed: int = 0                            # for requests without their own seed
     tp: int = 1                              # tensor-parallel ranks (under mpirun)
@@ -131,6 +134,13 @@ class EngineConfig:
     metrics_file: str | None = None          # JSONL metrics snapshots
     metrics_prom: str | None = None          # Prometheus text file, rewritten at each snapshot
     metrics_interval: int = 1                # steps between snapshots
+
+    @property
+    def key_scheme(self) -> str | None:
+        """How an int8 pool quantizes keys (kv_cache.py); None for a full-precision pool."""
+        if self.kv_cache_dtype != "int8":
+            return None
+        return self.kv_int8_keys or DEFAULT_KEY_SCHEME
 
     def validate(self) -> None:
         checks.integer("--block-size", self.block_size, low=1)
@@ -146,6 +156,11 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enforce_eager", "drop_late"):
             checks.flag(name, getattr(self, name))
         checks.choice("--preemption", self.preemption, ("swap", "recompute", "auto"))
+        checks.choice("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if self.kv_int8_keys is not None:
+            checks.choice("--kv-int8-keys", self.kv_int8_keys, KEY_SCHEMES)
+        if self.kv_int8_keys is not None and self.kv_cache_dtype != "int8":
+            raise NanoError("--kv-int8-keys needs --kv-cache-dtype int8")
         checks.choice("--device", self.device, ("auto", "cpu", "gpu"))
         checks.choice("--policy", self.policy, ("fcfs", "deadline"))
         if self.drop_late and self.policy != "deadline":

@@ -8,9 +8,8 @@ which replay it on their shards (worker.Worker).
 """
 import numpy as np
 
-from nano import checks, parallel
+from nano import checks, kv_cache, parallel
 from nano.block_manager import BlockManager
-from nano.capacity import kv_bytes_per_token
 from nano.clock import Clock
 from nano.config import EngineConfig
 from nano.cost_model import CostModel
@@ -64,7 +63,9 @@ class LLMEngine:
         bm, bs = self.block_manager, self.config.block_size
         per_seq = bm.num_blocks_for(self.max_model_len)
         return (f"model {self.shard.model_dir.name} on {self.device.kind}: weights {self.weight_bytes / 1e6:.0f} MB; "
-                f"KV cache {self.kv_bytes_per_token} bytes/token, {bm.num_blocks} blocks of {bs} tokens "
+                f"KV cache {self.kv_bytes_per_token} bytes/token "
+                f"({kv_cache.label(self.config.kv_cache_dtype, self.config.key_scheme, self.device.dtype)}), "
+                f"{bm.num_blocks} blocks of {bs} tokens "
                 f"({bm.num_blocks * bs} tokens, {bm.num_blocks * bs * self.kv_bytes_per_token / 1e9:.2f} GB); "
                 f"batch ceiling {bm.num_blocks // per_seq} sequences of {self.max_model_len} tokens; "
                 f"swap space {bm.num_swap_blocks} blocks" + self._describe_ranks())
@@ -77,7 +78,8 @@ class LLMEngine:
         lines = [f"\ntensor parallel over {self.group.world} ranks (figures above: rank 0), "
                  f"each {self.block_manager.num_blocks} blocks:"]
         for p in self.shard.plans:
-            per_token = kv_bytes_per_token(self.model_config, p.num_kv_heads, self.device.itemsize)
+            per_token = kv_cache.bytes_per_token(self.model_config, p.num_kv_heads, self.config.kv_cache_dtype,
+                                                 self.device.itemsize)
             pool = self.block_manager.num_blocks * self.config.block_size * per_token
             lines.append(f"  rank {p.rank}: query heads {p.q_heads.start}..{p.q_heads.stop - 1}, "
                          f"KV heads {p.kv_heads.start}..{p.kv_heads.stop - 1}: "

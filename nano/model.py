@@ -13,6 +13,7 @@ import numpy as np
 
 from nano import ops
 from nano.config import ModelConfig
+from nano.kv_cache import KVCache, LayerKV
 
 
 @dataclass
@@ -89,8 +90,8 @@ class LlamaModel:
             arrays += [a for a in vars(w).values() if a is not None]
         return sum(a.nbytes for a in arrays)
 
-    def forward(self, batch: ForwardBatch, kv_cache) -> object:
-        """kv_cache: (num_layers, 2, num_blocks, nkv, block_size, d). Returns logits (R, V) float32."""
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> object:
+        """kv_cache: the pool (nano/kv_cache.py). Returns logits (R, V) float32."""
         d, eps = self.cfg.head_dim, self.cfg.rms_norm_eps
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         h = ops.embedding(batch.input_ids, self.embed)                       # (T, H)
@@ -101,26 +102,25 @@ class LlamaModel:
             q = qkv[:, :q_size].reshape(-1, self.num_heads, d)              # (T, nq, d)
             k = qkv[:, q_size:q_size + kv_size].reshape(-1, self.num_kv_heads, d)
             v = qkv[:, q_size + kv_size:].reshape(-1, self.num_kv_heads, d)
-            k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]
-            q = ops.rope_store_kvcache(q, k, v, batch.positions, self.cos_sin, k_cache, v_cache,
+            cache = kv_cache.layer(layer)
+            q = ops.rope_store_kvcache(q, k, v, batch.positions, self.cos_sin, cache,
                                        batch.slot_mapping)                    # rotated q; K, V cached
-            o = self._attention(q, k_cache, v_cache, batch)                  # (T, nq, d)
+            o = self._attention(q, cache, batch)                             # (T, nq, d)
             h = self.all_reduce(ops.linear(o.reshape(-1, q_size), w.o_proj))  # (T, H)
             x, residual = ops.add_rms_norm(h, residual, w.post_norm, eps)
             h = self.all_reduce(ops.linear(ops.silu_mul(ops.linear(x, w.gate_up)), w.down))
         x, _ = ops.add_rms_norm(h, residual, self.final_norm, eps)
         return ops.linear(x[batch.logits_indices], self.lm_head)             # (R, V)
 
-    def _attention(self, q, k_cache, v_cache, batch: ForwardBatch):
+    def _attention(self, q, cache: LayerKV, batch: ForwardBatch):
         """Decode rows through paged attention, prefill chunks through prefill attention."""
         nd = batch.num_decodes
         if nd == q.shape[0]:
-            return ops.paged_attention(q, k_cache, v_cache, batch.block_tables,
-                                       batch.context_lens, self.scale)
-        prefill = ops.prefill_attention(q[nd:], k_cache, v_cache, batch.cu_seqlens_q,
-                                        batch.block_tables[nd:], batch.context_lens[nd:], self.scale)
+            return ops.paged_attention(q, cache, batch.block_tables, batch.context_lens, self.scale)
+        prefill = ops.prefill_attention(q[nd:], cache, batch.cu_seqlens_q, batch.block_tables[nd:],
+                                        batch.context_lens[nd:], self.scale)
         if nd == 0:
             return prefill
-        decode = ops.paged_attention(q[:nd], k_cache, v_cache, batch.block_tables[:nd],
-                                     batch.context_lens[:nd], self.scale)
+        decode = ops.paged_attention(q[:nd], cache, batch.block_tables[:nd], batch.context_lens[:nd],
+                                     self.scale)
         return ops.concat([decode, prefill])

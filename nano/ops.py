@@ -9,13 +9,16 @@ float32 accumulation). Nothing above this module knows which device it is on.
 Shapes used below:
   T  tokens in the step          H  hidden size       V  vocab size
   S  sequences in the step       nq query heads       nkv  KV heads      d  head dim
-  kv_cache: (num_layers, 2, num_blocks, nkv, block_size, d) -- [:, 0] keys, [:, 1] values
-  k_cache / v_cache: one layer's (num_blocks, nkv, block_size, d)
+  cache: one layer's LayerKV (nano/kv_cache.py, which also gives the int8 scheme):
+    k, v (num_blocks, nkv, block_size, d) float or int8; with int8, k_scale, v_scale
+    (num_blocks, nkv, block_size) float16, and optionally k_channel_scale (nkv, d) float32
   block_tables: (S, max_blocks) int32, -1 past each sequence's last block
 """
 import functools
 
 import numpy as np
+
+from nano.kv_cache import INT8_MAX, SCALE_DTYPE, LayerKV
 
 
 def on_gpu(x) -> bool:
@@ -80,14 +83,16 @@ def silu_mul(gate_up):
     return out
 
 
-def rope_store_kvcache(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
+def rope_store_kvcache(q, k, v, positions, cos_sin, cache: LayerKV, slot_mapping):
     """Rotate-half RoPE on q and k, then write k and v into their cache slots (one kernel on
-    the GPU). q: (T, nq, d), k, v: (T, nkv, d), possibly views into the fused QKV output, not
-    modified; positions: (T,); cos_sin: (max_positions, d) with cos in [:, :d/2] and sin in
-    [:, d/2:]; slot_mapping: (T,) int32, slot = block * block_size + offset, -1 for a token
-    whose KV is already cached (skipped). Returns the rotated q: (T, nq, d), contiguous."""
+    the GPU), quantized if the cache is int8. q: (T, nq, d), k, v: (T, nkv, d), possibly
+    views into the fused QKV output, not modified; positions: (T,); cos_sin:
+    (max_positions, d) with cos in [:, :d/2] and sin in [:, d/2:]; slot_mapping: (T,)
+    int32, slot = block * block_size + offset, -1 for a token whose KV is already cached
+    (skipped). With a key channel scale s, K is stored as k / s and q is returned as q * s.
+    Returns the rotated q: (T, nq, d), contiguous."""
     if on_gpu(q):
-        return _kernels().rope_store_kvcache(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+        return _kernels().rope_store_kvcache(q, k, v, positions, cos_sin, cache, slot_mapping)
     half = q.shape[-1] // 2
     cos = cos_sin[positions, None, :half]  # (T, 1, d/2)
     sin = cos_sin[positions, None, half:]
@@ -96,114 +101,143 @@ def rope_store_kvcache(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mappi
         x1, x2 = x[..., :half], x[..., half:]
         return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
-    block_size = k_cache.shape[2]
+    block_size = cache.k.shape[2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, :, offsets] = rotate(k[keep], cos[keep], sin[keep])  # kept tokens' angles
-    v_cache[blocks, :, offsets] = v[keep]
-    return rotate(q, cos, sin)
+    keys = rotate(k[keep], cos[keep], sin[keep])  # the kept tokens' own angles
+    q = rotate(q, cos, sin)
+    if cache.k_channel_scale is not None:
+        keys = keys / cache.k_channel_scale
+        q = q * np.repeat(cache.k_channel_scale, q.shape[1] // k.shape[1], axis=0)  # per query head
+    for values, data, scales in ((keys, cache.k, cache.k_scale), (v[keep], cache.v, cache.v_scale)):
+        if scales is None:
+            data[blocks, :, offsets] = values
+        else:
+            data[blocks, :, offsets], scales[blocks, :, offsets] = quantize(values)
+    return q
+
+
+def quantize(x):
+    """Symmetric int8 with one scale per row of the last axis: x (..., d) float ->
+    (values (..., d) int8, scales (...) float16). The scale is rounded to float16 before
+    dividing, so q * scale is the stored scale's own reconstruction."""
+    scale = (np.abs(x).max(axis=-1) / np.float32(INT8_MAX)).astype(SCALE_DTYPE)
+    s = scale.astype(np.float32)
+    values = np.rint(x / np.where(s > 0, s, 1)[..., None])
+    return np.clip(values, -INT8_MAX, INT8_MAX).astype(np.int8), scale
 
 
 def _gather_context(cache, block_table, context_len):
-    """One sequence's first context_len cached rows: (nkv, context_len, d)."""
-    nkv, block_size, d = cache.shape[1:]
+    """One sequence's first context_len cached rows: cache (num_blocks, nkv, block_size, *rest)
+    -> (nkv, context_len, *rest); rest is (d,) for K/V and () for their scales."""
+    nkv, block_size = cache.shape[1:3]
     num_blocks = -(-context_len // block_size)
-    blocks = cache[block_table[:num_blocks]]  # (n, nkv, block_size, d)
-    return blocks.transpose(1, 0, 2, 3).reshape(nkv, num_blocks * block_size, d)[:, :context_len]
+    blocks = cache[block_table[:num_blocks]]  # (n, nkv, block_size, *rest)
+    blocks = np.moveaxis(blocks, 1, 0)
+    return blocks.reshape(nkv, num_blocks * block_size, *cache.shape[3:])[:, :context_len]
 
 
-def _attend(q, keys, values, query_positions, scale):
-    """q: (n, nq, d) at query_positions (n,); keys/values: (nkv, ctx, d).
-    Each query attends to keys 0..its own position. Returns (n, nq, d)."""
+def _attend(q, keys, values, query_positions, scale, k_scale=None, v_scale=None):
+    """q: (n, nq, d) at query_positions (n,); keys/values: (nkv, ctx, d) float or int8, with
+    k_scale/v_scale (nkv, ctx) for int8. Each query attends to keys 0..its own position.
+    Returns (n, nq, d)."""
     n, nq, d = q.shape
     nkv, ctx, _ = keys.shape
     group = nq // nkv
     qg = q.reshape(n, nkv, group, d).transpose(1, 0, 2, 3).reshape(nkv, n * group, d)
-    scores = (qg @ keys.transpose(0, 2, 1)) * scale  # (nkv, n*group, ctx)
+    scores = qg @ keys.transpose(0, 2, 1).astype(np.float32, copy=False)  # (nkv, n*group, ctx)
+    scores *= scale if k_scale is None else scale * k_scale[:, None, :].astype(np.float32)
     pos = np.repeat(query_positions, group)  # row r belongs to query r // group
     scores = np.where(np.arange(ctx)[None, :] <= pos[:, None], scores, -np.inf)
     scores -= scores.max(axis=-1, keepdims=True)
     probs = np.exp(scores)
     probs /= probs.sum(axis=-1, keepdims=True)
-    out = probs @ values  # (nkv, n*group, d)
+    if v_scale is not None:
+        probs *= v_scale[:, None, :].astype(np.float32)
+    out = probs @ values.astype(np.float32, copy=False)  # (nkv, n*group, d)
     return out.reshape(nkv, n, group, d).transpose(1, 0, 2, 3).reshape(n, nq, d)
 
 
 DECODE_GROUP = 32  # sequences per batched matmul in the NumPy decode attention
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
+def paged_attention(q, cache: LayerKV, block_tables, context_lens, scale):
     """Decode attention: one new query token per sequence over its whole cached context.
     q: (S, nq, d); context_lens: (S,) tokens in cache including this step's -> (S, nq, d)."""
     if on_gpu(q):
-        return _kernels().paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return _kernels().paged_attention(q, cache, block_tables, context_lens, scale)
     out = np.empty_like(q)
     # A few sequences at a time, padded to the longest: one batched product instead of S
     # small ones, with bounded memory.
     for lo in range(0, q.shape[0], DECODE_GROUP):
         hi = min(lo + DECODE_GROUP, q.shape[0])
-        out[lo:hi] = _decode_group(q[lo:hi], k_cache, v_cache, block_tables[lo:hi],
-                                   context_lens[lo:hi], scale)
+        out[lo:hi] = _decode_group(q[lo:hi], cache, block_tables[lo:hi], context_lens[lo:hi], scale)
     return out
 
 
-def _decode_group(q, k_cache, v_cache, block_tables, context_lens, scale):
+def _decode_group(q, cache: LayerKV, block_tables, context_lens, scale):
     s, nq, d = q.shape
-    nkv, block_size = k_cache.shape[1], k_cache.shape[2]
+    nkv, block_size = cache.k.shape[1], cache.k.shape[2]
     num_blocks = -(-int(context_lens.max()) // block_size)
     tables = block_tables[:, :num_blocks]  # -1 entries gather some block; masked out below
     length = num_blocks * block_size
 
     heads = np.arange(nkv)[None, :, None]
 
-    def gather(cache):  # (s, nkv, length, d), in one copy: index straight into that order
-        return cache[tables[:, None, :], heads].reshape(s, nkv, length, d)
+    def gather(array):  # (s, nkv, length, *rest), in one copy: index straight into that order
+        return array[tables[:, None, :], heads].reshape(s, nkv, length, *array.shape[3:])
+
+    def rows(array):  # K or V rows as float32: an int8 gather moves a quarter of the bytes
+        return gather(array).astype(np.float32, copy=False)[:, :, None]
 
     # np.matvec / np.vecmat rather than a batched @, which makes one BLAS call per tiny
     # (group x d) @ (d x length) product (docs/perf_notes.md).
     qg = q.reshape(s, nkv, nq // nkv, d)
-    scores = np.matvec(gather(k_cache)[:, :, None], qg) * scale      # (s, nkv, group, length)
+    scores = np.matvec(rows(cache.k), qg)                             # (s, nkv, group, length)
+    scores *= scale if cache.k_scale is None else scale * gather(cache.k_scale)[:, :, None].astype(np.float32)
     valid = np.arange(length)[None, :] < context_lens[:, None]      # (s, length)
     scores = np.where(valid[:, None, None, :], scores, -np.inf)
     scores -= scores.max(axis=-1, keepdims=True)
     probs = np.exp(scores)
     probs /= probs.sum(axis=-1, keepdims=True)
-    return np.vecmat(probs, gather(v_cache)[:, :, None]).reshape(s, nq, d)
+    if cache.v_scale is not None:
+        probs *= gather(cache.v_scale)[:, :, None].astype(np.float32)
+    return np.vecmat(probs, rows(cache.v)).reshape(s, nq, d)
 
 
-def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables, context_lens, scale):
+def prefill_attention(q, cache: LayerKV, cu_seqlens_q, block_tables, context_lens, scale):
     """A chunk of query tokens per sequence over that sequence's cached blocks, causal.
     The chunk's own K/V are already in the cache; a chunk may start mid-sequence (a later
     chunk, or after a prefix-cache hit): its queries sit at positions
     context_len - chunk_len .. context_len - 1.
     q: (T, nq, d); cu_seqlens_q: (S+1,) chunk offsets into q -> (T, nq, d)."""
     if on_gpu(q):
-        return _kernels().prefill_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables,
-                                            context_lens, scale)
+        return _kernels().prefill_attention(q, cache, cu_seqlens_q, block_tables, context_lens, scale)
     out = np.empty_like(q)
     for i, ctx in enumerate(context_lens.tolist()):
         start, end = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
-        keys = _gather_context(k_cache, block_tables[i], ctx)
-        values = _gather_context(v_cache, block_tables[i], ctx)
+        context = [None if a is None else _gather_context(a, block_tables[i], ctx)
+                   for a in (cache.k, cache.v, cache.k_scale, cache.v_scale)]
         positions = np.arange(ctx - (end - start), ctx)
-        out[start:end] = _attend(q[start:end], keys, values, positions, scale)
+        out[start:end] = _attend(q[start:end], context[0], context[1], positions, scale, *context[2:])
     return out
 
 
-def gather_blocks(kv_cache, block_ids):
+def gather_blocks(pool, block_ids):
     """Collect blocks of every layer into one contiguous staging array so that a swap is
-    one device-host copy. kv_cache: (L, 2, nb, nkv, bs, d), block_ids: (n,) -> (L, 2, n, nkv, bs, d)."""
-    if on_gpu(kv_cache):
-        return _kernels().gather_blocks(kv_cache, block_ids)
-    return kv_cache[:, :, block_ids]
+    one device-host copy. pool: one of KVCache.block_arrays(), (L, 2, nb, *rest) (rest:
+    (nkv, bs, d) for K/V, (nkv, bs) for scales), block_ids: (n,) -> (L, 2, n, *rest)."""
+    if on_gpu(pool):
+        return _kernels().gather_blocks(pool, block_ids)
+    return pool[:, :, block_ids]
 
 
-def scatter_blocks(kv_cache, block_ids, staging):
-    """Inverse of gather_blocks: kv_cache[:, :, block_ids[i]] = staging[:, :, i]."""
-    if on_gpu(kv_cache):
-        return _kernels().scatter_blocks(kv_cache, block_ids, staging)
-    kv_cache[:, :, block_ids] = staging
+def scatter_blocks(pool, block_ids, staging):
+    """Inverse of gather_blocks: pool[:, :, block_ids[i]] = staging[:, :, i]."""
+    if on_gpu(pool):
+        return _kernels().scatter_blocks(pool, block_ids, staging)
+    pool[:, :, block_ids] = staging
 
 
 def sample(logits, temperature, top_k, top_p, seeds, counters):

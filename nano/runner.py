@@ -1,10 +1,11 @@
 """The device side of a step: owns the KV memory, swaps blocks, turns a plan into device
 inputs (through the packed step of plan.py), runs the model.
 
-KV memory:
-  kv_cache:   (num_layers, 2, num_blocks, nkv, block_size, d) on the device ([:, 0] K, [:, 1] V)
-  host_cache: (num_layers, 2, num_swap_blocks, nkv, block_size, d) in host memory (swap space)
-A swap moves all of a step's blocks in one gather + one device-host copy per direction.
+KV memory (layouts in kv_cache.py):
+  kv_cache:   KVCache of num_blocks blocks on the device
+  host_cache: KVCache of num_swap_blocks blocks in host memory (swap space)
+A swap moves all of a step's blocks in one gather + one device-host copy per direction and
+per block array (an int8 pool's scales travel with their blocks).
 
 On the GPU, decode-only steps replay CUDA graphs (graphs.py); prefill and mixed steps run
 the model eagerly.
@@ -16,15 +17,17 @@ import numpy as np
 from nano import ops
 from nano.device import Device
 from nano.graphs import DecodeGraphs, GraphStep
+from nano.kv_cache import KVCache
 from nano.model import ForwardBatch
 from nano.plan import SchedulerOutput, StepSizes, is_decode, pack_step, samples, step_sizes, unpack_step
 
 
 class ModelRunner:
     def __init__(self, model, device: Device, num_blocks: int, num_swap_blocks: int,
-                 block_size: int, broadcast=None, cuda_graphs: bool = False,
-                 max_num_seqs: int = 1, max_model_len: int = 1):
-        """broadcast: sends rank 0's packed steps to the other TP ranks (parallel.Group).
+                 block_size: int, kv_cache_dtype: str = "auto", broadcast=None,
+                 cuda_graphs: bool = False, max_num_seqs: int = 1, max_model_len: int = 1):
+        """kv_cache_dtype: auto (the device's dtype) or int8 (kv_cache.py).
+        broadcast: sends rank 0's packed steps to the other TP ranks (parallel.Group).
         cuda_graphs: on a GPU, replay decode steps of up to max_num_seqs sequences from
         CUDA graphs (graphs.py); block tables are then max_model_len / block_size wide."""
         self.model = model
@@ -32,10 +35,12 @@ class ModelRunner:
         self.block_size = block_size
         self.broadcast = broadcast or (lambda packed: packed)
         cfg = model.cfg
-        shape = (cfg.num_layers, 2, num_blocks, model.num_kv_heads, block_size, cfg.head_dim)
-        self.kv_cache = device.xp.zeros(shape, dtype=device.dtype)
-        # np.zeros maps pages lazily: swap space costs host memory only once used.
-        self.host_cache = np.zeros(shape[:2] + (num_swap_blocks,) + shape[3:], dtype=device.dtype)
+
+        def pool(xp, blocks):
+            return KVCache(xp, cfg.num_layers, blocks, model.num_kv_heads, block_size, cfg.head_dim,
+                           device.dtype, kv_cache_dtype)
+
+        self.kv_cache, self.host_cache = pool(device.xp, num_blocks), pool(np, num_swap_blocks)
         self.graphs = None
         if cuda_graphs and device.kind == "gpu":
             self.graphs = DecodeGraphs(model, self.kv_cache, max_num_seqs, -(-max_model_len // block_size))
@@ -54,16 +59,21 @@ class ModelRunner:
         Out first: blocks freed by a swap-out may be refilled in this same step.
         Returns (bytes moved, seconds) for the cost model."""
         moved, start = 0, time.perf_counter()
+        pools = list(zip(self.kv_cache.block_arrays(), self.host_cache.block_arrays()))
         if len(blocks_out):
             dev, host = _columns(blocks_out)
-            staging = ops.gather_blocks(self.kv_cache, self.device.xp.asarray(dev))
-            self.host_cache[:, :, host] = self.device.to_host(staging)
-            moved += staging.nbytes
+            dev = self.device.xp.asarray(dev)
+            for device_pool, host_pool in pools:
+                staging = ops.gather_blocks(device_pool, dev)
+                host_pool[:, :, host] = self.device.to_host(staging)
+                moved += staging.nbytes
         if len(blocks_in):
             host, dev = _columns(blocks_in)
-            staging = self.device.xp.asarray(self.host_cache[:, :, host])
-            ops.scatter_blocks(self.kv_cache, self.device.xp.asarray(dev), staging)
-            moved += staging.nbytes
+            dev = self.device.xp.asarray(dev)
+            for device_pool, host_pool in pools:
+                staging = self.device.xp.asarray(host_pool[:, :, host])
+                ops.scatter_blocks(device_pool, dev, staging)
+                moved += staging.nbytes
         if moved:
             self.device.synchronize()
         return moved, time.perf_counter() - start

@@ -7,11 +7,12 @@ ranks agree on one number of blocks, since rank 0 schedules for all of them.
 from dataclasses import dataclass
 from pathlib import Path
 
-from nano import parallel
-from nano.capacity import kv_bytes_per_token, kv_pool_blocks, kv_pool_memory
+from nano import kv_cache, parallel
+from nano.capacity import kv_pool_blocks, kv_pool_memory
 from nano.config import EngineConfig, ModelConfig, max_model_len
 from nano.device import Device, gpu_of, host_memory, select_device
 from nano.errors import NanoError
+from nano.kv_calibration import calibration_tokens, key_channel_scales
 from nano.plan import step_sizes, unpack_step
 from nano.runner import ModelRunner
 from nano.tp import ShardPlan, load_model, plan_shard
@@ -48,7 +49,8 @@ def load_shard(config: EngineConfig, group: parallel.Group) -> Shard:
         group.cuda_aware = kind == "gpu" and group.world > 1 and parallel.cuda_aware_mpi()
         model = load_model(folder.reader, cfg, plans[group.rank], device.put, context, group.all_reduce)
 
-    per_token = kv_bytes_per_token(cfg, plans[group.rank].num_kv_heads, device.itemsize)
+    per_token = kv_cache.bytes_per_token(cfg, plans[group.rank].num_kv_heads, config.kv_cache_dtype,
+                                         device.itemsize)
     block_bytes = per_token * config.block_size
     # Free memory measured once every rank has loaded its weights (the together block above).
     memory = kv_pool_memory(config, device.kind, device.free_memory(), group.rank, group.world)
@@ -58,10 +60,15 @@ def load_shard(config: EngineConfig, group: parallel.Group) -> Shard:
     num_swap_blocks = group.min(config.swap_space // block_bytes)
     with group.together():
         _check_memory(device, num_blocks * block_bytes, num_swap_blocks * block_bytes)
-    runner = ModelRunner(model, device, num_blocks, num_swap_blocks, config.block_size, group.broadcast,
+    runner = ModelRunner(model, device, num_blocks, num_swap_blocks, config.block_size,
+                         config.kv_cache_dtype, group.broadcast,
                          # MPI all-reduces run on the host: a TP step cannot be captured
                          cuda_graphs=not config.enforce_eager and group.world == 1,
                          max_num_seqs=config.max_num_seqs, max_model_len=context)
+    if config.key_scheme == "channel":  # every rank at once: the forward pass has all-reduces
+        tokens = group.broadcast(calibration_tokens(folder.tokenizer) if group.rank == 0 else None)
+        scales = key_channel_scales(model, device, tokens, config.block_size)
+        runner.kv_cache.k_channel_scale = device.put(scales, keep_float32=True)
     return Shard(folder.path, cfg, folder.tokenizer, context, plans, device, runner, num_blocks,
                  num_swap_blocks, per_token, model.nbytes)
 

@@ -4,6 +4,7 @@ import math
 import numpy as np
 
 from nano import ops
+from nano.kv_cache import LayerKV
 from nano.config import ModelConfig
 from nano.model import rope_cos_sin
 
@@ -52,8 +53,8 @@ def test_rope_store_skips_slot_minus_one_and_rotates_each_token_by_its_own_posit
     caches = [rng.standard_normal((num_blocks, nkv, block_size, d)).astype(np.float32) for _ in range(2)]
     expected = [c.copy() for c in caches]
     rows = [ops.rope_store_kvcache(q[i:i + 1], k[i:i + 1], v[i:i + 1], positions[i:i + 1], cos_sin,
-                                   *expected, slots[i:i + 1]) for i in range(t)]
-    got = ops.rope_store_kvcache(q, k, v, positions, cos_sin, *caches, slots)
+                                   LayerKV(*expected), slots[i:i + 1]) for i in range(t)]
+    got = ops.rope_store_kvcache(q, k, v, positions, cos_sin, LayerKV(*caches), slots)
     np.testing.assert_array_equal(got, np.concatenate(rows))
     np.testing.assert_array_equal(caches[0], expected[0])
     np.testing.assert_array_equal(caches[1], expected[1])

@@ -1,0 +1,15 @@
+"""Real English text that needs no download: the language reference topics that ship with
+Python itself (pydoc_data, the text behind help()), prose with some code in it. The engine
+uses it to calibrate int8 key scales at load (kv_calibration.py) and the int8 accuracy
+measurement (tests/kv_accuracy.py) scores the model on it. Calibration and evaluation use
+different topics, so a scheme is never scored on the text it was calibrated on. The text
+is whatever the running Python ships (it changes a little between Python versions).
+"""
+from pydoc_data.topics import topics
+
+CALIBRATION_TOPICS = ("objects", "naming")
+EVALUATION_TOPICS = ("execmodel", "import", "customization")
+
+
+def english_text(topic: str) -> str:
+    return topics[topic]

@@ -1,0 +1,102 @@
+"""The KV cache: its layout, its element types, and what one token of it costs.
+
+Layout (one pool per TP rank, holding that rank's KV heads):
+  data:   (num_layers, 2, num_blocks, nkv, block_size, d)   [:, 0] keys, [:, 1] values
+          the device's dtype (float16 GPU, float32 CPU), or int8 with --kv-cache-dtype int8
+  scales: (num_layers, 2, num_blocks, nkv, block_size) float16, int8 pools only
+  k_channel_scale: (num_layers, nkv, d) float32, the "channel" key scheme only
+One block of one layer's K (or V) for one KV head is block_size * d contiguous values, so
+attention reads whole 16-byte runs (8 halfs, or 16 int8 values); its scales sit at the same
+(layer, k/v, block) index of `scales`, so whatever moves a block (swap, prefix-cache reuse,
+hand-off) moves data[:, :, b] and scales[:, :, b] together.
+
+int8 scheme: symmetric, one scale per (token, KV head), for K and for V alike:
+  scale = float16(max |x| / 127),  q = clamp(rint(x / scale), -127, 127),  x ~ q * scale
+computed once, when the token's K/V are written (ops.rope_store_kvcache). Attention never
+builds a dequantized copy: q.k = scale_k * (q . k_int8) and sum_t p_t v_t = sum_t
+(p_t scale_v) v_int8, so a score or a probability takes the scale.
+
+Keys have outlier channels (a few of the d dims far larger than the rest, the same ones for
+every token); with one scale per token those channels set the step for all the others.
+The "channel" key scheme divides K by a per-channel pre-scale before the per-token
+quantization and multiplies q by it instead (q.k = (q * s).(k / s)), so no kernel
+dequantizes anything more. s is calibrated once at load (calibrate_key_channels) from the
+keys of a short shipped English text; RoPE rotates channel i with channel i + d/2, so the
+pair shares one scale. Which scheme is the default, and why, is in the README.
+"""
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from nano.config import ModelConfig
+
+KV_CACHE_DTYPES = ("auto", "int8")   # vLLM's flag values: auto = the model's (device's) dtype
+KEY_SCHEMES = ("token", "channel")   # int8 keys: per-token scales, or pre-scaled channels first
+DEFAULT_KEY_SCHEME = "token"
+SCALE_DTYPE = np.float16
+INT8_MAX = 127
+
+
+def bytes_per_token(cfg: "ModelConfig", num_kv_heads: int, kv_cache_dtype: str, device_itemsize: int) -> int:
+    """KV bytes one token costs on a rank holding num_kv_heads: K and V of every layer and
+    KV head, plus their scales in an int8 pool. The default model (30 layers, 3 KV heads,
+    d 64): 46,080 float32, 23,040 float16, 11,880 int8."""
+    rows = 2 * cfg.num_layers * num_kv_heads
+    if kv_cache_dtype == "int8":
+        return rows * (cfg.head_dim + np.dtype(SCALE_DTYPE).itemsize)
+    return rows * cfg.head_dim * device_itemsize
+
+
+def label(kv_cache_dtype: str, key_scheme: str | None, device_dtype) -> str:
+    """What a pool holds, for start-up lines and plans: 'float16', or 'int8 (token-scaled keys)'."""
+    if kv_cache_dtype == "int8":
+        return f"int8 ({key_scheme}-scaled keys)"
+    return np.dtype(device_dtype).name
+
+
+@dataclass
+class LayerKV:
+    """One layer's view of the cache, what the ops take."""
+    k: object                       # (num_blocks, nkv, block_size, d) float or int8
+    v: object                       # (num_blocks, nkv, block_size, d)
+    k_scale: object = None          # (num_blocks, nkv, block_size) float16, int8 only
+    v_scale: object = None
+    k_channel_scale: object = None  # (nkv, d) float32: K divided, q multiplied by it
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+
+class KVCache:
+    """A pool of KV blocks (see the module docstring for the layout), on the device or, for
+    swap space, in host memory."""
+
+    def __init__(self, xp, num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int,
+                 head_dim: int, dtype, kv_cache_dtype: str):
+        shape = (num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim)
+        int8 = kv_cache_dtype == "int8"
+        # np.zeros maps pages lazily: swap space costs host memory only once used.
+        self.data = xp.zeros(shape, dtype=np.int8 if int8 else dtype)
+        self.scales = xp.zeros(shape[:-1], dtype=SCALE_DTYPE) if int8 else None
+        self.k_channel_scale = None  # set by calibrate_key_channels for the "channel" scheme
+
+    def layer(self, i: int) -> LayerKV:
+        if self.scales is None:
+            return LayerKV(self.data[i, 0], self.data[i, 1])
+        channels = None if self.k_channel_scale is None else self.k_channel_scale[i]
+        return LayerKV(self.data[i, 0], self.data[i, 1], self.scales[i, 0], self.scales[i, 1], channels)
+
+    def block_arrays(self) -> list:
+        """Every array indexed by block on axis 2: what moves when a block moves."""
+        return [self.data] if self.scales is None else [self.data, self.scales]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.block_arrays())
+
+    def fill(self, value) -> None:
+        for a in self.block_arrays():
+            a.fill(value)

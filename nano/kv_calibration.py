@@ -1,0 +1,50 @@
+"""Per-channel key pre-scales for the int8 "channel" key scheme (kv_cache.py), measured at
+load: run the model once over a short shipped English text into a scratch full-precision
+cache, and take each channel's largest |K| per (layer, KV head).
+
+  s[layer, head, c] = max(amax[c], amax[c + d/2]) / max over channels, at least MIN_SCALE
+RoPE rotates channel c into c + d/2 and back as positions advance, so a pair's magnitude
+is what stays put: both channels get the pair's scale. Normalised to 1 at the largest
+channel, K / s lifts the small channels up to the outliers' range before the per-token
+int8 step is chosen; MIN_SCALE bounds that lift (and keeps q * s out of float16's
+subnormals) for channels that were near zero in the calibration text.
+Under tensor parallelism every rank runs the same forward pass (it has all-reduces) and
+keeps its own KV heads' scales.
+"""
+import numpy as np
+
+from nano.corpus import CALIBRATION_TOPICS, english_text
+from nano.kv_cache import KVCache
+from nano.model import ForwardBatch
+
+CALIBRATION_TOKENS = 512
+MIN_SCALE = 2.0 ** -6
+
+
+def calibration_tokens(tokenizer) -> np.ndarray:
+    """(CALIBRATION_TOKENS,) int32 ids of the calibration text."""
+    text = "\n\n".join(english_text(t) for t in CALIBRATION_TOPICS)
+    return np.asarray(tokenizer.encode(text)[:CALIBRATION_TOKENS], np.int32)
+
+
+def key_channel_scales(model, device, token_ids: np.ndarray, block_size: int) -> np.ndarray:
+    """(num_layers, nkv, d) float32 pre-scales for this rank's KV heads, from one prefill of
+    token_ids (int32, every rank the same) into a scratch cache of the device's dtype."""
+    cfg, n = model.cfg, len(token_ids)
+    blocks = -(-n // block_size)
+    scratch = KVCache(device.xp, cfg.num_layers, blocks, model.num_kv_heads, block_size, cfg.head_dim,
+                      device.dtype, "auto")
+    xp, positions = device.xp, np.arange(n, dtype=np.int32)
+    batch = ForwardBatch(
+        input_ids=xp.asarray(token_ids), positions=xp.asarray(positions), slot_mapping=xp.asarray(positions),
+        num_decodes=0, context_lens=xp.asarray([n], np.int32),
+        block_tables=xp.asarray(np.arange(blocks, dtype=np.int32)[None]),
+        cu_seqlens_q=xp.asarray([0, n], np.int32), logits_indices=xp.asarray([n - 1], np.int32))
+    model.forward(batch, scratch)
+    keys = device.to_host(scratch.data[:, 0]).astype(np.float32)    # (L, blocks, nkv, bs, d)
+    amax = np.abs(keys).max(axis=(1, 3))                            # (L, nkv, d); unused slots are 0
+    half = cfg.head_dim // 2
+    pair = np.maximum(amax[..., :half], amax[..., half:])
+    amax = np.concatenate([pair, pair], axis=-1)
+    top = amax.max(axis=-1, keepdims=True)
+    return np.maximum(amax / np.where(top > 0, top, 1), MIN_SCALE).astype(np.float32)
