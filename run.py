@@ -67,8 +67,8 @@ def build_parser() -> Parser:
     e.add_argument("--kv-cache-dtype", default=ENGINE.kv_cache_dtype,
                    help="auto (float16 GPU, float32 CPU) | int8 (per-token scales; 2x / 4x the blocks)")
     e.add_argument("--kv-int8-keys", default=ENGINE.kv_int8_keys,
-                   help="int8 keys: token (one scale per token and head) | channel (channels pre-scaled, "
-                        "calibrated at load); default " + DEFAULT_KEY_SCHEME)
+                   help="int8 keys: token (as they are) | channel (channels pre-scaled, calibrated at "
+                        "load) | rotate (Hadamard-rotated); default " + DEFAULT_KEY_SCHEME)
     e.add_argument("--tp", type=int, default=ENGINE.tp, help="tensor-parallel ranks: run under mpirun -n TP")
     e.add_argument("--enforce-eager", action="store_true", help="GPU: run decode steps eagerly, no CUDA graphs")
     e.add_argument("--policy", default=ENGINE.policy, help="fcfs | deadline (by slack to the latency targets)")

@@ -124,7 +124,7 @@ class EngineConfig:
     watermark: float = 0.01                  # fraction of blocks kept free at admission
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"             # auto (the device's float dtype) | int8 (nano/kv_cache.py)
-    kv_int8_keys: str | None = None          # int8 keys: token | channel (None: kv_cache.DEFAULT_KEY_SCHEME)
+    kv_int8_keys: str | None = None          # int8 keys: token | channel | rotate (None: kv_cache.DEFAULT_KEY_SCHEME)
     preemption: str = "auto"                 # swap | recompute | auto
     seed: int = 0                            # for requests without their own seed
     tp: int = 1                              # tensor-parallel ranks (under mpirun)

@@ -5,8 +5,9 @@ caches the binary on disk) and its kernels are launched from here. This module o
 allocates outputs, checks dtypes and shapes, and picks launch configurations; the
 kernel sources explain the algorithms.
 
-Dtypes: activations, weights and KV caches are float16 (kernels accumulate in float32),
-index arrays are int32, the RoPE table and sampling parameters are float32.
+Dtypes: activations and weights are float16 (kernels accumulate in float32), KV caches
+float16 or int8 with float16 scales (nano/kv_cache.py; the ops take one layer's LayerKV),
+index arrays are int32, the RoPE table, key channel scales and sampling parameters are float32.
 GEMMs go to cuBLAS through ctypes (nano/cublas.py), so they can be captured into CUDA graphs.
 
 Importing this module needs CuPy but no GPU: nothing here touches a device until a kernel
@@ -24,16 +25,23 @@ from nano import cublas
 
 CUDA_DIR = Path(__file__).resolve().parent.parent / "cuda"
 
-# Attention kernels are templates over the head dim and the GQA group size (query heads
-# per KV head), so their loops and register arrays have compile-time bounds.
+# Attention kernels are templates over the head dim, the GQA group size (query heads per KV
+# head) and the cache's element type, so their loops and register arrays have compile-time
+# bounds. An int8 cache needs one of HEAD_DIMS also for its writes (rope_store_kvcache).
 HEAD_DIMS = (64, 128)
 GROUPS = (1, 2, 3, 4, 5, 6, 7, 8)
+CACHE_TYPES = {np.dtype(np.float16): "__half", np.dtype(np.int8): "int8_t"}  # dtype -> CacheT
 DECODE_TILE = 64  # TILE in cuda/paged_attention.cu: tokens per step of the decode kernel
 PREFILL_ROWS = 64  # ROWS in cuda/prefill_attention.cu: (token, head) rows per block
+SWAP_UNITS = {16: "uint4", 2: "unsigned short"}  # copy unit of gather/scatter_blocks, in bytes
 
 _TEMPLATES = {
-    "paged_attention.cu": [f"paged_attention_kernel<{d}, {g}>" for d in HEAD_DIMS for g in GROUPS],
-    "prefill_attention.cu": [f"prefill_attention_kernel<{d}, {g}>" for d in HEAD_DIMS for g in GROUPS],
+    "cache.cu": [f"rope_store_kvcache<{t}>" for t in CACHE_TYPES.values()]
+    + [f"{k}<{u}>" for k in ("gather_blocks", "scatter_blocks") for u in SWAP_UNITS.values()],
+    "paged_attention.cu": [f"paged_attention_kernel<{d}, {g}, {t}>"
+                           for t in CACHE_TYPES.values() for d in HEAD_DIMS for g in GROUPS],
+    "prefill_attention.cu": [f"prefill_attention_kernel<{d}, {g}, {t}>"
+                             for t in CACHE_TYPES.values() for d in HEAD_DIMS for g in GROUPS],
 }
 SOURCES = ("layers.cu", "cache.cu", "sampling.cu", "paged_attention.cu", "prefill_attention.cu")
 
@@ -104,17 +112,55 @@ def _check(name, array, dtype):
         raise TypeError(f"{name} must be {np.dtype(dtype).name}, got {array.dtype}")
 
 
-def _check_attention(q, k_cache, v_cache, nq, nkv, d):
+def _check_cache(cache, op: str):
+    """One layer's LayerKV: k, v (num_blocks, nkv, block_size, d) float16 without scales, or
+    int8 with k_scale, v_scale (num_blocks, nkv, block_size) float16; k_channel_scale (nkv, d)
+    float32 or None; all contiguous. Returns (CacheT, scale arrays for the kernels: the real
+    ones, or empty float16 arrays the float16 instances never read)."""
+    k, v = cache.k, cache.v
+    if k.dtype != v.dtype or np.dtype(k.dtype) not in CACHE_TYPES:
+        raise TypeError(f"{op}: KV cache must be float16 or int8 (k and v alike), got {k.dtype} / {v.dtype}")
+    if k.ndim != 4 or v.shape != k.shape:
+        raise ValueError(f"{op}: k and v must be (num_blocks, nkv, block_size, head_dim), got {k.shape} / {v.shape}")
+    quantized = k.dtype == np.int8
+    scales = (cache.k_scale, cache.v_scale)
+    if quantized:
+        d = k.shape[3]
+        if d not in HEAD_DIMS:
+            raise ValueError(f"{op}: an int8 KV cache supports head_dim {HEAD_DIMS}, got {d}")
+        for name, s in zip(("k_scale", "v_scale"), scales):
+            if s is None:
+                raise ValueError(f"{op}: an int8 KV cache needs {name}")
+            _check(name, s, cupy.float16)
+            if s.shape != k.shape[:3] or not s.flags.c_contiguous:
+                raise ValueError(f"{op}: {name} must be contiguous {k.shape[:3]}, got {s.shape}")
+    elif any(s is not None for s in scales):
+        raise ValueError(f"{op}: a float16 KV cache has no scales")
+    if not (k.flags.c_contiguous and v.flags.c_contiguous):
+        raise ValueError(f"{op}: KV caches must be contiguous")
+    channel = cache.k_channel_scale
+    if channel is not None:
+        _check("k_channel_scale", channel, cupy.float32)
+        if channel.shape != (k.shape[1], k.shape[3]) or not channel.flags.c_contiguous:
+            raise ValueError(f"{op}: k_channel_scale must be contiguous (nkv, head_dim) = "
+                             f"{(k.shape[1], k.shape[3])}, got {channel.shape}")
+    if not quantized:
+        scales = (cupy.empty(0, cupy.float16),) * 2  # never read by the float16 instances
+    return CACHE_TYPES[np.dtype(k.dtype)], scales
+
+
+def _check_attention(q, cache, nq, d, op):
     _check("q", q, cupy.float16)
-    _check("k_cache", k_cache, cupy.float16)
-    _check("v_cache", v_cache, cupy.float16)
-    block_size = k_cache.shape[2]
+    cache_type, scales = _check_cache(cache, op)
+    num_blocks, nkv, block_size, cache_d = cache.k.shape
+    if cache_d != d:
+        raise ValueError(f"{op}: q has head_dim {d}, the cache {cache_d}")
     if d not in HEAD_DIMS or nq % nkv or nq // nkv not in GROUPS:
         raise ValueError(f"attention supports head_dim {HEAD_DIMS} and {GROUPS} query heads "
                          f"per KV head, got head_dim {d}, {nq} / {nkv} heads")
-    if block_size & (block_size - 1) or not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
-        raise ValueError("KV caches must be contiguous with a power-of-two block size")
-    return nq // nkv, block_size.bit_length() - 1
+    if block_size & (block_size - 1):
+        raise ValueError("KV caches must have a power-of-two block size")
+    return nq // nkv, block_size.bit_length() - 1, cache_type, scales
 
 
 def _check_rows(name, width):
@@ -213,11 +259,14 @@ def sample(logits, temperature, top_k, top_p, seeds, counters):
 
 # ---------------------------------------------------------------- cache.cu
 
-def rope_store_kvcache(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
+def rope_store_kvcache(q, k, v, positions, cos_sin, cache, slot_mapping):
     """q, k, v may be views into the fused QKV output: rows strided (k and v alike), each
-    row's heads and dims contiguous and 16-byte aligned. Returns the rotated q, contiguous."""
-    for name, x in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+    row's heads and dims contiguous and 16-byte aligned. cache: one layer's LayerKV, float16
+    or int8 (quantized here, per (token, KV head)), with or without a key channel scale.
+    Returns the rotated q (times the channel scale, if any), contiguous."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
         _check(name, x, cupy.float16)
+    cache_type, (k_scale, v_scale) = _check_cache(cache, "rope_store_kvcache")
     _check("positions", positions, cupy.int32)
     _check("slot_mapping", slot_mapping, cupy.int32)
     _check("cos_sin", cos_sin, cupy.float32)
@@ -234,44 +283,57 @@ def rope_store_kvcache(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mappi
                              f"of heads, strides {x.strides}")
     if k.strides[0] != v.strides[0]:
         raise ValueError("rope_store_kvcache: k and v must have the same row stride")
-    if not (k_cache.flags.c_contiguous and v_cache.flags.c_contiguous):
-        raise ValueError("rope_store_kvcache: caches must be contiguous")
+    if cache.k.shape[1] != nkv or cache.k.shape[3] != d or nq % nkv:
+        raise ValueError(f"rope_store_kvcache: {nq} query and {nkv} KV heads of {d} dims do not "
+                         f"match the cache {cache.k.shape}")
+    channel = cache.k_channel_scale
     out = cupy.empty((tokens, nq, d), cupy.float16)
     if tokens:
-        _kernel("cache.cu", "rope_store_kvcache")(
+        _kernel("cache.cu", f"rope_store_kvcache<{cache_type}>")(
             (tokens,), (128,), (q, k, v, np.int64(q.strides[0] // 2), np.int64(k.strides[0] // 2),
                                 cupy.ascontiguousarray(positions), cupy.ascontiguousarray(cos_sin),
-                                cupy.ascontiguousarray(slot_mapping), out, k_cache, v_cache,
-                                np.int32(nq), np.int32(nkv), np.int32(k_cache.shape[2]), np.int32(d)))
+                                cupy.ascontiguousarray(slot_mapping),
+                                cupy.empty(0, cupy.float32) if channel is None else channel,
+                                np.int32(channel is not None), out, cache.k, cache.v, k_scale, v_scale,
+                                np.int32(nq), np.int32(nkv), np.int32(cache.k.shape[2]), np.int32(d)))
     return out
 
 
-def _swap(kernel, kv_cache, block_ids, staging):
+def _swap(kernel, pool, block_ids, staging):
     """One thread block per (block, layer * 2 + k/v); each copies one block of one layer's
-    K or V: nkv * block_size * d contiguous halfs."""
-    _check("kv_cache", kv_cache, cupy.float16)
-    _check("staging", staging, cupy.float16)
+    K or V (or their scales): prod(pool.shape[3:]) contiguous elements, moved as bytes in
+    16-byte units where the block's bytes and both buffers allow, else 2-byte units."""
     _check("block_ids", block_ids, cupy.int32)
-    if not (kv_cache.flags.c_contiguous and staging.flags.c_contiguous):
-        raise ValueError("gather/scatter_blocks: kv_cache and staging must be contiguous")
-    layers, _, num_blocks, nkv, block_size, d = kv_cache.shape
-    _check_rows("head_dim", d)
+    if staging.dtype != pool.dtype:
+        raise TypeError(f"gather/scatter_blocks: staging must be {pool.dtype}, got {staging.dtype}")
+    if pool.ndim < 3 or staging.shape != pool.shape[:2] + (block_ids.size,) + pool.shape[3:]:
+        raise ValueError(f"gather/scatter_blocks: pool {pool.shape} (L, 2, num_blocks, ...) and staging "
+                         f"{staging.shape} do not match {block_ids.size} blocks")
+    if not (pool.flags.c_contiguous and staging.flags.c_contiguous):
+        raise ValueError("gather/scatter_blocks: pool and staging must be contiguous")
+    layers, two, num_blocks = pool.shape[:3]
+    chunk = int(np.prod(pool.shape[3:], dtype=np.int64)) * pool.dtype.itemsize  # bytes per block
+    aligned = pool.data.ptr % 16 == 0 and staging.data.ptr % 16 == 0
+    unit = 16 if chunk % 16 == 0 and aligned else 2
+    if chunk % unit or pool.data.ptr % unit or staging.data.ptr % unit:
+        raise ValueError(f"gather/scatter_blocks: a block of {chunk} bytes cannot move in 2-byte units")
     n = block_ids.size
-    if n:
-        _kernel("cache.cu", kernel)(
-            (n, layers * 2), (256,), (kv_cache, staging, cupy.ascontiguousarray(block_ids),
-                                      np.int32(num_blocks), np.int32(n), np.int32(nkv * block_size * d)))
+    if n and chunk:
+        _kernel("cache.cu", f"{kernel}<{SWAP_UNITS[unit]}>")(
+            (n, layers * two), (256,), (pool.view(cupy.uint8), staging.view(cupy.uint8),
+                                        cupy.ascontiguousarray(block_ids), np.int32(num_blocks),
+                                        np.int32(n), np.int32(chunk // unit)))
 
 
-def gather_blocks(kv_cache, block_ids):
-    layers, two, _, nkv, block_size, d = kv_cache.shape
-    staging = cupy.empty((layers, two, block_ids.size, nkv, block_size, d), cupy.float16)
-    _swap("gather_blocks", kv_cache, block_ids, staging)
+def gather_blocks(pool, block_ids):
+    """pool: (L, 2, num_blocks, *rest), any dtype (K/V data or scales) -> (L, 2, n, *rest)."""
+    staging = cupy.empty(pool.shape[:2] + (block_ids.size,) + pool.shape[3:], pool.dtype)
+    _swap("gather_blocks", pool, block_ids, staging)
     return staging
 
 
-def scatter_blocks(kv_cache, block_ids, staging):
-    _swap("scatter_blocks", kv_cache, block_ids, cupy.ascontiguousarray(staging))
+def scatter_blocks(pool, block_ids, staging):
+    _swap("scatter_blocks", pool, block_ids, cupy.ascontiguousarray(staging))
 
 
 # ---------------------------------------------------------------- attention
@@ -294,12 +356,13 @@ def decode_partitions(num_blocks: int, max_context: int, num_sms: int) -> tuple:
     return -(-max_context // size), size
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
-    """Decode attention (cuda/paged_attention.cu). Grid (nkv, S, partitions), 128 threads;
-    with more than one partition, a merge kernel with grid (nq, S) follows."""
+def paged_attention(q, cache, block_tables, context_lens, scale):
+    """Decode attention (cuda/paged_attention.cu) over one layer's LayerKV, float16 or int8.
+    Grid (nkv, S, partitions), 128 threads; with more than one partition, a merge kernel
+    with grid (nq, S) follows."""
     seqs, nq, d = q.shape
-    nkv = k_cache.shape[1]
-    group, log2_block_size = _check_attention(q, k_cache, v_cache, nq, nkv, d)
+    nkv = cache.k.shape[1]
+    group, log2_block_size, cache_type, (k_scale, v_scale) = _check_attention(q, cache, nq, d, "paged_attention")
     _check("block_tables", block_tables, cupy.int32)
     _check("context_lens", context_lens, cupy.int32)
     q, block_tables, context_lens = (cupy.ascontiguousarray(x) for x in (q, block_tables, context_lens))
@@ -314,10 +377,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
         partial_out = cupy.empty((seqs, nq, parts, d), cupy.float32)
         partial_max = cupy.empty((seqs, nq, parts), cupy.float32)
         partial_sum = cupy.empty((seqs, nq, parts), cupy.float32)
-    _kernel("paged_attention.cu", f"paged_attention_kernel<{d}, {group}>")(
+    _kernel("paged_attention.cu", f"paged_attention_kernel<{d}, {group}, {cache_type}>")(
         (nkv, seqs, parts), (128,),
-        (out, partial_out, partial_max, partial_sum, q, k_cache, v_cache, block_tables, context_lens,
-         np.int32(max_blocks), np.int32(log2_block_size), np.int32(size), np.float32(scale)))
+        (out, partial_out, partial_max, partial_sum, q, cache.k, cache.v, k_scale, v_scale, block_tables,
+         context_lens, np.int32(max_blocks), np.int32(log2_block_size), np.int32(size), np.float32(scale)))
     if parts > 1:
         _kernel("paged_attention.cu", "paged_attention_merge")(
             (nq, seqs), (128,), (out, partial_out, partial_max, partial_sum, context_lens,
@@ -325,14 +388,14 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
     return out
 
 
-def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables, context_lens, scale):
-    """Prefill attention (cuda/prefill_attention.cu). Grid (ceil(T / tokens per block), nkv, S),
-    256 threads, tokens per block = 64 // group. The x extent is sized for the longest
-    possible chunk (all T tokens) because chunk lengths live on the GPU; blocks past
-    their chunk's end exit at once."""
+def prefill_attention(q, cache, cu_seqlens_q, block_tables, context_lens, scale):
+    """Prefill attention (cuda/prefill_attention.cu) over one layer's LayerKV, float16 or
+    int8. Grid (ceil(T / tokens per block), nkv, S), 256 threads, tokens per block =
+    64 // group. The x extent is sized for the longest possible chunk (all T tokens) because
+    chunk lengths live on the GPU; blocks past their chunk's end exit at once."""
     tokens, nq, d = q.shape
-    nkv = k_cache.shape[1]
-    group, log2_block_size = _check_attention(q, k_cache, v_cache, nq, nkv, d)
+    nkv = cache.k.shape[1]
+    group, log2_block_size, cache_type, (k_scale, v_scale) = _check_attention(q, cache, nq, d, "prefill_attention")
     for name, x in (("cu_seqlens_q", cu_seqlens_q), ("block_tables", block_tables),
                     ("context_lens", context_lens)):
         _check(name, x, cupy.int32)
@@ -343,8 +406,8 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables, context_l
     if tokens == 0 or seqs == 0:
         return out
     per_block = PREFILL_ROWS // group
-    _kernel("prefill_attention.cu", f"prefill_attention_kernel<{d}, {group}>")(
+    _kernel("prefill_attention.cu", f"prefill_attention_kernel<{d}, {group}, {cache_type}>")(
         (-(-tokens // per_block), nkv, seqs), (256,),
-        (out, q, k_cache, v_cache, cu_seqlens_q, block_tables, context_lens,
+        (out, q, cache.k, cache.v, k_scale, v_scale, cu_seqlens_q, block_tables, context_lens,
          np.int32(block_tables.shape[1]), np.int32(log2_block_size), np.float32(scale)))
     return out

@@ -18,11 +18,15 @@ builds a dequantized copy: q.k = scale_k * (q . k_int8) and sum_t p_t v_t = sum_
 
 Keys have outlier channels (a few of the d dims far larger than the rest, the same ones for
 every token); with one scale per token those channels set the step for all the others.
-The "channel" key scheme divides K by a per-channel pre-scale before the per-token
-quantization and multiplies q by it instead (q.k = (q * s).(k / s)), so no kernel
-dequantizes anything more. s is calibrated once at load (calibrate_key_channels) from the
-keys of a short shipped English text; RoPE rotates channel i with channel i + d/2, so the
-pair shares one scale. Which scheme is the default, and why, is in the README.
+Two key schemes change the basis K is quantized in, and give q the same change, so that
+q.k is unchanged and no kernel dequantizes anything more:
+  channel: K / s per channel, q * s (q.k = (q * s).(k / s)); s calibrated once at load
+           from the keys of a short shipped English text (kv_calibration.py)
+  rotate:  K and q times H, the d x d orthonormal Hadamard matrix (q.k = (qH).(kH), as
+           H H^T = I): every rotated channel mixes all d, so an outlier's energy is spread
+           evenly and max |kH| sits near the typical magnitude. No calibration.
+The per-(token, head) scale and the bytes per token are the same in every scheme. Which
+scheme is the default, and the measurement that decided it, are in the README.
 """
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -33,8 +37,8 @@ if TYPE_CHECKING:
     from nano.config import ModelConfig
 
 KV_CACHE_DTYPES = ("auto", "int8")   # vLLM's flag values: auto = the model's (device's) dtype
-KEY_SCHEMES = ("token", "channel")   # int8 keys: per-token scales, or pre-scaled channels first
-DEFAULT_KEY_SCHEME = "token"
+KEY_SCHEMES = ("token", "channel", "rotate")  # int8 keys: as they are, channels pre-scaled, or Hadamard-rotated
+DEFAULT_KEY_SCHEME = "rotate"
 SCALE_DTYPE = np.float16
 INT8_MAX = 127
 
@@ -50,9 +54,9 @@ def bytes_per_token(cfg: "ModelConfig", num_kv_heads: int, kv_cache_dtype: str, 
 
 
 def label(kv_cache_dtype: str, key_scheme: str | None, device_dtype) -> str:
-    """What a pool holds, for start-up lines and plans: 'float16', or 'int8 (token-scaled keys)'."""
+    """What a pool holds, for start-up lines and plans: 'float16', or 'int8, rotate keys'."""
     if kv_cache_dtype == "int8":
-        return f"int8 ({key_scheme}-scaled keys)"
+        return f"int8, {key_scheme} keys"
     return np.dtype(device_dtype).name
 
 
@@ -64,6 +68,7 @@ class LayerKV:
     k_scale: object = None          # (num_blocks, nkv, block_size) float16, int8 only
     v_scale: object = None
     k_channel_scale: object = None  # (nkv, d) float32: K divided, q multiplied by it
+    k_rotate: bool = False          # K and q multiplied by the Hadamard matrix
 
     @property
     def quantized(self) -> bool:
@@ -75,19 +80,21 @@ class KVCache:
     swap space, in host memory."""
 
     def __init__(self, xp, num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int,
-                 head_dim: int, dtype, kv_cache_dtype: str):
+                 head_dim: int, dtype, kv_cache_dtype: str, key_scheme: str | None = None):
         shape = (num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim)
         int8 = kv_cache_dtype == "int8"
         # np.zeros maps pages lazily: swap space costs host memory only once used.
         self.data = xp.zeros(shape, dtype=np.int8 if int8 else dtype)
         self.scales = xp.zeros(shape[:-1], dtype=SCALE_DTYPE) if int8 else None
-        self.k_channel_scale = None  # set by calibrate_key_channels for the "channel" scheme
+        self.k_channel_scale = None  # set at load for the "channel" scheme (kv_calibration.py)
+        self.k_rotate = key_scheme == "rotate"
 
     def layer(self, i: int) -> LayerKV:
         if self.scales is None:
             return LayerKV(self.data[i, 0], self.data[i, 1])
         channels = None if self.k_channel_scale is None else self.k_channel_scale[i]
-        return LayerKV(self.data[i, 0], self.data[i, 1], self.scales[i, 0], self.scales[i, 1], channels)
+        return LayerKV(self.data[i, 0], self.data[i, 1], self.scales[i, 0], self.scales[i, 1], channels,
+                       self.k_rotate)
 
     def block_arrays(self) -> list:
         """Every array indexed by block on axis 2: what moves when a block moves."""

@@ -11,7 +11,8 @@ Shapes used below:
   S  sequences in the step       nq query heads       nkv  KV heads      d  head dim
   cache: one layer's LayerKV (nano/kv_cache.py, which also gives the int8 scheme):
     k, v (num_blocks, nkv, block_size, d) float or int8; with int8, k_scale, v_scale
-    (num_blocks, nkv, block_size) float16, and optionally k_channel_scale (nkv, d) float32
+    (num_blocks, nkv, block_size) float16, and optionally a key scheme: k_channel_scale
+    (nkv, d) float32, or k_rotate
   block_tables: (S, max_blocks) int32, -1 past each sequence's last block
 """
 import functools
@@ -89,7 +90,8 @@ def rope_store_kvcache(q, k, v, positions, cos_sin, cache: LayerKV, slot_mapping
     views into the fused QKV output, not modified; positions: (T,); cos_sin:
     (max_positions, d) with cos in [:, :d/2] and sin in [:, d/2:]; slot_mapping: (T,)
     int32, slot = block * block_size + offset, -1 for a token whose KV is already cached
-    (skipped). With a key channel scale s, K is stored as k / s and q is returned as q * s.
+    (skipped). With a key channel scale s, K is stored as k / s and q is returned as q * s;
+    with k_rotate, K is stored as k H and q returned as q H (H = hadamard(d)).
     Returns the rotated q: (T, nq, d), contiguous."""
     if on_gpu(q):
         return _kernels().rope_store_kvcache(q, k, v, positions, cos_sin, cache, slot_mapping)
@@ -110,12 +112,30 @@ def rope_store_kvcache(q, k, v, positions, cos_sin, cache: LayerKV, slot_mapping
     if cache.k_channel_scale is not None:
         keys = keys / cache.k_channel_scale
         q = q * np.repeat(cache.k_channel_scale, q.shape[1] // k.shape[1], axis=0)  # per query head
+    if cache.k_rotate:
+        h = hadamard(q.shape[-1])
+        keys, q = keys @ h, q @ h
     for values, data, scales in ((keys, cache.k, cache.k_scale), (v[keep], cache.v, cache.v_scale)):
         if scales is None:
             data[blocks, :, offsets] = values
         else:
             data[blocks, :, offsets], scales[blocks, :, offsets] = quantize(values)
     return q
+
+
+@functools.cache
+def hadamard(d: int) -> np.ndarray:
+    """(d, d) float32 Sylvester Hadamard matrix / sqrt(d), d a power of two: symmetric and
+    orthonormal (H H = I). x @ H is what the GPU computes as log2(d) butterfly stages
+    (a, b) -> (a + b, a - b), one per bit of the channel index, then a 1/sqrt(d) factor."""
+    h = np.ones((1, 1))
+    while h.shape[0] < d:
+        h = np.block([[h, h], [h, -h]])
+    if h.shape[0] != d:
+        raise ValueError(f"the Hadamard rotation needs a power-of-two head_dim, got {d}")
+    h = (h / np.sqrt(d)).astype(np.float32)
+    h.flags.writeable = False
+    return h
 
 
 def quantize(x):

@@ -24,9 +24,9 @@ from nano.plan import SchedulerOutput, StepSizes, is_decode, pack_step, samples,
 
 class ModelRunner:
     def __init__(self, model, device: Device, num_blocks: int, num_swap_blocks: int,
-                 block_size: int, kv_cache_dtype: str = "auto", broadcast=None,
+                 block_size: int, kv_cache_dtype: str = "auto", key_scheme: str | None = None, broadcast=None,
                  cuda_graphs: bool = False, max_num_seqs: int = 1, max_model_len: int = 1):
-        """kv_cache_dtype: auto (the device's dtype) or int8 (kv_cache.py).
+        """kv_cache_dtype: auto (the device's dtype) or int8, with key_scheme (kv_cache.py).
         broadcast: sends rank 0's packed steps to the other TP ranks (parallel.Group).
         cuda_graphs: on a GPU, replay decode steps of up to max_num_seqs sequences from
         CUDA graphs (graphs.py); block tables are then max_model_len / block_size wide."""
@@ -38,7 +38,7 @@ class ModelRunner:
 
         def pool(xp, blocks):
             return KVCache(xp, cfg.num_layers, blocks, model.num_kv_heads, block_size, cfg.head_dim,
-                           device.dtype, kv_cache_dtype)
+                           device.dtype, kv_cache_dtype, key_scheme)
 
         self.kv_cache, self.host_cache = pool(device.xp, num_blocks), pool(np, num_swap_blocks)
         self.graphs = None

@@ -47,6 +47,9 @@ def load_shard(config: EngineConfig, group: parallel.Group) -> Shard:
         kind = select_device(config.device)
         device = Device(kind, gpu_of(group.rank) if kind == "gpu" else 0)
         group.cuda_aware = kind == "gpu" and group.world > 1 and parallel.cuda_aware_mpi()
+        if config.key_scheme == "rotate" and cfg.head_dim & (cfg.head_dim - 1):
+            raise NanoError(f"--kv-int8-keys rotate needs a power-of-two head dim, the model's is "
+                            f"{cfg.head_dim} (give --kv-int8-keys token or channel)")
         model = load_model(folder.reader, cfg, plans[group.rank], device.put, context, group.all_reduce)
 
     per_token = kv_cache.bytes_per_token(cfg, plans[group.rank].num_kv_heads, config.kv_cache_dtype,
@@ -61,7 +64,7 @@ def load_shard(config: EngineConfig, group: parallel.Group) -> Shard:
     with group.together():
         _check_memory(device, num_blocks * block_bytes, num_swap_blocks * block_bytes)
     runner = ModelRunner(model, device, num_blocks, num_swap_blocks, config.block_size,
-                         config.kv_cache_dtype, group.broadcast,
+                         config.kv_cache_dtype, config.key_scheme, group.broadcast,
                          # MPI all-reduces run on the host: a TP step cannot be captured
                          cuda_graphs=not config.enforce_eager and group.world == 1,
                          max_num_seqs=config.max_num_seqs, max_model_len=context)
