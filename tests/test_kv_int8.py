@@ -1,0 +1,154 @@
+"""The int8 KV cache on the CPU path (nano/kv_cache.py): its quantizer and key schemes, its
+bytes and blocks, and the engine's scheduling features on an int8 pool.
+
+Scheduling must not change what an int8 pool computes beyond rounding: each token is
+quantized once, from its own K/V, so a schedule changes only the float32 order of the
+sums that made K/V (a value within ~1e-6 of a rounding boundary may land one int8 step
+over, and one such step moved the tiny model's logits by 2.8e-3 of their scale). Hence
+greedy tokens equal to the unconstrained int8 run's, and logits within INT8_SCHEDULE_TOL
+of them, relative to the logit scale; a block losing its scales in a swap or a prefix hit
+moves them by far more. Against full precision, int8 logits are within INT8_VS_FULL_TOL
+(the quantization error itself).
+"""
+import numpy as np
+import pytest
+
+from nano import ops
+from nano.capacity import plan_from_config
+from nano.config import EngineConfig, ModelConfig
+from nano.engine import LLMEngine
+from nano.kv_cache import KEY_SCHEMES, KVCache, LayerKV, bytes_per_token
+from nano.model import rope_cos_sin
+from nano.runner import ModelRunner
+from nano.sequence import SamplingParams
+from nano.weights import open_model
+from test_equivalence import CONFIGS, shared_prefix_prompts
+
+INT8_SCHEDULE_TOL = 1e-2
+INT8_VS_FULL_TOL = 5e-2
+
+
+def run(model_dir, prompts, **engine_args):
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", **engine_args))
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, return_logits=True)
+    return engine, engine.generate(prompts, params)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return shared_prefix_prompts(512, np.random.default_rng(1))
+
+
+@pytest.fixture(scope="module")
+def int8_runs(tiny_model, prompts):
+    """The unconstrained run of each key scheme, and the full-precision one."""
+    runs = {s: run(tiny_model, prompts, kv_cache_dtype="int8", kv_int8_keys=s)[1] for s in KEY_SCHEMES}
+    runs["full"] = run(tiny_model, prompts)[1]
+    return runs
+
+
+def assert_runs_agree(seqs, reference, tol):
+    """Logits within tol of the reference's (relative to their scale) at every step up to
+    the first token that differs, if one does; there the two tokens' reference logits must
+    be a near-tie (within 2 tol), which an int8 step may flip. Past it the runs condition
+    on different tokens and are not compared."""
+    for seq, ref in zip(seqs, reference):
+        ours, theirs = seq.output_token_ids, ref.output_token_ids
+        differ = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(theirs) - 1)
+        got, want = np.stack(seq.logits[:differ + 1]), np.stack(ref.logits[:differ + 1])
+        scale = np.abs(want).max()
+        assert np.abs(got - want).max() <= tol * scale
+        assert want[-1][theirs[differ]] - want[-1][ours[differ]] <= 2 * tol * scale
+
+
+@pytest.mark.parametrize("scheme", KEY_SCHEMES)
+def test_int8_is_close_to_full_precision(int8_runs, scheme):
+    assert_runs_agree(int8_runs[scheme], int8_runs["full"], INT8_VS_FULL_TOL)
+
+
+@pytest.mark.parametrize("name", [n for n in CONFIGS if n != "default"])
+@pytest.mark.parametrize("scheme", KEY_SCHEMES)
+def test_scheduling_features_on_an_int8_pool(tiny_model, prompts, int8_runs, name, scheme):
+    """Prefix caching (hits reuse quantized blocks), chunked prefill, swap (scales travel
+    with their blocks) and recompute give the unconstrained run's tokens."""
+    engine, seqs = run(tiny_model, prompts, kv_cache_dtype="int8", kv_int8_keys=scheme, **CONFIGS[name])
+    assert engine.runner.kv_cache.data.dtype == np.int8
+    assert_runs_agree(seqs, int8_runs[scheme], INT8_SCHEDULE_TOL)
+    m = engine.metrics
+    if name in ("preempt_swap", "preempt_recompute"):
+        assert set(m.preemptions) == {name.removeprefix("preempt_")}
+    if name in ("chunked_prefill", "preempt_auto_chunked"):
+        assert m.prefix_hits > 0
+
+
+def test_swap_moves_blocks_with_their_scales(tiny_model):
+    engine = LLMEngine(EngineConfig(model=str(tiny_model), device="cpu", kv_cache_dtype="int8", num_blocks=10))
+    runner: ModelRunner = engine.runner
+    rng = np.random.default_rng(0)
+    cache = runner.kv_cache
+    cache.data[...] = rng.integers(-127, 128, cache.data.shape)
+    cache.scales[...] = rng.random(cache.scales.shape)
+    before = [a[:, :, [2, 7]].copy() for a in (cache.data, cache.scales)]
+    runner.swap([(2, 0), (7, 1)], [])
+    cache.data.fill(0)
+    cache.scales.fill(0)
+    runner.swap([], [(0, 5), (1, 3)])
+    for a, saved in zip((cache.data, cache.scales), before):
+        np.testing.assert_array_equal(a[:, :, [5, 3]], saved)
+
+
+def test_quantize_round_trip_and_zero_rows():
+    x = np.random.default_rng(0).normal(size=(50, 3, 64)).astype(np.float32)
+    x[4, 1] = 0
+    values, scales = ops.quantize(x)
+    assert values.dtype == np.int8 and scales.dtype == np.float16
+    assert np.abs(values).max() == 127 and not values[4, 1].any() and scales[4, 1] == 0
+    step = scales.astype(np.float32)[..., None]
+    assert np.all(np.abs(values * step - x) <= 0.5 * step + 1e-3 * np.abs(x))
+
+
+def test_key_schemes_keep_q_dot_k():
+    """K is stored in the scheme's basis and q returned in the matching one: q.k is what
+    the unquantized rotated q and k would give, up to the int8 step."""
+    rng = np.random.default_rng(0)
+    t, nq, nkv, d, bs = 6, 4, 2, 64, 8
+    cfg = ModelConfig.from_hf(dict(hidden_size=nq * d, intermediate_size=8, num_hidden_layers=1,
+                                   num_attention_heads=nq, num_key_value_heads=nkv, vocab_size=8))
+    cos_sin = rope_cos_sin(cfg, 32)
+    q, k, v = (rng.normal(size=(t, n, d)).astype(np.float32) for n in (nq, nkv, nkv))
+    k[..., 5] *= 20  # an outlier channel
+    positions, slots = np.arange(t), np.arange(t, dtype=np.int32)
+    full = KVCache(np, 1, 1, nkv, bs, d, np.float32, "auto").layer(0)
+    q_full = ops.rope_store_kvcache(q, k, v, positions, cos_sin, full, slots)
+    exact = np.einsum("thd,hsd->hts", q_full[:, ::2], full.k[0, :, :t])  # heads 0, 2 use KV heads 0, 1
+    errors = {}
+    for scheme in KEY_SCHEMES:
+        pool = KVCache(np, 1, 1, nkv, bs, d, np.float32, "int8", scheme)
+        if scheme == "channel":
+            pool.k_channel_scale = np.sqrt(np.abs(full.k[0, :, :t]).max(axis=1))[None] / 5
+        cache = pool.layer(0)
+        q_s = ops.rope_store_kvcache(q, k, v, positions, cos_sin, cache, slots)
+        keys = cache.k[0, :, :t] * cache.k_scale[0, :, :t, None].astype(np.float32)
+        got = np.einsum("thd,hsd->hts", q_s[:, ::2], keys)
+        errors[scheme] = np.abs(got - exact).max() / np.abs(exact).max()
+    assert all(e < 2e-2 for e in errors.values()), errors
+    assert errors["rotate"] < errors["token"] and errors["channel"] < errors["token"], errors
+
+
+def test_bytes_per_token_of_the_default_model_shape(default_model):
+    model = open_model(str(default_model), tokenizer=False).config
+    assert bytes_per_token(model, 3, "auto", 4) == 46_080
+    assert bytes_per_token(model, 3, "auto", 2) == 23_040
+    assert bytes_per_token(model, 3, "int8", 4) == bytes_per_token(model, 3, "int8", 2) == 11_880
+
+
+def test_int8_plan_and_engine_agree_on_the_blocks(tiny_model):
+    plans = {}
+    for dtype in ("auto", "int8"):
+        config = EngineConfig(model=str(tiny_model), device="cpu", kv_cache_memory=10**7, kv_cache_dtype=dtype)
+        plans[dtype] = plan_from_config(config)
+        engine = LLMEngine(config)
+        assert engine.block_manager.num_blocks == plans[dtype].num_blocks
+        assert engine.runner.kv_cache.nbytes <= 10**7
+    # head_dim 16: 18 bytes per (token, head) against 64 in float32
+    assert plans["int8"].num_blocks == pytest.approx(64 / 18 * plans["auto"].num_blocks, rel=0.01)
