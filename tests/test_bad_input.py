@@ -68,6 +68,10 @@ def test_jsonl_field_of_the_wrong_type_or_value(tmp_path, field, message):
     (["--watermark", "nan"], "--watermark must be a number in [0, 1), got nan"),
     (["--kv-cache-memory", "inf"], "cannot read a byte size from 'inf' (e.g. 2GB, 512MiB)"),
     (["--swap-space", "nan"], "cannot read a byte size from 'nan' (e.g. 2GB, 512MiB)"),
+    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype must be auto or int8, got 'fp8'"),
+    (["--kv-cache-dtype", "int8", "--kv-int8-keys", "hadamard"],
+     "--kv-int8-keys must be token, channel or rotate, got 'hadamard'"),
+    (["--kv-int8-keys", "rotate"], "--kv-int8-keys needs --kv-cache-dtype int8"),
     (["--max-tokens", "1e3"], "argument --max-tokens: invalid int value: '1e3'"),
     (["--max-tokens", str(2**40)], f"--max-tokens must be an integer in [1, 2147483647], got {2**40}"),
 ])
