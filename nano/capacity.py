@@ -81,6 +81,7 @@ class CapacityPlan:
     kv_bytes_per_token_full: int      # the same model without GQA (one KV head per query head)
     kv_bytes_per_token_per_rank: list[int]
     num_blocks: int
+    full_precision_blocks: int | None  # an int8 pool sized by memory: what the device's dtype would get
     bandwidth: float                  # bytes/s
     contexts: list[int] = field(default_factory=list)
 
@@ -106,6 +107,8 @@ def format_plan(p: CapacityPlan) -> str:
         + f"; without GQA it would be {p.kv_bytes_per_token_full} ({gqa:.1f}x more)",
         f"KV pool             {p.kv_memory / 1e9:.2f} GB -> {p.num_blocks} blocks of {p.block_size} tokens "
         f"({p.num_blocks * p.block_size} tokens)",
+        *([f"                    {p.num_blocks / p.full_precision_blocks:.2f}x the {p.full_precision_blocks} blocks "
+           f"a full-precision pool gets from the same memory"] if p.full_precision_blocks else []),
         f"bandwidth           {p.bandwidth / 1e9:.1f} GB/s (measured copy, read + write)",
         "",
         f"{'context':>8} {'ceiling':>8} {'left over':>10} {'step floor':>11} {'per token':>10} {'floor tok/s':>12}",
@@ -150,5 +153,7 @@ def plan_from_config(config: EngineConfig) -> CapacityPlan:
         kv_bytes_per_token_full=per_token_of(cfg.num_heads),
         kv_bytes_per_token_per_rank=per_token,
         num_blocks=kv_pool_blocks(config, memory, per_token[0]),
+        full_precision_blocks=None if config.kv_cache_dtype == "auto" or config.num_blocks else blocks_for_memory(
+            memory, kv_cache.bytes_per_token(cfg, shards[0].num_kv_heads, "auto", device.itemsize), config.block_size),
         bandwidth=measure_copy_bandwidth(device.xp),
         contexts=sorted({c for c in PLAN_CONTEXTS if c < context} | {context}))

@@ -66,9 +66,16 @@ class LLMEngine:
                 f"KV cache {self.kv_bytes_per_token} bytes/token "
                 f"({kv_cache.label(self.config.kv_cache_dtype, self.config.key_scheme, self.device.dtype)}), "
                 f"{bm.num_blocks} blocks of {bs} tokens "
-                f"({bm.num_blocks * bs} tokens, {bm.num_blocks * bs * self.kv_bytes_per_token / 1e9:.2f} GB); "
+                f"({bm.num_blocks * bs} tokens, {bm.num_blocks * bs * self.kv_bytes_per_token / 1e9:.2f} GB"
+                + self._describe_int8_gain() + "); "
                 f"batch ceiling {bm.num_blocks // per_seq} sequences of {self.max_model_len} tokens; "
                 f"swap space {bm.num_swap_blocks} blocks" + self._describe_ranks())
+
+    def _describe_int8_gain(self) -> str:
+        if self.config.kv_cache_dtype == "auto":
+            return ""
+        full = kv_cache.bytes_per_token(self.model_config, self.runner.model.num_kv_heads, "auto", self.device.itemsize)
+        return f", {full / self.kv_bytes_per_token:.2f}x the tokens of a full-precision pool"
 
     def _describe_ranks(self) -> str:
         """Under TP the figures above are rank 0's. Every rank has the same number of blocks

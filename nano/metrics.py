@@ -51,6 +51,7 @@ class Metrics:
         self.prefix_hits = 0                 # of those, found cached
         self.kv_occupancy = 0.0
         self.peak_kv_occupancy = 0.0
+        self.peak_running = 0                # most sequences in one step
         self.steps = 0
         self.step_time = 0.0
         self.last_step_time = 0.0
@@ -76,6 +77,7 @@ class Metrics:
         self.all_reduce_bytes += all_reduce_bytes
         self.kv_occupancy = 1 - free_blocks / self.num_blocks
         self.peak_kv_occupancy = max(self.peak_kv_occupancy, self.kv_occupancy)
+        self.peak_running = max(self.peak_running, len(plan.scheduled))
         for p in plan.preempted:
             self.preemptions[p.mode] += 1
             self.preemption_reasons[f"{p.mode}:{p.reason}"] += 1
@@ -116,6 +118,7 @@ class Metrics:
             "preemption_reasons": dict(self.preemption_reasons),
             "prefix_cache_hit_rate": self.prefix_hits / self.prefix_queried if self.prefix_queried else 0.0,
             "peak_kv_occupancy": self.peak_kv_occupancy,
+            "peak_running": self.peak_running,
             "steps": self.steps,
             "mean_step_ms": 1e3 * self.step_time * per_step,
             "decode_steps": self.decode_steps,
@@ -207,7 +210,7 @@ def format_summary(s: dict) -> str:
         f"SLO attainment      {100 * s['slo_attainment']:.1f}% of requests, goodput {s['goodput_rps']:.2f} req/s",
         f"preemptions         {s['preemptions_swap']} swap, {s['preemptions_recompute']} recompute ({reasons})",
         f"prefix cache hits   {100 * s['prefix_cache_hit_rate']:.1f}% of prompt tokens",
-        f"peak KV occupancy   {100 * s['peak_kv_occupancy']:.1f}%",
+        f"peak KV occupancy   {100 * s['peak_kv_occupancy']:.1f}%, {s['peak_running']} sequences in one step",
         f"steps               {s['steps']}, mean {s['mean_step_ms']:.1f} ms",
     ] + ([  # tensor parallelism only; the time includes waiting for the slowest rank
         f"all-reduce          {s['all_reduce_ms_per_step']:.1f} ms and "

@@ -45,18 +45,12 @@ def emulate_gpu() -> None:
 
 def main(workdir: str) -> None:
     emulate_gpu()
-    from reference import assert_greedy_runs_agree, make_random_model
-    from test_engine_gpu import GPU_CONFIGS, LOGIT_TOL, generate, prompts_for
+    from reference import make_random_model
+    from test_engine_gpu import GPU_CONFIGS, check_gpu_configs, prompts_for
 
     model_dir = make_random_model(Path(workdir) / "model", max_pos=1024, dtype="float16", seed=7, **SHAPE)
-    prompts = prompts_for(SHAPE["vocab"])
-    _, cpu = generate(model_dir, "cpu", prompts, num_blocks=256)
-    for name, args in GPU_CONFIGS.items():
-        engine, gpu = generate(model_dir, "gpu", prompts, enforce_eager=True, **{"num_blocks": 256, **args})
-        assert engine.device.kind == "gpu" and engine.device.xp.__name__.endswith("cupy_stub")
-        assert_greedy_runs_agree(cpu, gpu, LOGIT_TOL)
-        if name.startswith("preempt"):
-            assert engine.metrics.preemptions[name.removeprefix("preempt_")] > 0, name
+    for engine, name, gpu in check_gpu_configs(model_dir, prompts_for(SHAPE["vocab"]), enforce_eager=True):
+        assert engine.device.xp.__name__.endswith("cupy_stub")
         print(name, "agrees:", [s.output_token_ids for s in gpu][:2])
     print(f"{len(GPU_CONFIGS)} configs agree")
 

@@ -44,26 +44,50 @@ def generate(model_dir, device, prompts, max_tokens=8, **engine_args):
     return engine, engine.generate(prompts, params)
 
 
+INT8 = {"kv_cache_dtype": "int8"}
+# 13 blocks: the fourth prompt is admitted late and a decode then runs out (checked on the CPU)
+TIGHT = {"num_blocks": 13, "watermark": 0.0}
 GPU_CONFIGS = {
     "default": {},
     "no_prefix_caching": {"enable_prefix_caching": False},
     "chunked_prefill": {"max_num_batched_tokens": 24},
-    # 13 blocks: the fourth prompt is admitted late and a decode then runs out (checked on the CPU)
-    "preempt_swap": {"num_blocks": 13, "watermark": 0.0, "preemption": "swap"},
-    "preempt_recompute": {"num_blocks": 13, "watermark": 0.0, "preemption": "recompute"},
+    "preempt_swap": {**TIGHT, "preemption": "swap"},
+    "preempt_recompute": {**TIGHT, "preemption": "recompute"},
+    # An int8 pool, each key scheme, and its scales through prefix hits, chunks and swaps.
+    "int8": INT8,
+    "int8_token_keys": {**INT8, "kv_int8_keys": "token"},
+    "int8_channel_keys": {**INT8, "kv_int8_keys": "channel"},
+    "int8_chunked_prefill": {**INT8, "max_num_batched_tokens": 24},
+    "int8_preempt_swap": {**INT8, **TIGHT, "preemption": "swap"},
+    "int8_preempt_recompute": {**INT8, **TIGHT, "preemption": "recompute"},
 }
+
+
+def kv_args(args: dict) -> dict:
+    """The flags that choose what the KV pool holds: the CPU run to compare with uses them too."""
+    return {k: v for k, v in args.items() if k.startswith("kv_")}
+
+
+def check_gpu_configs(model_dir, prompts, **gpu_args):
+    """Every GPU_CONFIGS run against the CPU path with the same KV pool type."""
+    cpu = {}
+    for name, args in GPU_CONFIGS.items():
+        key = tuple(sorted(kv_args(args).items()))
+        if key not in cpu:
+            cpu[key] = generate(model_dir, "cpu", prompts, num_blocks=256, **kv_args(args))[1]
+        engine, gpu = generate(model_dir, "gpu", prompts, **{"num_blocks": 256, **gpu_args, **args})
+        assert engine.device.kind == "gpu"
+        assert_greedy_runs_agree(cpu[key], gpu, LOGIT_TOL)
+        preempt = name.split("preempt_")[-1] if "preempt_" in name else None
+        if preempt:
+            assert engine.metrics.preemptions[preempt] > 0, name
+        yield engine, name, gpu
 
 
 def test_gpu_engine_matches_cpu(shaped_model):
     model_dir, vocab = shaped_model
-    prompts = prompts_for(vocab)
-    _, cpu = generate(model_dir, "cpu", prompts, num_blocks=256)
-    for name, args in GPU_CONFIGS.items():
-        engine, gpu = generate(model_dir, "gpu", prompts, **{"num_blocks": 256, **args})
-        assert engine.device.kind == "gpu"
-        assert_greedy_runs_agree(cpu, gpu, LOGIT_TOL)
-        if name.startswith("preempt"):
-            assert engine.metrics.preemptions[name.removeprefix("preempt_")] > 0, name
+    for _ in check_gpu_configs(model_dir, prompts_for(vocab)):
+        pass
 
 
 def test_gpu_sampling_is_seeded(shaped_model):
@@ -83,18 +107,23 @@ def test_gpu_sampling_is_seeded(shaped_model):
     assert run(5) != run(6)
 
 
-def test_swap_round_trip_is_exact(shaped_model):
-    """Swap-out then swap-in through the runner returns the KV bytes exactly."""
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_swap_round_trip_is_exact(shaped_model, kv_cache_dtype):
+    """Swap-out then swap-in through the runner returns the KV bytes (and an int8 pool's
+    scales) exactly."""
     import cupy
 
     model_dir, _ = shaped_model
     engine = LLMEngine(EngineConfig(model=str(model_dir), device="gpu", num_blocks=64,
-                                    swap_space=2**30))
+                                    swap_space=2**30, kv_cache_dtype=kv_cache_dtype))
     runner = engine.runner
-    runner.kv_cache[...] = cupy.random.standard_normal(runner.kv_cache.shape).astype(cupy.float16)
+    pools = runner.kv_cache.block_arrays()
+    for pool in pools:  # random bytes, whatever the dtype
+        pool.view(cupy.uint8)[...] = cupy.random.randint(0, 256, pool.nbytes, cupy.uint8).reshape(
+            pool.view(cupy.uint8).shape)
     src, dst, host = [3, 17, 40, 5], [60, 1, 22, 9], [0, 7, 2, 11]
-    before = runner.kv_cache[:, :, src].copy()
+    before = [pool[:, :, src].copy() for pool in pools]
     runner.swap(list(zip(src, host)), [])
     runner.swap([], list(zip(host, dst)))
-    after = runner.kv_cache[:, :, dst]
-    assert cupy.array_equal(before.view(cupy.uint16), after.view(cupy.uint16))
+    for pool, saved in zip(pools, before):
+        assert cupy.array_equal(saved.view(cupy.uint8), pool[:, :, dst].view(cupy.uint8))

@@ -44,7 +44,8 @@ def relative_error(a, b) -> float:
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
-def test_graphs_do_not_change_greedy_output(shaped_model):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_graphs_do_not_change_greedy_output(shaped_model, kv_cache_dtype):
     """Requests of different lengths: the batch shrinks 7 -> 1, through buckets 8, 4, 2, 1."""
     model_dir, vocab = shaped_model
     rng = np.random.default_rng(0)
@@ -54,23 +55,47 @@ def test_graphs_do_not_change_greedy_output(shaped_model):
     runs = {}
     for eager in (True, False):
         engine = LLMEngine(EngineConfig(model=str(model_dir), device="gpu", num_blocks=512,
-                                        max_num_seqs=16, enforce_eager=eager))
+                                        max_num_seqs=16, enforce_eager=eager, kv_cache_dtype=kv_cache_dtype))
         runs[eager] = engine.generate(prompts, params)
         assert (engine.runner.graphs is None) == eager
     assert set(engine.runner.graphs.captured) >= {1, 2, 4, 8}
     assert_greedy_runs_agree(runs[True], runs[False], LOGIT_TOL)
 
 
+def randomize(cache) -> None:
+    """Random K/V (float16 normal, or int8 with scales whose products are about as large)."""
+    if cache.scales is None:
+        cache.data[...] = cupy.random.standard_normal(cache.data.shape, dtype=cupy.float32).astype(cupy.float16)
+        return
+    cache.data[...] = cupy.random.randint(-127, 128, cache.data.shape).astype(cupy.int8)
+    cache.scales[...] = (cupy.random.random(cache.scales.shape, dtype=cupy.float32) / 64).astype(cupy.float16)
+
+
+def pool_error(got: list, want: list) -> float:
+    return max(relative_error(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("n", [1, 3, 8, 13, 17])
-def test_replay_with_padding_matches_eager(shaped_model, n):
+def test_replay_with_padding_matches_eager(shaped_model, n, kv_cache_dtype):
     """n decode rows over random KV contents: replay vs (a) eager on the same padded batch
-    (SAME_BATCH_TOL) and (b) eager on the n rows alone (LOGIT_TOL); the KV cache gets the
-    same writes, at the n rows' slots only (padding rows write nothing)."""
+    (SAME_BATCH_TOL) and (b) eager on the n rows alone (LOGIT_TOL); the KV pool (an int8
+    one's scales too) gets the same writes, at the n rows' slots only (padding rows write
+    nothing)."""
     model_dir, _ = shaped_model
-    engine = LLMEngine(EngineConfig(model=str(model_dir), device="gpu", num_blocks=256, max_num_seqs=32))
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device="gpu", num_blocks=256, max_num_seqs=32,
+                                    kv_cache_dtype=kv_cache_dtype))
     runner, graphs = engine.runner, engine.runner.graphs
-    kv = runner.kv_cache
-    kv[...] = cupy.random.standard_normal(kv.shape, dtype=cupy.float32).astype(cupy.float16)
+    cache = runner.kv_cache
+    randomize(cache)
+
+    def snapshot():
+        return [a.copy() for a in cache.block_arrays()]
+
+    def restore(saved):
+        for a, b in zip(cache.block_arrays(), saved):
+            a[...] = b
+
     rng = np.random.default_rng(n)
     bs = runner.block_size
     context = rng.integers(1, 300, n).astype(np.int32)
@@ -85,27 +110,30 @@ def test_replay_with_padding_matches_eager(shaped_model, n):
     positions = context - 1
     slots = tables[np.arange(n), positions // bs] * bs + positions % bs
     ids = rng.integers(3, 1000, n).astype(np.int32)
-    before = kv.copy()
+    before = snapshot()
 
     step = graphs.prepare(ids, positions, slots, context, tables)
     graph_logits = runner.forward(step).copy()
-    graph_kv = kv.copy()
+    graph_kv = snapshot()
 
-    kv[...] = before
+    restore(before)
     padded = graphs._batch(graphs.captured[step.bucket].inputs, step.bucket)
-    padded_logits = runner.model.forward(padded, kv)[:n]
+    padded_logits = runner.model.forward(padded, cache)[:n]
     assert relative_error(graph_logits, padded_logits) <= SAME_BATCH_TOL
-    assert relative_error(graph_kv, kv) <= SAME_BATCH_TOL
+    assert pool_error(graph_kv, snapshot()) <= SAME_BATCH_TOL
 
-    kv[...] = before
+    restore(before)
     d = cupy.asarray
     alone = ForwardBatch(d(ids), d(positions), d(slots.astype(np.int32)), n, d(context), d(tables),
                          d(np.zeros(1, np.int32)), d(np.arange(n, dtype=np.int32)))
-    assert relative_error(graph_logits, runner.model.forward(alone, kv)) <= LOGIT_TOL
-    assert relative_error(graph_kv, kv) <= LOGIT_TOL
+    assert relative_error(graph_logits, runner.model.forward(alone, cache)) <= LOGIT_TOL
+    assert pool_error(graph_kv, snapshot()) <= LOGIT_TOL  # an int8 value may move one step: 1/127
 
-    written = np.zeros(kv.shape[2] * bs, bool)
+    written = np.zeros(cache.data.shape[2] * bs, bool)
     written[slots] = True
     untouched = cupy.asarray(~written.reshape(-1, bs))  # (num_blocks, block_size)
-    mask = untouched[None, None, :, None, :, None]
-    assert cupy.array_equal(cupy.where(mask, graph_kv, 0), cupy.where(mask, before, 0))
+    for got, old in zip(graph_kv, before):  # (L, 2, num_blocks, nkv, block_size[, d])
+        mask = untouched[None, None, :, None, :]
+        if got.ndim == 6:
+            mask = mask[..., None]
+        assert cupy.array_equal(cupy.where(mask, got, 0), cupy.where(mask, old, 0))

@@ -5,10 +5,10 @@ Scheduling must not change what an int8 pool computes beyond rounding: each toke
 quantized once, from its own K/V, so a schedule changes only the float32 order of the
 sums that made K/V (a value within ~1e-6 of a rounding boundary may land one int8 step
 over, and one such step moved the tiny model's logits by 2.8e-3 of their scale). Hence
-greedy tokens equal to the unconstrained int8 run's, and logits within INT8_SCHEDULE_TOL
-of them, relative to the logit scale; a block losing its scales in a swap or a prefix hit
-moves them by far more. Against full precision, int8 logits are within INT8_VS_FULL_TOL
-(the quantization error itself).
+logits within INT8_SCHEDULE_TOL of the unconstrained int8 run's, relative to the logit
+scale, and the same greedy tokens but at a near-tie (reference.assert_greedy_runs_agree);
+a block losing its scales in a swap or a prefix hit moves them by far more. Against full
+precision, int8 logits are within INT8_VS_FULL_TOL (the quantization error itself).
 """
 import numpy as np
 import pytest
@@ -22,6 +22,7 @@ from nano.model import rope_cos_sin
 from nano.runner import ModelRunner
 from nano.sequence import SamplingParams
 from nano.weights import open_model
+from reference import assert_greedy_runs_agree
 from test_equivalence import CONFIGS, shared_prefix_prompts
 
 INT8_SCHEDULE_TOL = 1e-2
@@ -47,23 +48,9 @@ def int8_runs(tiny_model, prompts):
     return runs
 
 
-def assert_runs_agree(seqs, reference, tol):
-    """Logits within tol of the reference's (relative to their scale) at every step up to
-    the first token that differs, if one does; there the two tokens' reference logits must
-    be a near-tie (within 2 tol), which an int8 step may flip. Past it the runs condition
-    on different tokens and are not compared."""
-    for seq, ref in zip(seqs, reference):
-        ours, theirs = seq.output_token_ids, ref.output_token_ids
-        differ = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(theirs) - 1)
-        got, want = np.stack(seq.logits[:differ + 1]), np.stack(ref.logits[:differ + 1])
-        scale = np.abs(want).max()
-        assert np.abs(got - want).max() <= tol * scale
-        assert want[-1][theirs[differ]] - want[-1][ours[differ]] <= 2 * tol * scale
-
-
 @pytest.mark.parametrize("scheme", KEY_SCHEMES)
 def test_int8_is_close_to_full_precision(int8_runs, scheme):
-    assert_runs_agree(int8_runs[scheme], int8_runs["full"], INT8_VS_FULL_TOL)
+    assert_greedy_runs_agree(int8_runs["full"], int8_runs[scheme], INT8_VS_FULL_TOL)
 
 
 @pytest.mark.parametrize("name", [n for n in CONFIGS if n != "default"])
@@ -73,7 +60,7 @@ def test_scheduling_features_on_an_int8_pool(tiny_model, prompts, int8_runs, nam
     with their blocks) and recompute give the unconstrained run's tokens."""
     engine, seqs = run(tiny_model, prompts, kv_cache_dtype="int8", kv_int8_keys=scheme, **CONFIGS[name])
     assert engine.runner.kv_cache.data.dtype == np.int8
-    assert_runs_agree(seqs, int8_runs[scheme], INT8_SCHEDULE_TOL)
+    assert_greedy_runs_agree(int8_runs[scheme], seqs, INT8_SCHEDULE_TOL)
     m = engine.metrics
     if name in ("preempt_swap", "preempt_recompute"):
         assert set(m.preemptions) == {name.removeprefix("preempt_")}
