@@ -226,3 +226,16 @@ inline float __expf(float x) { return expf(x); }
 inline float __logf(float x) { return logf(x); }
 inline float __fdividef(float a, float b) { return a / b; }
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+
+// Integer intrinsics (sm_61+), with PTX's semantics: prmt's default mode (each selector nibble's
+// low 3 bits pick one of the 8 bytes of {y, x}), dp4a's signed 4-way byte dot product + c.
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+    const unsigned long long bytes = (unsigned long long)y << 32 | x;
+    unsigned out = 0;
+    for (int n = 0; n < 4; n++) out |= (unsigned)(bytes >> (8 * ((s >> (4 * n)) & 7)) & 0xff) << (8 * n);
+    return out;
+}
+inline int __dp4a(int a, int b, int c) {
+    for (int n = 0; n < 4; n++) c += (int)(signed char)(a >> (8 * n)) * (int)(signed char)(b >> (8 * n));
+    return c;
+}
