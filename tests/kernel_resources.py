@@ -10,17 +10,43 @@ from cupy_backends.cuda.libs import nvrtc
 from nano import kernels
 
 
+# Itanium ABI codes of the template arguments the kernels use: ints (Li64E), the builtin
+# signed char (a: int8_t), unsigned short (t), and named types (6__half, 5uint4).
+_TEMPLATE_ARG = re.compile(r"Li(-?\d+)E|(a)|(t)|(\d+)")
+_BUILTINS = {"a": "int8_t", "t": "unsigned short"}
+
+
 def demangle(name: str) -> str:
-    """_Z22paged_attention_kernelILi64ELi3EEv... -> paged_attention_kernel<64, 3>"""
-    m = re.match(r"_Z\d+(\w+?)ILi(\d+)ELi(\d+)E", name)
-    return f"{m.group(1)}<{m.group(2)}, {m.group(3)}>" if m else name
+    """_Z22paged_attention_kernelILi64ELi3E6__halfEv... -> paged_attention_kernel<64, 3, __half>;
+    _Z22paged_attention_kernelILi64ELi3EaEv... -> paged_attention_kernel<64, 3, int8_t>;
+    _Z13gather_blocksI5uint4Ev... -> gather_blocks<uint4>; a plain C name stays as it is."""
+    m = re.match(r"_Z(\d+)", name)
+    if not m or name[m.end() + int(m.group(1)):][:1] != "I":
+        return name
+    base = name[m.end():m.end() + int(m.group(1))]
+    rest, args = name[m.end() + int(m.group(1)) + 1:], []
+    while rest and rest[0] != "E":
+        a = _TEMPLATE_ARG.match(rest)
+        if not a:
+            return name
+        if a.group(1) is not None:
+            args.append(a.group(1))
+        elif a.group(2) or a.group(3):
+            args.append(_BUILTINS[a.group(2) or a.group(3)])
+        else:  # a named type: its length, then its name
+            length = int(a.group(4))
+            args.append(rest[a.end():a.end() + length])
+            rest = rest[a.end() + length:]
+            continue
+        rest = rest[a.end():]
+    return f"{base}<{', '.join(args)}>"
 
 
 def main():
     logs = kernels.compile_all("sm_90", ("-ftz=true", "--ptxas-options=-v"))
     print(f"NVRTC {'.'.join(map(str, nvrtc.getVersion()))}, sm_90, -ftz=true (as CuPy compiles)\n")
-    print(f"| {'file':20} | {'kernel':34} | regs | spill B | shared B |")
-    print(f"|{'-' * 22}|{'-' * 36}|------|---------|----------|")
+    print(f"| {'file':20} | {'kernel':42} | regs | spill B | shared B |")
+    print(f"|{'-' * 22}|{'-' * 44}|------|---------|----------|")
     for source, log in logs.items():
         kernel = None
         for line in log.splitlines():
@@ -29,7 +55,7 @@ def main():
             elif m := re.search(r"(\d+) bytes spill stores", line):
                 spill = int(m.group(1))
             elif m := re.search(r"Used (\d+) registers.*?(?:(\d+) bytes smem)?$", line):
-                print(f"| {source:20} | {kernel:34} | {m.group(1):>4} | {spill:>7} | {m.group(2) or 0:>8} |")
+                print(f"| {source:20} | {kernel:42} | {m.group(1):>4} | {spill:>7} | {m.group(2) or 0:>8} |")
 
 
 if __name__ == "__main__":
