@@ -1,9 +1,13 @@
 // Device helpers shared by the kernels in cuda/: 16-byte moves of 8 halfs, warp and block
-// reductions, and staging one tile of a paged K/V cache into shared memory.
+// reductions, and staging one tile of a paged K/V cache (float16 or int8) into shared memory.
 // nano/kernels.py compiles every .cu with this directory on the include path.
 #pragma once
 #include <cuda_fp16.h>
 #include <math_constants.h>  // CUDART_INF_F: NVRTC has no <cmath> INFINITY
+
+#ifdef __CUDACC_RTC__
+typedef signed char int8_t;  // NVRTC has no <cstdint>; the int8 KV cache's element type
+#endif
 
 #define NEG_INF (-CUDART_INF_F)
 
@@ -23,6 +27,24 @@ __device__ __forceinline__ void store8(__half* p, const float* f) {
     __half2* h = reinterpret_cast<__half2*>(&u);
     for (int i = 0; i < 4; i++) h[i] = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
     *reinterpret_cast<uint4*>(p) = u;
+}
+
+// Byte n (0..3) of w as a signed int8 value.
+__device__ __forceinline__ int int8_at(unsigned w, int n) {
+    return (int)(w << (24 - 8 * n)) >> 24;
+}
+
+// 16 int8 values (one 16-byte load) -> 16 halfs at p (16-byte aligned), exactly: every int8
+// value is a float16 integer.
+__device__ __forceinline__ void int8x16_to_half(const uint4 u, __half* p) {
+    const unsigned w[4] = {u.x, u.y, u.z, u.w};
+    uint4 out[2];
+    __half2* h = reinterpret_cast<__half2*>(out);
+    for (int i = 0; i < 8; i++)
+        h[i] = __floats2half2_rn((float)int8_at(w[i / 2], 2 * (i % 2)),
+                                 (float)int8_at(w[i / 2], 2 * (i % 2) + 1));
+    reinterpret_cast<uint4*>(p)[0] = out[0];
+    reinterpret_cast<uint4*>(p)[1] = out[1];
 }
 
 // Reduction operators: op(a, b) and the value that changes nothing.
@@ -59,19 +81,29 @@ __device__ T block_reduce(T value, Op op, T* shared) {
 // of one sequence and one KV head:
 //   1. s_block[r] = the physical block of token first + r, or -1 for r >= rows (past the
 //      tile's valid tokens) or past the block table;
-//   2. K and V rows of the tile into s_k / s_v (rows ROW halfs apart) with 16-byte loads.
-//      Neighbouring threads load neighbouring 16-byte chunks of a row: coalesced, since a
-//      run of tokens inside a block is contiguous. A skipped row becomes zeros, so P @ V
-//      can multiply it by p = 0.
+//   2. K and V rows of the tile into s_k / s_v (rows K_ROW / V_ROW elements apart) with
+//      16-byte loads: 8 halfs, or 16 values of an int8 cache. Neighbouring threads load
+//      neighbouring 16-byte chunks of a row: coalesced, since a run of tokens inside a block
+//      is contiguous. A skipped row becomes zeros, so P @ V can multiply it by p = 0.
+//      An int8 cache (CacheT int8_t) also stages each row's K and V scales, as float, in
+//      s_kscale / s_vscale (0 for a skipped row), and its values go to shared memory either
+//      as they are (TileT int8_t) or as halfs (TileT __half; exact: an int8 value is a
+//      float16 integer). The scales are not applied here: the kernels fold them into the
+//      scores (K) and the probabilities (V).
 // Ends with a barrier: the tile is ready for every thread.
-template <int TILE, int HEAD_DIM, int ROW, int NUM_THREADS>
+template <int TILE, int HEAD_DIM, int K_ROW, int V_ROW, int NUM_THREADS, typename CacheT, typename TileT>
 __device__ __forceinline__ void stage_kv_tile(
-        __half* s_k, __half* s_v, int* s_block, const __half* __restrict__ k_cache,
-        const __half* __restrict__ v_cache, const int* table, int max_blocks, int first, int rows,
-        int kv_head, int nkv, int log2_block_size) {
-    constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks per row
-    static_assert(TILE <= NUM_THREADS && TILE * CHUNKS % NUM_THREADS == 0,
-                  "one thread per row in step 1; whole rounds in step 2");
+        TileT* s_k, TileT* s_v, float* s_kscale, float* s_vscale, int* s_block,
+        const CacheT* __restrict__ k_cache, const CacheT* __restrict__ v_cache,
+        const __half* __restrict__ k_scales, const __half* __restrict__ v_scales, const int* table,
+        int max_blocks, int first, int rows, int kv_head, int nkv, int log2_block_size) {
+    constexpr bool QUANTIZED = sizeof(CacheT) == 1;
+    constexpr int PER_LOAD = 16 / sizeof(CacheT);  // cache values per 16-byte load
+    constexpr int CHUNKS = HEAD_DIM / PER_LOAD;    // 16-byte chunks per row
+    constexpr int WORK = TILE * CHUNKS;
+    static_assert(TILE <= NUM_THREADS, "one thread per row in step 1");
+    static_assert(sizeof(TileT) == sizeof(CacheT) || (QUANTIZED && sizeof(TileT) == 2),
+                  "a copy, or int8 values to halfs");
     if (threadIdx.x < TILE) {
         const int logical = (first + threadIdx.x) >> log2_block_size;
         s_block[threadIdx.x] = (int)threadIdx.x < rows && logical < max_blocks ? table[logical] : -1;
@@ -79,20 +111,38 @@ __device__ __forceinline__ void stage_kv_tile(
     __syncthreads();
     const int block_size = 1 << log2_block_size;
 #pragma unroll
-    for (int j = 0; j < TILE * CHUNKS / NUM_THREADS; j++) {
+    for (int j = 0; j < (WORK + NUM_THREADS - 1) / NUM_THREADS; j++) {
         const int i = threadIdx.x + j * NUM_THREADS;
+        if (WORK % NUM_THREADS != 0 && i >= WORK) break;  // the last round is partial
         const int r = i / CHUNKS, c = i % CHUNKS;
         const int block = s_block[r];
         uint4 kval = make_uint4(0, 0, 0, 0), vval = kval;
+        float kscale = 0.0f, vscale = 0.0f;
         if (block >= 0) {
             const int offset = (first + r) & (block_size - 1);
-            const long long src =
-                (((long long)block * nkv + kv_head) * block_size + offset) * HEAD_DIM + c * 8;
-            kval = *reinterpret_cast<const uint4*>(k_cache + src);
-            vval = *reinterpret_cast<const uint4*>(v_cache + src);
+            const long long row = ((long long)block * nkv + kv_head) * block_size + offset;
+            kval = *reinterpret_cast<const uint4*>(k_cache + row * HEAD_DIM + c * PER_LOAD);
+            vval = *reinterpret_cast<const uint4*>(v_cache + row * HEAD_DIM + c * PER_LOAD);
+            if constexpr (QUANTIZED) {
+                if (c == 0) {
+                    kscale = __half2float(k_scales[row]);
+                    vscale = __half2float(v_scales[row]);
+                }
+            }
         }
-        *reinterpret_cast<uint4*>(&s_k[r * ROW + c * 8]) = kval;
-        *reinterpret_cast<uint4*>(&s_v[r * ROW + c * 8]) = vval;
+        if constexpr (QUANTIZED) {
+            if (c == 0) {
+                s_kscale[r] = kscale;
+                s_vscale[r] = vscale;
+            }
+        }
+        if constexpr (sizeof(TileT) == sizeof(CacheT)) {
+            *reinterpret_cast<uint4*>(&s_k[r * K_ROW + c * PER_LOAD]) = kval;
+            *reinterpret_cast<uint4*>(&s_v[r * V_ROW + c * PER_LOAD]) = vval;
+        } else {
+            int8x16_to_half(kval, &s_k[r * K_ROW + c * PER_LOAD]);
+            int8x16_to_half(vval, &s_v[r * V_ROW + c * PER_LOAD]);
+        }
     }
     __syncthreads();
 }

@@ -7,15 +7,20 @@
 // The engine calls paged_attention (cuda/paged_attention.cu) for the first num_decodes rows
 // of a step and this kernel for the rest: one launch per kind.
 //
+// Template: prefill_attention_kernel<HEAD_DIM, GROUP, CacheT>, CacheT __half (float16 cache)
+// or int8_t (int8 cache, nano/kv_cache.py).
 // Arguments (float16 unless noted):
 //   q             (T, nq, d)          the step's prefill query rows, chunk after chunk
-//   k_cache/v_cache (num_blocks, nkv, block_size, d)  one layer of the cache
+//   k_cache/v_cache (num_blocks, nkv, block_size, d) CacheT  one layer of the cache
+//   k_scales/v_scales (num_blocks, nkv, block_size)  int8 cache: one scale per (token, KV
+//                                     head), value = int8 * scale; float16: empty, never read
 //   cu_seqlens_q  (S+1,) int32        chunk i is q[cu_seqlens_q[i] : cu_seqlens_q[i+1]]
 //   block_tables  (S, max_blocks) int32, -1 past the end
 //   context_lens  (S,) int32          tokens in cache, the chunk included
 //   out           (T, nq, d)
-// KV cache layout: one sequence's block for one KV head is block_size * d contiguous halfs,
-// so neighbouring threads load neighbouring 16-byte chunks of K/V rows (coalesced).
+// KV cache layout: one sequence's block for one KV head is block_size * d contiguous values
+// (halfs or int8), so neighbouring threads load neighbouring 16-byte chunks of K/V rows
+// (coalesced); a token's scales sit at the same (block, head, offset) index of the scales.
 //
 // Design (v1, CUDA cores, no tensor cores): a thread block of 256 threads takes 64 query
 // rows = 64 / GROUP query tokens x the GROUP query heads of one KV head, so each K/V tile is
@@ -26,21 +31,35 @@
 //   causally, 4. online softmax, one thread per row (running max and sum-exp in
 //   registers), 5. acc = acc * alpha + P @ V, each thread owning a dim pair of 8 or 16 rows.
 // Key tiles past the block's last query position are never visited (fully masked).
+// int8 cache: step 2 converts the int8 values to halfs in shared memory (exact) and stages
+// each key's two scales; step 3 multiplies a key's scores by its K scale, step 4 its
+// probabilities by its V scale (after the sum-exp, which is of p): nothing is dequantized
+// in global memory, and steps 3 and 5 run the float16 code. Prefill is compute-bound (each
+// K/V tile serves 64 query rows), so the conversion's cost is small next to the products.
 //
-// Version v1: head dim 64: 79-101 registers, 27.5 KB shared; head dim 128: 127-128
-// registers, 43.9 KB shared; no spills (tests/kernel_resources.py). Not yet measured on a GPU.
+// Version v2 (int8 instances; the float16 instances are v1's code, with its registers and
+// shared memory): float16, head dim 64: 79-101 registers, 27.5 KB shared; 128: 127-128
+// registers, 43.9 KB shared; int8, head dim 64: 80 registers, 27.8 KB shared; 128: 107-127
+// registers, 44.2 KB shared; no spills (tests/kernel_resources.py). Not yet measured on a GPU.
 #include "common.cuh"
 
 constexpr int NUM_THREADS = 256;
 constexpr int ROWS = 64;  // query rows (token, head) per thread block
 constexpr int KEYS = 32;  // keys per tile
 
-template <int HEAD_DIM, int GROUP>
-__global__ void __launch_bounds__(NUM_THREADS) prefill_attention_kernel(
+// Blocks per SM that the int8 instances' registers must allow (__launch_bounds__'s second
+// argument, see paged_attention.cu); 0 (none) for float16.
+template <int HEAD_DIM, typename CacheT>
+constexpr int MIN_BLOCKS = sizeof(CacheT) == 2 ? 0 : HEAD_DIM == 64 ? 3 : 2;
+
+template <int HEAD_DIM, int GROUP, typename CacheT>
+__global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS<HEAD_DIM, CacheT>) prefill_attention_kernel(
         __half* __restrict__ out, const __half* __restrict__ q,
-        const __half* __restrict__ k_cache, const __half* __restrict__ v_cache,
+        const CacheT* __restrict__ k_cache, const CacheT* __restrict__ v_cache,
+        const __half* __restrict__ k_scales, const __half* __restrict__ v_scales,
         const int* __restrict__ cu_seqlens_q, const int* __restrict__ block_tables,
         const int* __restrict__ context_lens, int max_blocks, int log2_block_size, float scale) {
+    constexpr bool INT8 = sizeof(CacheT) == 1;
     constexpr int TOKENS = ROWS / GROUP;  // query tokens per block; rows past TOKENS*GROUP idle
     constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks per row
     constexpr int ROW = HEAD_DIM + 8;     // padded: conflict-free 16-byte reads, see step 3
@@ -56,6 +75,7 @@ __global__ void __launch_bounds__(NUM_THREADS) prefill_attention_kernel(
     __shared__ float s_p[ROWS][KEYS + 1];  // +1: the row-per-thread softmax reads a column
     __shared__ float s_alpha[ROWS], s_sum[ROWS];
     __shared__ int s_block[KEYS];
+    __shared__ float s_kscale[INT8 ? KEYS : 1], s_vscale[INT8 ? KEYS : 1];  // int8 cache only
 
     const int kv_head = blockIdx.y, seq = blockIdx.z;
     const int nkv = gridDim.y, nq = nkv * GROUP;
@@ -92,9 +112,10 @@ __global__ void __launch_bounds__(NUM_THREADS) prefill_attention_kernel(
 
     for (int key0 = 0; key0 <= last_key; key0 += KEYS) {
         // 1-2. Physical block of each key, then K and V rows into shared memory.
-        stage_kv_tile<KEYS, HEAD_DIM, ROW, NUM_THREADS>(s_k, s_v, s_block, k_cache, v_cache, table,
-                                                        max_blocks, key0, last_key - key0 + 1,
-                                                        kv_head, nkv, log2_block_size);
+        // An int8 cache's values are staged as halfs (exact); its scales are folded in below.
+        stage_kv_tile<KEYS, HEAD_DIM, ROW, ROW, NUM_THREADS>(
+            s_k, s_v, s_kscale, s_vscale, s_block, k_cache, v_cache, k_scales, v_scales, table,
+            max_blocks, key0, last_key - key0 + 1, kv_head, nkv, log2_block_size);
 
         // 3. Scores. Lanes read 32 different K rows at the same chunk: rows are an odd
         // number of 16-byte units apart, so no bank conflicts; q rows are broadcast.
@@ -117,15 +138,18 @@ __global__ void __launch_bounds__(NUM_THREADS) prefill_attention_kernel(
         }
         const int key = key0 + kr;
         const bool key_ok = s_block[kr] >= 0;
+        float key_scale = scale;  // int8: times the key's scale
+        if constexpr (INT8) key_scale *= s_kscale[kr];
 #pragma unroll
         for (int i = 0; i < SCORE_ROWS; i++) {
             const int t = (sr0 + i) / GROUP;  // t >= tokens: padding row, fully masked
             const bool visible = key_ok && t < tokens && key <= pos0 + t;
-            s_p[sr0 + i][kr] = visible ? score[i] * scale : NEG_INF;
+            s_p[sr0 + i][kr] = visible ? score[i] * key_scale : NEG_INF;
         }
         __syncthreads();
 
-        // 4. Online softmax, one thread per row.
+        // 4. Online softmax, one thread per row. int8: s_p gets p * (the key's V scale); the
+        // sum is of p.
         if (threadIdx.x < ROWS) {
             const int r = threadIdx.x;
             float tile_max = NEG_INF;
@@ -135,7 +159,8 @@ __global__ void __launch_bounds__(NUM_THREADS) prefill_attention_kernel(
             for (int k = 0; k < KEYS; k++) {
                 const float s = s_p[r][k];
                 const float p = s == NEG_INF ? 0.0f : __expf(s - new_max);
-                s_p[r][k] = p;
+                if constexpr (INT8) s_p[r][k] = p * s_vscale[k];
+                else s_p[r][k] = p;
                 sum += p;
             }
             const float alpha = row_max == NEG_INF ? 0.0f : __expf(row_max - new_max);

@@ -262,8 +262,9 @@ def sample(logits, temperature, top_k, top_p, seeds, counters):
 def rope_store_kvcache(q, k, v, positions, cos_sin, cache, slot_mapping):
     """q, k, v may be views into the fused QKV output: rows strided (k and v alike), each
     row's heads and dims contiguous and 16-byte aligned. cache: one layer's LayerKV, float16
-    or int8 (quantized here, per (token, KV head)), with or without a key channel scale.
-    Returns the rotated q (times the channel scale, if any), contiguous."""
+    or int8 (quantized here, per (token, KV head)), with or without a key scheme (channel
+    scale, Hadamard rotation). Returns the rotated q (with the key scheme's change of basis,
+    if any), contiguous."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check(name, x, cupy.float16)
     cache_type, (k_scale, v_scale) = _check_cache(cache, "rope_store_kvcache")
@@ -287,6 +288,10 @@ def rope_store_kvcache(q, k, v, positions, cos_sin, cache, slot_mapping):
         raise ValueError(f"rope_store_kvcache: {nq} query and {nkv} KV heads of {d} dims do not "
                          f"match the cache {cache.k.shape}")
     channel = cache.k_channel_scale
+    rotate = bool(getattr(cache, "k_rotate", False))
+    if rotate and (d & (d - 1) or d > 512):
+        raise ValueError(f"rope_store_kvcache: the Hadamard key rotation needs a power-of-two head_dim "
+                         f"up to 512, got {d}")
     out = cupy.empty((tokens, nq, d), cupy.float16)
     if tokens:
         _kernel("cache.cu", f"rope_store_kvcache<{cache_type}>")(
@@ -294,7 +299,8 @@ def rope_store_kvcache(q, k, v, positions, cos_sin, cache, slot_mapping):
                                 cupy.ascontiguousarray(positions), cupy.ascontiguousarray(cos_sin),
                                 cupy.ascontiguousarray(slot_mapping),
                                 cupy.empty(0, cupy.float32) if channel is None else channel,
-                                np.int32(channel is not None), out, cache.k, cache.v, k_scale, v_scale,
+                                np.int32(channel is not None), np.int32(rotate), out, cache.k, cache.v,
+                                k_scale, v_scale,
                                 np.int32(nq), np.int32(nkv), np.int32(cache.k.shape[2]), np.int32(d)))
     return out
 

@@ -15,7 +15,8 @@ import pytest
 pytest.importorskip("cupy")  # nano/kernels.py imports it
 from cuda_host import cupy_stub, emulator  # noqa: E402
 from nano import kernels, ops  # noqa: E402
-from test_kernels import assert_close, f16, make_cache  # noqa: E402
+from nano.kv_cache import LayerKV  # noqa: E402
+from test_kernels import assert_close, assert_quantized_close, f16, make_cache, rope_table  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -129,36 +130,40 @@ def test_argument_types_are_checked(cp):
         build(SHUFFLES).get_function("shuffles")((1,), (32,), (cp.empty(128, cp.float32), np.int32(32)))
 
 
-def test_launch_bounds_are_checked(cp):
-    with pytest.raises(emulator.EmulatorError, match="exceeds paged_attention_kernel<64, 3>'s __launch_bounds__"):
+@pytest.mark.parametrize("cache_type", ["__half", "int8_t"])
+def test_launch_bounds_are_checked(cp, cache_type):
+    name = f"paged_attention_kernel<64, 3, {cache_type}>"
+    with pytest.raises(emulator.EmulatorError, match=f"exceeds {name}'s __launch_bounds__"):
         module = cp.RawModule(code=(REPO / "cuda" / "paged_attention.cu").read_text(),
-                              options=kernels._options(), name_expressions=["paged_attention_kernel<64, 3>"])
-        args = [cp.empty(8, cp.float16)] + [cp.empty(8, cp.float32)] * 3 + [cp.empty(8, cp.float16)] * 3 \
-            + [cp.empty(8, cp.int32)] * 2 + [np.int32(1)] * 3 + [np.float32(1)]
-        module.get_function("paged_attention_kernel<64, 3>")((1, 1, 1), (256,), args)
+                              options=kernels._options(), name_expressions=[name])
+        cache = cp.empty(8, cp.float16 if cache_type == "__half" else cp.int8)
+        args = [cp.empty(8, cp.float16)] + [cp.empty(8, cp.float32)] * 3 + [cp.empty(8, cp.float16)] \
+            + [cache] * 2 + [cp.empty(8, cp.float16)] * 2 + [cp.empty(8, cp.int32)] * 2 \
+            + [np.int32(1)] * 3 + [np.float32(1)]
+        module.get_function(name)((1, 1, 1), (256,), args)
 
 
 # ---------------------------------------------------------------- injected bugs
 
-def check_paged(cp, rng):
+def check_paged(cp, rng, dtype="float16"):
     """Decode attention without split (many sequences would be slow; 5 odd lengths) and with
     split-KV (one sequence of 300 tokens: 3 partitions on 132 SMs)."""
     for context_lens in ([1, 17, 64, 100, 33], [300]):
-        (k, v, tables), (k_d, v_d, tables_d) = make_cache(cp, rng, context_lens, 3, 64, 16)
+        (cache, tables), (cache_d, tables_d) = make_cache(cp, rng, context_lens, 3, 64, 16, dtype)
         q, q_d = f16(cp, rng.normal(size=(len(context_lens), 9, 64)))
         lens = np.array(context_lens, np.int32)
-        got = ops.paged_attention(q_d, k_d, v_d, tables_d, cp.asarray(lens), 0.125)
-        assert_close(cp, got, ops.paged_attention(q, k, v, tables, lens, 0.125))
+        got = ops.paged_attention(q_d, cache_d, tables_d, cp.asarray(lens), 0.125)
+        assert_close(cp, got, ops.paged_attention(q, cache, tables, lens, 0.125))
 
 
-def check_prefill(cp, rng):
+def check_prefill(cp, rng, dtype="float16"):
     chunks = [(37, 37), (50, 300), (1, 90)]
-    (k, v, tables), (k_d, v_d, tables_d) = make_cache(cp, rng, [c for _, c in chunks], 3, 64, 16)
+    (cache, tables), (cache_d, tables_d) = make_cache(cp, rng, [c for _, c in chunks], 3, 64, 16, dtype)
     cu = np.concatenate([[0], np.cumsum([n for n, _ in chunks])]).astype(np.int32)
     q, q_d = f16(cp, rng.normal(size=(int(cu[-1]), 9, 64)))
     lens = np.array([c for _, c in chunks], np.int32)
-    got = ops.prefill_attention(q_d, k_d, v_d, cp.asarray(cu), tables_d, cp.asarray(lens), 0.125)
-    assert_close(cp, got, ops.prefill_attention(q, k, v, cu, tables, lens, 0.125))
+    got = ops.prefill_attention(q_d, cache_d, cp.asarray(cu), tables_d, cp.asarray(lens), 0.125)
+    assert_close(cp, got, ops.prefill_attention(q, cache, cu, tables, lens, 0.125))
 
 
 def check_layers(cp, rng):
@@ -177,7 +182,28 @@ def check_sample(cp, rng):
     np.testing.assert_array_equal(got, ops.sample(logits.astype(np.float32), *args))
 
 
-CHECKS = {"paged": check_paged, "prefill": check_prefill, "layers": check_layers, "sample": check_sample}
+def check_rope_int8(cp, rng):
+    """Quantizing cache writes with the Hadamard key rotation: 5 tokens (one skipped), 3 KV
+    heads of 64."""
+    tokens, nq, nkv, d, block_size = 5, 9, 3, 64, 16
+    qkv, qkv_d = f16(cp, rng.normal(size=(tokens, nq + 2 * nkv, d)))
+    slots = np.array([3, -1, 17, 40, 8], np.int32)
+    positions = rng.integers(0, 64, size=tokens).astype(np.int32)
+    shape = (4, nkv, block_size, d)
+    ref = LayerKV(np.zeros(shape, np.int8), np.zeros(shape, np.int8), np.zeros(shape[:3], np.float16),
+                  np.zeros(shape[:3], np.float16), None, True)
+    dev = LayerKV(*(cp.asarray(a) for a in (ref.k, ref.v, ref.k_scale, ref.v_scale)), None, True)
+    split = (lambda a: (a[:, :nq], a[:, nq:nq + nkv], a[:, nq + nkv:]))
+    cos_sin = rope_table(d, 64)
+    got = ops.rope_store_kvcache(*split(qkv_d), cp.asarray(positions), cp.asarray(cos_sin), dev, cp.asarray(slots))
+    assert_close(cp, got, ops.rope_store_kvcache(*split(qkv), positions, cos_sin, ref, slots))
+    assert_quantized_close(cp, dev.k, dev.k_scale, ref.k, ref.k_scale)
+    assert_quantized_close(cp, dev.v, dev.v_scale, ref.v, ref.v_scale)
+
+
+CHECKS = {"paged": check_paged, "prefill": check_prefill, "layers": check_layers, "sample": check_sample,
+          "paged_int8": lambda cp, rng: check_paged(cp, rng, "int8"),
+          "prefill_int8": lambda cp, rng: check_prefill(cp, rng, "int8"), "rope_int8": check_rope_int8}
 
 # (what, file, text, replacement, check that runs it, what the emulator must say; None: a
 # wrong result is enough). common.cuh's helpers run inside the attention and layer kernels.
@@ -207,6 +233,16 @@ BUGS = [
      "const float v = __shfl_xor_sync(0x0000ffff, best, o);", "sample", "leaves out its own lane"),
     ("read past the end of an input", "layers.cu", "if (i8 >= n8) return;", "if (i8 > n8) return;",
      "layers", "past the end of argument 'gate_up'"),
+    ("int8 split sums added without a barrier", "paged_attention.cu",
+     "            __syncthreads();\n        }\n        if (split == SPLITS - 1) {",
+     "        }\n        if (split == SPLITS - 1) {", "paged_int8", "differs between thread orders"),
+    ("partial last staging round not cut short", "common.cuh",
+     "if (WORK % NUM_THREADS != 0 && i >= WORK) break;", "", "prefill_int8", None),
+    ("int8 scale over half a head", "cache.cu", "for (int o = 1; o < pieces; o <<= 1) m = ",
+     "for (int o = 1; o < pieces / 2; o <<= 1) m = ", "rope_int8", None),
+    ("rotation butterfly with the wrong lane", "cache.cu",
+     "const float o1 = __shfl_xor_sync(0xffffffff, r1[j], o);",
+     "const float o1 = __shfl_xor_sync(0xffffffff, r1[j], o ^ 1);", "rope_int8", None),
 ]
 
 
@@ -215,6 +251,11 @@ def cuda_copy(tmp_path, monkeypatch):
     """A copy of cuda/ that nano/kernels.py compiles from; returns a function that edits it."""
     shutil.copytree(REPO / "cuda", tmp_path / "cuda")
     monkeypatch.setattr(kernels, "CUDA_DIR", tmp_path / "cuda")
+    # The copy is built afresh for each test: only the attention instances the checks launch
+    # (head dim 64, group 3, both cache types), not all 64.
+    monkeypatch.setattr(kernels, "_TEMPLATES", {
+        name: [e for e in exprs if "attention" not in e or "<64, 3," in e]
+        for name, exprs in kernels._TEMPLATES.items()})
 
     def edit(name, text, replacement):
         path = tmp_path / "cuda" / name
@@ -271,12 +312,12 @@ def test_kernels_under_address_and_undefined_behaviour_sanitizers():
 
 def test_sanitizers_catch_a_read_before_the_start(tmp_path):
     """The guard page only sits after a buffer; in sanitizer runs the bytes before it are
-    poisoned too. Bug: gather_blocks reads block - 1, i.e. before kv_cache for block 0."""
+    poisoned too. Bug: gather_blocks reads block - 1, i.e. before the pool for block 0."""
     shutil.copytree(REPO / "cuda", tmp_path / "cuda")
     cache = tmp_path / "cuda" / "cache.cu"
-    text = "chunk, kv_cache + (lk * num_blocks + block) * chunk"
+    text = "in + (lk * num_blocks + block) * chunk"
     assert cache.read_text().count(text) == 1
-    cache.write_text(cache.read_text().replace(text, "chunk, kv_cache + (lk * num_blocks + block - 1) * chunk"))
+    cache.write_text(cache.read_text().replace(text, "in + (lk * num_blocks + block - 1) * chunk"))
     script = textwrap.dedent(f"""
         import sys; sys.path.insert(0, {str(REPO / 'tests')!r})
         from pathlib import Path
@@ -292,4 +333,4 @@ def test_sanitizers_catch_a_read_before_the_start(tmp_path):
                           text=True, timeout=300)
     assert done.returncode != 0 and "no error" not in done.stdout
     assert "AddressSanitizer: use-after-poison" in done.stderr, done.stderr[-3000:]
-    assert "in gather_blocks" in done.stderr  # the report points at the kernel's source line
+    assert "in void gather_blocks<uint4>(" in done.stderr  # the report points at the kernel's source line

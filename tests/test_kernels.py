@@ -11,8 +11,20 @@ and float32 accumulation order, hence:
                 largest magnitude; ~8x the rounding of one output)
   F16_NORM_ERR  ||got - ref|| / ||ref|| <= 2e-3                 (rounding averages out)
 
-Copies (embedding, V-cache writes, swaps) and greedy sampling must match exactly; sampled
-tokens must match except on near-ties (see test_sample_matches_reference).
+int8 KV caches (nano/kv_cache.py) are compared with the same two constants. The reference
+attends over the same int8 values and float16 scales in float32; the kernels do not round
+anything more than the float16 path does, but for q and p' = p * scale_v, which the decode
+kernel puts in 15-bit fixed point for its exact integer products (relative 2^-16 ~ 1.5e-5
+of the largest element: ~30x below one float16 output rounding), and prefill's int8 -> half
+staging is exact. So the float16 bounds hold with the same margin (observed ~3e-4 max).
+The int8 cache writes (rope_store_kvcache) are compared dequantized: the kernel's rotated
+K may differ from NumPy's in the last float32 bit (FMA contraction on the GPU), which can
+move a scale by one float16 rounding (<= 2^-10 relative) and a value by one quantization
+step, so |got - ref| <= scale + 127 * |scale difference| per element; untouched slots keep
+their bits.
+
+Copies (embedding, float16 V-cache writes, swaps of any pool) and greedy sampling must match
+exactly; sampled tokens must match except on near-ties (see test_sample_matches_reference).
 The cuBLAS GEMM (ops.linear) is also compared with cupy.matmul: both accumulate in float32
 and round once, so LINEAR_ERR = 2e-3 relative to max |ref| (a few float16 ulps).
 Buffers the kernels allocate are poisoned with NaN (float) or -7 (signed int) first, so an
@@ -24,6 +36,7 @@ import pytest
 pytest.importorskip("cupy")  # nano/kernels.py imports it, also to run on the emulator
 from cuda_host import cupy_stub, emulator  # noqa: E402
 from nano import kernels, ops  # noqa: E402
+from nano.kv_cache import LayerKV  # noqa: E402
 
 F16_MAX_ERR = 4e-3
 F16_NORM_ERR = 2e-3
@@ -133,6 +146,12 @@ def test_cublas_linear_matches_cupy_matmul(cupy, rng, tokens, k, n):
     assert_close(cupy, ops.linear(x_d, w_d), ops.linear(wide[:, 8:8 + k], w))
 
 
+def rope_table(d, positions=4096):
+    inv_freq = 1.0 / 10000 ** (np.arange(0, d, 2) / d)
+    angles = np.arange(positions)[:, None] * inv_freq[None, :]
+    return np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
+
+
 @pytest.mark.parametrize("nq, nkv, d", [(9, 3, 64), (32, 8, 128), (4, 1, 128)])
 def test_rope_store_kvcache_on_strided_views(cupy, rng, nq, nkv, d):
     """q, k, v are views into one fused QKV output, as the model produces them; slot -1
@@ -144,9 +163,7 @@ def test_rope_store_kvcache_on_strided_views(cupy, rng, nq, nkv, d):
     positions = rng.integers(0, 4096, size=tokens).astype(np.int32)
     slots = rng.permutation(num_blocks * block_size)[:tokens].astype(np.int32)
     slots[[0, 7, 20]] = -1
-    inv_freq = 1.0 / 10000 ** (np.arange(0, d, 2) / d)
-    angles = np.arange(4096)[:, None] * inv_freq[None, :]
-    cos_sin = np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
+    cos_sin = rope_table(d)
     k_cache, k_cache_d = f16(cupy, rng.normal(size=(num_blocks, nkv, block_size, d)))
     v_cache, v_cache_d = f16(cupy, rng.normal(size=(num_blocks, nkv, block_size, d)))
 
@@ -154,13 +171,112 @@ def test_rope_store_kvcache_on_strided_views(cupy, rng, nq, nkv, d):
         return (a[:, :nq * d].reshape(tokens, nq, d), a[:, nq * d:(nq + nkv) * d].reshape(tokens, nkv, d),
                 a[:, (nq + nkv) * d:].reshape(tokens, nkv, d))
 
-    ref_q = ops.rope_store_kvcache(*split(qkv), positions, cos_sin, k_cache, v_cache, slots)
+    ref_q = ops.rope_store_kvcache(*split(qkv), positions, cos_sin, LayerKV(k_cache, v_cache), slots)
     got_q = ops.rope_store_kvcache(*split(qkv_d), cupy.asarray(positions), cupy.asarray(cos_sin),
-                                   k_cache_d, v_cache_d, cupy.asarray(slots))
+                                   LayerKV(k_cache_d, v_cache_d), cupy.asarray(slots))
     assert_close(cupy, got_q, ref_q)
     assert_close(cupy, k_cache_d, k_cache)  # untouched slots too: they keep their random values
     np.testing.assert_array_equal(cupy.asnumpy(v_cache_d).astype(np.float32), v_cache)
     assert cupy.array_equal(qkv_d, before)  # inputs are not modified
+
+
+def channel_scales(rng, nkv, d):
+    """A key channel pre-scale as nano/kv_cache.py's "channel" scheme has it: > 0, shared by
+    the RoPE pair (i, i + d/2), a few outlier channels much larger."""
+    half = rng.uniform(0.5, 2.0, size=(nkv, d // 2))
+    half[:, rng.choice(d // 2, 3, replace=False)] *= 8
+    return np.concatenate([half, half], axis=1).astype(np.float32)
+
+
+def assert_quantized_close(cupy, got_values, got_scales, ref_values, ref_scales):
+    """int8 cache rows against the reference's: scales within one float16 rounding, dequantized
+    values within one quantization step (see the module docstring)."""
+    got_values, got_scales = cupy.asnumpy(got_values), cupy.asnumpy(got_scales).astype(np.float32)
+    ref_scales = ref_scales.astype(np.float32)
+    assert got_values.dtype == np.int8 and got_values.min() >= -127
+    assert np.isfinite(got_scales).all()
+    np.testing.assert_allclose(got_scales, ref_scales, rtol=2 ** -10, atol=0)
+    step = ref_scales + 127 * np.abs(got_scales - ref_scales)
+    error = np.abs(got_values * got_scales[..., None] - ref_values * ref_scales[..., None])
+    assert (error <= step[..., None] * (1 + 1e-6)).all(), error.max()
+    return (got_values != ref_values).mean()  # the fraction of values one step off
+
+
+@pytest.mark.parametrize("nq, nkv, d", [(9, 3, 64), (32, 8, 128), (4, 1, 128)])
+@pytest.mark.parametrize("scheme", ["token", "channel", "rotate"])
+def test_rope_store_kvcache_int8(cupy, rng, nq, nkv, d, scheme):
+    """int8 cache: K and V quantized per (token, KV head) as ops.quantize does, after RoPE and
+    the key scheme's change of basis (channel pre-scale or Hadamard rotation; q comes back
+    with the same change); slot -1 tokens write nothing, and every other slot keeps its bits.
+    Also a float16 cache under each key scheme."""
+    tokens, num_blocks, block_size = 21, 6, 16
+    qkv, qkv_d = f16(cupy, rng.normal(size=(tokens, (nq + 2 * nkv) * d)) * 2)
+    qkv[3, nq * d:] = 0  # a token whose K and V are all zero: scale 0, values 0
+    qkv_d[3, nq * d:] = 0
+    positions = rng.integers(0, 4096, size=tokens).astype(np.int32)
+    slots = rng.permutation(num_blocks * block_size)[:tokens].astype(np.int32)
+    slots[[0, 7, 20]] = -1
+    cos_sin = rope_table(d)
+    shape = (num_blocks, nkv, block_size, d)
+    data = [rng.integers(-127, 128, size=shape).astype(np.int8) for _ in range(2)]
+    scales = [rng.uniform(0.01, 0.1, size=shape[:3]).astype(np.float16) for _ in range(2)]
+    channels = channel_scales(rng, nkv, d) if scheme == "channel" else None
+    channels_d = None if channels is None else cupy.asarray(channels)
+    rotate = scheme == "rotate"
+    ref = LayerKV(*(a.copy() for a in data + scales), channels, rotate)
+    dev = LayerKV(*(cupy.asarray(a) for a in data + scales), channels_d, rotate)
+
+    def split(a):
+        return (a[:, :nq * d].reshape(tokens, nq, d), a[:, nq * d:(nq + nkv) * d].reshape(tokens, nkv, d),
+                a[:, (nq + nkv) * d:].reshape(tokens, nkv, d))
+
+    ref_q = ops.rope_store_kvcache(*split(qkv), positions, cos_sin, ref, slots)
+    got_q = ops.rope_store_kvcache(*split(qkv_d), cupy.asarray(positions), cupy.asarray(cos_sin), dev,
+                                   cupy.asarray(slots))
+    assert_close(cupy, got_q, ref_q)
+    for got_values, got_scales, ref_values, ref_scales in ((dev.k, dev.k_scale, ref.k, ref.k_scale),
+                                                          (dev.v, dev.v_scale, ref.v, ref.v_scale)):
+        off = assert_quantized_close(cupy, got_values, got_scales, ref_values, ref_scales)
+        assert off < 0.01, off  # one step off only where float rounding order decides
+    assert (cupy.asnumpy(dev.k_scale)[slots[3] // block_size, :, slots[3] % block_size] == 0).all()
+    if scheme != "token":  # float16 cache: K stored in the scheme's basis
+        k_cache, k_cache_d = f16(cupy, rng.normal(size=shape))
+        v_cache, v_cache_d = f16(cupy, rng.normal(size=shape))
+        ref_q = ops.rope_store_kvcache(*split(qkv), positions, cos_sin,
+                                       LayerKV(k_cache, v_cache, None, None, channels, rotate), slots)
+        got_q = ops.rope_store_kvcache(*split(qkv_d), cupy.asarray(positions), cupy.asarray(cos_sin),
+                                       LayerKV(k_cache_d, v_cache_d, None, None, channels_d, rotate),
+                                       cupy.asarray(slots))
+        assert_close(cupy, got_q, ref_q)
+        assert_close(cupy, k_cache_d, k_cache)
+        np.testing.assert_array_equal(cupy.asnumpy(v_cache_d).astype(np.float32), v_cache)
+
+
+def test_int8_cache_checks(cupy, rng):
+    """Bad int8 caches are refused before any launch, with the reason."""
+    q = cupy.asarray(np.zeros((2, 4, 96), np.float16))
+    k = cupy.asarray(np.zeros((3, 1, 16, 96), np.int8))
+    s = cupy.asarray(np.zeros((3, 1, 16), np.float16))
+    tables, lens = cupy.asarray(np.zeros((2, 1), np.int32)), cupy.asarray(np.ones(2, np.int32))
+    with pytest.raises(ValueError, match="int8 KV cache supports head_dim"):
+        ops.paged_attention(q, LayerKV(k, k, s, s), tables, lens, 0.1)
+    with pytest.raises(ValueError, match="int8 KV cache supports head_dim"):
+        ops.rope_store_kvcache(q, q[:, :1], q[:, :1], cupy.asarray(np.zeros(2, np.int32)),
+                               cupy.asarray(rope_table(96, 8)), LayerKV(k, k, s, s),
+                               cupy.asarray(np.zeros(2, np.int32)))
+    q = cupy.asarray(np.zeros((2, 4, 64), np.float16))
+    k = cupy.asarray(np.zeros((3, 1, 16, 64), np.int8))
+    with pytest.raises(ValueError, match="needs k_scale"):
+        ops.paged_attention(q, LayerKV(k, k), tables, lens, 0.1)
+    with pytest.raises(ValueError, match="v_scale must be contiguous"):
+        ops.paged_attention(q, LayerKV(k, k, s, s[:, :, :8]), tables, lens, 0.1)
+    with pytest.raises(TypeError, match="k_scale must be float16"):
+        ops.paged_attention(q, LayerKV(k, k, s.astype(np.float32), s), tables, lens, 0.1)
+    with pytest.raises(ValueError, match="k_channel_scale must be contiguous"):
+        ops.paged_attention(q, LayerKV(k, k, s, s, cupy.asarray(np.ones((1, 32), np.float32))), tables, lens, 0.1)
+    half = cupy.asarray(np.zeros((3, 1, 16, 64), np.float16))
+    with pytest.raises(ValueError, match="float16 KV cache has no scales"):
+        ops.paged_attention(q, LayerKV(half, half, s, s), tables, lens, 0.1)
 
 
 def test_silu_mul(cupy, rng):
@@ -215,24 +331,40 @@ def test_sample_pinned_draws(cupy):
 
 # ---------------------------------------------------------------- cache
 
-def test_swap_round_trip_is_bitwise(cupy, rng):
-    layers, num_blocks, nkv, block_size, d = 3, 20, 2, 16, 64
-    kv = rng.normal(size=(layers, 2, num_blocks, nkv, block_size, d)).astype(np.float16)
+@pytest.mark.parametrize("pool", ["float16", "int8", "scales-16", "scales-2", "scales-1"])
+def test_swap_round_trip_is_bitwise(cupy, rng, pool):
+    """Every pool of nano/kv_cache.py: float16 or int8 K/V data (L, 2, nb, nkv, bs, d), and
+    float16 scales (L, 2, nb, nkv, bs), whose block is 64 bytes at block size 16 (16-byte
+    copies) but 8 or 4 at block sizes 2 and 1 (2-byte copies)."""
+    layers, num_blocks, nkv, d = 3, 20, 2, 64
+    block_size = int(pool.split("-")[1]) if pool.startswith("scales") else 16
+    shape = (layers, 2, num_blocks, nkv, block_size) + (() if pool.startswith("scales") else (d,))
+    if pool == "int8":
+        kv = rng.integers(-128, 128, size=shape).astype(np.int8)
+    else:
+        kv = rng.normal(size=shape).astype(np.float16)
     kv_d = cupy.asarray(kv)
     src = np.array([3, 11, 0, 19, 7], np.int32)
     dst = np.array([4, 1, 15, 8, 12], np.int32)
     staging = ops.gather_blocks(kv_d, cupy.asarray(src))
-    np.testing.assert_array_equal(cupy.asnumpy(staging).view(np.uint16), kv[:, :, src].view(np.uint16))
+    assert staging.dtype == kv.dtype
+    np.testing.assert_array_equal(cupy.asnumpy(staging).view(np.uint8), kv[:, :, src].view(np.uint8))
     ops.scatter_blocks(kv_d, cupy.asarray(dst), staging)
     expected = kv.copy()
     expected[:, :, dst] = kv[:, :, src]
-    np.testing.assert_array_equal(cupy.asnumpy(kv_d).view(np.uint16), expected.view(np.uint16))
+    np.testing.assert_array_equal(cupy.asnumpy(kv_d).view(np.uint8), expected.view(np.uint8))
 
 
 # ---------------------------------------------------------------- attention
 
-def make_cache(cupy, rng, context_lens, nkv, d, block_size):
-    """A KV cache holding each sequence's context in shuffled physical blocks."""
+CACHE_DTYPES = ["float16", "int8"]
+
+
+def make_cache(cupy, rng, context_lens, nkv, d, block_size, dtype="float16"):
+    """A KV cache holding each sequence's context in shuffled physical blocks: returns
+    (LayerKV, block tables) for the reference and for the kernels. float16: random values.
+    int8: ops.quantize of random values, then the scales times random factors (0.25-4) so
+    that rows differ in magnitude, and 2% of them 0 (a row of zeros)."""
     needed = [-(-c // block_size) for c in context_lens]
     num_blocks = sum(needed) + 3  # a few blocks nobody owns
     ids = rng.permutation(num_blocks).astype(np.int32)
@@ -241,14 +373,25 @@ def make_cache(cupy, rng, context_lens, nkv, d, block_size):
     for i, n in enumerate(needed):
         tables[i, :n] = ids[start:start + n]
         start += n
-    k_cache, k_cache_d = f16(cupy, rng.normal(size=(num_blocks, nkv, block_size, d)))
-    v_cache, v_cache_d = f16(cupy, rng.normal(size=(num_blocks, nkv, block_size, d)))
-    return (k_cache, v_cache, tables), (k_cache_d, v_cache_d, cupy.asarray(tables))
+    shape = (num_blocks, nkv, block_size, d)
+    if dtype == "float16":
+        k_cache, k_cache_d = f16(cupy, rng.normal(size=shape))
+        v_cache, v_cache_d = f16(cupy, rng.normal(size=shape))
+        return (LayerKV(k_cache, v_cache), tables), (LayerKV(k_cache_d, v_cache_d), cupy.asarray(tables))
+    arrays = []
+    for _ in range(2):
+        values, scales = ops.quantize(rng.normal(size=shape).astype(np.float32))
+        scales = (scales * rng.uniform(0.25, 4, size=scales.shape) * (rng.random(scales.shape) > 0.02))
+        arrays += [values, scales.astype(np.float16)]
+    ref = LayerKV(arrays[0], arrays[2], arrays[1], arrays[3])
+    return (ref, tables), (LayerKV(*(cupy.asarray(a) for a in (ref.k, ref.v, ref.k_scale, ref.v_scale))),
+                           cupy.asarray(tables))
 
 
 HEADS = [(9, 3, 64), (8, 8, 64), (32, 8, 128), (64, 8, 128), (12, 4, 128), (24, 3, 64)]  # groups 3, 1, 4, 8, 3, 8
 
 
+@pytest.mark.parametrize("dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("nq, nkv, d", HEADS)
 @pytest.mark.parametrize("context_lens, block_size", [
     ([1], 16),                                  # a single token
@@ -257,64 +400,68 @@ HEADS = [(9, 3, 64), (8, 8, 64), (32, 8, 128), (64, 8, 128), (12, 4, 128), (24, 
     ([250, 3, 129], 32),                        # another power-of-two block size
     ([5, 70, 2], 1),                            # block_size 1
 ])
-def test_paged_attention(cupy, rng, nq, nkv, d, context_lens, block_size):
-    (k_cache, v_cache, tables), (k_cache_d, v_cache_d, tables_d) = make_cache(cupy, rng, context_lens, nkv, d, block_size)
+def test_paged_attention(cupy, rng, nq, nkv, d, context_lens, block_size, dtype):
+    (cache, tables), (cache_d, tables_d) = make_cache(cupy, rng, context_lens, nkv, d, block_size, dtype)
     q, q_d = f16(cupy, rng.normal(size=(len(context_lens), nq, d)))
     lens = np.array(context_lens, np.int32)
     scale = d ** -0.5
-    got = ops.paged_attention(q_d, k_cache_d, v_cache_d, tables_d, cupy.asarray(lens), scale)
-    assert_close(cupy, got, ops.paged_attention(q, k_cache, v_cache, tables, lens, scale))
+    got = ops.paged_attention(q_d, cache_d, tables_d, cupy.asarray(lens), scale)
+    assert_close(cupy, got, ops.paged_attention(q, cache, tables, lens, scale))
 
 
-def test_paged_attention_many_sequences_no_split(cupy, rng):
+@pytest.mark.parametrize("dtype", CACHE_DTYPES)
+def test_paged_attention_many_sequences_no_split(cupy, rng, dtype):
     """Enough sequences to fill the GPU: one partition per (sequence, KV head)."""
     nq, nkv, d, block_size = 9, 3, 64, 16
     context_lens = rng.integers(1, 600, size=120).tolist()
     assert kernels.decode_partitions(120 * nkv, 600 * 2, 132)[0] == 1
-    (k_cache, v_cache, tables), (k_cache_d, v_cache_d, tables_d) = make_cache(cupy, rng, context_lens, nkv, d, block_size)
+    (cache, tables), (cache_d, tables_d) = make_cache(cupy, rng, context_lens, nkv, d, block_size, dtype)
     q, q_d = f16(cupy, rng.normal(size=(len(context_lens), nq, d)))
     lens = np.array(context_lens, np.int32)
-    got = ops.paged_attention(q_d, k_cache_d, v_cache_d, tables_d, cupy.asarray(lens), 0.125)
-    assert_close(cupy, got, ops.paged_attention(q, k_cache, v_cache, tables, lens, 0.125))
+    got = ops.paged_attention(q_d, cache_d, tables_d, cupy.asarray(lens), 0.125)
+    assert_close(cupy, got, ops.paged_attention(q, cache, tables, lens, 0.125))
 
 
+@pytest.mark.parametrize("dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("nq, nkv, d", HEADS)
 @pytest.mark.parametrize("chunks", [
     [(1, 1)],                               # (chunk length, context length): one token
     [(37, 37), (50, 300), (1, 90)],         # full prefill, mid-sequence chunk, 1-token chunk
     [(64, 64), (130, 1000), (21, 21)],      # exact tile, long chunk deep into the sequence
 ])
-def test_prefill_attention(cupy, rng, nq, nkv, d, chunks):
+def test_prefill_attention(cupy, rng, nq, nkv, d, chunks, dtype):
     block_size = 16
     context_lens = [ctx for _, ctx in chunks]
-    (k_cache, v_cache, tables), (k_cache_d, v_cache_d, tables_d) = make_cache(cupy, rng, context_lens, nkv, d, block_size)
+    (cache, tables), (cache_d, tables_d) = make_cache(cupy, rng, context_lens, nkv, d, block_size, dtype)
     cu = np.concatenate([[0], np.cumsum([n for n, _ in chunks])]).astype(np.int32)
     q, q_d = f16(cupy, rng.normal(size=(int(cu[-1]), nq, d)))
     lens = np.array(context_lens, np.int32)
     scale = d ** -0.5
-    got = ops.prefill_attention(q_d, k_cache_d, v_cache_d, cupy.asarray(cu), tables_d, cupy.asarray(lens), scale)
-    assert_close(cupy, got, ops.prefill_attention(q, k_cache, v_cache, cu, tables, lens, scale))
+    got = ops.prefill_attention(q_d, cache_d, cupy.asarray(cu), tables_d, cupy.asarray(lens), scale)
+    assert_close(cupy, got, ops.prefill_attention(q, cache, cu, tables, lens, scale))
 
 
+@pytest.mark.parametrize("dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("d", kernels.HEAD_DIMS)
 @pytest.mark.parametrize("group", kernels.GROUPS)
-def test_every_attention_instantiation(cupy, rng, d, group):
-    """Each template instance nano/kernels.py compiles (head dim x GQA group), decode with and
-    without split-KV and a prefill chunk starting mid-sequence; the cases above cover some."""
+def test_every_attention_instantiation(cupy, rng, d, group, dtype):
+    """Each template instance nano/kernels.py compiles (head dim x GQA group x cache type),
+    decode with and without split-KV and a prefill chunk starting mid-sequence; the cases
+    above cover some."""
     nkv, block_size = 2, 16
     nq = nkv * group
     decode_lens, chunks = [1, 37, 300], [(5, 5), (20, 40)]
-    (k_cache, v_cache, tables), (k_cache_d, v_cache_d, tables_d) = make_cache(
-        cupy, rng, decode_lens + [ctx for _, ctx in chunks], nkv, d, block_size)
+    (cache, tables), (cache_d, tables_d) = make_cache(
+        cupy, rng, decode_lens + [ctx for _, ctx in chunks], nkv, d, block_size, dtype)
     scale = d ** -0.5
     q, q_d = f16(cupy, rng.normal(size=(len(decode_lens), nq, d)))
     lens = np.array(decode_lens, np.int32)
-    got = ops.paged_attention(q_d, k_cache_d, v_cache_d, tables_d[:3], cupy.asarray(lens), scale)
-    assert_close(cupy, got, ops.paged_attention(q, k_cache, v_cache, tables[:3], lens, scale))
-    got = ops.paged_attention(q_d[2:], k_cache_d, v_cache_d, tables_d[2:3], cupy.asarray(lens[2:]), scale)
-    assert_close(cupy, got, ops.paged_attention(q[2:], k_cache, v_cache, tables[2:3], lens[2:], scale))
+    got = ops.paged_attention(q_d, cache_d, tables_d[:3], cupy.asarray(lens), scale)
+    assert_close(cupy, got, ops.paged_attention(q, cache, tables[:3], lens, scale))
+    got = ops.paged_attention(q_d[2:], cache_d, tables_d[2:3], cupy.asarray(lens[2:]), scale)
+    assert_close(cupy, got, ops.paged_attention(q[2:], cache, tables[2:3], lens[2:], scale))
     cu = np.array([0, 5, 25], np.int32)
     q, q_d = f16(cupy, rng.normal(size=(25, nq, d)))
     lens = np.array([ctx for _, ctx in chunks], np.int32)
-    got = ops.prefill_attention(q_d, k_cache_d, v_cache_d, cupy.asarray(cu), tables_d[3:], cupy.asarray(lens), scale)
-    assert_close(cupy, got, ops.prefill_attention(q, k_cache, v_cache, cu, tables[3:], lens, scale))
+    got = ops.prefill_attention(q_d, cache_d, cupy.asarray(cu), tables_d[3:], cupy.asarray(lens), scale)
+    assert_close(cupy, got, ops.prefill_attention(q, cache, cu, tables[3:], lens, scale))
