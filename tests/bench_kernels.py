@@ -1,8 +1,12 @@
 """Attention kernel benchmark; run on the GPU machine: python tests/bench_kernels.py
 
-Decode (paged_attention): achieved GB/s, counting the bytes the kernel must move:
-K and V of every context token for every KV head, plus q and out. Reported against the
-device's copy bandwidth, measured with a large device-to-device copy (bytes read + written).
+Decode (paged_attention), float16 and int8 KV caches side by side: achieved GB/s, counting
+the bytes the kernel must move: K and V of every context token for every KV head (d halfs,
+or d int8 values plus a float16 scale, each), plus q and out. Reported against the device's
+copy bandwidth, measured with a large device-to-device copy (bytes read + written), with the
+int8 / float16 speed-up (time ratio) per case: an int8 cache moves 0.52x (d 64) or 0.51x
+(d 128) of the bytes, so a bandwidth-bound kernel gains up to ~1.9x; the target is >= 1.6x at
+contexts >= 4096. Short single-sequence cases are bound by launch and latency, not bytes.
 Prefill (prefill_attention): TFLOP/s, counting 2 FLOPs per multiply-add in Q K^T and in P V
 over the causally visible (query, key) pairs only:
     FLOPs = 4 * nq * d * sum over chunks of n * (n + 1) / 2      (full prefill, chunk n = ctx).
@@ -10,7 +14,12 @@ over the causally visible (query, key) pairs only:
 Timing: cupy.cuda.Event around each launch, after a warm-up; the median of the repetitions.
 The 256 MiB L2 flush before each repetition (outside the timed region) keeps small decode
 cases from being served from the 50 MB L2. KV pools are sized to the case (block_size 16),
-filled with random float16 (never zeros), and block tables are shuffled block ids.
+filled with random bytes (never zeros; int8 scales random and positive), and block tables
+are shuffled block ids.
+
+The inputs come from decode_inputs / prefill_inputs, which tests/test_kernels.py also runs on
+the CPU emulator (with xp = its CuPy stand-in), so the benchmark's calls are checked on every
+CI run even though the timing needs a GPU.
 """
 import sys
 from pathlib import Path
@@ -20,9 +29,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from nano import kernels  # noqa: E402
+from nano.kv_cache import LayerKV  # noqa: E402
 
 BLOCK_SIZE = 16
 FLUSH = None  # allocated in main(), after the device is known to work
+DECODE_SHAPES = [(9, 3, 64), (32, 8, 128)]  # (nq, nkv, d): SmolLM2-135M, Llama-3-8B
+DECODE_SEQS = (1, 32, 256)
+DECODE_CONTEXTS = (512, 4096, 8192, 16384)
+TARGET = 1.6  # int8 / float16 speed-up wanted at contexts >= 4096
 
 
 def median_ms(fn, reps=20, warmup=3, flush=True):
@@ -56,8 +70,11 @@ def copy_bandwidth_gbs():
     return 2 * n / ms / 1e6
 
 
-def random_f16(shape):
-    """Random float16 in [-1, 1), generated in slices to bound the float32 temporary."""
+def random_f16(shape, xp=cupy):
+    """Random float16 in [-1, 1): on the GPU in slices (bounding the float32 temporary),
+    elsewhere (the emulator's stand-in) from NumPy."""
+    if xp is not cupy:
+        return xp.asarray(np.random.default_rng(0).uniform(-1, 1, shape).astype(np.float16))
     out = cupy.empty(shape, cupy.float16)
     flat = out.reshape(-1)
     step = 1 << 28
@@ -67,35 +84,64 @@ def random_f16(shape):
     return out
 
 
-def make_cache(seqs, ctx, nkv, d):
+def make_cache(seqs, ctx, nkv, d, dtype, xp=cupy):
+    """(LayerKV, block tables) for `seqs` sequences of `ctx` tokens. int8: the bytes of random
+    halfs as values, scales in [0.005, 0.01)."""
     blocks_per_seq = -(-ctx // BLOCK_SIZE)
     num_blocks = seqs * blocks_per_seq
-    k_cache = random_f16((num_blocks, nkv, BLOCK_SIZE, d))
-    v_cache = random_f16((num_blocks, nkv, BLOCK_SIZE, d))
-    tables = cupy.asarray(np.random.default_rng(0).permutation(num_blocks).astype(np.int32)
-                          .reshape(seqs, blocks_per_seq))
-    return k_cache, v_cache, tables
+    shape = (num_blocks, nkv, BLOCK_SIZE, d)
+    if dtype == "float16":
+        cache = LayerKV(random_f16(shape, xp), random_f16(shape, xp))
+    else:
+        half = shape[:-1] + (d // 2,)
+        values = [random_f16(half, xp).view(xp.int8).reshape(shape) for _ in range(2)]
+        scales = [xp.asarray(((random_f16(shape[:3], xp) + 3) * 0.0025).astype(xp.float16)) for _ in range(2)]
+        cache = LayerKV(values[0], values[1], *scales)
+    tables = xp.asarray(np.random.default_rng(0).permutation(num_blocks).astype(np.int32)
+                        .reshape(seqs, blocks_per_seq))
+    return cache, tables
 
 
-def bench_decode(seqs, ctx, nq, nkv, d):
-    k_cache, v_cache, tables = make_cache(seqs, ctx, nkv, d)
-    q = random_f16((seqs, nq, d))
-    lens = cupy.full((seqs,), ctx, cupy.int32)
-    ms = median_ms(lambda: kernels.paged_attention(q, k_cache, v_cache, tables, lens, d ** -0.5))
+def decode_inputs(seqs, ctx, nq, nkv, d, dtype, xp=cupy):
+    """Arguments of kernels.paged_attention but the scale: q, cache, block tables, context lengths."""
+    cache, tables = make_cache(seqs, ctx, nkv, d, dtype, xp)
+    return random_f16((seqs, nq, d), xp), cache, tables, xp.asarray(np.full(seqs, ctx, np.int32))
+
+
+def prefill_inputs(seqs, chunk, nq, nkv, d, dtype, xp=cupy):
+    """Arguments of kernels.prefill_attention but the scale: q, cache, cu_seqlens_q, block
+    tables, context lengths (full prefills of `chunk` tokens)."""
+    cache, tables = make_cache(seqs, chunk, nkv, d, dtype, xp)
+    cu = xp.asarray(np.arange(0, seqs * chunk + 1, chunk, dtype=np.int32))
+    return (random_f16((seqs * chunk, nq, d), xp), cache, cu, tables,
+            xp.asarray(np.full(seqs, chunk, np.int32)))
+
+
+def kv_bytes(seqs, ctx, nkv, d, dtype):
+    """K and V bytes a decode over the whole context reads (int8: values and scales)."""
+    per_row = 2 * d if dtype == "float16" else d + 2
+    return 2 * seqs * ctx * nkv * per_row
+
+
+def bench_decode(seqs, ctx, nq, nkv, d, dtype):
+    q, cache, tables, lens = decode_inputs(seqs, ctx, nq, nkv, d, dtype)
+    ms = median_ms(lambda: kernels.paged_attention(q, cache, tables, lens, d ** -0.5))
     parts, _ = kernels.decode_partitions(seqs * nkv, tables.shape[1] * BLOCK_SIZE, kernels._num_sms())
-    nbytes = 2 * seqs * ctx * nkv * d * 2 + 2 * q.nbytes
+    nbytes = kv_bytes(seqs, ctx, nkv, d, dtype) + 2 * q.nbytes
     return ms, nbytes / ms / 1e6, parts
 
 
-def bench_prefill(seqs, chunk, nq, nkv, d):
-    k_cache, v_cache, tables = make_cache(seqs, chunk, nkv, d)
-    q = random_f16((seqs * chunk, nq, d))
-    cu = cupy.arange(0, seqs * chunk + 1, chunk, dtype=cupy.int32)
-    lens = cupy.full((seqs,), chunk, cupy.int32)
-    ms = median_ms(lambda: kernels.prefill_attention(q, k_cache, v_cache, cu, tables, lens, d ** -0.5),
+def bench_prefill(seqs, chunk, nq, nkv, d, dtype="float16"):
+    q, cache, cu, tables, lens = prefill_inputs(seqs, chunk, nq, nkv, d, dtype)
+    ms = median_ms(lambda: kernels.prefill_attention(q, cache, cu, tables, lens, d ** -0.5),
                    reps=5, warmup=1)
     flops = 4 * nq * d * seqs * chunk * (chunk + 1) / 2
     return ms, flops / ms / 1e9
+
+
+def free():
+    """Give the last case's arrays (gone with its function's locals) back to the device."""
+    cupy.get_default_memory_pool().free_all_blocks()
 
 
 def main():
@@ -106,25 +152,37 @@ def main():
     copy_gbs = copy_bandwidth_gbs()
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write)")
 
-    rows = []
-    for nq, nkv, d in [(9, 3, 64), (32, 8, 128)]:
-        for seqs in (1, 64, 256):
-            for ctx in (512, 4096, 16384):
-                ms, gbs, parts = bench_decode(seqs, ctx, nq, nkv, d)
-                rows.append(f"| decode {nq}/{nkv}x{d} | S={seqs} ctx={ctx} parts={parts} | {ms:.3f} ms "
-                            f"| {gbs:.0f} GB/s = {gbs / copy_gbs:.0%} of copy |")
+    rows, speedups = [], []
+    for nq, nkv, d in DECODE_SHAPES:
+        for seqs in DECODE_SEQS:
+            for ctx in DECODE_CONTEXTS:
+                f16_ms, f16_gbs, parts = bench_decode(seqs, ctx, nq, nkv, d, "float16")
+                free()
+                i8_ms, i8_gbs, _ = bench_decode(seqs, ctx, nq, nkv, d, "int8")
+                free()
+                speedup = f16_ms / i8_ms
+                if ctx >= 4096:
+                    speedups.append(speedup)
+                rows.append(f"| decode {nq}/{nkv}x{d} | S={seqs} ctx={ctx} parts={parts} "
+                            f"| {f16_ms:.3f} ms, {f16_gbs:.0f} GB/s = {f16_gbs / copy_gbs:.0%} "
+                            f"| {i8_ms:.3f} ms, {i8_gbs:.0f} GB/s = {i8_gbs / copy_gbs:.0%} "
+                            f"| {speedup:.2f}x |")
                 print(rows[-1], flush=True)
-                cupy.get_default_memory_pool().free_all_blocks()
     for nq, nkv, d in [(32, 8, 128), (9, 3, 64)]:
         ms, tflops = bench_prefill(8, 2048, nq, nkv, d)
-        rows.append(f"| prefill {nq}/{nkv}x{d} | 8 x 2048-token chunks | {ms:.3f} ms | {tflops:.1f} TFLOP/s |")
+        free()
+        i8_ms, i8_tflops = bench_prefill(8, 2048, nq, nkv, d, "int8")
+        free()
+        rows.append(f"| prefill {nq}/{nkv}x{d} | 8 x 2048-token chunks | {ms:.3f} ms, {tflops:.1f} TFLOP/s "
+                    f"| {i8_ms:.3f} ms, {i8_tflops:.1f} TFLOP/s | {ms / i8_ms:.2f}x |")
         print(rows[-1], flush=True)
-        cupy.get_default_memory_pool().free_all_blocks()
 
     print(f"\n{props['name'].decode()}: copy bandwidth {copy_gbs:.0f} GB/s\n")
-    print("| kernel (nq/nkv x d) | shape | median time | throughput |")
-    print("|---|---|---|---|")
+    print("| kernel (nq/nkv x d) | shape | float16 cache | int8 cache | int8 speed-up |")
+    print("|---|---|---|---|---|")
     print("\n".join(rows))
+    print(f"\nint8 / float16 decode speed-up at contexts >= 4096: min {min(speedups):.2f}x, "
+          f"median {float(np.median(speedups)):.2f}x (target >= {TARGET}x)")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 # test (kernels against their NumPy references, CUDA graphs against eager, the whole engine
 # against the CPU path), then the kernel benchmark, whose markdown table is printed last.
 # A failing test does not hide the benchmark; the exit code is the tests'. Each part has a
-# time limit so that a hang costs that part, not the call. Budget: under 5 minutes.
+# time limit so that a hang costs that part, not the call. Budget: under 6 minutes (the limits
+# sum to 8.5; the kernel tests and the benchmark cover float16 and int8 caches, and the first
+# NVRTC build of cuda/ takes ~20 s, cached after).
 # Where $OUT is set (the device tool), the full pytest log is written there too.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +16,7 @@ nvidia-smi -L
 # pytest-timeout, where installed, bounds each test so one hang costs one test
 per_test=$($PY -c "import pytest_timeout" 2>/dev/null && echo "--timeout=100")
 status=0
-for part in "100 kernels tests/test_kernels.py" "60 graphs tests/test_graphs_gpu.py" \
+for part in "150 kernels tests/test_kernels.py" "60 graphs tests/test_graphs_gpu.py" \
             "150 engine tests/test_engine_gpu.py"; do
   set -- $part
   timeout "$1" $PY -m pytest -q -rfE --durations=8 -p no:cacheprovider -m gpu $per_test "$3" \
@@ -22,5 +24,5 @@ for part in "100 kernels tests/test_kernels.py" "60 graphs tests/test_graphs_gpu
   echo "== $2 tests (limit $1 s):"
   grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed|error)|Timeout" "$LOGS/check_$2.log" | cut -c1-240 | tail -25
 done
-timeout 80 $PY tests/bench_kernels.py
+timeout 150 $PY tests/bench_kernels.py
 exit $status

@@ -465,3 +465,27 @@ def test_every_attention_instantiation(cupy, rng, d, group, dtype):
     lens = np.array([ctx for _, ctx in chunks], np.int32)
     got = ops.prefill_attention(q_d, cache_d, cupy.asarray(cu), tables_d[3:], cupy.asarray(lens), scale)
     assert_close(cupy, got, ops.prefill_attention(q, cache, cu, tables[3:], lens, scale))
+
+
+@pytest.mark.parametrize("dtype", CACHE_DTYPES)
+def test_bench_kernels_calls(cupy, dtype):
+    """tests/bench_kernels.py (GPU only: it times) builds its inputs with decode_inputs and
+    prefill_inputs; the same calls, small, against the reference here, so that the benchmark's
+    arguments are checked on every run."""
+    import bench_kernels
+
+    def host(cache):
+        return LayerKV(*(None if a is None else cupy.asnumpy(a).astype(np.float32 if a.dtype == np.float16 and
+                                                                    a.ndim == 4 else a.dtype)
+                         for a in (cache.k, cache.v, cache.k_scale, cache.v_scale)))
+
+    q_d, cache_d, tables_d, lens_d = bench_kernels.decode_inputs(2, 100, 9, 3, 64, dtype, xp=cupy)
+    got = kernels.paged_attention(q_d, cache_d, tables_d, lens_d, 0.125)
+    q, tables, lens = (cupy.asnumpy(a) for a in (q_d, tables_d, lens_d))
+    assert_close(cupy, got, ops.paged_attention(q.astype(np.float32), host(cache_d), tables, lens, 0.125))
+    row = 64 * 2 if dtype == "float16" else 64 + 2  # bytes of one K (or V) row: halfs, or int8 + scale
+    assert bench_kernels.kv_bytes(2, 100, 3, 64, dtype) == 2 * 2 * 100 * 3 * row  # K and V, 2 sequences
+    q_d, cache_d, cu_d, tables_d, lens_d = bench_kernels.prefill_inputs(2, 40, 9, 3, 64, dtype, xp=cupy)
+    got = kernels.prefill_attention(q_d, cache_d, cu_d, tables_d, lens_d, 0.125)
+    q, cu, tables, lens = (cupy.asnumpy(a) for a in (q_d, cu_d, tables_d, lens_d))
+    assert_close(cupy, got, ops.prefill_attention(q.astype(np.float32), host(cache_d), cu, tables, lens, 0.125))
