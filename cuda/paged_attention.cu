@@ -69,8 +69,8 @@ __device__ __forceinline__ void split_fixed15(int x, int n, unsigned& hi, unsign
 // Blocks per SM that an instance's registers must allow (__launch_bounds__'s second
 // argument): 0 (none) for float16; for int8 it is needed, because given the block size alone
 // ptxas picks a register count for an occupancy step of its own and spills to meet it
-// (4-36 bytes in 10 of the 16 int8 instances). 7 blocks (<= 73 registers) for head dim 64,
-// 5 (<= 102) for 128: the float16 instances' occupancy, and no spills.
+// (4-36 bytes in several int8 instances). 7 blocks (<= 73 registers) for head dim 64, 5
+// (<= 102) for 128, near the float16 instances' 8-9 and 4-5, and no spills.
 template <int HEAD_DIM, typename CacheT>
 constexpr int MIN_BLOCKS = sizeof(CacheT) == 2 ? 0 : HEAD_DIM == 64 ? 7 : 5;
 
