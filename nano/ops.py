@@ -179,7 +179,12 @@ def _attend(q, keys, values, query_positions, scale, k_scale=None, v_scale=None)
     return out.reshape(nkv, n, group, d).transpose(1, 0, 2, 3).reshape(n, nq, d)
 
 
-DECODE_GROUP = 32  # sequences per batched matmul in the NumPy decode attention
+# The NumPy decode attention batches up to DECODE_GROUP sequences per product, fewer when
+# their contexts are long: about DECODE_GROUP_TOKENS padded rows per product keeps the
+# gathered K/V (and an int8 pool's float32 conversion) near the caches. At batch 8 x 16k
+# context one sequence at a time was 1.2-1.6x faster than eight (docs/perf_notes.md).
+DECODE_GROUP = 32
+DECODE_GROUP_TOKENS = 8192
 
 
 def paged_attention(q, cache: LayerKV, block_tables, context_lens, scale):
@@ -190,8 +195,9 @@ def paged_attention(q, cache: LayerKV, block_tables, context_lens, scale):
     out = np.empty_like(q)
     # A few sequences at a time, padded to the longest: one batched product instead of S
     # small ones, with bounded memory.
-    for lo in range(0, q.shape[0], DECODE_GROUP):
-        hi = min(lo + DECODE_GROUP, q.shape[0])
+    group = max(1, min(DECODE_GROUP, DECODE_GROUP_TOKENS // max(int(context_lens.max(initial=1)), 1)))
+    for lo in range(0, q.shape[0], group):
+        hi = min(lo + group, q.shape[0])
         out[lo:hi] = _decode_group(q[lo:hi], cache, block_tables[lo:hi], context_lens[lo:hi], scale)
     return out
 

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# One device call, under 8 minutes on one H200: the GPU tests of CUDA graphs, fused kernels
-# and device sampling, then `run.py --bench` on random-weight models in two real shapes
-# (SmolLM2-135M and Llama-3.2-1B; the device has no network and no weights), one sequence
-# decoding and the 256-sequence bench workload, each eager (--enforce-eager) and with
-# graphs. The markdown table of results is the last thing printed.
+# One device call, under 10 minutes on one H200 (limits sum to 9.2 with NANO_SKIP_TESTS):
+# the GPU tests of CUDA graphs, fused kernels and device sampling, then `run.py --bench` on
+# random-weight models in two real shapes (SmolLM2-135M and Llama-3.2-1B; the device has no
+# network and no weights), one sequence decoding and the 256-sequence bench workload, each
+# eager (--enforce-eager) and with graphs, and the 256-sequence workload on an int8 KV pool.
+# The markdown table of results is the last thing printed.
 # Every step has its own time limit, so a hang costs its row, not the table.
 # NANO_SKIP_TESTS=1 skips the tests (when device_check.sh ran them in the same call); where
 # $OUT is set (the device tool), every run's full log is appended to $OUT/bench_runs.log.
@@ -32,9 +33,14 @@ PY
 
 ROWS="$WORK/rows.txt"
 for model in smollm2-135m llama-3.2-1b; do
-  for run in "graphs 45 1 128 1024" "eager 45 1 128 1024" "graphs 55 256 100:1024 100:1024"; do
+  for run in "graphs 45 1 128 1024" "eager 45 1 128 1024" "graphs 55 256 100:1024 100:1024" \
+             "int8 55 256 100:1024 100:1024"; do
     set -- $run
-    flag=$([ "$1" = eager ] && echo --enforce-eager || true)
+    case "$1" in
+      eager) flag=--enforce-eager ;;
+      int8) flag="--kv-cache-dtype int8" ;;  # graphs, int8 KV pool (rotate keys)
+      *) flag= ;;
+    esac
     log="$WORK/$model-$1-$3.log"
     timeout "$2" $PY run.py --bench --model "$WORK/$model" --device gpu $flag \
       --num-seqs "$3" --input-len "$4" --output-len "$5" > "$log" 2>&1
