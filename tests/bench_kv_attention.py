@@ -41,7 +41,7 @@ def median_ms(fn, reps=5):
 
 def main():
     rng = np.random.default_rng(0)
-    print(f"| context | batch | float32 ms | int8 ms | int8 speed-up | KV MB read float32 / int8 |")
+    print("| context | batch | float32 ms | int8 ms | int8 speed-up | KV MB read float32 / int8 |")
     print("|---|---|---|---|---|---|")
     for ctx in CONTEXTS:
         per_seq = ctx // BLOCK_SIZE

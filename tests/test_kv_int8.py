@@ -17,7 +17,7 @@ from nano import ops
 from nano.capacity import plan_from_config
 from nano.config import EngineConfig, ModelConfig
 from nano.engine import LLMEngine
-from nano.kv_cache import KEY_SCHEMES, KVCache, LayerKV, bytes_per_token
+from nano.kv_cache import KEY_SCHEMES, KVCache, bytes_per_token
 from nano.model import rope_cos_sin
 from nano.runner import ModelRunner
 from nano.sequence import SamplingParams
