@@ -5,11 +5,10 @@ measurement (tests/kv_accuracy.py) scores the model on it. Calibration and evalu
 different topics, so a scheme is never scored on the text it was calibrated on. The text
 is whatever the running Python ships (it changes a little between Python versions).
 """
-from pydoc_data.topics import topics
-
 CALIBRATION_TOPICS = ("objects", "naming")
 EVALUATION_TOPICS = ("execmodel", "import", "customization")
 
 
 def english_text(topic: str) -> str:
+    from pydoc_data.topics import topics  # 0.5 MB of text: loaded only when asked for
     return topics[topic]
