@@ -85,6 +85,10 @@ def build_parser() -> Parser:
     b.add_argument("--output-len", default="100:1024", help="LEN or MIN:MAX")
     b.add_argument("--request-rate", type=float, default=None,
                    help="requests/s arriving by a seeded Poisson process; runs FCFS and deadline side by side")
+    b.add_argument("--policy-compare", action="store_true",
+                   help="FCFS vs deadline over three workloads x three loads x --seeds seeds, "
+                        "--num-seqs requests each (nano/slo_bench.py)")
+    b.add_argument("--seeds", type=int, default=3, help="--policy-compare: seeds per workload and load")
     return p
 
 
@@ -201,6 +205,8 @@ def main(argv=None) -> int:
             group.require(config.tp)
     if args.plan:
         return show_plan(config)
+    if args.bench and args.policy_compare:
+        return policy_compare(args, config)
     if args.bench and args.request_rate:
         return rate_bench(args, config, params)
     if group.rank > 0:
@@ -288,8 +294,10 @@ def check_bench_args(args, config: EngineConfig) -> None:
     parse_range(args.input_len, "--input-len")
     parse_range(args.output_len, "--output-len")
     checks.number("--request-rate", args.request_rate, low=0, open_low=True, optional=True)
-    if args.request_rate is not None and config.tp > 1:
-        raise NanoError("--request-rate compares two policies in one process: run it without --tp")
+    checks.integer("--seeds", args.seeds, low=1)
+    if (args.request_rate is not None or args.policy_compare) and config.tp > 1:
+        raise NanoError("--request-rate and --policy-compare compare two policies in one process: "
+                        "run them without --tp")
 
 
 def bench_requests(args, engine, params: SamplingParams):
@@ -340,6 +348,27 @@ def rate_bench(args, config: EngineConfig, params: SamplingParams) -> int:
             pool().free_all_blocks()
     print(f"\n{args.num_seqs} requests at {args.request_rate} req/s (Poisson, seeded), "
           f"TTFT target {args.ttft_slo} ms, TPOT target {args.tpot_slo} ms\n{bench.policy_table(results)}")
+    return 0
+
+
+def policy_compare(args, config: EngineConfig) -> int:
+    """nano/slo_bench.py's matrix on the real clock: a fresh engine per run, warmed up."""
+    from nano import slo_bench
+    from nano.engine import LLMEngine
+
+    def make_engine(policy):
+        gc.collect()  # free the previous engine's KV pool before this one sizes its own
+        engine = LLMEngine(dataclasses.replace(config, policy=policy))
+        bench.warm_up(engine)
+        return engine
+
+    def report(name, load, seed, policy, outcome, capacity):
+        print(f"{name} {load} (capacity {capacity:.2f} req/s) seed {seed} {policy}: "
+              f"{outcome.met}/{outcome.total} met, goodput {outcome.goodput:.2f} req/s", file=sys.stderr)
+
+    vocab = make_engine("fcfs").model_config.vocab_size
+    results = slo_bench.run_matrix(make_engine, vocab, args.num_seqs, range(args.seeds), on_result=report)
+    print(slo_bench.matrix_table(results))
     return 0
 
 

@@ -9,6 +9,7 @@ import numpy as np
 
 from nano.errors import writing
 from nano.plan import SchedulerOutput, decode_context
+from nano.policy import LATE
 from nano.sequence import Sequence
 
 # Latency histogram bucket bounds in seconds (Prometheus style: cumulative, then +Inf).
@@ -41,6 +42,8 @@ class Metrics:
         self.requests = 0                    # finished, rejected included
         self.rejected = 0
         self.slo_met = 0                     # finished within both latency targets
+        self.served_late = 0                 # finished, but missed a latency target
+        self.rejected_late = 0               # rejected because they could no longer make it (--drop-late)
         self.prompt_tokens = 0
         self.generated_tokens = 0
         self.ttft: list[float] = []          # seconds, arrival -> first token
@@ -89,7 +92,9 @@ class Metrics:
         self.requests += 1
         if seq.finish_reason == "rejected":
             self.rejected += 1
+            self.rejected_late += bool(seq.error and seq.error.startswith(LATE))
             return
+        self.served_late += not seq.met_slo()
         self.prompt_tokens += seq.num_prompt_tokens
         self.generated_tokens += seq.num_output_tokens
         self.slo_met += seq.met_slo()
@@ -112,6 +117,8 @@ class Metrics:
             **{f"ttft_p{q}_ms": 1e3 * percentile(self.ttft, q) for q in (50, 90, 99)},
             **{f"tpot_p{q}_ms": 1e3 * percentile(self.tpot, q) for q in (50, 90, 99)},
             "slo_attainment": self.slo_met / self.requests if self.requests else 0.0,
+            "served_late": self.served_late,
+            "rejected_late": self.rejected_late,
             "goodput_rps": self.slo_met / wall if wall else 0.0,
             "preemptions_swap": self.preemptions["swap"],
             "preemptions_recompute": self.preemptions["recompute"],
@@ -207,7 +214,8 @@ def format_summary(s: dict) -> str:
         f"throughput          {s['output_tokens_per_s']:.1f} output tok/s, {s['total_tokens_per_s']:.1f} total tok/s",
         f"TTFT                p50 {s['ttft_p50_ms']:.1f} ms, p90 {s['ttft_p90_ms']:.1f} ms, p99 {s['ttft_p99_ms']:.1f} ms",
         f"time per out token  p50 {s['tpot_p50_ms']:.1f} ms, p90 {s['tpot_p90_ms']:.1f} ms, p99 {s['tpot_p99_ms']:.1f} ms",
-        f"SLO attainment      {100 * s['slo_attainment']:.1f}% of requests, goodput {s['goodput_rps']:.2f} req/s",
+        f"SLO attainment      {100 * s['slo_attainment']:.1f}% of requests, goodput {s['goodput_rps']:.2f} req/s; "
+        f"{s['served_late']} served late, {s['rejected_late']} rejected as late",
         f"preemptions         {s['preemptions_swap']} swap, {s['preemptions_recompute']} recompute ({reasons})",
         f"prefix cache hits   {100 * s['prefix_cache_hit_rate']:.1f}% of prompt tokens",
         f"peak KV occupancy   {100 * s['peak_kv_occupancy']:.1f}%, {s['peak_running']} sequences in one step",

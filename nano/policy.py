@@ -4,45 +4,57 @@ The scheduler is the mechanism (queues, one token budget, blocks, preemption); e
 it asks its policy the questions of the Policy interface below.
 
   FCFS      admission in arrival order; prefill chunks in admission order; the victim is
-            the most recently admitted sequence; no cap, no rejection.
-  Deadline  every request may carry latency targets (time to first token, time per output
-            token). Its slack is the time it can still afford to wait: deadline - now -
-            the work it has left, priced by the step-time model that cost_model.py fits
-            online. Admission and the prefill budget go to the least slack first; the
-            victim is the running sequence with the most slack; a step carries no more
-            prefill tokens than the tightest slack of the sequences decoding in it can
-            absorb (time per output token is an average); a waiting request whose slack is
-            already negative can no longer make its target and is moved behind those that
-            still can (or rejected, with --drop-late), so it does not make others late too.
+            the most recently admitted sequence; no cap, no one is given up on.
+  Deadline  maximises goodput: requests that meet both their time-to-first-token (TTFT)
+            and time-per-output-token (TPOT) targets. Which rule serves which target:
+    TTFT  - admission and prefill chunks in earliest-deadline-first order (deadline =
+            arrival + TTFT target). EDF is the order that meets every deadline whenever
+            any order can; and with the same target for everyone it is arrival order, so
+            on uniform targets it is FCFS (ordering by least slack instead starts long
+            prompts first, because their prefill eats their slack, and costs the many
+            short requests their TTFT).
+          - admission control: walking the queue in EDF order, each request's first token
+            is predicted (now + the prefill work ahead of it and its own, priced by the
+            step-time model of cost_model.py). One that cannot make its deadline even so is
+            moved behind all those that can (--drop-late: rejected, with the reason), and
+            its work no longer counts against them: a lost cause must not make others late.
+    TPOT  - decodes go first in every step (both policies); a step carries no more prefill
+            than the tightest TPOT slack among the sequences decoding in it can absorb (the
+            target is an average, so a long step is fine while there is slack).
+    both  - under memory pressure the victim is a sequence that has already missed a
+            target (preempting it costs no goodput), else the one with the most slack.
 
 Where throughput and deadlines pull apart (the deadline policy gives up the first for
 the second):
-  - FCFS keeps the batch full of whatever came first; slack order may start a short urgent
-    prompt while a long one waits, so long prompts see worse TTFT and the first-come
-    prefix blocks are less often still cached when their siblings arrive.
-  - The cheapest victim to preempt for throughput is the one with the least KV to move or
-    recompute; the deadline victim is the one with the most slack, however large it is.
-  - Dropping a late request wastes nothing more, but the work already spent on it is lost;
-    keeping it (moved back) finishes it late and counts for throughput, not for goodput.
-  - Decodes go first under both policies: one token each keeps TPOT, but it takes budget
-    from prefill chunks that may be nearer their TTFT deadline.
+  - Capping prefill per step for TPOT makes more, smaller steps: lower throughput.
+  - The cheapest victim for throughput has the least KV to move or recompute; the
+    deadline victim is a late or slack-rich one, however large.
+  - A request moved back as late still runs when there is room, and counts for
+    throughput, not goodput; dropping it (--drop-late) loses the work spent on it.
+  - EDF starts urgent short prompts before earlier long ones, so a long prompt's first-come
+    prefix blocks are less often still cached when its siblings arrive.
 """
 import math
+from collections import deque
 from typing import TYPE_CHECKING, Protocol
 
 from nano.plan import decode_context, is_decode
 from nano.sequence import Sequence
+
+LATE = "late:"  # how the reason of a request rejected by --drop-late starts
 
 if TYPE_CHECKING:  # only for annotations: the scheduler imports this module
     from nano.scheduler import Scheduler
 
 
 class Policy(Protocol):
-    def late_error(self, seq: Sequence) -> str | None:
-        """Why an arrived request is rejected before admission (--drop-late), or None."""
+    def admission_order(self, arrived: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
+        """The arrived waiting requests in the order they are admitted: (those that can
+        still make their targets, those that cannot), each in order. The scheduler serves
+        the second after the first, or rejects it (--drop-late) with late_reason."""
 
-    def admission_order(self, arrived: list[Sequence]) -> list[Sequence]:
-        """The arrived waiting requests in the order they are admitted."""
+    def late_reason(self, seq: Sequence) -> str:
+        """Why a request that cannot make its targets is rejected (--drop-late)."""
 
     def prefill_order(self, prefills: list[Sequence]) -> list[Sequence]:
         """Running prompts in the order they share the token budget for prefill chunks."""
@@ -51,6 +63,9 @@ class Policy(Protocol):
         """What the rest of the step (prefill chunks, swap-ins, admissions) may take of the
         budget its decodes left."""
 
+    def held_for_waiting(self, budget: int, prefills: list[Sequence], arrived: list[Sequence]) -> int:
+        """Tokens of that budget that admissions get before the running prompts' chunks."""
+
     def victim(self, candidates: list[Sequence]) -> Sequence:
         """Which running sequence gives way when a sequence finds no free block."""
 
@@ -58,11 +73,11 @@ class Policy(Protocol):
 class FCFS:
     """First come, first served."""
 
-    def late_error(self, seq: Sequence) -> str | None:
-        return None
+    def admission_order(self, arrived: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
+        return arrived, []
 
-    def admission_order(self, arrived: list[Sequence]) -> list[Sequence]:
-        return arrived
+    def late_reason(self, seq: Sequence) -> str:
+        raise AssertionError("FCFS gives up on no request")
 
     def prefill_order(self, prefills: list[Sequence]) -> list[Sequence]:
         return prefills
@@ -70,49 +85,111 @@ class FCFS:
     def prefill_budget(self, budget: int, decoding: list[Sequence]) -> int:
         return budget
 
+    def held_for_waiting(self, budget: int, prefills: list[Sequence], arrived: list[Sequence]) -> int:
+        return 0
+
     def victim(self, candidates: list[Sequence]) -> Sequence:
         return candidates[-1]  # the scheduler keeps running sequences in admission order
 
 
 class Deadline:
-    """Least slack first. Slack depends on the time of the step and on the batch decoding in
-    it, so this policy reads both from its scheduler as they change during the step."""
+    """Earliest deadline first, with admission control. Predictions depend on the time of
+    the step and on the batch running in it, so this policy reads both from its scheduler
+    as they change during the step."""
+
+    # A request that arrives during a step waits for it to end: a step's prefill is kept to
+    # STEP_SHARE_OF_TTFT of the tightest TTFT target among the last RECENT arrivals.
+    STEP_SHARE_OF_TTFT = 1 / 3
+    RECENT = 64
+    # Steps are planned to this share of the pace TPOT targets need: predictions are not exact.
+    PACE_MARGIN = 0.9
 
     def __init__(self, scheduler: "Scheduler"):
         self.sched = scheduler
+        self.recent_ttft: deque[float] = deque(maxlen=self.RECENT)
+        self.last_arrival = -math.inf
 
-    def late_error(self, seq: Sequence) -> str | None:
-        if self.sched.config.drop_late and seq.first_token_time is None and self.slack(seq) < 0:
-            return f"cannot meet its time-to-first-token target of {1e3 * seq.params.ttft_slo:.0f} ms"
-        return None
+    def admission_order(self, arrived: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
+        """EDF; a request whose predicted first token (after the prefill work of the running
+        prompts and of the requests before it that can still make it) misses its deadline is
+        moved to the late list, and its work is not counted against those after it."""
+        for seq in sorted((s for s in arrived if s.arrival_time > self.last_arrival and s.params.ttft_slo),
+                          key=lambda s: s.arrival_time):
+            self.recent_ttft.append(seq.params.ttft_slo)
+        self.last_arrival = max([self.last_arrival] + [s.arrival_time for s in arrived])
+        ahead = sum(s.num_uncomputed_tokens for s in self.sched.running
+                    if not is_decode(s.num_uncomputed_tokens))
+        feasible, late = [], []
+        for seq in sorted(arrived, key=self._ttft_deadline):
+            work = ahead + seq.num_uncomputed_tokens
+            if self.sched.now + self._prefill_time(work) <= self._ttft_deadline(seq)[0]:
+                feasible.append(seq)
+                ahead = work
+            else:
+                late.append(seq)
+        return feasible, late
 
-    def admission_order(self, arrived: list[Sequence]) -> list[Sequence]:
-        return sorted(arrived, key=self._urgency)
-
-    def _urgency(self, seq: Sequence) -> tuple[bool, float]:
-        """Least slack first, but those already late behind those that can still make it."""
-        slack = self.slack(seq)
-        return slack < 0, slack
+    def late_reason(self, seq: Sequence) -> str:
+        return (f"{LATE} cannot meet its time-to-first-token target of {1e3 * seq.params.ttft_slo:.0f} ms "
+                f"behind the requests that can still meet theirs")
 
     def prefill_order(self, prefills: list[Sequence]) -> list[Sequence]:
-        return sorted(prefills, key=self.slack)
+        return sorted(prefills, key=self._ttft_deadline)
+
+    def _ttft_deadline(self, seq: Sequence) -> tuple[float, float]:
+        """(deadline, arrival): no TTFT target sorts last, ties in arrival order."""
+        target = seq.params.ttft_slo
+        return (math.inf if target is None else seq.arrival_time + target), seq.arrival_time
+
+    def _prefill_time(self, tokens: int) -> float:
+        """Seconds to prefill `tokens` in steps of at most the token budget, beside the
+        decodes running now."""
+        cost, budget = self.sched.cost, self.sched.config.max_num_batched_tokens
+        steps = max(-(-tokens // budget), 1)
+        decoding = [s for s in self.sched.running if is_decode(s.num_uncomputed_tokens)]
+        step = cost.step_time(0, len(decoding), decode_context(decoding))
+        return steps * step + tokens * cost.coef[1]
 
     def prefill_budget(self, budget: int, decoding: list[Sequence]) -> int:
-        """A decoding sequence's TPOT target is an average, so a long step is fine while it
-        has slack; the step may add as much prefill as the tightest slack among the sequences
-        decoding in it can absorb (priced per token by the cost model); sequences already
-        past saving do not count. Throughput wants the largest chunks (fewer, fuller steps);
-        TPOT wants short steps: here the two pull apart. At least one block's worth, so that
-        prompts always make progress."""
-        slacks = [self.slack(s) for s in decoding if s.params.tpot_slo and s.first_token_time is not None]
-        slacks = [x for x in slacks if x >= 0]  # already late: short steps would not save it
-        per_token = self.sched.cost.coef[1]
-        if not slacks or per_token <= 0:
+        """How long this step may be, as prefill tokens beside its decodes: no longer than
+          - the pace each decoding sequence needs to meet its TPOT target: the time left to
+            its deadline over the tokens it has left (TPOT is an average, so this spreads
+            any slack evenly instead of spending it on one long step); sequences already
+            past saving do not count;
+          - STEP_SHARE_OF_TTFT of the tightest recent TTFT target: a request arriving
+            mid-step waits for the step to end before its prompt can start.
+        Throughput wants the largest chunks (fewer, fuller steps); the targets want short
+        steps: here the two pull apart. At least one block's worth, so that prompts always
+        make progress."""
+        paces = [self._pace(s) for s in decoding if s.params.tpot_slo and s.first_token_time is not None]
+        limits = [self.PACE_MARGIN * p for p in paces if p > 0]
+        if self.recent_ttft:
+            limits.append(min(self.recent_ttft) * self.STEP_SHARE_OF_TTFT)
+        cost = self.sched.cost
+        if not limits or cost.coef[1] <= 0:
             return budget
-        return min(budget, max(int(min(slacks) / per_token), self.sched.bm.block_size))
+        room = min(limits) - cost.step_time(0, len(decoding), decode_context(decoding))
+        return min(budget, max(int(room / cost.coef[1]), self.sched.bm.block_size))
+
+    def _pace(self, seq: Sequence) -> float:
+        """Seconds per step that still meets seq's TPOT target (<= 0: it cannot)."""
+        p = seq.params
+        left = p.max_tokens - seq.num_output_tokens
+        deadline = seq.first_token_time + p.tpot_slo * (p.max_tokens - 1)
+        return (deadline - self.sched.now) / left if left > 0 else math.inf
+
+    def held_for_waiting(self, budget: int, prefills: list[Sequence], arrived: list[Sequence]) -> int:
+        """EDF across the queue line: arrived requests whose TTFT deadline comes before every
+        running prompt's (and that can still make it) get their prompts' tokens first."""
+        if self.sched.swapped or not prefills:  # swapped sequences come back before any admission
+            return 0
+        first = min(self._ttft_deadline(s) for s in prefills)
+        feasible, _ = self.admission_order(arrived)
+        return min(budget, sum(s.num_uncomputed_tokens for s in feasible if self._ttft_deadline(s) < first))
 
     def victim(self, candidates: list[Sequence]) -> Sequence:
-        return max(candidates, key=self.slack)
+        """One that has missed a target already (no goodput lost), else the most slack."""
+        return max(candidates, key=lambda s: (self.slack(s) < 0, self.slack(s)))
 
     def slack(self, seq: Sequence) -> float:
         """Seconds seq can still wait and meet its latency targets, given the work it has

@@ -72,7 +72,9 @@ class Scheduler:
         prefills = [s for s in self.running if not is_decode(s.num_uncomputed_tokens)]
         budget = self._schedule_each(decodes, out, budget)
         budget = self.policy.prefill_budget(budget, [s for s, _ in out.scheduled])
-        return self._schedule_each(self.policy.prefill_order(prefills), out, budget)
+        arrived = [s for s in self.waiting if s.arrival_time <= self.now]
+        held = self.policy.held_for_waiting(budget, prefills, arrived)
+        return self._schedule_each(self.policy.prefill_order(prefills), out, budget - held) + held
 
     def _schedule_each(self, seqs: list[Sequence], out: SchedulerOutput, budget: int) -> int:
         for seq in seqs:
@@ -122,7 +124,7 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         arrived = [s for s in self.waiting if s.arrival_time <= self.now]
-        for seq in self.policy.admission_order(self._reject_late(arrived, out)):
+        for seq in self._triage(arrived, out):
             if not self._room(out, budget):
                 break
             error = self._never_fits(seq)
@@ -144,16 +146,15 @@ class Scheduler:
             out.scheduled.append((seq, n))
             budget -= n
 
-    def _reject_late(self, arrived: list[Sequence], out: SchedulerOutput) -> list[Sequence]:
-        """Reject the requests the policy gives up on (--drop-late); returns the others."""
-        kept = []
-        for seq in arrived:
-            error = self.policy.late_error(seq)
-            if error:
-                self._reject(seq, error, out)
-            else:
-                kept.append(seq)
-        return kept
+    def _triage(self, arrived: list[Sequence], out: SchedulerOutput) -> list[Sequence]:
+        """The policy's admission order: those that can still make their targets, then
+        those that cannot (or, with --drop-late, those rejected)."""
+        order, late = self.policy.admission_order(arrived)
+        if not self.config.drop_late:
+            return order + late
+        for seq in late:
+            self._reject(seq, self.policy.late_reason(seq), out)
+        return order
 
     # ---- helpers -----------------------------------------------------------------------
     def _never_fits(self, seq: Sequence) -> str | None:

@@ -4,6 +4,7 @@ import json
 import numpy as np
 import pytest
 
+from nano import slo_bench
 from nano.capacity import plan_from_config
 from nano.clock import SimulatedClock
 from nano.config import EngineConfig
@@ -49,12 +50,45 @@ def test_deadline_policy_meets_what_fcfs_misses(tiny_model, policy, met):
         assert all(s.ttft > 0.25 for s in seqs[1:])
 
 
+@pytest.fixture(scope="module")
+def policy_matrix(tiny_model):
+    """nano/slo_bench.py's matrix (run.py --bench --policy-compare) on the simulated clock:
+    40 requests per run, 3 seeds, every workload and load."""
+    return slo_bench.run_matrix(lambda policy: simulated_engine(tiny_model, policy=policy), 512, 40, (0, 1, 2))
+
+
+def goodputs(results, name, load, policy) -> list[float]:
+    return [o.goodput for (w, l, _, p), o in sorted(results.items()) if (w, l, p) == (name, load, policy)]
+
+
+@pytest.mark.parametrize("load", slo_bench.LOADS)
+def test_uniform_targets_deadline_never_loses_to_fcfs(policy_matrix, load):
+    """Same targets for everyone: EDF is arrival order, so the deadline policy differs from
+    FCFS only where it helps (admission control, step sizing); on every seed."""
+    fcfs, deadline = (goodputs(policy_matrix, "uniform", load, p) for p in ("fcfs", "deadline"))
+    assert all(d >= f for d, f in zip(deadline, fcfs)), (fcfs, deadline)
+
+
+@pytest.mark.parametrize("load", ["near", "above"])
+@pytest.mark.parametrize("name", ["mixed", "bursts"])
+def test_deadline_goodput_is_1_3x_fcfs_where_urgency_differs(policy_matrix, name, load):
+    fcfs, deadline = (np.mean(goodputs(policy_matrix, name, load, p)) for p in ("fcfs", "deadline"))
+    assert deadline >= 1.3 * fcfs, (fcfs, deadline)
+
+
+def test_matrix_table_has_every_run(policy_matrix):
+    table = slo_bench.matrix_table(policy_matrix)
+    assert len(table.splitlines()) == 2 + 2 * len(slo_bench.WORKLOADS) * len(slo_bench.LOADS)
+    assert "| bursts | above | deadline |" in table and "interactive" in table
+
+
 def test_drop_late_rejects_what_cannot_make_it(tiny_model):
     engine = simulated_engine(tiny_model, policy="deadline", drop_late=True, max_num_batched_tokens=64)
     hopeless = SamplingParams(temperature=0, max_tokens=4, ttft_slo=0.001)  # less than one step
     fine = SamplingParams(temperature=0, max_tokens=4, ttft_slo=1.0)
     seqs = engine.generate([[5] * 30, [6] * 30], [hopeless, fine])
-    assert seqs[0].finish_reason == "rejected" and "time-to-first-token" in seqs[0].error
+    assert seqs[0].finish_reason == "rejected" and seqs[0].error.startswith("late: cannot meet its time-to-first-token")
+    assert engine.metrics.rejected_late == 1 and engine.metrics.served_late == 0
     assert seqs[1].finish_reason == "length" and seqs[1].met_slo()
 
 

@@ -84,16 +84,17 @@ def test_alone_and_out_of_blocks_finishes_with_length():
     assert sched.bm.num_free_blocks == 2
 
 
-@pytest.mark.parametrize("policy,chunk", [("fcfs", 1000), ("deadline", 292)])
-def test_deadline_caps_prefill_by_the_tightest_tpot_slack(policy, chunk):
+@pytest.mark.parametrize("policy,chunk", [("fcfs", 1000), ("deadline", 28)])
+def test_deadline_caps_prefill_by_the_decodes_tpot_pace(policy, chunk):
     sched = make_scheduler(num_blocks=1000, policy=policy, watermark=0.0)
     request(sched, BLOCK, max_tokens=10, tpot_slo=0.1)  # "decoding" below
     step(sched, now=0.0)                     # first token at t=0
     request(sched, 1000, arrival=0.5)        # a long prompt arrives while it decodes
     out = step(sched, now=0.5)
-    # decoding's slack at t=0.5: its last token is due at 0.1 * 9 = 0.9 s; 9 tokens are
-    # left at 0.012 s a step (base 0.010 + one decode 0.002): 0.9 - 0.5 - 0.108 = 0.292 s,
-    # which pays for 292 prefill tokens at 0.001 s each.
+    # decoding's pace at t=0.5: its last token is due at 0.1 * 9 = 0.9 s with 9 tokens
+    # left: (0.9 - 0.5) / 9 = 0.0444 s a step, planned at 90% (PACE_MARGIN): 0.04 s; the
+    # step's decode takes 0.012 s (base 0.010 + one decode 0.002), which leaves 0.028 s:
+    # 28 prefill tokens at 0.001 s each.
     assert [n for _, n in out.scheduled] == [1, pytest.approx(chunk, abs=1)]
 
 
