@@ -228,6 +228,8 @@ def parse(argv, rank: int):
     params = sampling_params(args)
     if args.bench:
         check_bench_args(args, config)
+    elif args.policy_compare or args.request_rate is not None:
+        raise NanoError("--policy-compare and --request-rate are --bench modes: add --bench")
     elif not args.prompt_file and not args.plan:
         raise NanoError("give --prompt-file FILE (or --bench, or --plan)")
     requests = (read_requests(args.prompt_file, params)

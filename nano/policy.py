@@ -113,10 +113,7 @@ class Deadline:
         """EDF; a request whose predicted first token (after the prefill work of the running
         prompts and of the requests before it that can still make it) misses its deadline is
         moved to the late list, and its work is not counted against those after it."""
-        for seq in sorted((s for s in arrived if s.arrival_time > self.last_arrival and s.params.ttft_slo),
-                          key=lambda s: s.arrival_time):
-            self.recent_ttft.append(seq.params.ttft_slo)
-        self.last_arrival = max([self.last_arrival] + [s.arrival_time for s in arrived])
+        self._note_arrivals(arrived)
         ahead = sum(s.num_uncomputed_tokens for s in self.sched.running
                     if not is_decode(s.num_uncomputed_tokens))
         feasible, late = [], []
@@ -128,6 +125,12 @@ class Deadline:
             else:
                 late.append(seq)
         return feasible, late
+
+    def _note_arrivals(self, arrived: list[Sequence]) -> None:
+        """Remember the TTFT targets of requests not seen before (for the step cap)."""
+        new = sorted((s for s in arrived if s.arrival_time > self.last_arrival), key=lambda s: s.arrival_time)
+        self.recent_ttft.extend(s.params.ttft_slo for s in new if s.params.ttft_slo)
+        self.last_arrival = max([self.last_arrival] + [s.arrival_time for s in arrived])
 
     def late_reason(self, seq: Sequence) -> str:
         return (f"{LATE} cannot meet its time-to-first-token target of {1e3 * seq.params.ttft_slo:.0f} ms "
