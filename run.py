@@ -371,6 +371,8 @@ def policy_compare(args, config: EngineConfig) -> int:
     vocab = make_engine("fcfs").model_config.vocab_size
     results = slo_bench.run_matrix(make_engine, vocab, args.num_seqs, range(args.seeds), on_result=report)
     print(slo_bench.matrix_table(results))
+    print()
+    print(slo_bench.kind_table(results))
     return 0
 
 

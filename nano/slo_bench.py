@@ -152,14 +152,38 @@ def run_matrix(make_engine, vocab: int, num: int, seeds, workloads=WORKLOADS, lo
     return results
 
 
+def kind_table(results: dict) -> str:
+    """Per workload, load and request kind: each policy's SLO attainment and TTFT / TPOT
+    p50 / p99 over all seeds."""
+    rows = ["| workload | load | kind | policy | SLO attained | TTFT p50 / p99 ms | TPOT p50 / p99 ms |",
+            "|---|---|---|---|---|---|---|"]
+    for name, load in _cells(results):
+        kinds = sorted({k for (w, l, _, _), o in results.items() if (w, l) == (name, load) for k in o.met_by_kind})
+        for kind in kinds:
+            for policy in ("fcfs", "deadline"):
+                runs = [o for (w, l, _, p), o in results.items() if (w, l, p) == (name, load, policy)]
+                met = sum(o.met_by_kind.get(kind, (0, 0))[0] for o in runs)
+                total = sum(o.met_by_kind.get(kind, (0, 0))[1] for o in runs)
+                ttft = [t for o in runs for t in o.ttft.get(kind, [])]
+                tpot = [t for o in runs for t in o.tpot.get(kind, [])]
+                rows.append(f"| {name} | {load} | {kind} | {policy} | {100 * met / max(total, 1):.0f}% | "
+                            f"{1e3 * percentile(ttft, 50):.0f} / {1e3 * percentile(ttft, 99):.0f} | "
+                            f"{1e3 * percentile(tpot, 50):.0f} / {1e3 * percentile(tpot, 99):.0f} |")
+    return "\n".join(rows)
+
+
+def _cells(results: dict) -> list[tuple[str, str]]:
+    """The (workload, load) pairs present, in WORKLOADS x LOADS order."""
+    return sorted({k[:2] for k in results}, key=lambda k: (WORKLOADS.index(k[0]), list(LOADS).index(k[1])))
+
+
 def matrix_table(results: dict) -> str:
     """Per workload and load: each policy's goodput (mean and range over seeds), SLO
     attainment, TTFT / TPOT p50 / p99 over all seeds, and attainment per request kind."""
     rows = ["| workload | load | policy | goodput req/s (mean, min-max over seeds) | SLO attained | "
             "TTFT p50 / p99 ms | TPOT p50 / p99 ms | attained by kind | late / dropped |",
             "|---|---|---|---|---|---|---|---|---|"]
-    keys = sorted({k[:2] for k in results}, key=lambda k: (WORKLOADS.index(k[0]), list(LOADS).index(k[1])))
-    for name, load in keys:
+    for name, load in _cells(results):
         for policy in ("fcfs", "deadline"):
             runs = [o for (w, l, _, p), o in results.items() if (w, l, p) == (name, load, policy)]
             good = [o.goodput for o in runs]

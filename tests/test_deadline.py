@@ -80,6 +80,9 @@ def test_matrix_table_has_every_run(policy_matrix):
     table = slo_bench.matrix_table(policy_matrix)
     assert len(table.splitlines()) == 2 + 2 * len(slo_bench.WORKLOADS) * len(slo_bench.LOADS)
     assert "| bursts | above | deadline |" in table and "interactive" in table
+    kinds = slo_bench.kind_table(policy_matrix).splitlines()
+    assert len(kinds) == 2 + 2 * len(slo_bench.LOADS) * (1 + 2 + 2)  # uniform: 1 kind; mixed, bursts: 2
+    assert "| mixed | near | interactive | deadline |" in "\n".join(kinds)
 
 
 def test_drop_late_rejects_what_cannot_make_it(tiny_model):
