@@ -18,11 +18,19 @@ it asks its policy the questions of the Policy interface below.
             step-time model of cost_model.py). One that cannot make its deadline even so is
             moved behind all those that can (--drop-late: rejected, with the reason), and
             its work no longer counts against them: a lost cause must not make others late.
-    TPOT  - decodes go first in every step (both policies); a step carries no more prefill
-            than the tightest TPOT slack among the sequences decoding in it can absorb (the
-            target is an average, so a long step is fine while there is slack).
+          - EDF across the line between admitted and waiting: arrivals whose deadline comes
+            before every running prompt's get their tokens of the step first.
+          - short steps: a request arriving mid-step waits for the step to end, so a step
+            is kept to a third of the tightest TTFT target among recent arrivals.
+    TPOT  - decodes go first in every step (both policies); a step is no longer than each
+            decoding sequence's pace (the time to its TPOT deadline over the tokens it has
+            left, planned at 90%): its slack spread evenly over its remaining steps, not
+            spent on one long step that would leave every later step starved of prefill.
     both  - under memory pressure the victim is a sequence that has already missed a
             target (preempting it costs no goodput), else the one with the most slack.
+Measured on nano/slo_bench.py's matrix (README, docs/perf_notes.md): never behind FCFS on
+uniform targets, 1.4-1.9x its goodput with mixed urgency or long-prompt bursts near and
+above capacity, on the real clock and the simulated one.
 
 Where throughput and deadlines pull apart (the deadline policy gives up the first for
 the second):
