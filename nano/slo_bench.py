@@ -2,7 +2,7 @@
 same seeded arrivals, for three workload classes at three loads, several seeds.
 
 Workloads (targets in units of the engine's own step times, so one definition serves the
-real clock and the simulated clock of the tests; see `units`):
+real clock and the simulated clock of the tests; see `Units`):
   uniform   every request the same targets, prompts 16-384 tokens
   mixed     half interactive (short prompts, tight TTFT), half batch requests (long
             prompts, loose TTFT)
