@@ -127,7 +127,8 @@ class Deadline:
         feasible, late = [], []
         for seq in sorted(arrived, key=self._ttft_deadline):
             work = ahead + seq.num_uncomputed_tokens
-            if self.sched.now + self._prefill_time(work) <= self._ttft_deadline(seq)[0]:
+            resumed = seq.first_token_time is not None  # preempted by recompute: TTFT is past
+            if resumed or self.sched.now + self._prefill_time(work) <= self._ttft_deadline(seq)[0]:
                 feasible.append(seq)
                 ahead = work
             else:
@@ -148,8 +149,11 @@ class Deadline:
         return sorted(prefills, key=self._ttft_deadline)
 
     def _ttft_deadline(self, seq: Sequence) -> tuple[float, float]:
-        """(deadline, arrival): no TTFT target sorts last, ties in arrival order."""
+        """(deadline, arrival): no TTFT target sorts last, ties in arrival order; a sequence
+        that has output tokens already (preempted by recompute) first, as under FCFS."""
         target = seq.params.ttft_slo
+        if seq.first_token_time is not None:
+            return -math.inf, seq.arrival_time
         return (math.inf if target is None else seq.arrival_time + target), seq.arrival_time
 
     def _prefill_time(self, tokens: int) -> float:

@@ -136,3 +136,20 @@ def test_learned_prefill_cost_turns_recompute_into_swap():
         prefill = 16 * (i % 8 + 1)
         learned.cost.observe_step(prefill, 0, 0, COEF[0] + 0.010 * prefill)
     assert preempted_mode(learned) == "swap_cheaper"
+
+
+def test_drop_late_never_rejects_a_sequence_that_has_output_already():
+    """Preempted by recompute after its first token: back in the queue, long past its TTFT
+    deadline, but its target was met; --drop-late must not throw its output away."""
+    sched = make_scheduler(num_blocks=2, policy="deadline", drop_late=True, watermark=0.0,
+                           preemption="recompute")
+    for _ in range(2):
+        request(sched, BLOCK, ttft_slo=0.05)
+    step(sched, now=0.0)                     # both prompts, one block each: first tokens
+    out = step(sched, now=1.0)               # both need a second block: one is recomputed
+    assert [p.seq for p in out.preempted] and out.preempted[0].mode == "recompute"
+    victim = out.preempted[0].seq
+    assert victim.first_token_time == 0.0 and victim.status is Status.WAITING
+    for t in (2.0, 3.0, 4.0):
+        step(sched, now=t)
+        assert victim.finish_reason != "rejected", victim.error
