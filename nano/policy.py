@@ -125,10 +125,12 @@ class Deadline:
         ahead = sum(s.num_uncomputed_tokens for s in self.sched.running
                     if not is_decode(s.num_uncomputed_tokens))
         feasible, late = [], []
+        decoding = [s for s in self.sched.running if is_decode(s.num_uncomputed_tokens)]
+        step = self.sched.cost.step_time(0, len(decoding), decode_context(decoding))  # once, not per request
         for seq in sorted(arrived, key=self._ttft_deadline):
             work = ahead + seq.num_uncomputed_tokens
             resumed = seq.first_token_time is not None  # preempted by recompute: TTFT is past
-            if resumed or self.sched.now + self._prefill_time(work) <= self._ttft_deadline(seq)[0]:
+            if resumed or self.sched.now + self._prefill_time(work, step) <= self._ttft_deadline(seq)[0]:
                 feasible.append(seq)
                 ahead = work
             else:
@@ -156,14 +158,11 @@ class Deadline:
             return -math.inf, seq.arrival_time
         return (math.inf if target is None else seq.arrival_time + target), seq.arrival_time
 
-    def _prefill_time(self, tokens: int) -> float:
-        """Seconds to prefill `tokens` in steps of at most the token budget, beside the
-        decodes running now."""
-        cost, budget = self.sched.cost, self.sched.config.max_num_batched_tokens
-        steps = max(-(-tokens // budget), 1)
-        decoding = [s for s in self.sched.running if is_decode(s.num_uncomputed_tokens)]
-        step = cost.step_time(0, len(decoding), decode_context(decoding))
-        return steps * step + tokens * cost.coef[1]
+    def _prefill_time(self, tokens: int, step: float) -> float:
+        """Seconds to prefill `tokens` in steps of at most the token budget, each also
+        taking `step` seconds for the decodes running now."""
+        steps = max(-(-tokens // self.sched.config.max_num_batched_tokens), 1)
+        return steps * step + tokens * self.sched.cost.coef[1]
 
     def prefill_budget(self, budget: int, decoding: list[Sequence]) -> int:
         """How long this step may be, as prefill tokens beside its decodes: no longer than
