@@ -5,6 +5,7 @@
     python run.py --bench --request-rate 4 --ttft-slo 2000 --tpot-slo 100   (FCFS vs deadline)
     python run.py --plan --kv-cache-memory 2GB                   (capacity planning)
     mpirun -n 2 python run.py --tp 2 --prompt-file prompts.txt   (tensor parallel)
+    mpirun -n 2 python run.py --disagg 1:1 --prompt-file prompts.txt   (prefill and decode apart)
 """
 import argparse
 import dataclasses
@@ -70,6 +71,8 @@ def build_parser() -> Parser:
                    help="int8 keys: token (as they are) | channel (channels pre-scaled, calibrated at "
                         "load) | rotate (Hadamard-rotated); default " + DEFAULT_KEY_SCHEME)
     e.add_argument("--tp", type=int, default=ENGINE.tp, help="tensor-parallel ranks: run under mpirun -n TP")
+    e.add_argument("--disagg", metavar="P:D", help="disaggregated serving: P prefill and D decode "
+                   "instances, one rank each: run under mpirun -n P+D (nano/disagg.py)")
     e.add_argument("--enforce-eager", action="store_true", help="GPU: run decode steps eagerly, no CUDA graphs")
     e.add_argument("--policy", default=ENGINE.policy, help="fcfs | deadline (by slack to the latency targets)")
     e.add_argument("--drop-late", action="store_true", help="deadline: reject requests that can no longer make their TTFT")
@@ -201,12 +204,14 @@ def main(argv=None) -> int:
     group = parallel.tp_group()  # under mpirun every rank runs main; rank 0 alone talks to the user,
     with group.together():       # so a bad argument stops every rank, and is printed once
         args, config, params, requests = parse(argv, group.rank)
-        if not args.plan:  # a plan for --tp N is computed in one process
+        if not args.plan and not args.disagg:  # a plan for --tp N is computed in one process
             group.require(config.tp)
     if args.plan:
         return show_plan(config)
     if args.bench and args.policy_compare:
         return policy_compare(args, config)
+    if args.disagg:
+        return run_disagg(args, config, params, requests)
     if args.bench and args.request_rate:
         return rate_bench(args, config, params)
     if group.rank > 0:
@@ -232,6 +237,13 @@ def parse(argv, rank: int):
         raise NanoError("--policy-compare and --request-rate are --bench modes: add --bench")
     elif not args.prompt_file and not args.plan:
         raise NanoError("give --prompt-file FILE (or --bench, or --plan)")
+    if args.disagg:
+        from nano.disagg import parse_split
+        parse_split(args.disagg)
+        if config.tp > 1:
+            raise NanoError("--disagg runs each instance on one rank: drop --tp")
+        if args.policy_compare:
+            raise NanoError("--policy-compare runs in one process: drop --disagg")
     requests = (read_requests(args.prompt_file, params)
                 if args.prompt_file and not args.bench and rank == 0 else None)
     checks.writable_file("--output", args.output)  # now, not after generating everything
@@ -289,6 +301,59 @@ def generate(path: str | None, engine, prompts, inputs, per_request):
             output.close()
     engine.stop_workers()
     return seqs, wall
+
+
+def run_disagg(args, config: EngineConfig, params: SamplingParams, requests) -> int:
+    """--disagg P:D under mpirun: every rank an instance (nano/disagg.py); rank 0 routes and
+    reports."""
+    from nano import disagg
+    num_prefill, num_decode = disagg.parse_split(args.disagg)
+    run = {"generated": 0}  # rank 0's: filled in by make_requests
+
+    def make_requests(engine):
+        if args.bench:
+            inputs, per_request = bench_requests(args, engine, params)
+            arrivals = (bench.poisson_arrivals(len(inputs), args.request_rate) if args.request_rate
+                        else [0.0] * len(inputs))
+            prompts = [""] * len(inputs)
+        else:
+            chat = not args.no_chat and engine.tokenizer.chat_template is not None
+            prompts = [p for p, _ in requests]
+            inputs = [engine.tokenizer.apply_chat_template(p) if chat else p for p in prompts]
+            per_request, arrivals = [sp for _, sp in requests], [0.0] * len(inputs)
+        seqs = [engine.make_sequence(p, sp, t) for p, sp, t in zip(inputs, per_request, arrivals)]
+        run.update(prompts=prompts, index={seq.seq_id: i for i, seq in enumerate(seqs)},
+                   progress=Progress(len(seqs)),
+                   output=OutputFile(args.output, prompts, engine.detokenize) if args.output else None)
+        print(f"disaggregated: {num_prefill} prefill + {num_decode} decode instances, one rank each; "
+              f"each {engine.describe()}", file=sys.stderr)
+        return seqs
+
+    def on_result(seq):
+        run["generated"] += seq.num_output_tokens
+        run["progress"].update(1, run["generated"])
+        if run["output"]:
+            run["output"].write(run["index"][seq.seq_id], seq)
+
+    try:
+        ran = disagg.launch(config, num_prefill, num_decode, make_requests, args.bench, on_result)
+    finally:
+        if run.get("output"):
+            run["output"].close()
+    if ran is None:
+        return 0
+    router, engine, wall = ran
+    seqs = sorted(router.results.values(), key=lambda q: run["index"][q.seq_id])
+    if not args.bench:
+        for i, (prompt, seq) in enumerate(zip(run["prompts"], seqs)):
+            if seq.finish_reason == "rejected":
+                print(f"[{i}] rejected: {seq.error}", file=sys.stderr)
+            else:
+                print(f"[{i}] {prompt}\n{engine.detokenize(seq)}\n")
+    summary = disagg.summary(router, wall)
+    print(format_summary(summary))
+    print(disagg.format_disagg(summary))
+    return 0
 
 
 def check_bench_args(args, config: EngineConfig) -> None:
@@ -420,6 +485,6 @@ if __name__ == "__main__":
     except KeyboardInterrupt:  # under mpirun, on any rank: every rank ends (exit_on_error)
         parallel.exit_on_error(NanoError("interrupted"), 130)
     except Exception as e:  # a bug: alone, show the traceback; under MPI, end every rank
-        if parallel.tp_group().world == 1:
+        if parallel.alone():
             raise
         parallel.exit_on_error(e, 1)

@@ -99,6 +99,15 @@ class LLMEngine:
         """Queue a request. A future arrival_time makes it invisible to the scheduler until then
         (how the --request-rate bench replays a Poisson arrival trace). Bad input raises
         NanoError here, before anything is queued: once in a step, it would fail the step."""
+        seq = self.make_sequence(prompt, params, arrival_time)
+        self.arrival_times.append(seq.arrival_time)
+        self.scheduler.add(seq)
+        return seq
+
+    def make_sequence(self, prompt: str | list[int], params: SamplingParams,
+                      arrival_time: float | None = None) -> Sequence:
+        """A request checked, tokenized and given an id and a seed, not queued (add_request
+        queues it here; disaggregated serving's router sends it to a prefill instance)."""
         if not isinstance(params, SamplingParams):
             raise NanoError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
@@ -110,8 +119,6 @@ class LLMEngine:
         seq = Sequence(self.next_id, prompt if isinstance(prompt, str) else "", token_ids,
                        params, self.clock.now() if arrival_time is None else arrival_time, seed)
         self.next_id += 1
-        self.arrival_times.append(seq.arrival_time)
-        self.scheduler.add(seq)
         return seq
 
     def reset_metrics(self) -> None:
@@ -140,8 +147,11 @@ class LLMEngine:
         return finished
 
     def _idle(self, now: float) -> None:
-        """Nothing could run: only requests that have not arrived yet are left; wait for one."""
+        """Nothing could run: only requests that have not arrived yet are left; wait for one
+        (or, disaggregated, for the decode side to take this prefill instance's parked blocks)."""
         arrival = self.scheduler.next_arrival()
+        if arrival is None and self.scheduler.parked:
+            return  # a prefill instance full of handed-off blocks: the decode side frees them
         if arrival is None:
             raise RuntimeError("scheduler made no progress")  # a bug, never a user error
         self.clock.sleep(arrival - now)
@@ -183,6 +193,8 @@ class LLMEngine:
         decodes = plan.decodes()
         if plan.scheduled:
             self.cost.observe_step(prefill, len(decodes), decode_context(decodes), seconds - swap_seconds)
+        if prefill:
+            self.metrics.prefill_intervals.append((start, now))
         self.cost.observe_swap(swap_bytes, swap_seconds)
         self.metrics.on_step(plan, seconds, self.block_manager.num_free_blocks, swap_bytes,
                              *self.group.take_all_reduce_stats())

@@ -64,6 +64,7 @@ class Metrics:
         self.swap_bytes = 0
         self.all_reduce_time = 0.0           # tensor parallelism: rank 0's all-reduces
         self.all_reduce_bytes = 0
+        self.prefill_intervals: list[tuple[float, float]] = []  # (start, end) of steps with prompt tokens
 
     def on_step(self, plan: SchedulerOutput, seconds: float, free_blocks: int, swap_bytes: int,
                 all_reduce_seconds: float = 0.0, all_reduce_bytes: int = 0) -> None:
@@ -183,12 +184,28 @@ def prometheus_text(snap: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def pool_prometheus_text(snap: dict) -> str:
+    """A disaggregated run's snapshot (disagg.Router.pools): each pool's signals, labelled."""
+    lines = []
+    for name, help_text in (("pool_instances", "Instances in the pool."),
+                            ("pool_queue_depth_tokens", "Prefill: prompt tokens not yet computed; "
+                                                        "decode: output tokens still to generate."),
+                            ("pool_kv_cache_occupancy", "Fraction of the pool's KV blocks in use.")):
+        key = name.removeprefix("pool_").replace("kv_cache_", "kv_")
+        lines += [f"# HELP nano_{name} {help_text}", f"# TYPE nano_{name} gauge"]
+        lines += [f'nano_{name}{{pool="{pool}"}} {values[key]}' for pool, values in snap["pools"].items()]
+    lines += ["# HELP nano_requests_finished_total Requests ended.", "# TYPE nano_requests_finished_total counter",
+              f"nano_requests_finished_total {snap['finished']}"]
+    return "\n".join(lines) + "\n"
+
+
 class MetricsWriter:
     """Appends snapshots to a JSONL file and/or rewrites a Prometheus text file (atomically,
     for a node exporter's textfile collector to pick up)."""
 
-    def __init__(self, jsonl_path: str | None, prom_path: str | None):
+    def __init__(self, jsonl_path: str | None, prom_path: str | None, prom_text=None):
         self.jsonl_path, self.prom_path = jsonl_path, prom_path
+        self.prom_text = prom_text or prometheus_text
         if jsonl_path:  # a new run starts a new file
             with writing(jsonl_path):
                 open(jsonl_path, "w", encoding="utf-8").close()
@@ -201,8 +218,30 @@ class MetricsWriter:
             tmp = self.prom_path + ".tmp"
             with writing(self.prom_path):
                 with open(tmp, "w", encoding="utf-8") as f:
-                    f.write(prometheus_text(snap))
+                    f.write(self.prom_text(snap))
                 os.replace(tmp, self.prom_path)
+
+
+def tpot_during_prefill(seqs, intervals) -> dict:
+    """Gaps between a request's consecutive output tokens, split by whether any step that
+    carried prompt tokens (on any instance) ran during the gap: p50 / p99 of each, in ms.
+    The gap is what a user sees as the time per output token."""
+    spans = np.array(sorted(intervals), dtype=np.float64).reshape(-1, 2)
+    busy, quiet = [], []
+    for seq in seqs:
+        t = np.asarray(seq.token_times)
+        if len(t) < 2:
+            continue
+        start, end = t[:-1], t[1:]
+        # a span [a, b] overlaps the gap (start, end] when a < end and b > start
+        lo = np.searchsorted(spans[:, 0], end, side="left")    # spans starting before end: [0, lo)
+        overlap = np.array([bool(i) and spans[:i, 1].max() > s for i, s in zip(lo, start)])
+        gaps = end - start
+        busy += gaps[overlap].tolist()
+        quiet += gaps[~overlap].tolist()
+    return {"tpot_prefill_gaps": len(busy), "tpot_quiet_gaps": len(quiet),
+            **{f"tpot_prefill_p{q}_ms": 1e3 * percentile(busy, q) for q in (50, 99)},
+            **{f"tpot_quiet_p{q}_ms": 1e3 * percentile(quiet, q) for q in (50, 99)}}
 
 
 def format_summary(s: dict) -> str:

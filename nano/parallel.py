@@ -122,6 +122,22 @@ class Group:
 
 
 _group: Group | None = None
+_world: Group | None = None  # disaggregated serving: every rank, each its own TP group
+
+
+def disaggregate() -> Group:
+    """Disaggregated serving (disagg.py): every rank runs an engine of its own, so this
+    process is its own TP group from now on; returns the group of all ranks, which the
+    instances talk over and which an error anywhere ends."""
+    global _group, _world
+    _world = tp_group()
+    _group = Group(None)
+    return _world
+
+
+def alone() -> bool:
+    """Whether this process is the whole run (no other MPI rank to end on an error)."""
+    return (_world or tp_group()).world == 1
 
 
 def launched_by_mpirun() -> bool:
@@ -158,7 +174,7 @@ def exit_on_error(error: Exception, code: int) -> None:
     """Print one line and end this process and, under MPI, every other rank too.
     An error every rank shares is printed once (by rank 0) and the ranks exit together;
     any other one is printed with its rank and MPI_Abort ends the whole job."""
-    group = _group
+    group = _world or _group
     message = str(error) if isinstance(error, NanoError) else f"{type(error).__name__}: {error}"
     if group is None or group.world == 1 or isinstance(error, SharedError):
         if group is None or group.rank == 0:

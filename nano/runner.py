@@ -78,6 +78,30 @@ class ModelRunner:
             self.device.synchronize()
         return moved, time.perf_counter() - start
 
+    # ---- handoff (disaggregated serving) ---------------------------------------------
+    def export_blocks(self, block_ids: list[int]) -> np.ndarray:
+        """Blocks of the pool as host bytes, one row per block: payload (n, block_bytes)
+        uint8, a row being that block's slice of each block array (KV, then int8 scales),
+        all layers. A row is what one checksum covers (kv_transfer.py)."""
+        ids = self.device.xp.asarray(np.asarray(block_ids, np.int32))
+        rows = [self.device.to_host(self.device.xp.moveaxis(ops.gather_blocks(a, ids), 2, 0))
+                for a in self.kv_cache.block_arrays()]
+        return np.concatenate([np.ascontiguousarray(r).view(np.uint8).reshape(len(block_ids), -1)
+                               for r in rows], axis=1)
+
+    def import_blocks(self, block_ids: list[int], payload: np.ndarray) -> None:
+        """Write export_blocks' rows into these blocks of this pool (same layout on both sides)."""
+        ids = self.device.xp.asarray(np.asarray(block_ids, np.int32))
+        start = 0
+        for a in self.kv_cache.block_arrays():
+            shape = (len(block_ids), *a.shape[:2], *a.shape[3:])  # (n, L, 2, *rest)
+            width = int(np.prod(shape[1:])) * a.itemsize
+            rows = payload[:, start:start + width].copy().view(a.dtype).reshape(shape)
+            staging = self.device.xp.ascontiguousarray(self.device.xp.asarray(np.moveaxis(rows, 0, 2)))
+            ops.scatter_blocks(a, ids, staging)
+            start += width
+        self.device.synchronize()
+
     # ---- inputs ------------------------------------------------------------------------
     def prepare(self, plan: SchedulerOutput) -> ForwardBatch | GraphStep | None:
         """Rank 0: the plan packed, sent to the other TP ranks (which replay it, worker.py),

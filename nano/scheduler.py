@@ -39,6 +39,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []     # in admission order (swapped back in: admitted again)
         self.swapped: deque[Sequence] = deque()
+        self.parked: list[Sequence] = []      # disaggregated prefill: done, blocks held for the handoff
         self.policy = make_policy(self)
 
     def add(self, seq: Sequence) -> None:
@@ -186,8 +187,35 @@ class Scheduler:
         elif seq.status is Status.SWAPPED:
             self.swapped.remove(seq)
             self.bm.free_swapped(seq)
+        elif seq.status is Status.PARKED:
+            self.parked.remove(seq)
+            self.bm.free(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+
+    # ---- disaggregated serving (disagg.py) ----------------------------------------------
+    def park(self, seq: Sequence) -> None:
+        """A prefill instance's sequence has its first token: out of the batch, its blocks
+        held (and counted as used by admission) until the decode side has copied them."""
+        self.running.remove(seq)
+        self.parked.append(seq)
+        seq.status = Status.PARKED
+
+    def adopt(self, seq: Sequence) -> str | bool:
+        """A decode instance takes a handed-over sequence whose first num_computed_tokens
+        tokens' KV is about to be written into the blocks it gets here. Returns False while
+        its watermark does not allow it (back-pressure: try again after a step), or an
+        error when it could never fit; True once it holds blocks and runs from the next step."""
+        error = self._never_fits(seq)
+        if error:
+            return error
+        if not self.bm.can_admit(seq, [], self.watermark_blocks):
+            return False
+        computed = seq.num_computed_tokens
+        self.bm.admit(seq, [])
+        seq.num_computed_tokens = computed
+        self._start_running(seq)
+        return True
 
     def abort(self, seq: Sequence) -> None:
         """Drop an unfinished sequence, wherever it is."""

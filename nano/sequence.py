@@ -44,6 +44,7 @@ class Status(enum.Enum):
     WAITING = "waiting"      # queued: not yet admitted, or preempted by recompute
     RUNNING = "running"      # holds device blocks, scheduled every step
     SWAPPED = "swapped"      # preempted: its KV blocks live in host swap space
+    PARKED = "parked"        # prefill done, blocks held until a decode instance takes them (disagg.py)
     FINISHED = "finished"
 
 
@@ -68,6 +69,7 @@ class Sequence:
         self.error: str | None = None
         self.logits: list[np.ndarray] = []           # only with params.return_logits
         self.seed = seed                             # with the output count, keys each random draw
+        self.kv_transfer = None                      # disaggregated serving: its handoff's figures (disagg.py)
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,565 @@
+"""Disaggregated prefill and decode: separate engines for the two phases, KV handed over.
+
+    mpirun -n 2 python run.py --disagg 1:1 --prompt-file prompts.txt
+
+A prefill step is long and compute-bound, a decode step short and memory-bound: in one
+engine every prefill chunk stretches the time per output token of every running decode.
+Here ranks 0..P-1 are prefill instances and ranks P..P+D-1 decode instances, each a whole
+LLMEngine (tp=1) with its own KV pool; rank 0 also routes. A request's life:
+
+    router   --request-->  prefill p   chunked prefill (+ prefix cache); samples the first
+                                       token; the sequence is parked, its blocks held
+    p        --offer-->    decode d    state + one checksum per block, then the payload
+                                       (the filled blocks, kv_transfer.py) without waiting
+    d: admits the offer once its watermark allows (back-pressure: until then the payload
+       stays on p, whose held blocks stop it admitting new prompts when its pool is full),
+       receives the payload, checks every block, writes them into its own blocks
+    d        --ack-->      p           p frees the blocks (full ones stay prefix-cached)
+    d decodes to the end   --result--> router
+
+Routing, at arrival: to the prefill instance with the least queued prompt tokens, and to
+the decode instance with the most free blocks (its last report, less the blocks of
+requests already routed to it and not yet taken). Every instance reports its queue depth
+in tokens and KV occupancy after each step ("status"): the router routes on them, and
+they are each pool's autoscaling signals (--metrics-file, the run's summary).
+
+Aborts: the router tells both instances. p aborts the request if it still holds it
+unparked; if parked it forwards the abort to d behind its offer, so d sees them in order.
+d aborts it if it holds it (a pending offer: its payload is received and dropped, then
+acknowledged, so p frees the blocks); an abort for a sequence d never got is ignored,
+since p dealt with it. Exactly one instance reports each request's end.
+
+Times are each process's time.perf_counter(): CLOCK_MONOTONIC, one clock for all ranks
+on one host (the arrival trace, TTFT and TPOT mix ranks' times).
+"""
+import dataclasses
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from nano import kv_transfer
+from nano.errors import NanoError
+from nano.metrics import Metrics, tpot_during_prefill
+from nano.sequence import Sequence, Status
+
+ROUTER = 0
+TAG_SPAN = 1 << 14   # payload tags cycle through this many (MPI guarantees 32767 tags)
+
+
+def parse_split(text: str) -> tuple[int, int]:
+    """'P:D' -> (P, D), each at least 1."""
+    try:
+        p, d = (int(x) for x in str(text).split(":"))
+    except ValueError:
+        raise NanoError(f"--disagg must be P:D (prefill and decode instances), got {text!r}") from None
+    if p < 1 or d < 1:
+        raise NanoError(f"--disagg {text}: needs at least one prefill and one decode instance")
+    return p, d
+
+
+def payload_tag(seq_id: int) -> int:
+    return 2 + seq_id % TAG_SPAN
+
+
+@dataclass
+class InstanceStatus:
+    """An instance's report after each step."""
+    rank: int
+    time: float
+    queue_tokens: int       # prefill: prompt tokens not yet computed; decode: output tokens still to come
+    used_blocks: int
+    num_blocks: int
+    received: int = 0       # prefill: requests received so far (the router counts those in flight)
+    adopted: list[int] = field(default_factory=list)  # decode: sequences taken since the last report
+
+
+@dataclass
+class Report:
+    """An instance's figures at the end of a run."""
+    rank: int
+    summary: dict                     # its engine's Metrics.summary
+    prefill_intervals: list           # (start, end) of its steps that carried prompt tokens
+    used_blocks: int                  # device blocks still in use: 0 unless leaked
+    used_swap_blocks: int
+
+
+# ---- instances ----------------------------------------------------------------------------
+class Instance:
+    """One engine and its side of the protocol."""
+
+    def __init__(self, engine, link):
+        self.engine, self.link = engine, link
+        self.rank = link.rank
+        self.seqs: dict[int, Sequence] = {}   # in this engine's scheduler, by id
+        self.stopping = self.stopped = False
+        self.start = engine.clock.now()
+
+    def step(self) -> bool:
+        """One engine step if there is work; returns whether it ran one (a prefill instance
+        whose pool is full of parked blocks has work but cannot run it)."""
+        if not self.engine.has_unfinished():
+            return False
+        steps = self.engine.metrics.steps
+        finished = self.engine.step()
+        for seq in finished:
+            self.end(seq)
+        return bool(finished) or self.engine.metrics.steps > steps
+
+    def end(self, seq: Sequence) -> None:
+        self.seqs.pop(seq.seq_id, None)
+        self.link.send(ROUTER, ("result", kv_transfer.wire_copy(seq)))
+
+    def status(self, **extra) -> None:
+        bm = self.engine.block_manager
+        self.link.send(ROUTER, ("status", InstanceStatus(self.rank, self.engine.clock.now(), self.queue_tokens(),
+                                                   bm.num_blocks - bm.num_free_blocks, bm.num_blocks, **extra)))
+
+    def finish_stop(self) -> None:
+        bm, m = self.engine.block_manager, self.engine.metrics
+        report = Report(self.rank, m.summary(self.engine.clock.now() - self.start), list(m.prefill_intervals),
+                        bm.num_blocks - bm.num_free_blocks, bm.num_swap_blocks - len(bm.free_host_blocks))
+        self.link.send(ROUTER, ("final", report))
+        self.stopped = True
+
+
+class PrefillInstance(Instance):
+    def __init__(self, engine, link):
+        super().__init__(engine, link)
+        self.parked: dict[int, tuple[Sequence, int]] = {}  # seq_id -> (sequence, its decode rank)
+        self.decode_rank: dict[int, int] = {}              # of each sequence in self.seqs
+        self.received = 0
+
+    def receive(self, source: int, message: tuple) -> None:
+        kind = message[0]
+        if kind == "request":
+            _, seq, decode = message
+            self.seqs[seq.seq_id], self.decode_rank[seq.seq_id] = seq, decode
+            self.engine.scheduler.add(seq)
+            self.received += 1
+        elif kind == "ack":
+            seq, _ = self.parked.pop(message[1])
+            self.engine.scheduler.finish(seq, "handed_off")  # frees its blocks
+        elif kind == "abort":
+            self.abort(message[1])
+        elif kind == "stop":
+            self.stopping = True
+
+    def abort(self, seq_id: int) -> None:
+        if seq_id in self.parked:  # offered: behind the offer, so the decode side has it first
+            self.link.send(self.parked[seq_id][1], ("abort", seq_id))
+        elif seq_id in self.seqs:
+            seq = self.seqs[seq_id]
+            self.engine.scheduler.abort(seq)
+            self.decode_rank.pop(seq_id)
+            self.end(seq)
+
+    def work(self) -> bool:
+        busy = self.step()
+        for seq in [s for s in self.engine.scheduler.running if s.num_output_tokens]:
+            self.engine.scheduler.park(seq)
+            self.offer(seq)
+        if busy:
+            self.status(received=self.received)
+        if self.stopping and not self.parked:  # every handoff acknowledged: nothing held
+            self.finish_stop()
+        return busy
+
+    def end(self, seq: Sequence) -> None:
+        self.decode_rank.pop(seq.seq_id, None)
+        super().end(seq)
+
+    def offer(self, seq: Sequence) -> None:
+        decode = self.decode_rank.pop(seq.seq_id)
+        del self.seqs[seq.seq_id]
+        tag = payload_tag(seq.seq_id)
+        offer, payload = kv_transfer.pack(self.engine.runner, seq, self.rank, tag, self.engine.clock.now)
+        self.link.send(decode, ("offer", offer))
+        self.link.send_payload(decode, tag, payload)
+        self.parked[seq.seq_id] = (seq, decode)
+
+    def queue_tokens(self) -> int:
+        s = self.engine.scheduler
+        return sum(q.num_uncomputed_tokens for q in (*s.waiting, *s.running))
+
+
+class DecodeInstance(Instance):
+    def __init__(self, engine, link):
+        super().__init__(engine, link)
+        self.offers: deque[kv_transfer.Offer] = deque()  # in arrival order: admitted in that order
+        self.adopted: list[int] = []                     # since the last status report
+
+    def receive(self, source: int, message: tuple) -> None:
+        kind = message[0]
+        if kind == "offer":
+            self.offers.append(message[1])
+        elif kind == "abort":
+            self.abort(message[1])
+        elif kind == "stop":
+            self.stopping = True
+
+    def abort(self, seq_id: int) -> None:
+        offer = next((o for o in self.offers if o.seq.seq_id == seq_id), None)
+        if offer is not None:
+            self.offers.remove(offer)
+            self.drop(offer, "aborted")
+        elif seq_id in self.seqs:
+            seq = self.seqs[seq_id]
+            self.engine.scheduler.abort(seq)
+            self.end(seq)
+
+    def drop(self, offer: kv_transfer.Offer, reason: str, error: str | None = None) -> None:
+        """End an offered sequence without decoding it: its payload received and discarded
+        (the prefill side's send completes), acknowledged (its blocks there are freed)."""
+        self.link.recv_payload(offer.source, offer.tag, offer.nbytes)
+        self.link.send(offer.source, ("ack", offer.seq.seq_id))
+        seq = offer.seq
+        seq.status, seq.finish_reason, seq.error = Status.FINISHED, reason, error
+        self.end(seq)
+
+    def take_offers(self) -> bool:
+        """Admit offers in order while the watermark allows, at most one between two decode
+        steps; returns whether any was taken."""
+        took, decoding = False, bool(self.engine.scheduler.running)
+        while self.offers:
+            offer = self.offers[0]
+            admitted = self.engine.scheduler.adopt(offer.seq)
+            if admitted is False:
+                break  # back-pressure: the payload waits on the prefill side
+            self.offers.popleft()
+            if admitted is True:
+                self.receive_blocks(offer)
+            else:
+                self.drop(offer, "rejected", admitted)
+            took = True
+            if decoding:
+                break  # one payload per decode step: each copy stretches that step (docs/perf_notes.md)
+        return took
+
+    def receive_blocks(self, offer: kv_transfer.Offer) -> None:
+        clock, seq = self.engine.clock, offer.seq
+        start = clock.now()
+        payload = self.link.recv_payload(offer.source, offer.tag, offer.nbytes).reshape(offer.num_blocks, -1)
+        try:
+            kv_transfer.verify(offer, payload)
+        except kv_transfer.ChecksumError as e:
+            self.engine.scheduler.finish(seq, "rejected")
+            seq.error = str(e)
+            self.link.send(offer.source, ("ack", seq.seq_id))
+            self.end(seq)
+            return
+        self.engine.runner.import_blocks(seq.block_table[:offer.num_blocks], payload)
+        self.engine.block_manager.register_full_blocks(seq)
+        self.link.send(offer.source, ("ack", seq.seq_id))
+        end = clock.now()
+        seq.kv_transfer = {"bytes": offer.nbytes, "pack_s": offer.pack_seconds, "receive_s": end - start,
+                           "handoff_s": end - offer.offered_at}
+        self.seqs[seq.seq_id] = seq
+        self.adopted.append(seq.seq_id)
+
+    def work(self) -> bool:
+        busy = self.take_offers()
+        busy = self.step() or busy
+        if busy:
+            self.status(adopted=self.adopted)
+            self.adopted = []
+        if self.stopping and not self.offers:
+            self.finish_stop()
+        return busy
+
+    def queue_tokens(self) -> int:
+        s = self.engine.scheduler
+        waiting = [o.seq for o in self.offers] + list(s.waiting) + s.running + list(s.swapped)
+        return sum(q.params.max_tokens - q.num_output_tokens for q in waiting)
+
+
+# ---- the router ---------------------------------------------------------------------------
+class Router:
+    """Rank 0: sends each request, once it has arrived, to a prefill instance and names its
+    decode instance; collects results, status reports and, at the end, every instance's report."""
+
+    def __init__(self, link, num_prefill: int, num_decode: int, block_size: int, clock,
+                 on_result=None, on_snapshot=None):
+        self.link, self.clock, self.block_size = link, clock, block_size
+        self.prefill = list(range(num_prefill))
+        self.decode = list(range(num_prefill, num_prefill + num_decode))
+        self.pending: deque[Sequence] = deque()       # not yet arrived, in arrival order
+        self.expected = 0
+        self.results: dict[int, Sequence] = {}
+        self.where: dict[int, tuple[int, int]] = {}   # seq_id -> (prefill rank, decode rank), until its result
+        self.status: dict[int, InstanceStatus] = {}
+        self.in_flight: dict[int, deque[int]] = {p: deque() for p in self.prefill}  # prompt tokens sent, not yet received
+        self.sent: dict[int, int] = {p: 0 for p in self.prefill}
+        self.promised: dict[int, dict[int, int]] = {d: {} for d in self.decode}  # seq_id -> blocks, not yet taken
+        self.reports: dict[int, Report] = {}
+        self.pool_samples = {"prefill": [], "decode": []}  # (queue tokens, KV occupancy) per report
+        self.on_result, self.on_snapshot = on_result, on_snapshot
+        self.stopped = False
+
+    def add(self, seqs: list[Sequence]) -> None:
+        self.pending.extend(sorted(seqs, key=lambda s: s.arrival_time))
+        self.expected += len(seqs)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.results) == self.expected
+
+    @property
+    def done(self) -> bool:
+        return len(self.reports) == len(self.prefill) + len(self.decode)
+
+    def next_arrival(self) -> float | None:
+        return self.pending[0].arrival_time if self.pending else None
+
+    # ---- routing ----------------------------------------------------------------------
+    def route(self) -> bool:
+        now, routed = self.clock.now(), False
+        while self.pending and self.pending[0].arrival_time <= now:
+            seq = self.pending.popleft()
+            p = min(self.prefill, key=self.queued_tokens)
+            d = max(self.decode, key=self.free_blocks)
+            self.in_flight[p].append(seq.num_prompt_tokens)
+            self.sent[p] += 1
+            self.promised[d][seq.seq_id] = -(-(seq.num_prompt_tokens + 1) // self.block_size)
+            self.where[seq.seq_id] = (p, d)
+            self.link.send(p, ("request", seq, d))
+            routed = True
+        return routed
+
+    def queued_tokens(self, p: int) -> int:
+        reported = self.status[p].queue_tokens if p in self.status else 0
+        return reported + sum(self.in_flight[p])
+
+    def free_blocks(self, d: int) -> int:
+        if d not in self.status:
+            return -sum(self.promised[d].values())  # no report yet: all instances start alike
+        s = self.status[d]
+        return s.num_blocks - s.used_blocks - sum(self.promised[d].values())
+
+    def abort(self, seq_id: int) -> None:
+        """Abort a request wherever it is (a pending one never leaves the router)."""
+        pending = next((s for s in self.pending if s.seq_id == seq_id), None)
+        if pending is not None:
+            self.pending.remove(pending)
+            pending.status, pending.finish_reason = Status.FINISHED, "aborted"
+            self.results[seq_id] = pending
+        elif seq_id in self.where:
+            for rank in self.where[seq_id]:
+                self.link.send(rank, ("abort", seq_id))
+
+    # ---- messages ---------------------------------------------------------------------
+    def receive(self, source: int, message: tuple) -> bool:
+        """Take a message meant for the router; False if it is for the instance on this rank."""
+        kind = message[0]
+        if kind == "result":
+            seq = message[1]
+            self.results[seq.seq_id] = seq
+            _, d = self.where.pop(seq.seq_id)
+            self.promised[d].pop(seq.seq_id, None)
+            if self.on_result:
+                self.on_result(seq)
+        elif kind == "status":
+            self.on_status(message[1])
+        elif kind == "final":
+            self.reports[source] = message[1]
+        else:
+            return False
+        return True
+
+    def on_status(self, s: InstanceStatus) -> None:
+        if s.rank in self.in_flight:  # prefill: requests it has received are in its report
+            previous = self.status[s.rank].received if s.rank in self.status else 0
+            for _ in range(s.received - previous):
+                self.in_flight[s.rank].popleft()
+        else:
+            for seq_id in s.adopted:
+                self.promised[s.rank].pop(seq_id, None)
+        self.status[s.rank] = s
+        pools = self.pools()
+        for name, pool in pools.items():
+            self.pool_samples[name].append((pool["queue_depth_tokens"], pool["kv_occupancy"]))
+        if self.on_snapshot:
+            self.on_snapshot({"time": s.time, "arrived": self.expected - len(self.pending),
+                              "finished": len(self.results), "pools": pools})
+
+    def pools(self) -> dict:
+        """Each pool's autoscaling signals, from the instances' latest reports."""
+        out = {}
+        for name, ranks in (("prefill", self.prefill), ("decode", self.decode)):
+            reports = [self.status[r] for r in ranks if r in self.status]
+            blocks = sum(r.num_blocks for r in reports)
+            out[name] = {"instances": len(ranks),
+                         "queue_depth_tokens": sum(r.queue_tokens for r in reports),
+                         "kv_occupancy": sum(r.used_blocks for r in reports) / blocks if blocks else 0.0}
+        return out
+
+    def stop(self) -> None:
+        for rank in self.prefill + self.decode:
+            self.link.send(rank, ("stop",))
+        self.stopped = True
+
+
+# ---- one rank's loop ------------------------------------------------------------------------
+class Node:
+    """What runs on one rank: its instance, and on rank 0 the router too."""
+
+    def __init__(self, instance: Instance, router: Router | None = None):
+        self.instance, self.router = instance, router
+
+    @property
+    def done(self) -> bool:
+        return self.router.done if self.router else self.instance.stopped
+
+    def tick(self) -> bool:
+        """Deliver what has arrived, route, take one step; returns whether anything happened."""
+        messages = self.instance.link.poll()
+        for source, message in messages:
+            if not (self.router and self.router.receive(source, message)):
+                self.instance.receive(source, message)
+        busy = bool(messages)
+        if self.router:
+            busy = self.router.route() or busy
+            if self.router.finished and not self.router.stopped:
+                self.router.stop()
+        if not self.instance.stopped:
+            busy = self.instance.work() or busy
+        return busy
+
+    def idle_time(self) -> float:
+        """How long to wait for a message when nothing happened."""
+        arrival = self.router.next_arrival() if self.router else None
+        return 0.05 if arrival is None else min(0.05, arrival - self.instance.engine.clock.now())
+
+
+def launch(config, num_prefill: int, num_decode: int, make_requests, warm_up: bool = False,
+           on_result=None):
+    """This rank's part of a run under mpirun -n P+D. make_requests(engine) -> sequences
+    (engine.make_sequence, arrival times in seconds after the start) runs on rank 0, which
+    returns (router, its engine, wall seconds) at the end; the other ranks return None."""
+    from nano import bench, parallel
+    from nano.engine import LLMEngine
+    from nano.links import MpiLink
+    from nano.metrics import MetricsWriter, pool_prometheus_text
+
+    world = parallel.disaggregate()
+    with world.together():  # a failure on any rank, loading or reading requests, ends them all
+        if world.world != num_prefill + num_decode:
+            raise NanoError(f"--disagg {num_prefill}:{num_decode} needs {num_prefill + num_decode} MPI ranks, "
+                            f"got {world.world}: run mpirun -n {num_prefill + num_decode} python run.py "
+                            f"--disagg {num_prefill}:{num_decode} ...")
+        engine = LLMEngine(instance_config(config))
+        seqs = make_requests(engine) if world.rank == ROUTER else []
+    if warm_up:
+        bench.warm_up(engine)
+    link = MpiLink(world.comm)
+    kind = PrefillInstance if world.rank < num_prefill else DecodeInstance
+    node = Node(kind(engine, link))
+    if world.rank == ROUTER:
+        writer = (MetricsWriter(config.metrics_file, config.metrics_prom, pool_prometheus_text)
+                  if config.metrics_file or config.metrics_prom else None)
+        node.router = Router(link, num_prefill, num_decode, config.block_size, engine.clock, on_result,
+                             writer and _every(config.metrics_interval, writer.write))
+    world.comm.Barrier()  # everyone loaded and warmed up: the arrival trace starts now
+    start = engine.clock.now()
+    if node.router:
+        for seq in seqs:
+            seq.arrival_time += start
+        node.router.add(seqs)
+    run_node(node)
+    return (node.router, engine, engine.clock.now() - start) if node.router else None
+
+
+def _every(n: int, write):
+    """write every n-th snapshot."""
+    count = 0
+
+    def maybe(snap):
+        nonlocal count
+        count += 1
+        if count % n == 0:
+            write(snap)
+    return maybe
+
+
+def run_node(node: Node) -> None:
+    """One rank of an MPI run, to the end."""
+    while not node.done:
+        if not node.tick():
+            node.instance.link.wait(node.idle_time())
+    node.instance.link.close()
+
+
+def run_local(nodes: list[Node], on_tick=None) -> None:
+    """Every instance in this process, in turn (tests): on_tick(nodes) after each round."""
+    while not nodes[0].done:
+        for node in nodes:
+            if not node.done:
+                node.tick()
+        if on_tick:
+            on_tick(nodes)
+
+
+# ---- the run's figures ----------------------------------------------------------------------
+def summary(router: Router, wall: float) -> dict:
+    """Metrics.summary over every request's result, with the step figures (preemptions,
+    prefix cache, steps) summed over the instances, plus the disaggregated figures."""
+    metrics = Metrics(1)
+    for seq in router.results.values():
+        metrics.on_finish(seq)
+    s = metrics.summary(wall)
+    reports = list(router.reports.values())
+    prefill = [r.summary for r in reports if r.rank in router.prefill]
+    decode = [r.summary for r in reports if r.rank in router.decode]
+    every = prefill + decode
+    s["preemptions_swap"] = sum(r["preemptions_swap"] for r in every)
+    s["preemptions_recompute"] = sum(r["preemptions_recompute"] for r in every)
+    s["preemption_reasons"] = {k: sum(r["preemption_reasons"].get(k, 0) for r in every)
+                               for k in {k for r in every for k in r["preemption_reasons"]}}
+    s["prefix_cache_hit_rate"] = float(np.mean([r["prefix_cache_hit_rate"] for r in prefill]))
+    s["peak_kv_occupancy"] = max(r["peak_kv_occupancy"] for r in every)
+    s["peak_running"] = max(r["peak_running"] for r in decode)
+    s["steps"] = sum(r["steps"] for r in every)
+    s["mean_step_ms"] = sum(r["mean_step_ms"] * r["steps"] for r in every) / max(s["steps"], 1)
+    s["decode_steps"] = sum(r["decode_steps"] for r in decode)
+    s["mean_decode_step_ms"] = (sum(r["mean_decode_step_ms"] * r["decode_steps"] for r in decode)
+                                / max(s["decode_steps"], 1))
+    s["mean_decode_kv_tokens"] = (sum(r["mean_decode_kv_tokens"] * r["decode_steps"] for r in decode)
+                                  / max(s["decode_steps"], 1))
+    transfers = [q.kv_transfer for q in router.results.values() if q.kv_transfer]
+    s["handoffs"] = len(transfers)
+    for key in ("bytes", "pack_s", "receive_s", "handoff_s"):
+        s[f"kv_{key}_mean"] = float(np.mean([t[key] for t in transfers])) if transfers else 0.0
+    ttft = [q.ttft for q in router.results.values() if q.ttft is not None]
+    s["kv_transfer_fraction_of_ttft"] = ((s["kv_pack_s_mean"] + s["kv_receive_s_mean"]) / np.mean(ttft)
+                                         if transfers and ttft else 0.0)
+    for name in ("prefill", "decode"):
+        samples = np.array(router.pool_samples[name] or [(0, 0.0)])
+        s[f"{name}_queue_tokens_mean"], s[f"{name}_kv_occupancy_mean"] = samples.mean(axis=0)
+        s[f"{name}_queue_tokens_peak"], s[f"{name}_kv_occupancy_peak"] = samples.max(axis=0)
+    s["blocks_in_use_at_end"] = {r.rank: (r.used_blocks, r.used_swap_blocks) for r in reports}
+    intervals = [iv for r in reports for iv in r.prefill_intervals]
+    s.update(tpot_during_prefill(router.results.values(), intervals))
+    return s
+
+
+def format_disagg(s: dict) -> str:
+    leaked = {r: u for r, u in s["blocks_in_use_at_end"].items() if u != (0, 0)}
+    return "\n".join([
+        f"KV handoffs         {s['handoffs']}, mean {s['kv_bytes_mean'] / 1e6:.2f} MB; pack "
+        f"{1e3 * s['kv_pack_s_mean']:.1f} ms + receive {1e3 * s['kv_receive_s_mean']:.1f} ms "
+        f"({100 * s['kv_transfer_fraction_of_ttft']:.1f}% of mean TTFT); first token to decode-side "
+        f"admission {1e3 * s['kv_handoff_s_mean']:.1f} ms",
+        f"TPOT gaps           during prefill p50 {s['tpot_prefill_p50_ms']:.1f} / p99 {s['tpot_prefill_p99_ms']:.1f} ms "
+        f"({s['tpot_prefill_gaps']}), none p50 {s['tpot_quiet_p50_ms']:.1f} / p99 {s['tpot_quiet_p99_ms']:.1f} ms "
+        f"({s['tpot_quiet_gaps']})",
+        *(f"{name} pool{' ' * (11 - len(name))}queue {s[f'{name}_queue_tokens_mean']:.0f} tokens mean, "
+          f"{s[f'{name}_queue_tokens_peak']:.0f} peak; KV occupancy {100 * s[f'{name}_kv_occupancy_mean']:.1f}% "
+          f"mean, {100 * s[f'{name}_kv_occupancy_peak']:.1f}% peak" for name in ("prefill", "decode")),
+        "blocks in use at end " + ("none (no leaks)" if not leaked else
+                                   ", ".join(f"rank {r}: {u[0]} device, {u[1]} swap" for r, u in leaked.items())),
+    ])
+
+
+def instance_config(config):
+    """An instance's engine config: the router writes the pool metrics, not the engines."""
+    return dataclasses.replace(config, metrics_file=None, metrics_prom=None)

@@ -1,0 +1,103 @@
+"""How disaggregated instances talk (disagg.py): small control messages, and KV payloads.
+
+    send(dest, message)             a picklable tuple, delivered in order per (source, dest)
+    send_payload(dest, tag, array)  a large uint8 array, matched by tag; the sender does not wait
+    recv_payload(source, tag, n)    blocks until that payload is here
+    poll()                          [(source, message), ...] that have arrived
+    wait(seconds)                   idle until a message arrives (or the time is up)
+
+MpiLink runs over MPI point-to-point (one rank per instance, under mpirun); LocalLinks is
+the same in one process, for tests and for watching a whole run in a debugger.
+"""
+import time
+from collections import deque
+
+import numpy as np
+
+CONTROL = 1           # the tag of control messages; payloads use tags above it
+IDLE_POLL = 2e-4      # seconds between polls when idle: short next to a decode step (~10 ms)
+
+
+class MpiLink:
+    def __init__(self, comm):
+        from mpi4py import MPI
+        self.MPI, self.comm = MPI, comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.pending = []  # (request, buffer kept alive until the send completes)
+
+    def send(self, dest: int, message: tuple) -> None:
+        self.pending.append((self.comm.isend(message, dest, tag=CONTROL), None))
+        self._reap()
+
+    def send_payload(self, dest: int, tag: int, array: np.ndarray) -> None:
+        # Non-blocking: a large message waits for the receiver to post its receive, which it
+        # does only once it has room for the blocks (back-pressure); the payload stays here.
+        self.pending.append((self.comm.Isend(array, dest, tag=tag), array))
+        self._reap()
+
+    def recv_payload(self, source: int, tag: int, nbytes: int) -> np.ndarray:
+        buf = np.empty(nbytes, np.uint8)
+        self.comm.Recv(buf, source=source, tag=tag)
+        return buf
+
+    def poll(self) -> list[tuple[int, tuple]]:
+        messages, status = [], self.MPI.Status()
+        while self.comm.iprobe(source=self.MPI.ANY_SOURCE, tag=CONTROL, status=status):
+            source = status.Get_source()
+            messages.append((source, self.comm.recv(source=source, tag=CONTROL)))
+        self._reap()
+        return messages
+
+    def wait(self, seconds: float) -> None:
+        """Sleep in short naps until a control message is here: MPI's own blocking receive
+        spins on a core, which the instance sharing this machine needs."""
+        end = time.perf_counter() + max(seconds, 0.0)
+        while not self.comm.iprobe(source=self.MPI.ANY_SOURCE, tag=CONTROL) and time.perf_counter() < end:
+            time.sleep(IDLE_POLL)
+
+    def _reap(self) -> None:
+        self.pending = [(r, b) for r, b in self.pending if not r.Test()]
+
+    def close(self) -> None:
+        """Wait until every message this rank sent has been delivered."""
+        self.MPI.Request.Waitall([r for r, _ in self.pending])
+        self.pending = []
+
+
+class LocalLinks:
+    """n endpoints in one process: link(r) is rank r's."""
+
+    def __init__(self, n: int):
+        self.inbox = [deque() for _ in range(n)]   # control messages: (source, message)
+        self.payloads = {}                         # (source, dest, tag) -> array
+
+    def link(self, rank: int) -> "LocalLink":
+        return LocalLink(self, rank)
+
+
+class LocalLink:
+    def __init__(self, links: LocalLinks, rank: int):
+        self.links, self.rank, self.size = links, rank, len(links.inbox)
+
+    def send(self, dest: int, message: tuple) -> None:
+        self.links.inbox[dest].append((self.rank, message))
+
+    def send_payload(self, dest: int, tag: int, array: np.ndarray) -> None:
+        self.links.payloads[self.rank, dest, tag] = array.copy()
+
+    def recv_payload(self, source: int, tag: int, nbytes: int) -> np.ndarray:
+        array = self.links.payloads.pop((source, self.rank, tag))
+        assert array.nbytes == nbytes, (array.nbytes, nbytes)
+        return array.reshape(-1)
+
+    def poll(self) -> list[tuple[int, tuple]]:
+        inbox = self.links.inbox[self.rank]
+        messages = list(inbox)
+        inbox.clear()
+        return messages
+
+    def wait(self, seconds: float) -> None:
+        """One process runs every instance in turn: never wait for another."""
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,392 @@
+"""Disaggregated prefill and decode (nano/disagg.py): whole clusters of engines run in one
+process over LocalLinks (tiny model, invariants checked after every round), then real runs
+under mpirun with the default model."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from nano import kv_transfer
+from nano.config import EngineConfig
+from nano.disagg import DecodeInstance, Node, PrefillInstance, Router, parse_split, run_local, summary
+from nano.engine import LLMEngine
+from nano.errors import NanoError
+from nano.links import LocalLinks
+from nano.sequence import SamplingParams, Sequence
+from test_stress import check_invariants, make_requests
+from test_tp import PROMPTS, ROOT, TIMEOUT, assert_one_line_error, launch, mpirun, needs_mpi, rank_pid
+
+
+def tiny_config(model, **overrides) -> EngineConfig:
+    base = dict(model=str(model), device="cpu", num_blocks=64, block_size=8, max_num_batched_tokens=48,
+                max_num_seqs=12, watermark=0.05, swap_space=32 * 8 * (2 * 2 * 2 * 16 * 4))
+    return EngineConfig(**{**base, **overrides})
+
+
+def cluster(prefill: list[EngineConfig], decode: list[EngineConfig], links=None) -> list[Node]:
+    """One engine per config, prefill instances first (rank 0 routes), all in this process."""
+    links = links or LocalLinks(len(prefill) + len(decode))
+    nodes = []
+    for rank, config in enumerate(prefill + decode):
+        kind = PrefillInstance if rank < len(prefill) else DecodeInstance
+        nodes.append(Node(kind(LLMEngine(config), links.link(rank))))
+    nodes[0].router = Router(links.link(0), len(prefill), len(decode), prefill[0].block_size,
+                             nodes[0].instance.engine.clock)
+    return nodes
+
+
+def serve(nodes, prompts, params, on_tick=None) -> list[Sequence]:
+    """Every request through the cluster; each one's result, in input order. The engines'
+    invariants are checked after every round."""
+    engine, router = nodes[0].instance.engine, nodes[0].router
+    seqs = [engine.make_sequence(p, sp, 0.0) for p, sp in zip(prompts, params)]
+    router.add(seqs)
+
+    def checked(nodes):
+        for node in nodes:
+            check_invariants(node.instance.engine)
+        if on_tick:
+            on_tick(nodes)
+    run_local(nodes, checked)
+    assert sorted(router.results) == sorted(s.seq_id for s in seqs)  # one result each
+    return [router.results[s.seq_id] for s in seqs]
+
+
+def assert_no_leaks(nodes, links=None):
+    for node in nodes:
+        engine = node.instance.engine
+        bm = engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks, f"rank {node.instance.rank}: blocks leaked"
+        assert len(bm.free_host_blocks) == bm.num_swap_blocks
+        assert not engine.scheduler.has_work() and not engine.scheduler.parked
+        assert not getattr(node.instance, "offers", [])
+    assert node.instance.stopped
+    if links:
+        assert not links.payloads, "a payload nobody received"
+    report = nodes[0].router.reports
+    assert all(r.used_blocks == 0 and r.used_swap_blocks == 0 for r in report.values())
+
+
+def colocated(config, prompts, params) -> list[Sequence]:
+    return LLMEngine(config).generate(prompts, params)
+
+
+def workload(seed: int, n: int = 40):
+    """Prompts sharing prefixes (prefix cache hits on the prefill side), greedy and seeded
+    sampling, some finishing at their first token."""
+    return make_requests(np.random.default_rng(seed), n, 512)
+
+
+# ---- equivalence ------------------------------------------------------------------------
+@pytest.mark.parametrize("split,kv", [((1, 1), "auto"), ((2, 1), "auto"), ((1, 2), "auto"), ((1, 1), "int8")])
+def test_same_tokens_as_one_engine(tiny_model, split, kv):
+    config = tiny_config(tiny_model, kv_cache_dtype=kv)
+    prompts, params = workload(sum(split))
+    links = LocalLinks(sum(split))
+    nodes = cluster([config] * split[0], [config] * split[1], links)
+    results = serve(nodes, prompts, params)
+    expected = colocated(config, prompts, params)
+    assert [r.output_token_ids for r in results] == [e.output_token_ids for e in expected]
+    assert [r.finish_reason for r in results] == [e.finish_reason for e in expected]
+    assert_no_leaks(nodes, links)
+    s = summary(nodes[0].router, 1.0)
+    assert s["prefix_cache_hit_rate"] > 0  # the prefill side's prefix cache at work
+    assert s["handoffs"] == sum(e.num_output_tokens > 1 for e in expected)  # the rest end at their first token
+    assert all(r.summary["steps"] > 0 for r in nodes[0].router.reports.values())  # routing spreads the work
+
+
+# ---- checksums ----------------------------------------------------------------------------
+def filled_sequence(engine, num_tokens: int, seq_id: int = 7) -> Sequence:
+    """A sequence owning blocks of engine's pool, which is filled with random values."""
+    rng = np.random.default_rng(seq_id)
+    for a in engine.runner.kv_cache.block_arrays():
+        a[...] = rng.standard_normal(a.shape).astype(a.dtype) if a.dtype.kind == "f" else \
+            rng.integers(-127, 128, a.shape).astype(a.dtype)
+    seq = Sequence(seq_id, "", list(range(num_tokens + 1)), SamplingParams(), 0.0, 0)
+    seq.block_table = [5, 2, 9]
+    seq.num_computed_tokens = num_tokens
+    return seq
+
+
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_blocks_arrive_exactly_and_each_is_checked(tiny_model, kv):
+    config = tiny_config(tiny_model, kv_cache_dtype=kv)
+    sender, receiver = LLMEngine(config), LLMEngine(config)
+    seq = filled_sequence(sender, 20)  # 20 tokens of 8-token blocks: 3 blocks, the last part-filled
+    offer, payload = kv_transfer.pack(sender.runner, seq, 0, 2, lambda: 0.0)
+    assert offer.num_blocks == 3 and payload.shape[0] == 3 and offer.seq.block_table == []
+    kv_transfer.verify(offer, payload)
+    receiver.runner.import_blocks([1, 3, 0], payload)
+    for a, b in zip(sender.runner.kv_cache.block_arrays(), receiver.runner.kv_cache.block_arrays()):
+        np.testing.assert_array_equal(a[:, :, [5, 2, 9]], b[:, :, [1, 3, 0]])
+
+    corrupt = payload.copy()
+    corrupt[1, 100] ^= 1
+    with pytest.raises(kv_transfer.ChecksumError, match="block 1 of 3 failed its checksum"):
+        kv_transfer.verify(offer, corrupt)
+    with pytest.raises(kv_transfer.ChecksumError, match="block 0 of 3"):  # rows out of place: stale
+        kv_transfer.verify(offer, payload[[2, 1, 0]])
+    other = filled_sequence(sender, 20, seq_id=8)
+    other.block_table = seq.block_table
+    other_offer, other_payload = kv_transfer.pack(sender.runner, other, 0, 2, lambda: 0.0)
+    with pytest.raises(kv_transfer.ChecksumError, match="block 0"):  # another sequence's payload
+        kv_transfer.verify(offer, other_payload)
+    with pytest.raises(kv_transfer.ChecksumError, match="2 blocks arrived, 3 were sent"):
+        kv_transfer.verify(offer, payload[:2])
+
+
+class CorruptingLinks(LocalLinks):
+    """Flips one byte in the payload of the sequences named."""
+
+    def __init__(self, n: int, victims: set[int]):
+        super().__init__(n)
+        self.victims = victims
+
+    def link(self, rank):
+        link = super().link(rank)
+        send = link.send_payload
+
+        def send_payload(dest, tag, array):
+            array = array.copy()
+            if any(tag == 2 + v for v in self.victims):
+                array[-1, -1] ^= 0x10
+            send(dest, tag, array)
+        link.send_payload = send_payload
+        return link
+
+
+def test_a_corrupt_block_fails_its_request_alone(tiny_model):
+    config = tiny_config(tiny_model)
+    prompts = [list(range(3, 30)), list(range(40, 75)), list(range(80, 100))]
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)] * 3
+    links = CorruptingLinks(2, victims={1})
+    nodes = cluster([config], [config], links)
+    results = serve(nodes, prompts, params)
+    expected = colocated(config, prompts, params)
+    assert results[1].finish_reason == "rejected"
+    assert results[1].error == "KV handoff of request 1: block 4 of 5 failed its checksum (corrupt or stale)"
+    for i in (0, 2):
+        assert results[i].output_token_ids == expected[i].output_token_ids
+    assert_no_leaks(nodes, links)
+
+
+# ---- back-pressure ------------------------------------------------------------------------
+def test_back_pressure_holds_blocks_on_the_prefill_side(tiny_model):
+    """A decode pool with room for ~3 sequences: offers wait for it (their payloads stay
+    with the prefill side, whose held blocks then stop it admitting), and every admission
+    respects the decode side's watermark. Outputs are still the colocated ones."""
+    prefill, decode = tiny_config(tiny_model, num_blocks=24), tiny_config(tiny_model, num_blocks=20)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 512, int(rng.integers(20, 40))).tolist() for _ in range(16)]
+    params = [SamplingParams(temperature=0, max_tokens=int(rng.integers(8, 20)), ignore_eos=True, seed=i)
+              for i in range(16)]
+    links = LocalLinks(2)
+    nodes = cluster([prefill], [decode], links)
+    seen = Counter()
+    d = nodes[1].instance
+    adopt = d.engine.scheduler.adopt
+
+    def checked_adopt(seq):
+        taken = adopt(seq)
+        if taken is True:
+            seen["adopted"] += 1
+            assert d.engine.block_manager.num_free_blocks >= d.engine.scheduler.watermark_blocks
+        return taken
+    d.engine.scheduler.adopt = checked_adopt
+
+    def watch(nodes):
+        p = nodes[0].instance
+        if d.offers:
+            seen["offers waiting"] += 1
+            assert len(links.payloads) >= len(d.offers)  # not received: still the prefill side's
+        if p.engine.scheduler.parked and p.engine.scheduler.waiting:
+            seen["prefill blocked"] += 1
+    results = serve(nodes, prompts, params, watch)
+    assert seen["offers waiting"] > 0 and seen["prefill blocked"] > 0 and seen["adopted"] == 16, seen
+    expected = colocated(decode, prompts, params)
+    assert [r.output_token_ids for r in results] == [e.output_token_ids for e in expected]
+    assert_no_leaks(nodes, links)
+
+
+def test_a_request_the_decode_pool_can_never_hold_is_rejected_not_stuck(tiny_model):
+    prefill, decode = tiny_config(tiny_model, num_blocks=64), tiny_config(tiny_model, num_blocks=8)
+    prompts = [list(range(3, 103)), list(range(3, 13))]  # 100 tokens: 13 blocks > 8
+    params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)] * 2
+    links = LocalLinks(2)
+    nodes = cluster([prefill], [decode], links)
+    results = serve(nodes, prompts, params)
+    assert results[0].finish_reason == "rejected" and "KV blocks" in results[0].error
+    assert results[1].num_output_tokens == 4
+    assert_no_leaks(nodes, links)
+
+
+# ---- aborts, preemptions, leaks ---------------------------------------------------------------
+@pytest.mark.parametrize("preemption,seed", [("swap", 0), ("recompute", 1), ("auto", 2)])
+def test_aborts_and_preemptions_leak_nothing(tiny_model, preemption, seed):
+    """Random aborts wherever a request is (routed, prefilling, parked, offered, decoding),
+    decode pools small enough to preempt: invariants after every round, one result per
+    request, every block and payload back at the end, and the requests left alone get
+    their colocated tokens."""
+    prefill = tiny_config(tiny_model, num_blocks=40, preemption=preemption)
+    decode = tiny_config(tiny_model, num_blocks=24, preemption=preemption,
+                         swap_space=12 * 8 * (2 * 2 * 2 * 16 * 4))
+    prompts, params = workload(seed, 60)
+    params = [SamplingParams(**{**sp.__dict__, "max_tokens": sp.max_tokens + 10}) for sp in params]
+    links = LocalLinks(3)
+    nodes = cluster([prefill, prefill], [decode], links)
+    rng = np.random.default_rng(seed)
+    aborted = set()
+
+    def abort_some(nodes):
+        router = nodes[0].router
+        live = [i for i in router.where if i not in aborted]
+        if live and rng.random() < 0.08:
+            victim = int(rng.choice(live))
+            aborted.add(victim)
+            router.abort(victim)
+    results = serve(nodes, prompts, params, abort_some)
+    reasons = Counter(r.finish_reason for r in results)
+    assert reasons["aborted"] > 0, reasons
+    assert all(r.finish_reason != "aborted" or r.seq_id in aborted for r in results)
+    preempted = sum(r.summary["preemptions_swap"] + r.summary["preemptions_recompute"]
+                    for r in nodes[0].router.reports.values())
+    assert preempted > 0
+    assert_no_leaks(nodes, links)
+    expected = colocated(prefill, prompts, params)
+    for r, e in zip(results, expected):
+        if r.finish_reason != "aborted":
+            assert r.output_token_ids == e.output_token_ids
+
+
+@pytest.mark.parametrize("where", ["routed", "prefilling", "parked", "decoding"])
+def test_an_abort_ends_the_request_wherever_it_is(tiny_model, where):
+    """Abort one request once it is in a given place (a small decode pool makes offers wait):
+    it ends "aborted", reported once, its blocks and payload freed on both sides; the
+    others get their colocated tokens."""
+    prefill, decode = tiny_config(tiny_model, num_blocks=32), tiny_config(tiny_model, num_blocks=12)
+    prompts = [list(range(3 + 40 * i, 33 + 40 * i)) for i in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 6
+    links = LocalLinks(2)
+    nodes = cluster([prefill], [decode], links)
+    router, p, d = nodes[0].router, nodes[0].instance, nodes[1].instance
+    victim = []
+
+    def place(seq_id):
+        if seq_id in p.seqs:
+            return "prefilling" if p.seqs[seq_id].num_computed_tokens else "routed"
+        if any(o.seq.seq_id == seq_id for o in d.offers):
+            return "parked"
+        return "decoding" if seq_id in d.seqs and d.seqs[seq_id].num_output_tokens > 1 else None
+
+    def abort_one(nodes):
+        if victim:
+            return
+        for seq_id in router.where:
+            if place(seq_id) == where:
+                victim.append(seq_id)
+                router.abort(seq_id)
+                return
+    results = serve(nodes, prompts, params, abort_one)
+    assert len(victim) == 1
+    expected = colocated(decode, prompts, params)
+    for r, e in zip(results, expected):
+        if r.seq_id == victim[0]:
+            assert r.finish_reason == "aborted" and len(r.output_token_ids) < 12
+        else:
+            assert r.output_token_ids == e.output_token_ids
+    assert_no_leaks(nodes, links)
+
+
+# ---- routing and reports ------------------------------------------------------------------
+def test_routing_prefers_short_prefill_queues_and_free_decode_blocks(tiny_model):
+    config = tiny_config(tiny_model)
+    nodes = cluster([config] * 2, [config] * 2)
+    router = nodes[0].router
+    engine = nodes[0].instance.engine
+    long, short = engine.make_sequence(list(range(3, 200)), SamplingParams()), \
+        engine.make_sequence(list(range(3, 10)), SamplingParams())
+    router.add([long, short])
+    router.route()
+    assert router.where[long.seq_id][0] != router.where[short.seq_id][0]  # the second avoids the busy one
+    assert router.where[long.seq_id][1] != router.where[short.seq_id][1]  # promised blocks count as used
+    assert router.queued_tokens(router.where[long.seq_id][0]) == long.num_prompt_tokens
+
+
+def test_parse_split():
+    assert parse_split("3:2") == (3, 2)
+    for bad in ("1", "0:1", "1:0", "a:b", "1:2:3"):
+        with pytest.raises(NanoError, match="--disagg"):
+            parse_split(bad)
+
+
+# ---- under mpirun ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("disagg") / "prompts.txt"
+    path.write_text("\n".join(PROMPTS) + "\n")
+    return path
+
+
+def tokens_of(tmp_path, name, args, ranks=None):
+    out = tmp_path / name
+    proc = launch(["run.py", *args, "--output", str(out), "--temperature", "0", "--max-tokens", "20"], ranks)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line)["token_ids"] for line in out.read_text().splitlines()], proc.stdout
+
+
+@needs_mpi
+@pytest.mark.parametrize("split,ranks", [("1:1", 2), ("1:2", 3)])
+def test_mpirun_disagg_gives_the_colocated_tokens(prompt_file, tmp_path, split, ranks):
+    one, _ = tokens_of(tmp_path, "one.jsonl", ["--prompt-file", str(prompt_file)])
+    # A 16-token step budget chunks the prompts and lets later ones hit the cached system prompt.
+    tokens, stdout = tokens_of(tmp_path, "dis.jsonl", ["--prompt-file", str(prompt_file), "--disagg", split,
+                                                      "--max-num-batched-tokens", "16"], ranks)
+    assert tokens == one
+    assert f"KV handoffs         {len(PROMPTS)}," in stdout
+    assert "blocks in use at end none (no leaks)" in stdout
+    assert "prefix cache hits   0.0%" not in stdout
+
+
+@needs_mpi
+def test_mpirun_with_the_wrong_number_of_ranks_is_one_error(prompt_file):
+    proc = launch(["run.py", "--disagg", "2:1", "--prompt-file", str(prompt_file)], 2)
+    assert_one_line_error(proc, "--disagg 2:1 needs 3 MPI ranks, got 2: run mpirun -n 3 python run.py "
+                                "--disagg 2:1 ...")
+
+
+def test_disagg_without_mpirun_is_one_error(prompt_file):
+    proc = launch(["run.py", "--disagg", "1:1", "--prompt-file", str(prompt_file)])
+    assert_one_line_error(proc, "--disagg 1:1 needs 2 MPI ranks, got 1: run mpirun -n 2 python run.py "
+                                "--disagg 1:1 ...")
+
+
+@needs_mpi
+@pytest.mark.parametrize("rank", [1, 0])
+def test_ctrl_c_on_either_instance_ends_both(tmp_path, tiny_model, rank):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("\n".join(f"prompt number {i}" for i in range(40)) + "\n")
+    out = tmp_path / "out.jsonl"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    job = subprocess.Popen([mpirun(), "-n", "2", "--allow-run-as-root", "--oversubscribe", sys.executable,
+                            "run.py", "--disagg", "1:1", "--prompt-file", str(prompts), "--model", str(tiny_model),
+                            "--no-chat", "--num-blocks", "256", "--output", str(out), "--temperature", "0",
+                            "--ignore-eos", "--max-tokens", "400", "--max-num-seqs", "1"],
+                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + TIMEOUT
+    while not (out.exists() and out.read_text().count('"index"') >= 2):
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+        time.sleep(0.05)
+    os.kill(rank_pid(job.pid, rank), signal.SIGINT)
+    start = time.monotonic()
+    _, stderr = job.communicate(timeout=TIMEOUT)
+    assert time.monotonic() - start < 10 and job.returncode != 0
+    assert [line for line in stderr.splitlines() if line.startswith("error:")] == \
+        [f"error: rank {rank}: interrupted"], stderr[-3000:]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) >= 2 and all(len(r["token_ids"]) == 400 for r in records)
