@@ -80,6 +80,7 @@ def build_parser() -> Parser:
     m.add_argument("--metrics-file", help="append a JSON metrics snapshot per step to this file")
     m.add_argument("--metrics-prom", help="keep this file rewritten with the latest snapshot in Prometheus text format")
     m.add_argument("--metrics-interval", type=int, default=ENGINE.metrics_interval, help="steps between snapshots")
+    m.add_argument("--summary-json", help="also write the run's summary as one JSON object to this file")
     m.add_argument("--plan", action="store_true", help="print the KV capacity plan and the bandwidth floor, then exit")
     b = p.add_argument_group("benchmark")
     b.add_argument("--bench", action="store_true", help="random-token prompts, EOS ignored, fixed seed")
@@ -92,6 +93,9 @@ def build_parser() -> Parser:
                    help="FCFS vs deadline over three workloads x three loads x --seeds seeds, "
                         "--num-seqs requests each (nano/slo_bench.py)")
     b.add_argument("--seeds", type=int, default=3, help="--policy-compare: seeds per workload and load")
+    b.add_argument("--disagg-compare", metavar="P:D",
+                   help="the same requests and arrivals served colocated (one engine, all cores), then "
+                        "disaggregated (mpirun -n P+D, a core each) (nano/disagg_bench.py)")
     return p
 
 
@@ -212,6 +216,8 @@ def main(argv=None) -> int:
         return policy_compare(args, config)
     if args.disagg:
         return run_disagg(args, config, params, requests)
+    if args.disagg_compare:
+        return disagg_compare(args, argv if argv is not None else sys.argv[1:], config, params)
     if args.bench and args.request_rate:
         return rate_bench(args, config, params)
     if group.rank > 0:
@@ -233,8 +239,8 @@ def parse(argv, rank: int):
     params = sampling_params(args)
     if args.bench:
         check_bench_args(args, config)
-    elif args.policy_compare or args.request_rate is not None:
-        raise NanoError("--policy-compare and --request-rate are --bench modes: add --bench")
+    elif args.policy_compare or args.request_rate is not None or args.disagg_compare:
+        raise NanoError("--policy-compare, --request-rate and --disagg-compare are --bench modes: add --bench")
     elif not args.prompt_file and not args.plan:
         raise NanoError("give --prompt-file FILE (or --bench, or --plan)")
     if args.disagg:
@@ -242,11 +248,23 @@ def parse(argv, rank: int):
         parse_split(args.disagg)
         if config.tp > 1:
             raise NanoError("--disagg runs each instance on one rank: drop --tp")
-        if args.policy_compare:
-            raise NanoError("--policy-compare runs in one process: drop --disagg")
+        if args.policy_compare or args.disagg_compare:
+            raise NanoError("--policy-compare and --disagg-compare run in one process: drop --disagg")
+    if args.disagg_compare:
+        from nano.disagg import parse_split
+        parse_split(args.disagg_compare)
+        if rank > 0 or args.policy_compare or config.tp > 1:
+            raise NanoError("--disagg-compare runs alone (it starts mpirun itself): no mpirun, --tp "
+                            "or --policy-compare")
+        if args.output or config.metrics_file or config.metrics_prom:
+            raise NanoError("--disagg-compare writes a table (and --summary-json), no completions or "
+                            "metrics files: drop --output, --metrics-file and --metrics-prom")
+    if args.summary_json and args.policy_compare:
+        raise NanoError("--policy-compare prints its matrix: drop --summary-json")
     requests = (read_requests(args.prompt_file, params)
                 if args.prompt_file and not args.bench and rank == 0 else None)
     checks.writable_file("--output", args.output)  # now, not after generating everything
+    checks.writable_file("--summary-json", args.summary_json)
     return args, config, params, requests
 
 
@@ -274,7 +292,9 @@ def run_prompts(args, engine, requests) -> int:
             print(f"[{i}] rejected: {seq.error}", file=sys.stderr)
         else:
             print(f"[{i}] {prompt}\n{engine.detokenize(seq)}\n")
-    print(format_summary(engine.metrics.summary(wall)))
+    summary = engine.metrics.summary(wall)
+    print(format_summary(summary))
+    write_summary(args.summary_json, summary)
     return 0
 
 
@@ -284,6 +304,7 @@ def run_bench(args, engine, params: SamplingParams) -> int:
     _, wall = generate(args.output, engine, [""] * len(inputs), inputs, per_request)
     summary = engine.metrics.summary(wall)
     print(format_summary(summary))
+    write_summary(args.summary_json, summary)
     print(f"bench: {summary['output_tokens_per_s']:.1f} output tokens/s, "
           f"{summary['total_tokens_per_s']:.1f} total tokens/s")
     print(bench.decode_floor(engine, summary))
@@ -353,6 +374,37 @@ def run_disagg(args, config: EngineConfig, params: SamplingParams, requests) -> 
     summary = disagg.summary(router, wall)
     print(format_summary(summary))
     print(disagg.format_disagg(summary))
+    write_summary(args.summary_json, summary)
+    return 0
+
+
+def write_summary(path: str | None, summary: dict) -> None:
+    if path:
+        with writing(path), open(path, "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=1)
+
+
+def disagg_compare(args, argv: list[str], config: EngineConfig, params: SamplingParams) -> int:
+    """--bench --disagg-compare P:D: colocated here, then disaggregated under mpirun."""
+    from nano import disagg_bench
+    from nano.engine import LLMEngine
+    engine = LLMEngine(config)
+    print(engine.describe(), file=sys.stderr)
+    inputs, per_request = bench_requests(args, engine, params)
+    bench.warm_up(engine)
+    arrivals = bench.poisson_arrivals(len(inputs), args.request_rate) if args.request_rate else None
+    seqs, wall = run_all(engine, inputs, per_request, arrivals)
+    colocated = disagg_bench.colocated_summary(engine, seqs, wall)
+    print(f"--- colocated\n{format_summary(colocated)}\n--- disaggregated {args.disagg_compare}", flush=True)
+    del engine, seqs
+    gc.collect()  # its KV pool freed before the ranks allocate theirs
+    disaggregated = disagg_bench.run_disaggregated(argv, args.disagg_compare)
+    print(f"\n{args.num_seqs} requests, --input-len {args.input_len} --output-len {args.output_len}, "
+          f"{args.request_rate or 'all at once'} req/s (Poisson, seeded), TTFT target {args.ttft_slo} ms, "
+          f"TPOT target {args.tpot_slo} ms; {os.cpu_count()} cores either way")
+    print(disagg_bench.table({"colocated": colocated, f"disaggregated {args.disagg_compare}": disaggregated}))
+    print(disagg_bench.targets(disaggregated))
+    write_summary(args.summary_json, {"colocated": colocated, "disaggregated": disaggregated})
     return 0
 
 
@@ -413,6 +465,7 @@ def rate_bench(args, config: EngineConfig, params: SamplingParams) -> int:
         gc.collect()  # free one engine's KV pool before the next sizes its own
         if pool:
             pool().free_all_blocks()
+    write_summary(args.summary_json, results)
     print(f"\n{args.num_seqs} requests at {args.request_rate} req/s (Poisson, seeded), "
           f"TTFT target {args.ttft_slo} ms, TPOT target {args.tpot_slo} ms\n{bench.policy_table(results)}")
     return 0

@@ -104,6 +104,11 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.block_arrays())
 
+    @property
+    def block_nbytes(self) -> int:
+        """What one block holds, all layers and arrays."""
+        return sum(a.nbytes // a.shape[2] for a in self.block_arrays())
+
     def fill(self, value) -> None:
         for a in self.block_arrays():
             a.fill(value)

@@ -2,7 +2,7 @@
 
     send(dest, message)             a picklable tuple, delivered in order per (source, dest)
     send_payload(dest, tag, array)  a large uint8 array, matched by tag; the sender does not wait
-    recv_payload(source, tag, n)    blocks until that payload is here
+    recv_payload(source, tag, n)    blocks until that payload is here; valid until the next one
     poll()                          [(source, message), ...] that have arrived
     wait(seconds)                   idle until a message arrives (or the time is up)
 
@@ -24,6 +24,9 @@ class MpiLink:
         self.MPI, self.comm = MPI, comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.pending = []  # (request, buffer kept alive until the send completes)
+        # One receive buffer, reused: fresh memory is slow to first touch (on this VM a 40 MB
+        # copy into new pages took 75 ms instead of 4; docs/perf_notes.md).
+        self.recv_buffer = np.empty(0, np.uint8)
 
     def send(self, dest: int, message: tuple) -> None:
         self.pending.append((self.comm.isend(message, dest, tag=CONTROL), None))
@@ -36,7 +39,10 @@ class MpiLink:
         self._reap()
 
     def recv_payload(self, source: int, tag: int, nbytes: int) -> np.ndarray:
-        buf = np.empty(nbytes, np.uint8)
+        """The payload, in a buffer valid until the next call."""
+        if self.recv_buffer.nbytes < nbytes:
+            self.recv_buffer = np.zeros(nbytes, np.uint8)
+        buf = self.recv_buffer[:nbytes]
         self.comm.Recv(buf, source=source, tag=tag)
         return buf
 

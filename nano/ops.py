@@ -250,13 +250,14 @@ def prefill_attention(q, cache: LayerKV, cu_seqlens_q, block_tables, context_len
     return out
 
 
-def gather_blocks(pool, block_ids):
+def gather_blocks(pool, block_ids, out=None):
     """Collect blocks of every layer into one contiguous staging array so that a swap is
     one device-host copy. pool: one of KVCache.block_arrays(), (L, 2, nb, *rest) (rest:
-    (nkv, bs, d) for K/V, (nkv, bs) for scales), block_ids: (n,) -> (L, 2, n, *rest)."""
+    (nkv, bs, d) for K/V, (nkv, bs) for scales), block_ids: (n,) -> (L, 2, n, *rest).
+    CPU: out, a view of that shape (a KV handoff's payload), is written in place."""
     if on_gpu(pool):
         return _kernels().gather_blocks(pool, block_ids)
-    return pool[:, :, block_ids]
+    return np.take(pool, block_ids, axis=2, out=out, mode="clip")  # clip: written unbuffered
 
 
 def scatter_blocks(pool, block_ids, staging):

@@ -83,24 +83,32 @@ class ModelRunner:
         """Blocks of the pool as host bytes, one row per block: payload (n, block_bytes)
         uint8, a row being that block's slice of each block array (KV, then int8 scales),
         all layers. A row is what one checksum covers (kv_transfer.py)."""
+        payload = np.empty((len(block_ids), self.kv_cache.block_nbytes), np.uint8)
         ids = self.device.xp.asarray(np.asarray(block_ids, np.int32))
-        rows = [self.device.to_host(self.device.xp.moveaxis(ops.gather_blocks(a, ids), 2, 0))
-                for a in self.kv_cache.block_arrays()]
-        return np.concatenate([np.ascontiguousarray(r).view(np.uint8).reshape(len(block_ids), -1)
-                               for r in rows], axis=1)
+        for pool, rows in zip(self.kv_cache.block_arrays(), self._payload_rows(payload)):
+            blocks = np.moveaxis(rows, 0, 2)  # (L, 2, n, *rest), a view into the payload
+            if self.device.kind == "cpu":
+                ops.gather_blocks(pool, ids, out=blocks)  # straight into the payload: no temporary
+            else:
+                blocks[...] = self.device.to_host(ops.gather_blocks(pool, ids))
+        return payload
 
     def import_blocks(self, block_ids: list[int], payload: np.ndarray) -> None:
         """Write export_blocks' rows into these blocks of this pool (same layout on both sides)."""
         ids = self.device.xp.asarray(np.asarray(block_ids, np.int32))
-        start = 0
-        for a in self.kv_cache.block_arrays():
-            shape = (len(block_ids), *a.shape[:2], *a.shape[3:])  # (n, L, 2, *rest)
-            width = int(np.prod(shape[1:])) * a.itemsize
-            rows = payload[:, start:start + width].copy().view(a.dtype).reshape(shape)
-            staging = self.device.xp.ascontiguousarray(self.device.xp.asarray(np.moveaxis(rows, 0, 2)))
-            ops.scatter_blocks(a, ids, staging)
-            start += width
+        for pool, rows in zip(self.kv_cache.block_arrays(), self._payload_rows(payload)):
+            ops.scatter_blocks(pool, ids, self.device.xp.asarray(np.moveaxis(rows, 0, 2)))
         self.device.synchronize()
+
+    def _payload_rows(self, payload: np.ndarray) -> list[np.ndarray]:
+        """Views of a payload's columns, one per block array: (n, L, 2, *rest) each."""
+        views, start = [], 0
+        for pool in self.kv_cache.block_arrays():
+            shape = (len(payload), *pool.shape[:2], *pool.shape[3:])
+            width = int(np.prod(shape[1:])) * pool.itemsize
+            views.append(payload[:, start:start + width].view(pool.dtype).reshape(shape))
+            start += width
+        return views
 
     # ---- inputs ------------------------------------------------------------------------
     def prepare(self, plan: SchedulerOutput) -> ForwardBatch | GraphStep | None:

@@ -1,0 +1,93 @@
+"""Colocated vs disaggregated on the same cores and the same seeded arrival trace
+(run.py --bench --disagg-compare P:D).
+
+    colocated:      one engine in this process, every core its BLAS threads
+    disaggregated:  mpirun -n P+D python run.py --disagg P:D (one core per rank), launched
+                    here with the same flags; it writes its summary to a JSON file
+
+Both see the same random-token requests (bench.random_requests, seed 0) arriving at the
+same Poisson times (bench.poisson_arrivals); both warm up first. The table reports TTFT
+and TPOT, SLO attainment and goodput, and the time between a request's output tokens
+split by whether a prefill step ran meanwhile: the interference disaggregation removes.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from nano.errors import NanoError
+from nano.metrics import tpot_during_prefill
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def colocated_summary(engine, seqs, wall: float) -> dict:
+    s = engine.metrics.summary(wall)
+    s.update(tpot_during_prefill([q for q in seqs if q.finish_reason != "rejected"],
+                                 engine.metrics.prefill_intervals))
+    return s
+
+
+def run_disaggregated(argv: list[str], split: str) -> dict:
+    """The same command under mpirun, --disagg-compare turned into --disagg; its summary."""
+    ranks = sum(int(x) for x in split.split(":"))
+    mpirun = Path(sys.executable).parent / "mpirun"
+    mpirun = str(mpirun) if mpirun.exists() else shutil.which("mpirun")
+    if mpirun is None:
+        raise NanoError("--disagg-compare needs mpirun (Open MPI's, installed with requirements.txt)")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "summary.json"
+        cmd = [mpirun, "-n", str(ranks)]
+        if hasattr(os, "geteuid") and os.geteuid() == 0:
+            cmd.append("--allow-run-as-root")
+        if ranks > (os.cpu_count() or 1):
+            cmd.append("--oversubscribe")
+        cmd += [sys.executable, str(ROOT / "run.py"), *without(argv, "--disagg-compare"),
+                "--disagg", split, "--summary-json", str(out)]
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+        if proc.returncode != 0 or not out.exists():
+            raise NanoError(f"the disaggregated run failed (exit {proc.returncode}): see its error above")
+        print(proc.stdout, end="")
+        return json.loads(out.read_text())
+
+
+def without(argv: list[str], flag: str) -> list[str]:
+    """argv less one flag and its value (as --flag V or --flag=V)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == flag:
+            skip = True
+        elif not arg.startswith(flag + "="):
+            out.append(arg)
+    return out
+
+
+def table(results: dict[str, dict]) -> str:
+    rows = ["| setup | TTFT p50 / p99 ms | TPOT p50 / p99 ms | SLO attained | goodput req/s "
+            "| gap between tokens, prefill running: p50 / p99 ms | none running: p50 / p99 ms "
+            "| KV moved per request | output tok/s |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for name, s in results.items():
+        moved = (f"{s['kv_bytes_mean'] / 1e6:.1f} MB in {1e3 * (s['kv_pack_s_mean'] + s['kv_receive_s_mean']):.0f} ms "
+                 f"({100 * s['kv_transfer_fraction_of_ttft']:.1f}% of TTFT)" if s.get("handoffs") else "-")
+        rows.append(f"| {name} | {s['ttft_p50_ms']:.0f} / {s['ttft_p99_ms']:.0f} "
+                    f"| {s['tpot_p50_ms']:.1f} / {s['tpot_p99_ms']:.1f} | {100 * s['slo_attainment']:.0f}% "
+                    f"| {s['goodput_rps']:.2f} | {s['tpot_prefill_p50_ms']:.1f} / {s['tpot_prefill_p99_ms']:.1f} "
+                    f"| {s['tpot_quiet_p50_ms']:.1f} / {s['tpot_quiet_p99_ms']:.1f} | {moved} "
+                    f"| {s['output_tokens_per_s']:.1f} |")
+    return "\n".join(rows)
+
+
+def targets(s: dict) -> str:
+    """The disaggregated run against its targets: the decode pool's p99 TPOT within 1.2x of
+    its TPOT with no prefill running (the median gap then), the KV transfer within 5% of TTFT."""
+    quiet = s["tpot_quiet_p50_ms"]
+    return (f"disaggregated: p99 TPOT {s['tpot_p99_ms']:.1f} ms = {s['tpot_p99_ms'] / quiet:.2f}x the "
+            f"no-prefill TPOT ({quiet:.1f} ms, the median gap with no prefill running; target <= 1.2x); "
+            f"gap p99 while prefilling {s['tpot_prefill_p99_ms'] / quiet:.2f}x; KV transfer "
+            f"{100 * s['kv_transfer_fraction_of_ttft']:.1f}% of mean TTFT (target <= 5%)")
