@@ -402,8 +402,10 @@ def disagg_compare(args, argv: list[str], config: EngineConfig, params: Sampling
     print(f"\n{args.num_seqs} requests, --input-len {args.input_len} --output-len {args.output_len}, "
           f"{args.request_rate or 'all at once'} req/s (Poisson, seeded), TTFT target {args.ttft_slo} ms, "
           f"TPOT target {args.tpot_slo} ms; {os.cpu_count()} cores either way")
-    print(disagg_bench.table({"colocated": colocated, f"disaggregated {args.disagg_compare}": disaggregated}))
-    print(disagg_bench.targets(disaggregated))
+    results = {"colocated": colocated, f"disaggregated {args.disagg_compare}": disaggregated}
+    print(disagg_bench.table(results))
+    for name, s in results.items():
+        print(disagg_bench.targets(name, s))
     write_summary(args.summary_json, {"colocated": colocated, "disaggregated": disaggregated})
     return 0
 

@@ -40,10 +40,11 @@ import numpy as np
 
 from nano import kv_transfer
 from nano.errors import NanoError
-from nano.metrics import Metrics, tpot_during_prefill
+from nano.metrics import Metrics, decode_interference
 from nano.sequence import Sequence, Status
 
 ROUTER = 0
+STALL_FRACTION = 0.1  # of a decode step's time, given to receiving handoffs between two steps
 TAG_SPAN = 1 << 14   # payload tags cycle through this many (MPI guarantees 32767 tags)
 
 
@@ -79,7 +80,8 @@ class Report:
     """An instance's figures at the end of a run."""
     rank: int
     summary: dict                     # its engine's Metrics.summary
-    prefill_intervals: list           # (start, end) of its steps that carried prompt tokens
+    steps: list                       # its engine's Metrics.step_log
+    stalls: list                      # decode: (start, end) of each KV handoff received between steps
     used_blocks: int                  # device blocks still in use: 0 unless leaked
     used_swap_blocks: int
 
@@ -94,6 +96,7 @@ class Instance:
         self.seqs: dict[int, Sequence] = {}   # in this engine's scheduler, by id
         self.stopping = self.stopped = False
         self.start = engine.clock.now()
+        self.stalls: list[tuple[float, float]] = []  # decode: (start, end) of each payload received
 
     def step(self) -> bool:
         """One engine step if there is work; returns whether it ran one (a prefill instance
@@ -117,8 +120,9 @@ class Instance:
 
     def finish_stop(self) -> None:
         bm, m = self.engine.block_manager, self.engine.metrics
-        report = Report(self.rank, m.summary(self.engine.clock.now() - self.start), list(m.prefill_intervals),
-                        bm.num_blocks - bm.num_free_blocks, bm.num_swap_blocks - len(bm.free_host_blocks))
+        report = Report(self.rank, m.summary(self.engine.clock.now() - self.start), list(m.step_log),
+                        self.stalls, bm.num_blocks - bm.num_free_blocks,
+                        bm.num_swap_blocks - len(bm.free_host_blocks))
         self.link.send(ROUTER, ("final", report))
         self.stopped = True
 
@@ -126,7 +130,9 @@ class Instance:
 class PrefillInstance(Instance):
     def __init__(self, engine, link):
         super().__init__(engine, link)
-        self.parked: dict[int, tuple[Sequence, int]] = {}  # seq_id -> (sequence, its decode rank)
+        self.parked: dict[int, tuple[Sequence, int, np.ndarray]] = {}  # seq_id -> (sequence, decode rank, payload)
+        self.buffers = kv_transfer.PayloadBuffers()
+        self.returning: list[np.ndarray] = []               # payloads acknowledged, sends maybe not yet reaped
         self.decode_rank: dict[int, int] = {}              # of each sequence in self.seqs
         self.received = 0
 
@@ -138,8 +144,9 @@ class PrefillInstance(Instance):
             self.engine.scheduler.add(seq)
             self.received += 1
         elif kind == "ack":
-            seq, _ = self.parked.pop(message[1])
+            seq, _, payload = self.parked.pop(message[1])
             self.engine.scheduler.finish(seq, "handed_off")  # frees its blocks
+            self.returning.append(payload)
         elif kind == "abort":
             self.abort(message[1])
         elif kind == "stop":
@@ -155,6 +162,9 @@ class PrefillInstance(Instance):
             self.end(seq)
 
     def work(self) -> bool:
+        for payload in [p for p in self.returning if not self.link.sending(p)]:
+            self.returning.remove(payload)
+            self.buffers.give(payload.base if payload.base is not None else payload)
         busy = self.step()
         for seq in [s for s in self.engine.scheduler.running if s.num_output_tokens]:
             self.engine.scheduler.park(seq)
@@ -173,21 +183,36 @@ class PrefillInstance(Instance):
         decode = self.decode_rank.pop(seq.seq_id)
         del self.seqs[seq.seq_id]
         tag = payload_tag(seq.seq_id)
-        offer, payload = kv_transfer.pack(self.engine.runner, seq, self.rank, tag, self.engine.clock.now)
+        offer, payload = kv_transfer.pack(self.engine.runner, seq, self.rank, tag, self.engine.clock.now,
+                                          self.buffers)
         self.link.send(decode, ("offer", offer))
-        self.link.send_payload(decode, tag, payload)
-        self.parked[seq.seq_id] = (seq, decode)
+        for first, n in kv_transfer.pieces(offer):
+            self.link.send_payload(decode, tag, payload[first:first + n])
+        self.parked[seq.seq_id] = (seq, decode, payload)
 
     def queue_tokens(self) -> int:
         s = self.engine.scheduler
         return sum(q.num_uncomputed_tokens for q in (*s.waiting, *s.running))
 
 
+@dataclass
+class Arrival:
+    """A handoff being received, piece by piece (kv_transfer.pieces)."""
+    offer: kv_transfer.Offer
+    pieces: deque                      # (first block, number of blocks) still to come
+    adopted: bool = True               # blocks here to write into; else the pieces are discarded
+    seconds: float = 0.0               # spent receiving so far
+    ending: tuple | None = None        # (reason, error): receive the rest unchecked, then end it
+
+
 class DecodeInstance(Instance):
     def __init__(self, engine, link):
         super().__init__(engine, link)
         self.offers: deque[kv_transfer.Offer] = deque()  # in arrival order: admitted in that order
+        self.arriving: Arrival | None = None             # the adopted offer being received
+        self.draining: list[Arrival] = []                # offers ended before adoption
         self.adopted: list[int] = []                     # since the last status report
+        self.piece_seconds = 0.0                         # the last piece's receive time
 
     def receive(self, source: int, message: tuple) -> None:
         kind = message[0]
@@ -203,57 +228,102 @@ class DecodeInstance(Instance):
         if offer is not None:
             self.offers.remove(offer)
             self.drop(offer, "aborted")
+        elif self.arriving and self.arriving.offer.seq.seq_id == seq_id:
+            self.arriving.ending = ("aborted", None)
         elif seq_id in self.seqs:
             seq = self.seqs[seq_id]
             self.engine.scheduler.abort(seq)
             self.end(seq)
 
     def drop(self, offer: kv_transfer.Offer, reason: str, error: str | None = None) -> None:
-        """End an offered sequence without decoding it: its payload received and discarded
-        (the prefill side's send completes), acknowledged (its blocks there are freed)."""
-        self.link.recv_payload(offer.source, offer.tag, offer.nbytes)
-        self.link.send(offer.source, ("ack", offer.seq.seq_id))
-        seq = offer.seq
-        seq.status, seq.finish_reason, seq.error = Status.FINISHED, reason, error
-        self.end(seq)
+        """End an offered sequence that never got blocks here, once its pieces are received
+        and discarded (so the prefill side's sends complete) and acknowledged."""
+        self.draining.append(Arrival(offer, deque(kv_transfer.pieces(offer)), False, ending=(reason, error)))
 
+    # ---- taking handoffs ----------------------------------------------------------------
     def take_offers(self) -> bool:
-        """Admit offers in order while the watermark allows, at most one between two decode
-        steps; returns whether any was taken."""
-        took, decoding = False, bool(self.engine.scheduler.running)
-        while self.offers:
-            offer = self.offers[0]
-            admitted = self.engine.scheduler.adopt(offer.seq)
-            if admitted is False:
-                break  # back-pressure: the payload waits on the prefill side
-            self.offers.popleft()
-            if admitted is True:
-                self.receive_blocks(offer)
-            else:
-                self.drop(offer, "rejected", admitted)
-            took = True
-            if decoding:
-                break  # one payload per decode step: each copy stretches that step (docs/perf_notes.md)
+        """Adopt offers in order while the watermark allows, and receive their pieces. While
+        sequences are decoding, only about STALL_FRACTION of a step's time goes to pieces
+        between two steps (at least one piece): a payload received whole would stretch every
+        running decode's step by its full copy. A piece the prefill side has not posted yet
+        (it is inside a step) waits for the next round instead of stalling this one.
+        Returns whether anything was taken."""
+        took = False
+        for a in list(self.draining):
+            while a.pieces and self.ready(a):
+                self.receive_piece(a)
+                took = True
+        budget = STALL_FRACTION * self.engine.metrics.last_step_time if self.engine.scheduler.running else np.inf
+        spent, pieces = 0.0, 0
+        while not pieces or spent + self.piece_seconds <= budget:
+            if self.arriving is None and not self.adopt_next():
+                break
+            if not self.ready(self.arriving):
+                break
+            spent += self.receive_piece(self.arriving)
+            pieces, took = pieces + 1, True
         return took
 
-    def receive_blocks(self, offer: kv_transfer.Offer) -> None:
-        clock, seq = self.engine.clock, offer.seq
+    def ready(self, a: Arrival) -> bool:
+        return self.link.ready(a.offer.source, a.offer.tag)
+
+    def adopt_next(self) -> bool:
+        """Give the first offer blocks, if the watermark allows; False if there is none to take."""
+        while self.offers:
+            offer = self.offers[0]
+            adopted = self.engine.scheduler.adopt(offer.seq)
+            if adopted is False:
+                return False  # back-pressure: the payload waits on the prefill side
+            self.offers.popleft()
+            if adopted is True:
+                self.arriving = Arrival(offer, deque(kv_transfer.pieces(offer)))
+                return True
+            self.drop(offer, "rejected", adopted)
+        return False
+
+    def receive_piece(self, a: Arrival) -> float:
+        """Receive a's next piece and, if it is to be kept, check it and write it into its
+        blocks; returns the seconds it took."""
+        clock, offer = self.engine.clock, a.offer
+        first, n = a.pieces.popleft()
         start = clock.now()
-        payload = self.link.recv_payload(offer.source, offer.tag, offer.nbytes).reshape(offer.num_blocks, -1)
-        try:
-            kv_transfer.verify(offer, payload)
-        except kv_transfer.ChecksumError as e:
-            self.engine.scheduler.finish(seq, "rejected")
-            seq.error = str(e)
-            self.link.send(offer.source, ("ack", seq.seq_id))
+        rows = self.link.recv_payload(offer.source, offer.tag, n * (offer.nbytes // offer.num_blocks))
+        if a.adopted and a.ending is None:
+            rows = rows.reshape(n, -1)
+            try:
+                kv_transfer.verify(offer, rows, first)
+                self.engine.runner.import_blocks(offer.seq.block_table[first:first + n], rows)
+            except kv_transfer.ChecksumError as e:
+                a.ending = ("rejected", str(e))  # the rest is received unchecked
+        end = clock.now()
+        if self.engine.scheduler.running:  # decodes waited for it (else nothing did)
+            self.stalls.append((start, end))
+        a.seconds += end - start
+        self.piece_seconds = end - start
+        if not a.pieces:
+            self.arrived(a, end)
+        return end - start
+
+    def arrived(self, a: Arrival, now: float) -> None:
+        """The last piece is in: acknowledge (the prefill side frees its blocks), then decode
+        the sequence here, or end it (a failed checksum, an abort, a rejection)."""
+        offer, seq = a.offer, a.offer.seq
+        self.link.send(offer.source, ("ack", seq.seq_id))
+        if not a.adopted:
+            self.draining.remove(a)
+            seq.status, seq.finish_reason, seq.error = Status.FINISHED, *a.ending
             self.end(seq)
             return
-        self.engine.runner.import_blocks(seq.block_table[:offer.num_blocks], payload)
+        self.arriving = None
+        if a.ending:
+            self.engine.scheduler.finish(seq, a.ending[0])
+            seq.error = a.ending[1]
+            self.end(seq)
+            return
         self.engine.block_manager.register_full_blocks(seq)
-        self.link.send(offer.source, ("ack", seq.seq_id))
-        end = clock.now()
-        seq.kv_transfer = {"bytes": offer.nbytes, "pack_s": offer.pack_seconds, "receive_s": end - start,
-                           "handoff_s": end - offer.offered_at}
+        self.engine.scheduler.unpark(seq)
+        seq.kv_transfer = {"bytes": offer.nbytes, "pack_s": offer.pack_seconds, "receive_s": a.seconds,
+                           "handoff_s": now - offer.offered_at}
         self.seqs[seq.seq_id] = seq
         self.adopted.append(seq.seq_id)
 
@@ -263,13 +333,13 @@ class DecodeInstance(Instance):
         if busy:
             self.status(adopted=self.adopted)
             self.adopted = []
-        if self.stopping and not self.offers:
+        if self.stopping and not (self.offers or self.arriving or self.draining):
             self.finish_stop()
         return busy
 
     def queue_tokens(self) -> int:
         s = self.engine.scheduler
-        waiting = [o.seq for o in self.offers] + list(s.waiting) + s.running + list(s.swapped)
+        waiting = [o.seq for o in self.offers] + s.parked + list(s.waiting) + s.running + list(s.swapped)
         return sum(q.params.max_tokens - q.num_output_tokens for q in waiting)
 
 
@@ -537,8 +607,8 @@ def summary(router: Router, wall: float) -> dict:
         s[f"{name}_queue_tokens_mean"], s[f"{name}_kv_occupancy_mean"] = samples.mean(axis=0)
         s[f"{name}_queue_tokens_peak"], s[f"{name}_kv_occupancy_peak"] = samples.max(axis=0)
     s["blocks_in_use_at_end"] = {r.rank: (r.used_blocks, r.used_swap_blocks) for r in reports}
-    intervals = [iv for r in reports for iv in r.prefill_intervals]
-    s.update(tpot_during_prefill(router.results.values(), intervals))
+    s.update(decode_interference([(r.steps, r.stalls) for r in reports if r.rank in router.decode],
+                                 [(a, b) for r in reports if r.rank in router.prefill for a, b, p, _ in r.steps if p]))
     return s
 
 
@@ -549,15 +619,21 @@ def format_disagg(s: dict) -> str:
         f"{1e3 * s['kv_pack_s_mean']:.1f} ms + receive {1e3 * s['kv_receive_s_mean']:.1f} ms "
         f"({100 * s['kv_transfer_fraction_of_ttft']:.1f}% of mean TTFT); first token to decode-side "
         f"admission {1e3 * s['kv_handoff_s_mean']:.1f} ms",
-        f"TPOT gaps           during prefill p50 {s['tpot_prefill_p50_ms']:.1f} / p99 {s['tpot_prefill_p99_ms']:.1f} ms "
-        f"({s['tpot_prefill_gaps']}), none p50 {s['tpot_quiet_p50_ms']:.1f} / p99 {s['tpot_quiet_p99_ms']:.1f} ms "
-        f"({s['tpot_quiet_gaps']})",
+        f"decode slowdown     {format_slowdown(s)}",
         *(f"{name} pool{' ' * (11 - len(name))}queue {s[f'{name}_queue_tokens_mean']:.0f} tokens mean, "
           f"{s[f'{name}_queue_tokens_peak']:.0f} peak; KV occupancy {100 * s[f'{name}_kv_occupancy_mean']:.1f}% "
           f"mean, {100 * s[f'{name}_kv_occupancy_peak']:.1f}% peak" for name in ("prefill", "decode")),
         "blocks in use at end " + ("none (no leaks)" if not leaked else
                                    ", ".join(f"rank {r}: {u[0]} device, {u[1]} swap" for r, u in leaked.items())),
     ])
+
+
+def format_slowdown(s: dict) -> str:
+    """decode_interference's figures in a line."""
+    return (f"steps during prefill {s['decode_slowdown_prefill_p50']:.2f}x / {s['decode_slowdown_prefill_p99']:.2f}x "
+            f"(p50 / p99, {s['decode_steps_during_prefill']} steps), with none {s['decode_slowdown_quiet_p50']:.2f}x / "
+            f"{s['decode_slowdown_quiet_p99']:.2f}x ({s['decode_steps_quiet']}) the time of a no-prefill step "
+            f"of as many decodes")
 
 
 def instance_config(config):

@@ -193,8 +193,7 @@ class LLMEngine:
         decodes = plan.decodes()
         if plan.scheduled:
             self.cost.observe_step(prefill, len(decodes), decode_context(decodes), seconds - swap_seconds)
-        if prefill:
-            self.metrics.prefill_intervals.append((start, now))
+        self.metrics.step_log.append((start, now, prefill, len(decodes)))
         self.cost.observe_swap(swap_bytes, swap_seconds)
         self.metrics.on_step(plan, seconds, self.block_manager.num_free_blocks, swap_bytes,
                              *self.group.take_all_reduce_stats())

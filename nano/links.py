@@ -1,10 +1,12 @@
 """How disaggregated instances talk (disagg.py): small control messages, and KV payloads.
 
     send(dest, message)             a picklable tuple, delivered in order per (source, dest)
-    send_payload(dest, tag, array)  a large uint8 array, matched by tag; the sender does not wait
+    send_payload(dest, tag, array)  a large uint8 array, matched by tag (in order, per tag); the
+                                    sender does not wait, and leaves array alone while sending(array)
+    ready(source, tag)              whether the next payload of that tag is here to receive
     recv_payload(source, tag, n)    blocks until that payload is here; valid until the next one
     poll()                          [(source, message), ...] that have arrived
-    wait(seconds)                   idle until a message arrives (or the time is up)
+    wait(seconds)                   idle until a message or payload arrives (or the time is up)
 
 MpiLink runs over MPI point-to-point (one rank per instance, under mpirun); LocalLinks is
 the same in one process, for tests and for watching a whole run in a debugger.
@@ -38,6 +40,11 @@ class MpiLink:
         self.pending.append((self.comm.Isend(array, dest, tag=tag), array))
         self._reap()
 
+    def ready(self, source: int, tag: int) -> bool:
+        # Its envelope is here: receiving it copies straight from the sender's memory (Open
+        # MPI's single-copy transport), without waiting for the sender to make progress.
+        return self.comm.iprobe(source=source, tag=tag)
+
     def recv_payload(self, source: int, tag: int, nbytes: int) -> np.ndarray:
         """The payload, in a buffer valid until the next call."""
         if self.recv_buffer.nbytes < nbytes:
@@ -55,11 +62,16 @@ class MpiLink:
         return messages
 
     def wait(self, seconds: float) -> None:
-        """Sleep in short naps until a control message is here: MPI's own blocking receive
-        spins on a core, which the instance sharing this machine needs."""
+        """Sleep in short naps until a message (control or payload) is here: MPI's own
+        blocking receive spins on a core, which the instance sharing this machine needs."""
         end = time.perf_counter() + max(seconds, 0.0)
-        while not self.comm.iprobe(source=self.MPI.ANY_SOURCE, tag=CONTROL) and time.perf_counter() < end:
+        while not self.comm.iprobe(source=self.MPI.ANY_SOURCE, tag=self.MPI.ANY_TAG) and time.perf_counter() < end:
             time.sleep(IDLE_POLL)
+
+    def sending(self, array: np.ndarray) -> bool:
+        """Whether a send from array's memory is still under way."""
+        owner = array.base if array.base is not None else array
+        return any(b is not None and (b.base is owner or b is owner) for _, b in self.pending)
 
     def _reap(self) -> None:
         self.pending = [(r, b) for r, b in self.pending if not r.Test()]
@@ -75,7 +87,7 @@ class LocalLinks:
 
     def __init__(self, n: int):
         self.inbox = [deque() for _ in range(n)]   # control messages: (source, message)
-        self.payloads = {}                         # (source, dest, tag) -> array
+        self.payloads = {}                         # (source, dest, tag) -> deque of arrays
 
     def link(self, rank: int) -> "LocalLink":
         return LocalLink(self, rank)
@@ -89,12 +101,21 @@ class LocalLink:
         self.links.inbox[dest].append((self.rank, message))
 
     def send_payload(self, dest: int, tag: int, array: np.ndarray) -> None:
-        self.links.payloads[self.rank, dest, tag] = array.copy()
+        self.links.payloads.setdefault((self.rank, dest, tag), deque()).append(array.copy())
+
+    def ready(self, source: int, tag: int) -> bool:
+        return (source, self.rank, tag) in self.links.payloads
 
     def recv_payload(self, source: int, tag: int, nbytes: int) -> np.ndarray:
-        array = self.links.payloads.pop((source, self.rank, tag))
+        key = (source, self.rank, tag)
+        array = self.links.payloads[key].popleft()
+        if not self.links.payloads[key]:
+            del self.links.payloads[key]
         assert array.nbytes == nbytes, (array.nbytes, nbytes)
         return array.reshape(-1)
+
+    def sending(self, array: np.ndarray) -> bool:
+        return False  # sent payloads are copies
 
     def poll(self) -> list[tuple[int, tuple]]:
         inbox = self.links.inbox[self.rank]

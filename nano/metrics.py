@@ -2,7 +2,7 @@
 the snapshots an autoscaler reads (--metrics-file JSONL, --metrics-prom Prometheus text)."""
 import json
 import os
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -11,6 +11,8 @@ from nano.errors import writing
 from nano.plan import SchedulerOutput, decode_context
 from nano.policy import LATE
 from nano.sequence import Sequence
+
+STEP_LOG = 100_000  # steps kept in Metrics.step_log: 3 MB
 
 # Latency histogram bucket bounds in seconds (Prometheus style: cumulative, then +Inf).
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -64,7 +66,9 @@ class Metrics:
         self.swap_bytes = 0
         self.all_reduce_time = 0.0           # tensor parallelism: rank 0's all-reduces
         self.all_reduce_bytes = 0
-        self.prefill_intervals: list[tuple[float, float]] = []  # (start, end) of steps with prompt tokens
+        # (start, end, prompt tokens, decodes) of the latest steps, for end-of-run analyses
+        # (decode_interference); bounded, as a server's run has no end
+        self.step_log: deque[tuple[float, float, int, int]] = deque(maxlen=STEP_LOG)
 
     def on_step(self, plan: SchedulerOutput, seconds: float, free_blocks: int, swap_bytes: int,
                 all_reduce_seconds: float = 0.0, all_reduce_bytes: int = 0) -> None:
@@ -222,26 +226,42 @@ class MetricsWriter:
                 os.replace(tmp, self.prom_path)
 
 
-def tpot_during_prefill(seqs, intervals) -> dict:
-    """Gaps between a request's consecutive output tokens, split by whether any step that
-    carried prompt tokens (on any instance) ran during the gap: p50 / p99 of each, in ms.
-    The gap is what a user sees as the time per output token."""
-    spans = np.array(sorted(intervals), dtype=np.float64).reshape(-1, 2)
-    busy, quiet = [], []
-    for seq in seqs:
-        t = np.asarray(seq.token_times)
-        if len(t) < 2:
-            continue
-        start, end = t[:-1], t[1:]
-        # a span [a, b] overlaps the gap (start, end] when a < end and b > start
-        lo = np.searchsorted(spans[:, 0], end, side="left")    # spans starting before end: [0, lo)
-        overlap = np.array([bool(i) and spans[:i, 1].max() > s for i, s in zip(lo, start)])
-        gaps = end - start
-        busy += gaps[overlap].tolist()
-        quiet += gaps[~overlap].tolist()
-    return {"tpot_prefill_gaps": len(busy), "tpot_quiet_gaps": len(quiet),
-            **{f"tpot_prefill_p{q}_ms": 1e3 * percentile(busy, q) for q in (50, 99)},
-            **{f"tpot_quiet_p{q}_ms": 1e3 * percentile(quiet, q) for q in (50, 99)}}
+def decode_interference(decoders, prefill_spans=()) -> dict:
+    """How much prefill slows decoding. decoders: per engine that decodes, (steps, stalls):
+    its step_log, and (start, end) spans of work it did between steps for its decodes' sake
+    (a KV handoff received). prefill_spans: (start, end) of steps with prompt tokens on
+    other engines. Each step that decodes is timed (plus the stalls since its engine's
+    previous step) against the median step with the same number of decodes and no prefill
+    anywhere ("quiet"): a ratio of 1.0 is a step prefill did not touch. A step is "during
+    prefill" when it carried prompt tokens itself (colocated), overlapped a prefill span,
+    or followed a stall. Returns p50 / p99 of the ratio for both kinds."""
+    spans = np.array(sorted(prefill_spans), dtype=np.float64).reshape(-1, 2)
+    reach = np.maximum.accumulate(spans[:, 1]) if len(spans) else spans[:, 1]
+    kinds = []  # (decodes, seconds, during prefill) per decoding step
+    for steps, stalls in decoders:
+        stalls, previous_end = sorted(stalls), -np.inf
+        for start, end, prompt_tokens, decodes in sorted(steps):
+            stall = sum(b - a for a, b in stalls if a >= previous_end and b <= start)
+            previous_end = end
+            if not decodes:
+                continue
+            i = np.searchsorted(spans[:, 0], end)  # spans starting before this step ends
+            overlap = bool(i) and reach[i - 1] > start
+            kinds.append((decodes, end - start + stall, bool(prompt_tokens or overlap or stall)))
+    quiet = {}
+    for decodes, seconds, busy in kinds:
+        if not busy:
+            quiet.setdefault(decodes, []).append(seconds)
+    base = {b: float(np.median(t)) for b, t in quiet.items()}
+    ratios = {True: [], False: []}
+    for decodes, seconds, busy in kinds:
+        if decodes in base:
+            ratios[busy].append(seconds / base[decodes])
+    out = {"decode_steps_during_prefill": len(ratios[True]), "decode_steps_quiet": len(ratios[False])}
+    for name, busy in (("prefill", True), ("quiet", False)):
+        for q in (50, 99):
+            out[f"decode_slowdown_{name}_p{q}"] = percentile(ratios[busy], q)
+    return out
 
 
 def format_summary(s: dict) -> str:

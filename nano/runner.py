@@ -79,11 +79,12 @@ class ModelRunner:
         return moved, time.perf_counter() - start
 
     # ---- handoff (disaggregated serving) ---------------------------------------------
-    def export_blocks(self, block_ids: list[int]) -> np.ndarray:
+    def export_blocks(self, block_ids: list[int], out: np.ndarray | None = None) -> np.ndarray:
         """Blocks of the pool as host bytes, one row per block: payload (n, block_bytes)
-        uint8, a row being that block's slice of each block array (KV, then int8 scales),
-        all layers. A row is what one checksum covers (kv_transfer.py)."""
-        payload = np.empty((len(block_ids), self.kv_cache.block_nbytes), np.uint8)
+        uint8 (written into out if given), a row being that block's slice of each block
+        array (KV, then int8 scales), all layers. A row is what one checksum covers
+        (kv_transfer.py)."""
+        payload = out if out is not None else np.empty((len(block_ids), self.kv_cache.block_nbytes), np.uint8)
         ids = self.device.xp.asarray(np.asarray(block_ids, np.int32))
         for pool, rows in zip(self.kv_cache.block_arrays(), self._payload_rows(payload)):
             blocks = np.moveaxis(rows, 0, 2)  # (L, 2, n, *rest), a view into the payload

@@ -39,7 +39,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []     # in admission order (swapped back in: admitted again)
         self.swapped: deque[Sequence] = deque()
-        self.parked: list[Sequence] = []      # disaggregated prefill: done, blocks held for the handoff
+        # Disaggregated serving: blocks held, not scheduled: a prefill instance's sequences
+        # until the decode side has their KV, a decode instance's until it has received it.
+        self.parked: list[Sequence] = []
         self.policy = make_policy(self)
 
     def add(self, seq: Sequence) -> None:
@@ -202,10 +204,10 @@ class Scheduler:
         seq.status = Status.PARKED
 
     def adopt(self, seq: Sequence) -> str | bool:
-        """A decode instance takes a handed-over sequence whose first num_computed_tokens
-        tokens' KV is about to be written into the blocks it gets here. Returns False while
-        its watermark does not allow it (back-pressure: try again after a step), or an
-        error when it could never fit; True once it holds blocks and runs from the next step."""
+        """A decode instance takes a handed-over sequence, whose first num_computed_tokens
+        tokens' KV is then written into the blocks it gets here. Returns False while its
+        watermark does not allow it (back-pressure: try again after a step), an error when
+        it could never fit, or True: it holds its blocks, parked until unpark() (its KV in)."""
         error = self._never_fits(seq)
         if error:
             return error
@@ -214,8 +216,14 @@ class Scheduler:
         computed = seq.num_computed_tokens
         self.bm.admit(seq, [])
         seq.num_computed_tokens = computed
-        self._start_running(seq)
+        self.parked.append(seq)
+        seq.status = Status.PARKED
         return True
+
+    def unpark(self, seq: Sequence) -> None:
+        """An adopted sequence's KV is in: it decodes from the next step."""
+        self.parked.remove(seq)
+        self._start_running(seq)
 
     def abort(self, seq: Sequence) -> None:
         """Drop an unfinished sequence, wherever it is."""

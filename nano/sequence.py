@@ -44,7 +44,7 @@ class Status(enum.Enum):
     WAITING = "waiting"      # queued: not yet admitted, or preempted by recompute
     RUNNING = "running"      # holds device blocks, scheduled every step
     SWAPPED = "swapped"      # preempted: its KV blocks live in host swap space
-    PARKED = "parked"        # prefill done, blocks held until a decode instance takes them (disagg.py)
+    PARKED = "parked"        # disaggregated: blocks held while its KV is handed over (disagg.py)
     FINISHED = "finished"
 
 

@@ -1,6 +1,7 @@
 """Disaggregated prefill and decode (nano/disagg.py): whole clusters of engines run in one
 process over LocalLinks (tiny model, invariants checked after every round), then real runs
 under mpirun with the default model."""
+import dataclasses
 import json
 import os
 import signal
@@ -21,6 +22,12 @@ from nano.links import LocalLinks
 from nano.sequence import SamplingParams, Sequence
 from test_stress import check_invariants, make_requests
 from test_tp import PROMPTS, ROOT, TIMEOUT, assert_one_line_error, launch, mpirun, needs_mpi, rank_pid
+
+
+@pytest.fixture(autouse=True)
+def small_pieces(monkeypatch):
+    """Two 8-token blocks of the tiny model per payload message: handoffs arrive in pieces."""
+    monkeypatch.setattr(kv_transfer, "PIECE_BYTES", 2 * 2 * 2 * 2 * 8 * 16 * 4)
 
 
 def tiny_config(model, **overrides) -> EngineConfig:
@@ -137,8 +144,12 @@ def test_blocks_arrive_exactly_and_each_is_checked(tiny_model, kv):
     other_offer, other_payload = kv_transfer.pack(sender.runner, other, 0, 2, lambda: 0.0)
     with pytest.raises(kv_transfer.ChecksumError, match="block 0"):  # another sequence's payload
         kv_transfer.verify(offer, other_payload)
-    with pytest.raises(kv_transfer.ChecksumError, match="2 blocks arrived, 3 were sent"):
-        kv_transfer.verify(offer, payload[:2])
+    kv_transfer.verify(offer, payload[1:], first=1)  # a piece: blocks 1 and 2
+    with pytest.raises(kv_transfer.ChecksumError, match="block 0 of 3"):
+        kv_transfer.verify(offer, payload[1:])
+    with pytest.raises(kv_transfer.ChecksumError, match="block 3 arrived, 3 were sent"):
+        kv_transfer.verify(offer, payload, first=1)
+    assert kv_transfer.pieces(dataclasses.replace(offer, blocks_per_piece=2)) == [(0, 2), (2, 1)]
 
 
 class CorruptingLinks(LocalLinks):
@@ -170,7 +181,7 @@ def test_a_corrupt_block_fails_its_request_alone(tiny_model):
     results = serve(nodes, prompts, params)
     expected = colocated(config, prompts, params)
     assert results[1].finish_reason == "rejected"
-    assert results[1].error == "KV handoff of request 1: block 4 of 5 failed its checksum (corrupt or stale)"
+    assert results[1].error == "KV handoff of request 1: block 1 of 5 failed its checksum (corrupt or stale)"  # the last block of the first piece
     for i in (0, 2):
         assert results[i].output_token_ids == expected[i].output_token_ids
     assert_no_leaks(nodes, links)
@@ -264,7 +275,7 @@ def test_aborts_and_preemptions_leak_nothing(tiny_model, preemption, seed):
             assert r.output_token_ids == e.output_token_ids
 
 
-@pytest.mark.parametrize("where", ["routed", "prefilling", "parked", "decoding"])
+@pytest.mark.parametrize("where", ["routed", "prefilling", "offered", "arriving", "decoding"])
 def test_an_abort_ends_the_request_wherever_it_is(tiny_model, where):
     """Abort one request once it is in a given place (a small decode pool makes offers wait):
     it ends "aborted", reported once, its blocks and payload freed on both sides; the
@@ -281,7 +292,9 @@ def test_an_abort_ends_the_request_wherever_it_is(tiny_model, where):
         if seq_id in p.seqs:
             return "prefilling" if p.seqs[seq_id].num_computed_tokens else "routed"
         if any(o.seq.seq_id == seq_id for o in d.offers):
-            return "parked"
+            return "offered"
+        if d.arriving and d.arriving.offer.seq.seq_id == seq_id:
+            return "arriving"
         return "decoding" if seq_id in d.seqs and d.seqs[seq_id].num_output_tokens > 1 else None
 
     def abort_one(nodes):
