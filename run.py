@@ -71,8 +71,9 @@ def build_parser() -> Parser:
                    help="int8 keys: token (as they are) | channel (channels pre-scaled, calibrated at "
                         "load) | rotate (Hadamard-rotated); default " + DEFAULT_KEY_SCHEME)
     e.add_argument("--tp", type=int, default=ENGINE.tp, help="tensor-parallel ranks: run under mpirun -n TP")
-    e.add_argument("--disagg", metavar="P:D", help="disaggregated serving: P prefill and D decode "
-                   "instances, one rank each: run under mpirun -n P+D (nano/disagg.py)")
+    e.add_argument("--disagg", metavar="P:D", nargs="?", const="",
+                   help="disaggregated serving: P prefill and D decode instances, one rank each: run "
+                        "under mpirun -n P+D (nano/disagg.py); with --plan, P:D is optional")
     e.add_argument("--enforce-eager", action="store_true", help="GPU: run decode steps eagerly, no CUDA graphs")
     e.add_argument("--policy", default=ENGINE.policy, help="fcfs | deadline (by slack to the latency targets)")
     e.add_argument("--drop-late", action="store_true", help="deadline: reject requests that can no longer make their TTFT")
@@ -211,7 +212,7 @@ def main(argv=None) -> int:
         if not args.plan and not args.disagg:  # a plan for --tp N is computed in one process
             group.require(config.tp)
     if args.plan:
-        return show_plan(config)
+        return show_plan(args, config, params)
     if args.bench and args.policy_compare:
         return policy_compare(args, config)
     if args.disagg:
@@ -237,12 +238,16 @@ def parse(argv, rank: int):
     config = engine_config(args)
     config.validate()
     params = sampling_params(args)
-    if args.bench:
+    plan_disagg = args.plan and args.disagg is not None
+    if args.bench or plan_disagg:  # --plan --disagg sizes the pools for the bench flags' workload
         check_bench_args(args, config)
-    elif args.policy_compare or args.request_rate is not None or args.disagg_compare:
+    if not args.bench and (args.policy_compare or args.disagg_compare or
+                           (args.request_rate is not None and not plan_disagg)):
         raise NanoError("--policy-compare, --request-rate and --disagg-compare are --bench modes: add --bench")
-    elif not args.prompt_file and not args.plan:
+    if not (args.prompt_file or args.bench or args.plan):
         raise NanoError("give --prompt-file FILE (or --bench, or --plan)")
+    if args.disagg == "" and not args.plan:
+        raise NanoError("--disagg needs P:D, e.g. --disagg 1:1 (only --plan --disagg estimates it)")
     if args.disagg:
         from nano.disagg import parse_split
         parse_split(args.disagg)
@@ -268,10 +273,32 @@ def parse(argv, rank: int):
     return args, config, params, requests
 
 
-def show_plan(config: EngineConfig) -> int:
+def show_plan(args, config: EngineConfig, params: SamplingParams) -> int:
     from nano.capacity import format_plan, plan_from_config
     print(format_plan(plan_from_config(config)))
+    if args.disagg is not None:
+        show_disagg_plan(args, config, params)
     return 0
+
+
+def show_disagg_plan(args, config: EngineConfig, params: SamplingParams) -> None:
+    """--plan --disagg: P:D for the workload of --input-len, --output-len (their means) and
+    --request-rate, from the step-time model fitted on this machine (nano/disagg_plan.py)."""
+    from nano import disagg_plan
+    from nano.disagg import parse_split
+    from nano.engine import LLMEngine
+    prompt_len, output_len = (sum(parse_range(r, name)) / 2 for r, name in
+                              ((args.input_len, "--input-len"), (args.output_len, "--output-len")))
+    engine = LLMEngine(config)
+    bench.warm_up(engine)
+    print(f"\nfitting the step-time model on this machine ({engine.device.kind}, prompts of "
+          f"{prompt_len:.0f} tokens) ...", file=sys.stderr)
+    coef = disagg_plan.calibrate(engine, int(prompt_len), int(output_len))
+    plan = disagg_plan.estimate(coef, prompt_len, output_len, config.max_num_batched_tokens,
+                                engine.block_manager.num_blocks, config.block_size, config.max_num_seqs,
+                                params.tpot_slo)
+    print("\ndisaggregated serving, one engine per instance on this machine's share of it:")
+    print(disagg_plan.format_disagg_plan(plan, args.request_rate, parse_split(args.disagg) if args.disagg else None))
 
 
 def serve_rank(args, worker) -> int:

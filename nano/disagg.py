@@ -602,7 +602,9 @@ def summary(router: Router, wall: float) -> dict:
     ttft = [q.ttft for q in router.results.values() if q.ttft is not None]
     s["kv_transfer_fraction_of_ttft"] = ((s["kv_pack_s_mean"] + s["kv_receive_s_mean"]) / np.mean(ttft)
                                          if transfers and ttft else 0.0)
-    for name in ("prefill", "decode"):
+    for name, ranks in (("prefill", router.prefill), ("decode", router.decode)):
+        busy = sum(r.summary["steps"] * r.summary["mean_step_ms"] / 1e3 for r in reports if r.rank in ranks)
+        s[f"{name}_busy"] = busy / (len(ranks) * wall) if wall else 0.0  # of the instances' time, in steps
         samples = np.array(router.pool_samples[name] or [(0, 0.0)])
         s[f"{name}_queue_tokens_mean"], s[f"{name}_kv_occupancy_mean"] = samples.mean(axis=0)
         s[f"{name}_queue_tokens_peak"], s[f"{name}_kv_occupancy_peak"] = samples.max(axis=0)
@@ -620,7 +622,8 @@ def format_disagg(s: dict) -> str:
         f"({100 * s['kv_transfer_fraction_of_ttft']:.1f}% of mean TTFT); first token to decode-side "
         f"admission {1e3 * s['kv_handoff_s_mean']:.1f} ms",
         f"decode slowdown     {format_slowdown(s)}",
-        *(f"{name} pool{' ' * (11 - len(name))}queue {s[f'{name}_queue_tokens_mean']:.0f} tokens mean, "
+        *(f"{name} pool{' ' * (11 - len(name))}busy {100 * s[f'{name}_busy']:.0f}%; "
+          f"queue {s[f'{name}_queue_tokens_mean']:.0f} tokens mean, "
           f"{s[f'{name}_queue_tokens_peak']:.0f} peak; KV occupancy {100 * s[f'{name}_kv_occupancy_mean']:.1f}% "
           f"mean, {100 * s[f'{name}_kv_occupancy_peak']:.1f}% peak" for name in ("prefill", "decode")),
         "blocks in use at end " + ("none (no leaks)" if not leaked else

@@ -4,7 +4,7 @@
 # against the CPU path), then the kernel benchmark, whose markdown table is printed last.
 # A failing test does not hide the benchmark; the exit code is the tests'. Each part has a
 # time limit so that a hang costs that part, not the call. Budget: under 6 minutes (the limits
-# sum to 8.5; the kernel tests and the benchmark cover float16 and int8 caches, and the first
+# sum to 9.5; the kernel tests and the benchmark cover float16 and int8 caches, and the first
 # NVRTC build of cuda/ takes ~20 s, cached after).
 # Where $OUT is set (the device tool), the full pytest log is written there too.
 set -uo pipefail
@@ -17,7 +17,7 @@ nvidia-smi -L
 per_test=$($PY -c "import pytest_timeout" 2>/dev/null && echo "--timeout=100")
 status=0
 for part in "150 kernels tests/test_kernels.py" "60 graphs tests/test_graphs_gpu.py" \
-            "150 engine tests/test_engine_gpu.py"; do
+            "150 engine tests/test_engine_gpu.py" "60 disagg tests/test_disagg.py"; do
   set -- $part
   timeout "$1" $PY -m pytest -q -rfE --durations=8 -p no:cacheprovider -m gpu $per_test "$3" \
     > "$LOGS/check_$2.log" 2>&1 || status=1

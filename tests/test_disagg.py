@@ -403,3 +403,131 @@ def test_ctrl_c_on_either_instance_ends_both(tmp_path, tiny_model, rank):
         [f"error: rank {rank}: interrupted"], stderr[-3000:]
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) >= 2 and all(len(r["token_ids"]) == 400 for r in records)
+
+
+# ---- figures: the pools' signals, interference, the P:D estimate --------------------------------
+def test_pool_snapshots_carry_each_pools_queue_and_occupancy(tiny_model, tmp_path):
+    from nano.metrics import MetricsWriter, pool_prometheus_text
+    config = tiny_config(tiny_model)
+    nodes = cluster([config], [config])
+    writer = MetricsWriter(str(tmp_path / "m.jsonl"), str(tmp_path / "m.prom"), pool_prometheus_text)
+    nodes[0].router.on_snapshot = writer.write
+    prompts, params = workload(5, 30)
+    serve(nodes, prompts, params)
+    snaps = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert snaps and snaps[-1]["finished"] == 30
+    assert max(s["pools"]["prefill"]["queue_depth_tokens"] for s in snaps) > 0
+    assert max(s["pools"]["decode"]["queue_depth_tokens"] for s in snaps) > 0
+    assert max(s["pools"]["decode"]["kv_occupancy"] for s in snaps) > 0
+    prom = (tmp_path / "m.prom").read_text()
+    for line in ('nano_pool_instances{pool="prefill"} 1', 'nano_pool_kv_cache_occupancy{pool="decode"}',
+                 'nano_pool_queue_depth_tokens{pool="prefill"}', "nano_requests_finished_total 30"):
+        assert line in prom, prom
+    s = summary(nodes[0].router, 1.0)
+    assert s["prefill_queue_tokens_peak"] > 0 and s["decode_kv_occupancy_peak"] > 0
+
+
+def test_decode_interference_compares_steps_of_as_many_decodes():
+    from nano.metrics import decode_interference
+    # (start, end, prompt tokens, decodes): quiet steps of 1 and 2 decodes take 10 and 20 ms
+    steps = [(0.00, 0.01, 0, 1), (0.02, 0.03, 0, 1), (0.04, 0.06, 0, 2), (0.07, 0.09, 0, 2),
+             (0.10, 0.13, 0, 2),    # overlaps another engine's prefill: 30 ms = 1.5x
+             (0.15, 0.16, 0, 1),    # after a 5 ms stall: 15 ms = 1.5x
+             (0.20, 0.60, 100, 1),  # carries prompt tokens itself: 40x
+             (0.70, 0.71, 50, 0)]   # prefill only: not a decoding step
+    out = decode_interference([(steps, [(0.135, 0.14)])], [(0.11, 0.12)])
+    assert out["decode_steps_quiet"] == 4 and out["decode_steps_during_prefill"] == 3
+    assert out["decode_slowdown_quiet_p50"] == pytest.approx(1.0)
+    assert out["decode_slowdown_prefill_p50"] == pytest.approx(1.5)
+    assert out["decode_slowdown_prefill_p99"] == pytest.approx(40, rel=0.05)
+
+
+def test_disagg_plan_balances_the_pools():
+    from nano.disagg_plan import estimate
+    # c0 10 ms, 1 ms per prompt token, 2 ms per decode, 10 us per context token
+    coef = (0.01, 0.001, 0.002, 1e-5)
+    p = estimate(coef, prompt_len=1000, output_len=101, chunk=512, num_blocks=640, block_size=16,
+                 max_num_seqs=256)
+    assert p.prefill_seconds == pytest.approx(2 * 0.01 + 1.0)      # two chunks
+    per_seq_blocks = -(-1101 // 16)                                 # 69 -> 640 // 69 = 9 sequences
+    assert p.decode_batch == 640 // per_seq_blocks and p.batch_limit == "KV pool"
+    step = 0.01 + 9 * (0.002 + 1e-5 * 1050.5)
+    assert p.decode_step == pytest.approx(step)
+    assert p.decode_capacity == pytest.approx(9 / (100 * step))
+    assert p.ratio == pytest.approx(p.decode_capacity * 1.02)
+    assert p.split_for(0.5) == (1, 1) and p.split_for(2.0) == (3, 3)  # C_P 0.98, C_D 0.73 req/s
+    slo = estimate(coef, 1000, 101, 512, 640, 16, 256, tpot_slo=0.04)  # T(b) <= 40 ms: b <= 2
+    assert slo.decode_batch == 2 and slo.batch_limit == "--tpot-slo"
+
+
+def test_plan_disagg_prints_the_estimate(tiny_model):
+    proc = launch(["run.py", "--plan", "--disagg", "1:1", "--model", str(tiny_model), "--input-len", "40:60",
+                   "--output-len", "8", "--request-rate", "2", "--num-blocks", "64"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for text in ("prefill instance", "decode instance", "balanced P:D", "at 2.0 req/s", "--disagg 1:1"):
+        assert text in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--disagg"], "--disagg needs P:D, e.g. --disagg 1:1 (only --plan --disagg estimates it)"),
+    (["--disagg-compare", "1:1"], "--policy-compare, --request-rate and --disagg-compare are --bench modes: "
+                                  "add --bench"),
+    (["--bench", "--disagg-compare", "1:1", "--output", "x.jsonl"],
+     "--disagg-compare writes a table (and --summary-json), no completions or metrics files: drop --output, "
+     "--metrics-file and --metrics-prom"),
+    (["--disagg", "1:1", "--tp", "2"], "--disagg runs each instance on one rank: drop --tp"),
+])
+def test_bad_disagg_flags_are_one_line(prompt_file, args, message):
+    proc = launch(["run.py", "--prompt-file", str(prompt_file), *args])
+    assert_one_line_error(proc, message)
+
+
+@needs_mpi
+def test_disagg_compare_runs_both_and_prints_the_table(tiny_model, tmp_path):
+    out = tmp_path / "s.json"
+    proc = launch(["run.py", "--bench", "--disagg-compare", "1:1", "--model", str(tiny_model), "--num-blocks", "128",
+                   "--num-seqs", "8", "--input-len", "20:60", "--output-len", "4:12", "--request-rate", "20",
+                   "--summary-json", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| colocated |" in proc.stdout and "| disaggregated 1:1 |" in proc.stdout
+    both = json.loads(out.read_text())
+    assert both["colocated"]["requests"] == both["disaggregated"]["requests"] == 8
+    assert both["disaggregated"]["handoffs"] == 8
+    assert both["colocated"]["generated_tokens"] == both["disaggregated"]["generated_tokens"]
+
+
+# ---- on the GPU (tests/device_check.sh) ---------------------------------------------------------
+def check_gpu_handoff(model, kv):
+    """Blocks gathered from one GPU pool arrive bit for bit in another's; a cluster of GPU
+    engines gives a GPU engine's own greedy tokens. Run on a GPU (below) and on the CPU
+    emulator (tests/test_engine_emulated.py)."""
+    config = tiny_config(model, device="gpu", kv_cache_dtype=kv, enforce_eager=True)
+    sender, receiver = LLMEngine(config), LLMEngine(config)
+    xp, rng = sender.device.xp, np.random.default_rng(0)
+    for a in sender.runner.kv_cache.block_arrays():
+        values = rng.standard_normal(a.shape) if a.dtype.kind == "f" else rng.integers(-127, 128, a.shape)
+        a[...] = xp.asarray(values.astype(a.dtype))
+    seq = Sequence(3, "", list(range(21)), SamplingParams(), 0.0, 0)
+    seq.block_table, seq.num_computed_tokens = [5, 2, 9], 20
+    offer, payload = kv_transfer.pack(sender.runner, seq, 0, 2, lambda: 0.0)
+    kv_transfer.verify(offer, payload)
+    receiver.runner.import_blocks([1, 3, 0], payload)
+    for a, b in zip(sender.runner.kv_cache.block_arrays(), receiver.runner.kv_cache.block_arrays()):
+        np.testing.assert_array_equal(sender.device.to_host(a)[:, :, [5, 2, 9]],
+                                      receiver.device.to_host(b)[:, :, [1, 3, 0]])
+    prompts = [list(range(3 + 7 * i, 40 + 7 * i)) for i in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)] * 6
+    links = LocalLinks(2)
+    nodes = cluster([config], [config], links)
+    results = serve(nodes, prompts, params)
+    assert [r.output_token_ids for r in results] == [e.output_token_ids for e in colocated(config, prompts, params)]
+    assert_no_leaks(nodes, links)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_gpu_handoff_is_exact_and_keeps_the_tokens(tmp_path, kv):
+    from reference import make_random_model
+    # head dim 64: a shape the attention kernels take
+    check_gpu_handoff(make_random_model(tmp_path, hidden=256, heads=4, kv_heads=2, intermediate=256,
+                                        dtype="float16", seed=7), kv)

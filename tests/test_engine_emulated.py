@@ -1,6 +1,7 @@
 """The engine's GPU path (float16 weights and KV cache, the CUDA kernels, device sampling)
 on the CPU emulator (tests/cuda_host), against the CPU path: tests/test_engine_gpu.py's
-comparison in a small shape (head dim 64, GQA group 2), in every run.
+comparison in a small shape (head dim 64, GQA group 2), in every run; and disaggregated
+KV handoffs between two GPU pools (tests/test_disagg.py's GPU check).
 
 It runs in a subprocess in which the emulator's CuPy stand-in is imported as `cupy`, so
 that nano's GPU code takes it for the real one. Two things a GPU has are stood in for:
@@ -26,7 +27,7 @@ def test_gpu_engine_path_matches_cpu_on_the_emulator(tmp_path):
     done = subprocess.run([sys.executable, __file__, str(tmp_path)], capture_output=True,
                           text=True, timeout=600, cwd=TESTS.parent)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    assert "configs agree" in done.stdout
+    assert "configs agree" in done.stdout and "disaggregated handoffs agree" in done.stdout
 
 
 def emulate_gpu() -> None:
@@ -53,6 +54,10 @@ def main(workdir: str) -> None:
         assert engine.device.xp.__name__.endswith("cupy_stub")
         print(name, "agrees:", [s.output_token_ids for s in gpu][:2])
     print(f"{len(GPU_CONFIGS)} configs agree")
+    from test_disagg import check_gpu_handoff
+    for kv in ("auto", "int8"):
+        check_gpu_handoff(model_dir, kv)
+    print("disaggregated handoffs agree")
 
 
 if __name__ == "__main__":
