@@ -83,7 +83,8 @@ def test_bad_flag_values(tmp_path, flags, message):
 def test_bad_bench_flags():
     assert main_error("--bench", "--request-rate", "inf") == "--request-rate must be a number > 0, got inf"
     assert main_error("--bench", "--policy-compare", "--seeds", "0") == "--seeds must be an integer >= 1, got 0"
-    assert main_error("--policy-compare") == "--policy-compare and --request-rate are --bench modes: add --bench"
+    assert main_error("--policy-compare") == ("--policy-compare, --request-rate and --disagg-compare are --bench "
+                                              "modes: add --bench")
     assert main_error("--bench", "--num-seqs", "0") == "--num-seqs must be an integer >= 1, got 0"
 
 
