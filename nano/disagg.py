@@ -68,7 +68,8 @@ class InstanceStatus:
     """An instance's report after each step."""
     rank: int
     time: float
-    queue_tokens: int       # prefill: prompt tokens not yet computed; decode: output tokens still to come
+    queue_tokens: int       # at the start of its last step: prefill, prompt tokens not yet computed;
+                            # decode, output tokens still to come
     used_blocks: int
     num_blocks: int
     received: int = 0       # prefill: requests received so far (the router counts those in flight)
@@ -113,9 +114,9 @@ class Instance:
         self.seqs.pop(seq.seq_id, None)
         self.link.send(ROUTER, ("result", kv_transfer.wire_copy(seq)))
 
-    def status(self, **extra) -> None:
+    def status(self, queue_tokens: int, **extra) -> None:
         bm = self.engine.block_manager
-        self.link.send(ROUTER, ("status", InstanceStatus(self.rank, self.engine.clock.now(), self.queue_tokens(),
+        self.link.send(ROUTER, ("status", InstanceStatus(self.rank, self.engine.clock.now(), queue_tokens,
                                                    bm.num_blocks - bm.num_free_blocks, bm.num_blocks, **extra)))
 
     def finish_stop(self) -> None:
@@ -165,12 +166,13 @@ class PrefillInstance(Instance):
         for payload in [p for p in self.returning if not self.link.sending(p)]:
             self.returning.remove(payload)
             self.buffers.give(payload.base if payload.base is not None else payload)
+        queue = self.queue_tokens()
         busy = self.step()
         for seq in [s for s in self.engine.scheduler.running if s.num_output_tokens]:
             self.engine.scheduler.park(seq)
             self.offer(seq)
         if busy:
-            self.status(received=self.received)
+            self.status(queue, received=self.received)
         if self.stopping and not self.parked:  # every handoff acknowledged: nothing held
             self.finish_stop()
         return busy
@@ -329,9 +331,10 @@ class DecodeInstance(Instance):
 
     def work(self) -> bool:
         busy = self.take_offers()
+        queue = self.queue_tokens()
         busy = self.step() or busy
         if busy:
-            self.status(adopted=self.adopted)
+            self.status(queue, adopted=self.adopted)
             self.adopted = []
         if self.stopping and not (self.offers or self.arriving or self.draining):
             self.finish_stop()

@@ -51,6 +51,7 @@ class DisaggPlan:
     decode_step: float           # T(b), seconds
     decode_capacity: float       # C_D, requests/s per decode instance
     batch_limit: str             # what capped b
+    coef: tuple                  # the step-time model: c0, c_p, c_d, c_ctx (seconds)
 
     @property
     def ratio(self) -> float:
@@ -79,11 +80,14 @@ def estimate(coef, prompt_len: float, output_len: float, chunk: int, num_blocks:
     limit = min(limits, key=limits.get)
     b = limits[limit]
     decode = b / (max(output_len - 1, 1) * step(b))
-    return DisaggPlan(prompt_len, output_len, prefill, 1 / prefill, b, step(b), decode, limit)
+    return DisaggPlan(prompt_len, output_len, prefill, 1 / prefill, b, step(b), decode, limit, (c0, cp, cd, cctx))
 
 
 def format_disagg_plan(p: DisaggPlan, rate: float | None, split: tuple[int, int] | None) -> str:
+    c0, cp, cd, cctx = p.coef
     lines = [
+        f"step-time model     {1e3 * c0:.1f} ms + {1e3 * cp:.2f} ms per prompt token + {1e3 * cd:.2f} ms per "
+        f"decode + {1e6 * cctx:.2f} us per context token (fitted on this machine)",
         f"workload            prompts of {p.prompt_len:.0f} tokens, outputs of {p.output_len:.0f} (means)",
         f"prefill instance    {1e3 * p.prefill_seconds:.0f} ms per request -> {p.prefill_capacity:.2f} req/s",
         f"decode instance     {p.decode_batch} sequences a step (capped by {p.batch_limit}), "
