@@ -10,10 +10,12 @@ LLMEngine (tp=1) with its own KV pool; rank 0 also routes. A request's life:
     router   --request-->  prefill p   chunked prefill (+ prefix cache); samples the first
                                        token; the sequence is parked, its blocks held
     p        --offer-->    decode d    state + one checksum per block, then the payload
-                                       (the filled blocks, kv_transfer.py) without waiting
-    d: admits the offer once its watermark allows (back-pressure: until then the payload
+                                       (the filled blocks, kv_transfer.py) in ~2 MB pieces,
+                                       sent without waiting
+    d: adopts the offer once its watermark allows (back-pressure: until then the payload
        stays on p, whose held blocks stop it admitting new prompts when its pool is full),
-       receives the payload, checks every block, writes them into its own blocks
+       receives its pieces between its own steps (a tenth of a step's time at a time, so
+       its running decodes barely notice), checks every block, writes them into its blocks
     d        --ack-->      p           p frees the blocks (full ones stay prefix-cached)
     d decodes to the end   --result--> router
 
@@ -25,8 +27,9 @@ they are each pool's autoscaling signals (--metrics-file, the run's summary).
 
 Aborts: the router tells both instances. p aborts the request if it still holds it
 unparked; if parked it forwards the abort to d behind its offer, so d sees them in order.
-d aborts it if it holds it (a pending offer: its payload is received and dropped, then
-acknowledged, so p frees the blocks); an abort for a sequence d never got is ignored,
+d aborts it if it holds it (an offer, or one arriving: the rest of its payload is
+received and dropped, then acknowledged, so p frees the blocks); an abort for a sequence d
+never got is ignored,
 since p dealt with it. Exactly one instance reports each request's end.
 
 Times are each process's time.perf_counter(): CLOCK_MONOTONIC, one clock for all ranks
@@ -163,9 +166,10 @@ class PrefillInstance(Instance):
             self.end(seq)
 
     def work(self) -> bool:
-        for payload in [p for p in self.returning if not self.link.sending(p)]:
-            self.returning.remove(payload)
+        done = [not self.link.sending(p) for p in self.returning]
+        for payload in (p for p, d in zip(self.returning, done) if d):
             self.buffers.give(payload.base if payload.base is not None else payload)
+        self.returning = [p for p, d in zip(self.returning, done) if not d]
         queue = self.queue_tokens()
         busy = self.step()
         for seq in [s for s in self.engine.scheduler.running if s.num_output_tokens]:
@@ -197,7 +201,7 @@ class PrefillInstance(Instance):
         return sum(q.num_uncomputed_tokens for q in (*s.waiting, *s.running))
 
 
-@dataclass
+@dataclass(eq=False)
 class Arrival:
     """A handoff being received, piece by piece (kv_transfer.pieces)."""
     offer: kv_transfer.Offer
@@ -362,7 +366,6 @@ class Router:
         self.where: dict[int, tuple[int, int]] = {}   # seq_id -> (prefill rank, decode rank), until its result
         self.status: dict[int, InstanceStatus] = {}
         self.in_flight: dict[int, deque[int]] = {p: deque() for p in self.prefill}  # prompt tokens sent, not yet received
-        self.sent: dict[int, int] = {p: 0 for p in self.prefill}
         self.promised: dict[int, dict[int, int]] = {d: {} for d in self.decode}  # seq_id -> blocks, not yet taken
         self.reports: dict[int, Report] = {}
         self.pool_samples = {"prefill": [], "decode": []}  # (queue tokens, KV occupancy) per report
@@ -392,7 +395,6 @@ class Router:
             p = min(self.prefill, key=self.queued_tokens)
             d = max(self.decode, key=self.free_blocks)
             self.in_flight[p].append(seq.num_prompt_tokens)
-            self.sent[p] += 1
             self.promised[d][seq.seq_id] = -(-(seq.num_prompt_tokens + 1) // self.block_size)
             self.where[seq.seq_id] = (p, d)
             self.link.send(p, ("request", seq, d))
@@ -416,6 +418,8 @@ class Router:
             self.pending.remove(pending)
             pending.status, pending.finish_reason = Status.FINISHED, "aborted"
             self.results[seq_id] = pending
+            if self.on_result:
+                self.on_result(pending)
         elif seq_id in self.where:
             for rank in self.where[seq_id]:
                 self.link.send(rank, ("abort", seq_id))

@@ -33,7 +33,7 @@ class ChecksumError(NanoError):
     """A handed-over block did not arrive as it was sent."""
 
 
-@dataclass
+@dataclass(eq=False)
 class Offer:
     """What a prefill instance sends a decode instance for one sequence, ahead of the payload."""
     seq: Sequence               # its state: tokens (prompt + first token), params, seed, times

@@ -152,6 +152,15 @@ def test_blocks_arrive_exactly_and_each_is_checked(tiny_model, kv):
     assert kv_transfer.pieces(dataclasses.replace(offer, blocks_per_piece=2)) == [(0, 2), (2, 1)]
 
 
+def test_payload_buffers_are_reused_smallest_first():
+    buffers = kv_transfer.PayloadBuffers()
+    a, b = buffers.take(100), buffers.take(300)
+    assert a.nbytes == 100 and b.nbytes == 300
+    buffers.give(b)
+    buffers.give(a)
+    assert buffers.take(50) is a and buffers.take(200) is b and buffers.take(10) is not a
+
+
 class CorruptingLinks(LocalLinks):
     """Flips one byte in the payload of the sequences named."""
 
