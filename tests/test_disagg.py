@@ -3,11 +3,6 @@ process over LocalLinks (tiny model, invariants checked after every round), then
 under mpirun with the default model."""
 import dataclasses
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from collections import Counter
 
 import numpy as np
@@ -21,7 +16,7 @@ from nano.errors import NanoError
 from nano.links import LocalLinks
 from nano.sequence import SamplingParams, Sequence
 from test_stress import check_invariants, make_requests
-from test_tp import PROMPTS, ROOT, TIMEOUT, assert_one_line_error, launch, mpirun, needs_mpi, rank_pid
+from test_tp import PROMPTS, assert_one_line_error, interrupt_one_rank, launch, needs_mpi
 
 
 @pytest.fixture(autouse=True)
@@ -391,27 +386,7 @@ def test_disagg_without_mpirun_is_one_error(prompt_file):
 @needs_mpi
 @pytest.mark.parametrize("rank", [1, 0])
 def test_ctrl_c_on_either_instance_ends_both(tmp_path, tiny_model, rank):
-    prompts = tmp_path / "p.txt"
-    prompts.write_text("\n".join(f"prompt number {i}" for i in range(40)) + "\n")
-    out = tmp_path / "out.jsonl"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    job = subprocess.Popen([mpirun(), "-n", "2", "--allow-run-as-root", "--oversubscribe", sys.executable,
-                            "run.py", "--disagg", "1:1", "--prompt-file", str(prompts), "--model", str(tiny_model),
-                            "--no-chat", "--num-blocks", "256", "--output", str(out), "--temperature", "0",
-                            "--ignore-eos", "--max-tokens", "400", "--max-num-seqs", "1"],
-                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + TIMEOUT
-    while not (out.exists() and out.read_text().count('"index"') >= 2):
-        assert job.poll() is None and time.monotonic() < deadline, job.communicate()
-        time.sleep(0.05)
-    os.kill(rank_pid(job.pid, rank), signal.SIGINT)
-    start = time.monotonic()
-    _, stderr = job.communicate(timeout=TIMEOUT)
-    assert time.monotonic() - start < 10 and job.returncode != 0
-    assert [line for line in stderr.splitlines() if line.startswith("error:")] == \
-        [f"error: rank {rank}: interrupted"], stderr[-3000:]
-    records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(records) >= 2 and all(len(r["token_ids"]) == 400 for r in records)
+    interrupt_one_rank(tmp_path, tiny_model, rank, ["--disagg", "1:1"])
 
 
 # ---- figures: the pools' signals, interference, the P:D estimate --------------------------------

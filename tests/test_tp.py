@@ -229,12 +229,18 @@ def test_bad_jsonl_field_and_damaged_model_end_every_rank(tmp_path, tiny_model):
 def test_ctrl_c_on_one_rank_ends_every_rank_and_keeps_finished_work(tmp_path, tiny_model, rank):
     """SIGINT to one rank mid-run: every rank ends within seconds (before, SIGINT on rank 1
     hung the job), one error line, and the completions that finished are in the file."""
+    interrupt_one_rank(tmp_path, tiny_model, rank, ["--tp", "2"])
+
+
+def interrupt_one_rank(tmp_path, tiny_model, rank: int, flags: list[str]) -> None:
+    """Two ranks generating 40 long completions one at a time; once two have finished, SIGINT
+    to `rank`: both end within 10 s with one error line, the finished ones kept in order."""
     prompts = tmp_path / "p.txt"
     prompts.write_text("\n".join(f"prompt number {i}" for i in range(40)) + "\n")
     out = tmp_path / "out.jsonl"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     job = subprocess.Popen([mpirun(), "-n", "2", "--allow-run-as-root", "--oversubscribe", sys.executable,
-                            "run.py", "--tp", "2", "--prompt-file", str(prompts), "--model", str(tiny_model),
+                            "run.py", *flags, "--prompt-file", str(prompts), "--model", str(tiny_model),
                             "--no-chat", "--num-blocks", "256", "--output", str(out), "--temperature", "0",
                             "--ignore-eos", "--max-tokens", "400", "--max-num-seqs", "1"],
                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
