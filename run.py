@@ -6,6 +6,7 @@
     python run.py --plan --kv-cache-memory 2GB                   (capacity planning)
     mpirun -n 2 python run.py --tp 2 --prompt-file prompts.txt   (tensor parallel)
     mpirun -n 2 python run.py --disagg 1:1 --prompt-file prompts.txt   (prefill and decode apart)
+    python run.py --serve --port 8000                           (OpenAI-compatible HTTP server)
 """
 import argparse
 import dataclasses
@@ -77,6 +78,13 @@ def build_parser() -> Parser:
     e.add_argument("--enforce-eager", action="store_true", help="GPU: run decode steps eagerly, no CUDA graphs")
     e.add_argument("--policy", default=ENGINE.policy, help="fcfs | deadline (by slack to the latency targets)")
     e.add_argument("--drop-late", action="store_true", help="deadline: reject requests that can no longer make their TTFT")
+    h = p.add_argument_group("HTTP server (OpenAI-compatible, nano/server.py)")
+    h.add_argument("--serve", action="store_true", help="serve /v1/completions, /v1/chat/completions, ... "
+                   "(under mpirun --tp N: rank 0 serves)")
+    h.add_argument("--host", default="127.0.0.1")
+    h.add_argument("--port", type=int, default=8000)
+    h.add_argument("--max-queued-requests", type=int, default=256,
+                   help="requests in flight beyond this are answered 503")
     m = p.add_argument_group("metrics and planning")
     m.add_argument("--metrics-file", help="append a JSON metrics snapshot per step to this file")
     m.add_argument("--metrics-prom", help="keep this file rewritten with the latest snapshot in Prometheus text format")
@@ -227,6 +235,8 @@ def main(argv=None) -> int:
     from nano.engine import LLMEngine
     engine = LLMEngine(config)
     print(engine.describe(), file=sys.stderr)
+    if args.serve:
+        return serve(args, engine)
     if args.bench:
         return run_bench(args, engine, params)
     return run_prompts(args, engine, requests)
@@ -244,8 +254,13 @@ def parse(argv, rank: int):
     if not args.bench and (args.policy_compare or args.disagg_compare or
                            (args.request_rate is not None and not plan_disagg)):
         raise NanoError("--policy-compare, --request-rate and --disagg-compare are --bench modes: add --bench")
-    if not (args.prompt_file or args.bench or args.plan):
-        raise NanoError("give --prompt-file FILE (or --bench, or --plan)")
+    if not (args.prompt_file or args.bench or args.plan or args.serve):
+        raise NanoError("give --prompt-file FILE (or --bench, --plan or --serve)")
+    if args.serve:
+        checks.integer("--port", args.port, 0, 65535)
+        checks.integer("--max-queued-requests", args.max_queued_requests, low=1)
+        if args.prompt_file or args.bench or args.disagg is not None:
+            raise NanoError("--serve takes its prompts over HTTP: drop --prompt-file, --bench and --disagg")
     if args.disagg == "" and not args.plan:
         raise NanoError("--disagg needs P:D, e.g. --disagg 1:1 (only --plan --disagg estimates it)")
     if args.disagg:
@@ -306,6 +321,20 @@ def serve_rank(args, worker) -> int:
     if args.bench:  # as rank 0's bench.warm_up does: page faults stay out of the figures
         worker.runner.touch_kv_cache()
     worker.run()
+    return 0
+
+
+def serve(args, engine) -> int:
+    """--serve: the HTTP server until Ctrl-C; then the TP ranks are told to stop."""
+    try:
+        from nano.server import serve as serve_http
+    except ImportError as e:
+        raise NanoError(f"--serve needs FastAPI and uvicorn (pip install -r requirements.txt): {e}") from None
+    print(f"serving {engine.shard.model_dir.name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    try:
+        serve_http(engine, args.host, args.port, args.max_queued_requests)
+    finally:
+        engine.stop_workers()
     return 0
 
 

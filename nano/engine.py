@@ -240,6 +240,13 @@ class LLMEngine:
             raise
         return seqs
 
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a running request from outside a step (the server found a stop string in its
+        text): its blocks freed, counted as finished."""
+        if not seq.is_finished:
+            self.scheduler.finish(seq, reason)
+            self.metrics.on_finish(seq)
+
     def abort(self, seq: Sequence) -> None:
         """Drop an unfinished request: out of its queue, its blocks freed, as if it never came."""
         if not seq.is_finished:

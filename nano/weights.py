@@ -423,15 +423,18 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
-    def apply_chat_template(self, prompt: str) -> str:
-        """Render one user message the way HF transformers' apply_chat_template does."""
+    def apply_chat_template(self, messages: str | list[dict]) -> str:
+        """Render a conversation (a list of {"role", "content"}; a string is one user message)
+        the way HF transformers' apply_chat_template does, ready for the assistant's turn."""
         import jinja2
 
         if self.chat_template is None:
             raise NanoError("this model has no chat template")
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
         try:
             return _compile_template(self.chat_template).render(
-                messages=[{"role": "user", "content": prompt}],
+                messages=messages,
                 add_generation_prompt=True,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
