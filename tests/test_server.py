@@ -1,0 +1,337 @@
+"""The OpenAI-compatible server (nano/server.py): the real server on a loopback port, the
+real `openai` client (and plain HTTP for what a client library hides), the default model."""
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+fastapi = pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+try:
+    import httpx
+except ImportError:  # openai's client from version 3 uses its fork, httpx2
+    httpx = pytest.importorskip("httpx2")
+uvicorn = pytest.importorskip("uvicorn")
+
+from nano.config import EngineConfig  # noqa: E402
+from nano.engine import LLMEngine  # noqa: E402
+from nano.llm import LLM  # noqa: E402
+from nano.sequence import SamplingParams  # noqa: E402
+from nano.server import create_app  # noqa: E402
+
+PROMPT = "The three primary colors are"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Running:
+    """A server on a loopback port in this process (its engine reachable for checks)."""
+
+    def __init__(self, max_queued: int = 256, **engine_args):
+        self.engine = LLMEngine(EngineConfig(**{"kv_cache_memory": 300 * 10**6, **engine_args}))
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(create_app(self.engine, max_queued), host="127.0.0.1",
+                                                   port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = self.engine.shard.model_dir.name
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+    def idle(self, timeout: float = 10) -> bool:
+        """Wait until the engine holds no request and no block."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            s, bm = self.engine.scheduler, self.engine.block_manager
+            if not (s.running or s.waiting or s.swapped) and bm.num_free_blocks == bm.num_blocks:
+                return True
+            time.sleep(0.02)
+        return False
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def srv():
+    running = Running()
+    yield running
+    running.stop()
+
+
+
+
+# ---- what clients see ----------------------------------------------------------------------------------
+def test_models_health_and_greedy_completion_match_the_engine(srv):
+    assert [m.id for m in srv.client.models.list().data] == [srv.model]
+    assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
+    out = srv.client.completions.create(model=srv.model, prompt=PROMPT, max_tokens=12, temperature=0)
+    expected = LLM().generate([PROMPT], SamplingParams(temperature=0, max_tokens=12))[0]
+    assert out.choices[0].text == expected.text
+    assert out.choices[0].finish_reason == expected.finish_reason
+    assert out.usage.completion_tokens == len(expected.token_ids)
+    assert out.usage.prompt_tokens == expected.num_prompt_tokens
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+
+
+def test_chat_uses_the_template(srv):
+    out = srv.client.chat.completions.create(model=srv.model, 
+        messages=[{"role": "system", "content": "Answer in one sentence."},
+                                         {"role": "user", "content": "What is the capital of France?"}],
+        temperature=0, max_tokens=20)
+    assert "Paris" in out.choices[0].message.content
+    assert out.choices[0].message.role == "assistant" and out.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_stream_equals_the_whole_text_and_ends_with_usage(srv, chat):
+    args = dict(model=srv.model, max_tokens=24, temperature=0.9, seed=11)
+    if chat:
+        create, args["messages"] = srv.client.chat.completions.create, [{"role": "user", "content": "Tell me a joke."}]
+    else:
+        create, args["prompt"] = srv.client.completions.create, PROMPT
+    whole = create(**args)
+    chunks = list(create(**args, stream=True, stream_options={"include_usage": True}))
+    with_usage = [c for c in chunks if c.usage is not None]
+    assert len(with_usage) == 1 and with_usage[0] is chunks[-1] and chunks[-1].choices == []
+    if chat:
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == whole.choices[0].message.content
+    else:
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text == whole.choices[0].text
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+
+
+def test_stream_text_is_whole_characters(srv):
+    """Deltas are valid UTF-8 text: a character split over tokens arrives whole."""
+    prompt = "Emoji list: 🍎 🍌 🍇 🍓 "  # continued in emoji, most split over two or more tokens
+    with httpx.stream("POST", srv.url + "/v1/completions", timeout=60,
+                      json={"prompt": prompt, "max_tokens": 40, "temperature": 1.0, "seed": 3, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    deltas = [json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1]]
+    assert not any("\ufffd" in d for d in deltas)
+    whole = srv.client.completions.create(model=srv.model, prompt=prompt, max_tokens=40, temperature=1.0, seed=3)
+    assert "".join(deltas) == whole.choices[0].text
+    assert any(ord(ch) > 127 for ch in whole.choices[0].text)  # the case this test is for did occur
+
+
+def test_n_choices_each_seeded(srv):
+    args = dict(model=srv.model, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=5, n=3,
+                extra_body={"ignore_eos": True})
+    out = srv.client.completions.create(**args)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert [c.text for c in srv.client.completions.create(**args).choices] == [c.text for c in out.choices]
+    assert len({c.text for c in out.choices}) > 1
+    assert out.usage.completion_tokens == 30  # over all choices; the prompt counted once
+    chunks = list(srv.client.completions.create(**args, stream=True))
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in range(3)]
+    assert texts == [c.text for c in out.choices]
+
+
+def test_stop_strings_end_the_text_before_them_even_mid_token(srv):
+    whole = srv.client.completions.create(model=srv.model, prompt=PROMPT, max_tokens=30, temperature=0).choices[0].text
+    # a stop string starting inside a word: mid-token, and likely spanning two tokens
+    at = len(whole) // 2
+    stop = whole[at:at + 4]
+    assert stop.strip(), whole
+    out = srv.client.completions.create(model=srv.model, prompt=PROMPT, max_tokens=30, temperature=0, stop=[stop, "zzzz"])
+    assert out.choices[0].text == whole[:whole.index(stop)] and out.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in srv.client.completions.create(model=srv.model, 
+        prompt=PROMPT, max_tokens=30, temperature=0, stop=stop, stream=True))
+    assert streamed == out.choices[0].text
+    assert srv.idle()
+
+
+def test_logprobs(srv):
+    out = srv.client.completions.create(model=srv.model, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3)
+    lp = out.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(lp.tokens) == len(lp.top_logprobs) == out.usage.completion_tokens
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 3 and logprob <= 0
+        assert max(top.values()) == pytest.approx(logprob)  # greedy: the chosen token is the top one
+    assert "".join(lp.tokens) == out.choices[0].text
+    chat = srv.client.chat.completions.create(model=srv.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                              temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 2 and c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)
+
+
+# ---- bad requests: OpenAI-style errors, and the server stays up ----------------------------------------
+@pytest.mark.parametrize("body,status,text", [
+    ({"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "hi", "n": 0}, 400, "n"),
+    ({"prompt": "hi", "stop": 5}, 400, "stop"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": [1, 2, 99999999]}, 400, "token ids"),
+    ({"prompt": "word " * 9000}, 400, "maximum context length"),
+    ({"prompt": "hi", "model": "gpt-4"}, 404, "does not exist"),
+    ({}, 400, "prompt"),
+])
+def test_bad_requests_get_openai_errors(srv, body, status, text):
+    r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert text in error["message"] and error["type"]
+    assert httpx.get(srv.url + "/health").status_code == 200
+
+
+def test_unknown_fields_are_tolerated_and_the_client_raises_on_errors(srv):
+    out = srv.client.completions.create(model=srv.model, prompt="hi", max_tokens=2, extra_body={"frequency_penalty_x": 1, "user": "u"})
+    assert out.choices[0].text is not None
+    with pytest.raises(openai.BadRequestError):
+        srv.client.completions.create(model=srv.model, prompt="hi", max_tokens=-3)
+    r = httpx.post(srv.url + "/v1/chat/completions", content=b"{not json", timeout=10,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+
+
+def test_metrics_carry_the_autoscaling_signals(srv):
+    srv.client.completions.create(model=srv.model, prompt=PROMPT, max_tokens=3)
+    text = httpx.get(srv.url + "/metrics").text
+    for name in ("nano_queue_depth_tokens", "nano_kv_cache_occupancy", "nano_requests_finished_total",
+                 "nano_time_to_first_token_seconds_bucket"):
+        assert name in text
+
+
+# ---- load, saturation, disconnects, the bounded queue -------------------------------------------------
+def test_health_stays_fast_while_the_engine_is_saturated(srv):
+    async def main():
+        client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        work = [asyncio.create_task(client.completions.create(model=srv.model, prompt=f"{PROMPT} {i}", max_tokens=48,
+                                                              extra_body={"ignore_eos": True}))
+                for i in range(24)]
+        await asyncio.sleep(1.0)  # the engine busy with all of them
+        times = []
+        async with httpx.AsyncClient() as http:
+            for _ in range(40):
+                start = time.perf_counter()
+                assert (await http.get(srv.url + "/health")).status_code == 200
+                times.append(time.perf_counter() - start)
+                await asyncio.sleep(0.02)
+        busy = bool(srv.engine.scheduler.running)
+        done = await asyncio.gather(*work)
+        return times, busy, done
+    times, busy, done = asyncio.run(main())
+    assert busy and all(d.usage.completion_tokens == 48 for d in done)
+    print(f"/health p50 {1e3 * np.percentile(times, 50):.1f} ms, p99 {1e3 * np.percentile(times, 99):.1f} ms")
+    assert np.percentile(times, 99) < 0.5  # a blocked event loop would take steps (~100s of ms) to answer
+
+
+def test_clients_that_disconnect_mid_stream_leave_nothing_behind(srv):
+    """Many streams, each dropped after a random number of chunks: every request leaves the
+    engine (no running request, every block free) within moments."""
+    rng = np.random.default_rng(0)
+
+    async def one(i, http):
+        keep = int(rng.integers(1, 12))
+        async with http.stream("POST", srv.url + "/v1/completions", json={
+                "prompt": f"{PROMPT} {i}", "max_tokens": 200, "stream": True, "ignore_eos": True}) as r:
+            seen = 0
+            async for line in r.aiter_lines():
+                seen += line.startswith("data: ")
+                if seen >= keep:
+                    return  # closing the response drops the connection
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as http:
+            await asyncio.gather(*(one(i, http) for i in range(16)))
+    asyncio.run(main())
+    assert srv.idle(timeout=10), srv.engine.scheduler.running
+    assert srv.engine.metrics.generated_tokens < 16 * 200
+
+
+def test_a_full_queue_answers_503():
+    small = Running(max_queued=2)
+    try:
+        async def main():
+            client = openai.AsyncOpenAI(base_url=small.url + "/v1", api_key="none", max_retries=0, timeout=120)
+            calls = [client.completions.create(model=small.model, prompt=PROMPT, max_tokens=24, extra_body={"ignore_eos": True})
+                     for _ in range(6)]
+            return await asyncio.gather(*calls, return_exceptions=True)
+        results = asyncio.run(main())
+        errors = [r for r in results if isinstance(r, Exception)]
+        assert errors and all(isinstance(e, openai.APIStatusError) and e.status_code == 503 for e in errors)
+        assert sum(not isinstance(r, Exception) for r in results) >= 2
+        assert small.idle()
+    finally:
+        small.stop()
+
+
+def test_a_few_hundred_concurrent_requests_all_complete(srv):
+    """Bounded load: 200 requests from 32 concurrent clients, each answered in full; the
+    server's throughput is printed next to LLM.generate's on the same prompts (the
+    benchmark figure is in the README; timing is not asserted here)."""
+    prompts = [f"Request {i}: name a fruit that is" for i in range(200)]
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        gate = asyncio.Semaphore(32)
+
+        async def one(p):
+            async with gate:
+                return await client.completions.create(model=srv.model, prompt=p, max_tokens=8, temperature=0,
+                                                       extra_body={"ignore_eos": True})
+        start = time.perf_counter()
+        outs = await asyncio.gather(*(one(p) for p in prompts))
+        return outs, time.perf_counter() - start
+    outs, wall = asyncio.run(main())
+    assert all(o.usage.completion_tokens == 8 and o.choices[0].finish_reason == "length" for o in outs)
+    assert srv.idle()
+    print(f"server: {200 * 8 / wall:.1f} output tok/s over {wall:.1f} s")
+
+
+# ---- under mpirun: rank 0 serves ----------------------------------------------------------------------
+def test_serving_under_tp2_gives_the_one_rank_tokens(srv):
+    from test_tp import ROOT, TIMEOUT, have_mpi, mpirun, rank_pid
+    if not have_mpi():
+        pytest.skip("needs mpi4py and mpirun")
+    import os
+    import signal
+    import subprocess
+    import sys
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    job = subprocess.Popen([mpirun(), "-n", "2", "--allow-run-as-root", "--oversubscribe", sys.executable, "run.py",
+                            "--serve", "--tp", "2", "--port", str(port), "--kv-cache-memory", "300MB"],
+                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + TIMEOUT
+        while True:
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        tp = client.completions.create(model=srv.model, prompt=PROMPT, max_tokens=12, temperature=0)
+        one = srv.client.completions.create(model=srv.model, prompt=PROMPT, max_tokens=12, temperature=0)
+        assert tp.choices[0].text == one.choices[0].text
+        chunks = list(client.chat.completions.create(model=srv.model, messages=[{"role": "user", "content": "Hi"}],
+                                                     max_tokens=6, temperature=0, stream=True))
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+        os.kill(rank_pid(job.pid, 0), signal.SIGINT)  # Ctrl-C to the serving rank: both end cleanly
+        _, stderr = job.communicate(timeout=60)
+        assert job.returncode == 0 and "error:" not in stderr, stderr[-3000:]
+    finally:
+        if job.poll() is None:
+            job.kill()
