@@ -227,8 +227,7 @@ class Server:
         self.active = 0  # jobs submitted and not yet ended (event loop only)
         self.created = int(time.time())
 
-    async def submit(self, request: Request, body: Sampling, prompt: list[int], top_logprobs: int | None,
-                     max_tokens: int):
+    async def submit(self, body: Sampling, prompt: list[int], top_logprobs: int | None, max_tokens: int):
         """Start body.n jobs for one prompt; returns them."""
         if self.active + body.n > self.max_queued:
             raise BadRequest(f"the server has {self.active} requests in flight (at most {self.max_queued}): "
@@ -308,7 +307,7 @@ def create_app(engine, max_queued: int = 256) -> FastAPI:
         prompt = await server.tokenize(body.prompt) if isinstance(body.prompt, str) else body.prompt
         if any(not 0 <= t < engine.model_config.vocab_size for t in prompt):
             raise BadRequest(f"prompt: token ids must be in [0, {engine.model_config.vocab_size})")
-        jobs = await server.submit(request, body, prompt, body.logprobs, body.max_tokens or 16)
+        jobs = await server.submit(body, prompt, body.logprobs, body.max_tokens or 16)
         return await respond(server, request, body, jobs, "text_completion", "cmpl")
 
     @app.post("/v1/chat/completions")
@@ -323,7 +322,7 @@ def create_app(engine, max_queued: int = 256) -> FastAPI:
             raise BadRequest(str(e)) from None
         top = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens or engine.max_model_len
-        jobs = await server.submit(request, body, await server.tokenize(text), top, max_tokens)
+        jobs = await server.submit(body, await server.tokenize(text), top, max_tokens)
         return await respond(server, request, body, jobs, "chat.completion", "chatcmpl")
 
     return app

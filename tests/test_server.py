@@ -335,3 +335,13 @@ def test_serving_under_tp2_gives_the_one_rank_tokens(srv):
     finally:
         if job.poll() is None:
             job.kill()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--serve", "--port", "70000"], "--port must be an integer in [0, 65535], got 70000"),
+    (["--serve", "--max-queued-requests", "0"], "--max-queued-requests must be an integer >= 1, got 0"),
+    (["--serve", "--bench"], "--serve takes its prompts over HTTP: drop --prompt-file, --bench and --disagg"),
+])
+def test_bad_serve_flags_are_one_line(args, message):
+    from test_tp import assert_one_line_error, launch
+    assert_one_line_error(launch(["run.py", *args]), message)
