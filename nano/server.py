@@ -262,6 +262,12 @@ class Server:
     async def tokenize(self, text: str) -> list[int]:
         return await asyncio.to_thread(self.engine.tokenizer.encode, text)
 
+    def stopped(self) -> JSONResponse | None:
+        """A 503 if the engine thread is gone (it failed, or the server is shutting down)."""
+        if self.thread.error or not self.thread.is_alive():
+            return error_response(f"engine stopped: {self.thread.error}", 503, "server_error")
+        return None
+
     def check_model(self, body: Sampling) -> None:
         if body.model is not None and body.model != self.model_name:
             raise BadRequest(f"the model {body.model!r} does not exist: this server has {self.model_name!r}",
@@ -286,9 +292,7 @@ def create_app(engine, max_queued: int = 256) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if server.thread.error or not server.thread.is_alive():
-            return error_response(f"engine stopped: {server.thread.error}", 503, "server_error")
-        return {"status": "ok"}
+        return server.stopped() or {"status": "ok"}
 
     @app.get("/v1/models")
     async def models():
@@ -297,6 +301,8 @@ def create_app(engine, max_queued: int = 256) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
+        if server.stopped():  # no one would answer
+            return server.stopped()
         loop, done = asyncio.get_running_loop(), asyncio.get_running_loop().create_future()
         server.thread.inbox.put(("metrics", lambda text: loop.call_soon_threadsafe(done.set_result, text)))
         return PlainTextResponse(await done, media_type="text/plain; version=0.0.4")

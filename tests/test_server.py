@@ -238,13 +238,13 @@ def test_health_stays_fast_while_the_engine_is_saturated(srv):
 
 def test_clients_that_disconnect_mid_stream_leave_nothing_behind(srv):
     """Many streams, each dropped after a random number of chunks: every request leaves the
-    engine (no running request, every block free) within moments."""
+    engine (no running request, every block free) within moments, not at its max_tokens."""
     rng = np.random.default_rng(0)
 
     async def one(i, http):
         keep = int(rng.integers(1, 12))
         async with http.stream("POST", srv.url + "/v1/completions", json={
-                "prompt": f"{PROMPT} {i}", "max_tokens": 200, "stream": True, "ignore_eos": True}) as r:
+                "prompt": f"{PROMPT} {i}", "max_tokens": 4000, "stream": True, "ignore_eos": True}) as r:
             seen = 0
             async for line in r.aiter_lines():
                 seen += line.startswith("data: ")
@@ -255,8 +255,8 @@ def test_clients_that_disconnect_mid_stream_leave_nothing_behind(srv):
         async with httpx.AsyncClient(timeout=60) as http:
             await asyncio.gather(*(one(i, http) for i in range(16)))
     asyncio.run(main())
-    assert srv.idle(timeout=10), srv.engine.scheduler.running
-    assert srv.engine.metrics.generated_tokens < 16 * 200
+    # Left running, 16 x 4000 tokens would take minutes.
+    assert srv.idle(timeout=5), srv.engine.scheduler.running
 
 
 def test_a_full_queue_answers_503():
