@@ -22,7 +22,7 @@ LLMEngine (tp=1) with its own KV pool; rank 0 also routes. A request's life:
 Routing, at arrival: to the prefill instance with the least queued prompt tokens, and to
 the decode instance with the most free blocks (its last report, less the blocks of
 requests already routed to it and not yet taken). Every instance reports its queue depth
-in tokens and KV occupancy after each step ("status"): the router routes on them, and
+in tokens and KV occupancy after each step, and once more when it goes idle ("status"): the router routes on them, and
 they are each pool's autoscaling signals (--metrics-file, the run's summary).
 
 Aborts: the router tells both instances. p aborts the request if it still holds it
@@ -68,7 +68,7 @@ def payload_tag(seq_id: int) -> int:
 
 @dataclass
 class InstanceStatus:
-    """An instance's report after each step."""
+    """An instance's report after each step (and once when it goes idle)."""
     rank: int
     time: float
     queue_tokens: int       # at the start of its last step: prefill, prompt tokens not yet computed;
@@ -101,6 +101,7 @@ class Instance:
         self.stopping = self.stopped = False
         self.start = engine.clock.now()
         self.stalls: list[tuple[float, float]] = []  # decode: (start, end) of each payload received
+        self.reported = None                          # (queue tokens, used blocks) last sent
 
     def step(self) -> bool:
         """One engine step if there is work; returns whether it ran one (a prefill instance
@@ -117,10 +118,16 @@ class Instance:
         self.seqs.pop(seq.seq_id, None)
         self.link.send(ROUTER, ("result", kv_transfer.wire_copy(seq)))
 
-    def status(self, queue_tokens: int, **extra) -> None:
+    def status(self, queue_tokens: int, busy: bool, **extra) -> None:
+        """Report to the router after a step, or when idle and something changed since (so
+        an instance that has gone quiet does not keep showing its last busy queue)."""
         bm = self.engine.block_manager
+        used = bm.num_blocks - bm.num_free_blocks
+        if not busy and (queue_tokens, used) == self.reported:
+            return
+        self.reported = (queue_tokens, used)
         self.link.send(ROUTER, ("status", InstanceStatus(self.rank, self.engine.clock.now(), queue_tokens,
-                                                   bm.num_blocks - bm.num_free_blocks, bm.num_blocks, **extra)))
+                                                   used, bm.num_blocks, **extra)))
 
     def finish_stop(self) -> None:
         bm, m = self.engine.block_manager, self.engine.metrics
@@ -175,8 +182,7 @@ class PrefillInstance(Instance):
         for seq in [s for s in self.engine.scheduler.running if s.num_output_tokens]:
             self.engine.scheduler.park(seq)
             self.offer(seq)
-        if busy:
-            self.status(queue, received=self.received)
+        self.status(queue if busy else self.queue_tokens(), busy, received=self.received)
         if self.stopping and not self.parked:  # every handoff acknowledged: nothing held
             self.finish_stop()
         return busy
@@ -337,9 +343,8 @@ class DecodeInstance(Instance):
         busy = self.take_offers()
         queue = self.queue_tokens()
         busy = self.step() or busy
-        if busy:
-            self.status(queue, adopted=self.adopted)
-            self.adopted = []
+        self.status(queue if busy else self.queue_tokens(), busy, adopted=self.adopted)
+        self.adopted = []
         if self.stopping and not (self.offers or self.arriving or self.draining):
             self.finish_stop()
         return busy

@@ -403,6 +403,8 @@ def test_pool_snapshots_carry_each_pools_queue_and_occupancy(tiny_model, tmp_pat
     assert max(s["pools"]["prefill"]["queue_depth_tokens"] for s in snaps) > 0
     assert max(s["pools"]["decode"]["queue_depth_tokens"] for s in snaps) > 0
     assert max(s["pools"]["decode"]["kv_occupancy"] for s in snaps) > 0
+    for pool in snaps[-1]["pools"].values():  # quiet at the end: no stale busy figures
+        assert pool["queue_depth_tokens"] == 0 and pool["kv_occupancy"] == 0
     prom = (tmp_path / "m.prom").read_text()
     for line in ('nano_pool_instances{pool="prefill"} 1', 'nano_pool_kv_cache_occupancy{pool="decode"}',
                  'nano_pool_queue_depth_tokens{pool="prefill"}', "nano_requests_finished_total 30"):
