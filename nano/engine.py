@@ -200,7 +200,12 @@ class LLMEngine:
         for seq in finished:
             self.metrics.on_finish(seq)
         if self.metrics_writer and self.metrics.steps % self.config.metrics_interval == 0:
-            self.metrics_writer.write(self.metrics.snapshot(now, self.queue_state(now)))
+            self.metrics_writer.write(self.snapshot(now))
+
+    def snapshot(self, now: float) -> dict:
+        """The metrics snapshot as of now: between steps too (an abort frees blocks without one)."""
+        self.metrics.kv_occupancy = 1 - self.block_manager.num_free_blocks / self.block_manager.num_blocks
+        return self.metrics.snapshot(now, self.queue_state(now))
 
     def queue_state(self, now: float) -> QueueState:
         s = self.scheduler

@@ -165,7 +165,7 @@ class EngineThread(threading.Thread):
                 self.jobs.remove(value)
             elif kind == "metrics":
                 now = self.engine.clock.now()
-                value(prometheus_text(self.engine.metrics.snapshot(now, self.engine.queue_state(now))))
+                value(prometheus_text(self.engine.snapshot(now)))
         return True
 
     def _add(self, job: Job) -> None:

@@ -329,6 +329,15 @@ def test_serving_under_tp2_gives_the_one_rank_tokens(srv):
         chunks = list(client.chat.completions.create(model=srv.model, messages=[{"role": "user", "content": "Hi"}],
                                                      max_tokens=6, temperature=0, stream=True))
         assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+        for i in range(4):  # streams dropped after a few chunks: aborted on both ranks' pools
+            with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+                    "prompt": f"{PROMPT} {i}", "max_tokens": 4000, "stream": True, "ignore_eos": True}) as r:
+                next(line for n, line in enumerate(r.iter_lines()) if n >= 2 * (i + 1))
+        deadline = time.monotonic() + 10
+        while "nano_requests_running 0\n" not in (text := httpx.get(url + "/metrics").text) or \
+                "nano_kv_cache_occupancy 0.0\n" not in text:
+            assert time.monotonic() < deadline, text
+            time.sleep(0.1)
         os.kill(rank_pid(job.pid, 0), signal.SIGINT)  # Ctrl-C to the serving rank: both end cleanly
         _, stderr = job.communicate(timeout=60)
         assert job.returncode == 0 and "error:" not in stderr, stderr[-3000:]
