@@ -229,6 +229,8 @@ class Server:
 
     async def submit(self, body: Sampling, prompt: list[int], top_logprobs: int | None, max_tokens: int):
         """Start body.n jobs for one prompt; returns them."""
+        if self.stopped():
+            raise BadRequest(f"engine stopped: {self.thread.error}", 503, "server_error")
         if self.active + body.n > self.max_queued:
             raise BadRequest(f"the server has {self.active} requests in flight (at most {self.max_queued}): "
                              "try again later", 503, "server_overloaded")
