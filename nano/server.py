@@ -147,7 +147,7 @@ class EngineThread(threading.Thread):
         except Exception as e:  # a bug: every waiting client gets an error, /health says so
             self.error = f"{type(e).__name__}: {e}"
             for job in self.jobs:
-                job.put({"error": "engine failed: " + self.error})
+                job.put({"error": "engine failed: " + self.error, "status": 500})
 
     def _take(self, block: bool) -> bool:
         """Apply what the event loop sent; False once it says stop."""
@@ -361,9 +361,10 @@ async def respond(server: Server, request: Request, body: Sampling, jobs: list[J
         server.release(jobs)
     if any(r is None for r in results):
         return error_response("client disconnected", 499)
-    errors = [r["error"] for r in results if r["error"]]
-    if errors:
-        raise BadRequest(errors[0])
+    failed = [r for r in results if r["error"]]
+    if failed:  # rejected by the engine (400), or the engine failed (500)
+        status = failed[0]["status"]
+        raise BadRequest(failed[0]["error"], status, "server_error" if status == 500 else "invalid_request_error")
     choices = []
     for i, r in enumerate(results):
         if kind == "chat.completion":
@@ -389,7 +390,7 @@ async def collect(job: Job, request: Request) -> dict | None:
             continue
         out["text"] += event.get("text", "")
         out["logprobs"] += event.get("logprobs") or []
-        out["error"] = event.get("error")
+        out["error"], out["status"] = event.get("error"), event.get("status", 400)
         out["finish_reason"] = event.get("finish_reason")
         out["prompt_tokens"], out["completion_tokens"] = event.get("prompt_tokens", 0), event.get("completion_tokens", 0)
     return out

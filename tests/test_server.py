@@ -354,3 +354,20 @@ def test_serving_under_tp2_gives_the_one_rank_tokens(srv):
 def test_bad_serve_flags_are_one_line(args, message):
     from test_tp import assert_one_line_error, launch
     assert_one_line_error(launch(["run.py", *args]), message)
+
+
+def test_an_engine_failure_is_reported_not_hung():
+    """A bug in a step: waiting clients get an error, /health and new requests a 503."""
+    broken = Running()
+    try:
+        def fail():
+            raise RuntimeError("injected")
+        broken.engine.step = fail
+        r = httpx.post(broken.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 500 and "engine failed: RuntimeError: injected" in r.json()["error"]["message"]
+        health = httpx.get(broken.url + "/health")
+        assert health.status_code == 503 and "injected" in health.json()["error"]["message"]
+        again = httpx.post(broken.url + "/v1/completions", json={"prompt": "hi"}, timeout=30)
+        assert again.status_code == 503
+    finally:
+        broken.stop()
