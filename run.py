@@ -383,7 +383,7 @@ def generate(path: str | None, engine, prompts, inputs, per_request):
 def run_disagg(args, config: EngineConfig, params: SamplingParams, requests) -> int:
     """--disagg P:D under mpirun: every rank an instance (nano/disagg.py); rank 0 routes and
     reports."""
-    from nano import disagg
+    from nano import disagg, disagg_metrics
     num_prefill, num_decode = disagg.parse_split(args.disagg)
     run = {"generated": 0}  # rank 0's: filled in by make_requests
 
@@ -427,9 +427,9 @@ def run_disagg(args, config: EngineConfig, params: SamplingParams, requests) -> 
                 print(f"[{i}] rejected: {seq.error}", file=sys.stderr)
             else:
                 print(f"[{i}] {prompt}\n{engine.detokenize(seq)}\n")
-    summary = disagg.summary(router, wall)
+    summary = disagg_metrics.summary(router, wall)
     print(format_summary(summary))
-    print(disagg.format_disagg(summary))
+    print(disagg_metrics.format_disagg(summary))
     write_summary(args.summary_json, summary)
     return 0
 

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from nano.errors import NanoError
-from nano.disagg import format_slowdown
+from nano.disagg_metrics import format_slowdown
 from nano.metrics import decode_interference
 
 ROOT = Path(__file__).resolve().parent.parent

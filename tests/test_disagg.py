@@ -10,7 +10,8 @@ import pytest
 
 from nano import kv_transfer
 from nano.config import EngineConfig
-from nano.disagg import DecodeInstance, Node, PrefillInstance, Router, parse_split, run_local, summary
+from nano.disagg import DecodeInstance, Node, PrefillInstance, Router, parse_split, run_local
+from nano.disagg_metrics import summary
 from nano.engine import LLMEngine
 from nano.errors import NanoError
 from nano.links import LocalLinks
