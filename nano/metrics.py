@@ -239,9 +239,14 @@ def decode_interference(decoders, prefill_spans=()) -> dict:
     reach = np.maximum.accumulate(spans[:, 1]) if len(spans) else spans[:, 1]
     kinds = []  # (decodes, seconds, during prefill) per decoding step
     for steps, stalls in decoders:
-        stalls, previous_end = sorted(stalls), -np.inf
+        # An engine's stalls do not overlap: sorted by start they are sorted by end too, and
+        # those between two steps are a run of them, summed from their running total.
+        stalls = np.array(sorted(stalls), dtype=np.float64).reshape(-1, 2)
+        total = np.concatenate([[0.0], np.cumsum(stalls[:, 1] - stalls[:, 0])])
+        previous_end = -np.inf
         for start, end, prompt_tokens, decodes in sorted(steps):
-            stall = sum(b - a for a, b in stalls if a >= previous_end and b <= start)
+            lo, hi = np.searchsorted(stalls[:, 0], previous_end), np.searchsorted(stalls[:, 1], start, side="right")
+            stall = float(total[hi] - total[lo]) if hi > lo else 0.0
             previous_end = end
             if not decodes:
                 continue
