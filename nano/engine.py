@@ -19,7 +19,7 @@ from nano.plan import SchedulerOutput, decode_context, is_decode
 from nano.sampler import Sampler
 from nano.scheduler import Scheduler
 from nano.sequence import SamplingParams, Sequence
-from nano.worker import load_shard
+from nano.shard import load_shard
 
 # Rough device figures for the cost model's starting point (it then learns from real steps).
 DEVICE_PRIORS = {  # flop/s, memory bytes/s, host<->device bytes/s
@@ -84,7 +84,7 @@ class LLMEngine:
             return ""
         lines = [f"\ntensor parallel over {self.group.world} ranks (figures above: rank 0), "
                  f"each {self.block_manager.num_blocks} blocks:"]
-        for p in self.shard.plans:
+        for p in self.shard.partitions:
             per_token = kv_cache.bytes_per_token(self.model_config, p.num_kv_heads, self.config.kv_cache_dtype,
                                                  self.device.itemsize)
             pool = self.block_manager.num_blocks * self.config.block_size * per_token
@@ -148,10 +148,10 @@ class LLMEngine:
 
     def _idle(self, now: float) -> None:
         """Nothing could run: only requests that have not arrived yet are left; wait for one
-        (or, disaggregated, for the decode side to take this prefill instance's parked blocks)."""
+        (or for whoever holds sequences' blocks, Scheduler.hold, to release them)."""
         arrival = self.scheduler.next_arrival()
-        if arrival is None and self.scheduler.parked:
-            return  # a prefill instance full of handed-off blocks: the decode side frees them
+        if arrival is None and self.scheduler.held:
+            return  # a pool full of held blocks: their holder frees them between steps
         if arrival is None:
             raise RuntimeError("scheduler made no progress")  # a bug, never a user error
         self.clock.sleep(arrival - now)

@@ -33,14 +33,20 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from nano.device import ranks_on_gpu
+
 if TYPE_CHECKING:
-    from nano.config import ModelConfig
+    from nano.config import EngineConfig, ModelConfig
 
 KV_CACHE_DTYPES = ("auto", "int8")   # vLLM's flag values: auto = the model's (device's) dtype
 KEY_SCHEMES = ("token", "channel", "rotate")  # int8 keys: as they are, channels pre-scaled, or Hadamard-rotated
 DEFAULT_KEY_SCHEME = "rotate"
 SCALE_DTYPE = np.float16
 INT8_MAX = 127
+DEFAULT_CPU_KV_MEMORY = 2 * 2**30
+# Of the GPU memory still free once the weights are loaded (vLLM's gpu_memory_utilization
+# is a fraction of the total instead).
+GPU_FREE_MEMORY_FRACTION = 0.9
 
 
 def bytes_per_token(cfg: "ModelConfig", num_kv_heads: int, kv_cache_dtype: str, device_itemsize: int) -> int:
@@ -58,6 +64,28 @@ def label(kv_cache_dtype: str, key_scheme: str | None, device_dtype) -> str:
     if kv_cache_dtype == "int8":
         return f"int8, {key_scheme} keys"
     return np.dtype(device_dtype).name
+
+
+# ---- pool sizing: the engine's (shard.py) and the capacity report's (nano/bench) --------
+def blocks_for_memory(memory: int, bytes_per_token: int, block_size: int) -> int:
+    return memory // (bytes_per_token * block_size)
+
+
+def pool_memory(config: "EngineConfig", device: str, free_after_weights: int, rank: int,
+                world: int) -> int:
+    """Bytes for rank's KV pool: --kv-cache-memory if given; on a GPU, a fraction of what is
+    free once the weights of every rank on it are loaded, split among those ranks; on the
+    CPU a fixed default."""
+    if config.kv_cache_memory:
+        return config.kv_cache_memory
+    if device == "gpu":
+        return int(free_after_weights * GPU_FREE_MEMORY_FRACTION) // len(ranks_on_gpu(rank, world))
+    return DEFAULT_CPU_KV_MEMORY
+
+
+def pool_blocks(config: "EngineConfig", memory: int, bytes_per_token: int) -> int:
+    """Blocks in the KV pool: --num-blocks if given, else as many as `memory` holds."""
+    return config.num_blocks or blocks_for_memory(memory, bytes_per_token, config.block_size)
 
 
 @dataclass

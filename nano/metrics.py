@@ -67,7 +67,7 @@ class Metrics:
         self.all_reduce_time = 0.0           # tensor parallelism: rank 0's all-reduces
         self.all_reduce_bytes = 0
         # (start, end, prompt tokens, decodes) of the latest steps, for end-of-run analyses
-        # (decode_interference); bounded, as a server's run has no end
+        # (how much prefill slows decodes); bounded, as a server's run has no end
         self.step_log: deque[tuple[float, float, int, int]] = deque(maxlen=STEP_LOG)
 
     def on_step(self, plan: SchedulerOutput, seconds: float, free_blocks: int, swap_bytes: int,
@@ -188,21 +188,6 @@ def prometheus_text(snap: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def pool_prometheus_text(snap: dict) -> str:
-    """A disaggregated run's snapshot (disagg.Router.pools): each pool's signals, labelled."""
-    lines = []
-    for name, help_text in (("pool_instances", "Instances in the pool."),
-                            ("pool_queue_depth_tokens", "Prefill: prompt tokens not yet computed; "
-                                                        "decode: output tokens still to generate."),
-                            ("pool_kv_cache_occupancy", "Fraction of the pool's KV blocks in use.")):
-        key = name.removeprefix("pool_").replace("kv_cache_", "kv_")
-        lines += [f"# HELP nano_{name} {help_text}", f"# TYPE nano_{name} gauge"]
-        lines += [f'nano_{name}{{pool="{pool}"}} {values[key]}' for pool, values in snap["pools"].items()]
-    lines += ["# HELP nano_requests_finished_total Requests ended.", "# TYPE nano_requests_finished_total counter",
-              f"nano_requests_finished_total {snap['finished']}"]
-    return "\n".join(lines) + "\n"
-
-
 class MetricsWriter:
     """Appends snapshots to a JSONL file and/or rewrites a Prometheus text file (atomically,
     for a node exporter's textfile collector to pick up)."""
@@ -224,67 +209,3 @@ class MetricsWriter:
                 with open(tmp, "w", encoding="utf-8") as f:
                     f.write(self.prom_text(snap))
                 os.replace(tmp, self.prom_path)
-
-
-def decode_interference(decoders, prefill_spans=()) -> dict:
-    """How much prefill slows decoding. decoders: per engine that decodes, (steps, stalls):
-    its step_log, and (start, end) spans of work it did between steps for its decodes' sake
-    (a KV handoff received). prefill_spans: (start, end) of steps with prompt tokens on
-    other engines. Each step that decodes is timed (plus the stalls since its engine's
-    previous step) against the median step with the same number of decodes and no prefill
-    anywhere ("quiet"): a ratio of 1.0 is a step prefill did not touch. A step is "during
-    prefill" when it carried prompt tokens itself (colocated), overlapped a prefill span,
-    or followed a stall. Returns p50 / p99 of the ratio for both kinds."""
-    spans = np.array(sorted(prefill_spans), dtype=np.float64).reshape(-1, 2)
-    reach = np.maximum.accumulate(spans[:, 1]) if len(spans) else spans[:, 1]
-    kinds = []  # (decodes, seconds, during prefill) per decoding step
-    for steps, stalls in decoders:
-        # An engine's stalls do not overlap: sorted by start they are sorted by end too, and
-        # those between two steps are a run of them, summed from their running total.
-        stalls = np.array(sorted(stalls), dtype=np.float64).reshape(-1, 2)
-        total = np.concatenate([[0.0], np.cumsum(stalls[:, 1] - stalls[:, 0])])
-        previous_end = -np.inf
-        for start, end, prompt_tokens, decodes in sorted(steps):
-            lo, hi = np.searchsorted(stalls[:, 0], previous_end), np.searchsorted(stalls[:, 1], start, side="right")
-            stall = float(total[hi] - total[lo]) if hi > lo else 0.0
-            previous_end = end
-            if not decodes:
-                continue
-            i = np.searchsorted(spans[:, 0], end)  # spans starting before this step ends
-            overlap = bool(i) and reach[i - 1] > start
-            kinds.append((decodes, end - start + stall, bool(prompt_tokens or overlap or stall)))
-    quiet = {}
-    for decodes, seconds, busy in kinds:
-        if not busy:
-            quiet.setdefault(decodes, []).append(seconds)
-    base = {b: float(np.median(t)) for b, t in quiet.items()}
-    ratios = {True: [], False: []}
-    for decodes, seconds, busy in kinds:
-        if decodes in base:
-            ratios[busy].append(seconds / base[decodes])
-    out = {"decode_steps_during_prefill": len(ratios[True]), "decode_steps_quiet": len(ratios[False])}
-    for name, busy in (("prefill", True), ("quiet", False)):
-        for q in (50, 99):
-            out[f"decode_slowdown_{name}_p{q}"] = percentile(ratios[busy], q)
-    return out
-
-
-def format_summary(s: dict) -> str:
-    reasons = ", ".join(f"{k} {v}" for k, v in sorted(s["preemption_reasons"].items())) or "none"
-    return "\n".join([
-        f"requests            {s['requests']} ({s['rejected']} rejected)",
-        f"tokens              {s['prompt_tokens']} prompt, {s['generated_tokens']} generated",
-        f"wall time           {s['wall_s']:.2f} s",
-        f"throughput          {s['output_tokens_per_s']:.1f} output tok/s, {s['total_tokens_per_s']:.1f} total tok/s",
-        f"TTFT                p50 {s['ttft_p50_ms']:.1f} ms, p90 {s['ttft_p90_ms']:.1f} ms, p99 {s['ttft_p99_ms']:.1f} ms",
-        f"time per out token  p50 {s['tpot_p50_ms']:.1f} ms, p90 {s['tpot_p90_ms']:.1f} ms, p99 {s['tpot_p99_ms']:.1f} ms",
-        f"SLO attainment      {100 * s['slo_attainment']:.1f}% of requests, goodput {s['goodput_rps']:.2f} req/s; "
-        f"{s['served_late']} served late, {s['rejected_late']} rejected as late",
-        f"preemptions         {s['preemptions_swap']} swap, {s['preemptions_recompute']} recompute ({reasons})",
-        f"prefix cache hits   {100 * s['prefix_cache_hit_rate']:.1f}% of prompt tokens",
-        f"peak KV occupancy   {100 * s['peak_kv_occupancy']:.1f}%, {s['peak_running']} sequences in one step",
-        f"steps               {s['steps']}, mean {s['mean_step_ms']:.1f} ms",
-    ] + ([  # tensor parallelism only; the time includes waiting for the slowest rank
-        f"all-reduce          {s['all_reduce_ms_per_step']:.1f} ms and "
-        f"{s['all_reduce_bytes_per_step'] / 1e6:.2f} MB per step (mean, rank 0)",
-    ] if s["all_reduce_bytes_per_step"] else []))

@@ -2,7 +2,7 @@
 
     mpirun -n 2 python run.py --tp 2 ...
 
-Every rank loads its own shard (tp.py, worker.py) and runs the same forward
+Every rank loads its own shard (tp.py, shard.py) and runs the same forward
 pass; two all-reduces per layer add up the partial outputs. Rank 0 alone owns
 the tokenizer, the scheduler and the sampler: each step it broadcasts the
 packed step (plan.py: swap block pairs and model inputs in one int32 array)
@@ -122,13 +122,14 @@ class Group:
 
 
 _group: Group | None = None
-_world: Group | None = None  # disaggregated serving: every rank, each its own TP group
+_world: Group | None = None  # after separate_ranks(): every rank, each its own TP group
 
 
-def disaggregate() -> Group:
-    """Disaggregated serving (disagg.py): every rank runs an engine of its own, so this
-    process is its own TP group from now on; returns the group of all ranks, which the
-    instances talk over and which an error anywhere ends."""
+def separate_ranks() -> Group:
+    """Every rank runs an engine of its own (several engines side by side, such as
+    disaggregated prefill and decode instances): this process is its own TP group from now
+    on. Returns the group of all ranks, which the engines talk over and which an error
+    anywhere ends."""
     global _group, _world
     _world = tp_group()
     _group = Group(None)

@@ -78,12 +78,12 @@ class ModelRunner:
             self.device.synchronize()
         return moved, time.perf_counter() - start
 
-    # ---- handoff (disaggregated serving) ---------------------------------------------
-    def export_blocks(self, block_ids: list[int], out: np.ndarray | None = None) -> np.ndarray:
-        """Blocks of the pool as host bytes, one row per block: payload (n, block_bytes)
-        uint8 (written into out if given), a row being that block's slice of each block
-        array (KV, then int8 scales), all layers. A row is what one checksum covers
-        (kv_transfer.py)."""
+    # ---- blocks read out and written in ------------------------------------------------
+    def read_blocks(self, block_ids: list[int], out: np.ndarray | None = None) -> np.ndarray:
+        """Blocks of the pool as host bytes, one row per block: (n, block_bytes) uint8
+        (written into out if given), a row being that block's slice of each block array (KV,
+        then int8 scales), all layers: everything one block holds, for a KV handoff to
+        another engine's pool of the same layout."""
         payload = out if out is not None else np.empty((len(block_ids), self.kv_cache.block_nbytes), np.uint8)
         ids = self.device.xp.asarray(np.asarray(block_ids, np.int32))
         for pool, rows in zip(self.kv_cache.block_arrays(), self._payload_rows(payload)):
@@ -94,8 +94,8 @@ class ModelRunner:
                 blocks[...] = self.device.to_host(ops.gather_blocks(pool, ids))
         return payload
 
-    def import_blocks(self, block_ids: list[int], payload: np.ndarray) -> None:
-        """Write export_blocks' rows into these blocks of this pool (same layout on both sides)."""
+    def write_blocks(self, block_ids: list[int], payload: np.ndarray) -> None:
+        """Write read_blocks' rows into these blocks of this pool."""
         ids = self.device.xp.asarray(np.asarray(block_ids, np.int32))
         for pool, rows in zip(self.kv_cache.block_arrays(), self._payload_rows(payload)):
             ops.scatter_blocks(pool, ids, self.device.xp.asarray(np.moveaxis(rows, 0, 2)))

@@ -39,9 +39,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []     # in admission order (swapped back in: admitted again)
         self.swapped: deque[Sequence] = deque()
-        # Disaggregated serving: blocks held, not scheduled: a prefill instance's sequences
-        # until the decode side has their KV, a decode instance's until it has received it.
-        self.parked: list[Sequence] = []
+        self.held: list[Sequence] = []        # out of the batch with their blocks (hold, reserve)
         self.policy = make_policy(self)
 
     def add(self, seq: Sequence) -> None:
@@ -189,25 +187,26 @@ class Scheduler:
         elif seq.status is Status.SWAPPED:
             self.swapped.remove(seq)
             self.bm.free_swapped(seq)
-        elif seq.status is Status.PARKED:
-            self.parked.remove(seq)
+        elif seq.status is Status.HELD:
+            self.held.remove(seq)
             self.bm.free(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
 
-    # ---- disaggregated serving (disagg.py) ----------------------------------------------
-    def park(self, seq: Sequence) -> None:
-        """A prefill instance's sequence has its first token: out of the batch, its blocks
-        held (and counted as used by admission) until the decode side has copied them."""
+    # ---- sequences held outside the batch, with their blocks ------------------------------
+    # Whoever computes or consumes a sequence's KV outside this engine's steps (a KV handoff
+    # between engines) holds it here: not scheduled, its blocks kept and counted as used.
+    def hold(self, seq: Sequence) -> None:
+        """A running sequence out of the batch, its blocks kept, until finish() or resume()."""
         self.running.remove(seq)
-        self.parked.append(seq)
-        seq.status = Status.PARKED
+        self.held.append(seq)
+        seq.status = Status.HELD
 
-    def adopt(self, seq: Sequence) -> str | bool:
-        """A decode instance takes a handed-over sequence, whose first num_computed_tokens
-        tokens' KV is then written into the blocks it gets here. Returns False while its
-        watermark does not allow it (back-pressure: try again after a step), an error when
-        it could never fit, or True: it holds its blocks, parked until unpark() (its KV in)."""
+    def reserve(self, seq: Sequence) -> str | bool:
+        """Blocks for a sequence whose first num_computed_tokens tokens' KV is written into
+        them from outside (the runner's write_blocks), held until resume(). Returns False
+        while the watermark does not allow it (try again after a step), the reason when it
+        could never fit, or True."""
         error = self._never_fits(seq)
         if error:
             return error
@@ -216,13 +215,13 @@ class Scheduler:
         computed = seq.num_computed_tokens
         self.bm.admit(seq, [])
         seq.num_computed_tokens = computed
-        self.parked.append(seq)
-        seq.status = Status.PARKED
+        self.held.append(seq)
+        seq.status = Status.HELD
         return True
 
-    def unpark(self, seq: Sequence) -> None:
-        """An adopted sequence's KV is in: it decodes from the next step."""
-        self.parked.remove(seq)
+    def resume(self, seq: Sequence) -> None:
+        """A held sequence back in the batch from the next step."""
+        self.held.remove(seq)
         self._start_running(seq)
 
     def abort(self, seq: Sequence) -> None:

@@ -44,7 +44,7 @@ class Status(enum.Enum):
     WAITING = "waiting"      # queued: not yet admitted, or preempted by recompute
     RUNNING = "running"      # holds device blocks, scheduled every step
     SWAPPED = "swapped"      # preempted: its KV blocks live in host swap space
-    PARKED = "parked"        # disaggregated: blocks held while its KV is handed over (disagg.py)
+    HELD = "held"            # out of the batch, its blocks kept (Scheduler.hold / reserve)
     FINISHED = "finished"
 
 
@@ -69,7 +69,6 @@ class Sequence:
         self.error: str | None = None
         self.logits: list[np.ndarray] = []           # only with params.return_logits
         self.seed = seed                             # with the output count, keys each random draw
-        self.kv_transfer = None                      # disaggregated serving: its handoff's figures (disagg.py)
 
     @property
     def num_tokens(self) -> int:

@@ -17,7 +17,8 @@ from nano.model import LayerWeights, LlamaModel, rope_cos_sin
 
 
 @dataclass
-class ShardPlan:
+class Partition:
+    """What one rank holds and computes."""
     rank: int
     world: int
     q_heads: range        # global query heads this rank computes
@@ -33,7 +34,7 @@ class ShardPlan:
         return len(self.kv_heads)
 
 
-def plan_shard(cfg: ModelConfig, rank: int, world: int) -> ShardPlan:
+def partition(cfg: ModelConfig, rank: int, world: int) -> Partition:
     """What rank `rank` of `world` computes. Up to one rank per KV head, the KV heads are
     split into contiguous groups (the first ranks take one more when uneven) and each rank
     takes its heads' query heads. With more ranks than KV heads there is nothing left to
@@ -53,7 +54,7 @@ def plan_shard(cfg: ModelConfig, rank: int, world: int) -> ShardPlan:
         kv = range(head, head + 1)
         q = range(head * group + local.start, head * group + local.stop)
     inter = _split(cfg.intermediate_size, world, rank)
-    return ShardPlan(rank, world, q, kv, slice(inter.start, inter.stop))
+    return Partition(rank, world, q, kv, slice(inter.start, inter.stop))
 
 
 def _split(n: int, parts: int, i: int) -> range:
@@ -67,12 +68,12 @@ def _rows(heads: range, d: int) -> slice:
     return slice(heads.start * d, heads.stop * d)
 
 
-def load_model(reader, cfg: ModelConfig, plan: ShardPlan, to_device, max_positions: int,
+def load_model(reader, cfg: ModelConfig, part: Partition, to_device, max_positions: int,
                all_reduce=None) -> LlamaModel:
     """Read only this rank's slices from the checkpoint and build the model on the device."""
     d, h, inter, vocab = cfg.head_dim, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     q_dim, kv_dim = cfg.num_heads * d, cfg.num_kv_heads * d  # rows of q_proj, of k_proj and v_proj
-    q_rows, kv_rows = _rows(plan.q_heads, d), _rows(plan.kv_heads, d)
+    q_rows, kv_rows = _rows(part.q_heads, d), _rows(part.kv_heads, d)
 
     names = set(reader.names())
 
@@ -96,8 +97,8 @@ def load_model(reader, cfg: ModelConfig, plan: ShardPlan, to_device, max_positio
             bias = to_device(np.concatenate([get(p + "self_attn.q_proj.bias", (q_dim,), rows=q_rows),
                                              get(p + "self_attn.k_proj.bias", (kv_dim,), rows=kv_rows),
                                              get(p + "self_attn.v_proj.bias", (kv_dim,), rows=kv_rows)]))
-        gate_up = np.concatenate([get(p + "mlp.gate_proj.weight", (inter, h), rows=plan.inter),
-                                  get(p + "mlp.up_proj.weight", (inter, h), rows=plan.inter)])
+        gate_up = np.concatenate([get(p + "mlp.gate_proj.weight", (inter, h), rows=part.inter),
+                                  get(p + "mlp.up_proj.weight", (inter, h), rows=part.inter)])
         layers.append(LayerWeights(
             input_norm=to_device(get(p + "input_layernorm.weight", (h,))),
             qkv=weight(qkv),
@@ -105,7 +106,7 @@ def load_model(reader, cfg: ModelConfig, plan: ShardPlan, to_device, max_positio
             o_proj=weight(get(p + "self_attn.o_proj.weight", (h, q_dim), cols=q_rows)),
             post_norm=to_device(get(p + "post_attention_layernorm.weight", (h,))),
             gate_up=weight(gate_up),
-            down=weight(get(p + "mlp.down_proj.weight", (h, inter), cols=plan.inter)),
+            down=weight(get(p + "mlp.down_proj.weight", (h, inter), cols=part.inter)),
         ))
     # Embedding and LM head are replicated, not split by vocabulary: vocab-parallel would save
     # each rank (tp-1)/tp of the (V, H) table and half the LM-head GEMM (~5% of a one-sequence
@@ -114,7 +115,7 @@ def load_model(reader, cfg: ModelConfig, plan: ShardPlan, to_device, max_positio
     tied = tied_lm_head(cfg, names)
     embed = to_device(get("model.embed_tokens.weight", (vocab, h)), cpu_column_major=tied)  # tied: the LM head too
     lm_head = embed if tied else weight(get("lm_head.weight", (vocab, h)))
-    return LlamaModel(cfg, plan.num_heads, plan.num_kv_heads, embed, lm_head,
+    return LlamaModel(cfg, part.num_heads, part.num_kv_heads, embed, lm_head,
                       to_device(get("model.norm.weight", (h,))), layers,
                       to_device(rope_cos_sin(cfg, max_positions), keep_float32=True), all_reduce)
 
@@ -125,10 +126,10 @@ def tied_lm_head(cfg: ModelConfig, names) -> bool:
     return cfg.tie_word_embeddings or "lm_head.weight" not in names
 
 
-def shard_num_params(cfg: ModelConfig, plan: ShardPlan, bias: bool, tied: bool) -> int:
-    """Weights one rank holds (what load_model loads), from shapes alone: for --plan."""
-    h, d, inter = cfg.hidden_size, cfg.head_dim, plan.inter.stop - plan.inter.start
-    qkv_rows = (plan.num_heads + 2 * plan.num_kv_heads) * d
-    per_layer = (qkv_rows * h + bias * qkv_rows + h * plan.num_heads * d  # qkv (+ bias), o_proj
+def shard_num_params(cfg: ModelConfig, part: Partition, bias: bool, tied: bool) -> int:
+    """Weights one rank holds (what load_model loads), from shapes alone: for the capacity report."""
+    h, d, inter = cfg.hidden_size, cfg.head_dim, part.inter.stop - part.inter.start
+    qkv_rows = (part.num_heads + 2 * part.num_kv_heads) * d
+    per_layer = (qkv_rows * h + bias * qkv_rows + h * part.num_heads * d  # qkv (+ bias), o_proj
                  + 3 * h * inter + 2 * h)                                  # gate/up/down, norms
     return cfg.num_layers * per_layer + cfg.vocab_size * h * (1 if tied else 2) + h

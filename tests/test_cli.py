@@ -92,7 +92,7 @@ def test_bad_input_one_line_error(tmp_path, args, fragment):
     assert_one_line_error(r, fragment)
 
 
-def test_jsonl_prompts_with_targets_and_plan(tmp_path, default_model):
+def test_jsonl_prompts_with_targets_and_capacity(tmp_path, default_model):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "What is the capital of France?", "ttft_slo_ms": 60000, "max_tokens": 12}\n'
                        '{"prompt": "Name a colour.", "tpot_slo_ms": 60000, "temperature": 0.5, "seed": 3}\n')
@@ -100,10 +100,10 @@ def test_jsonl_prompts_with_targets_and_plan(tmp_path, default_model):
     assert r.returncode == 0, r.stderr
     assert "The capital of France is Paris." in r.stdout
     assert "SLO attainment      100.0% of requests" in r.stdout
-    plan = run_cli("--plan", "--kv-cache-memory", "1GB", "--device", "cpu")  # float32 KV
-    assert plan.returncode == 0, plan.stderr
-    assert "KV cache per token  46080 bytes" in plan.stdout and "without GQA it would be 138240" in plan.stdout
-    assert "8192" in plan.stdout
+    report = run_cli("--capacity", "--kv-cache-memory", "1GB", "--device", "cpu")  # float32 KV
+    assert report.returncode == 0, report.stderr
+    assert "KV cache per token  46080 bytes" in report.stdout and "without GQA it would be 138240" in report.stdout
+    assert "8192" in report.stdout
 
 
 def test_broken_model_folder_and_output_path(tmp_path, default_model):

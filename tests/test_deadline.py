@@ -4,8 +4,8 @@ import json
 import numpy as np
 import pytest
 
-from nano import slo_bench
-from nano.capacity import plan_from_config
+from nano.bench import slo_matrix
+from nano.bench.capacity import capacity_report
 from nano.clock import SimulatedClock
 from nano.config import EngineConfig
 from nano.engine import LLMEngine
@@ -52,16 +52,16 @@ def test_deadline_policy_meets_what_fcfs_misses(tiny_model, policy, met):
 
 @pytest.fixture(scope="module")
 def policy_matrix(tiny_model):
-    """nano/slo_bench.py's matrix (run.py --bench --policy-compare) on the simulated clock:
+    """nano/slo_matrix.py's matrix (run.py --bench --policy-compare) on the simulated clock:
     40 requests per run, 3 seeds, every workload and load."""
-    return slo_bench.run_matrix(lambda policy: simulated_engine(tiny_model, policy=policy), 512, 40, (0, 1, 2))
+    return slo_matrix.run_matrix(lambda policy: simulated_engine(tiny_model, policy=policy), 512, 40, (0, 1, 2))
 
 
 def goodputs(results, name, load, policy) -> list[float]:
     return [o.goodput for (w, l, _, p), o in sorted(results.items()) if (w, l, p) == (name, load, policy)]
 
 
-@pytest.mark.parametrize("load", slo_bench.LOADS)
+@pytest.mark.parametrize("load", slo_matrix.LOADS)
 def test_uniform_targets_deadline_never_loses_to_fcfs(policy_matrix, load):
     """Same targets for everyone: EDF is arrival order, so the deadline policy differs from
     FCFS only where it helps (admission control, step sizing); on every seed."""
@@ -77,11 +77,11 @@ def test_deadline_goodput_is_1_3x_fcfs_where_urgency_differs(policy_matrix, name
 
 
 def test_matrix_table_has_every_run(policy_matrix):
-    table = slo_bench.matrix_table(policy_matrix)
-    assert len(table.splitlines()) == 2 + 2 * len(slo_bench.WORKLOADS) * len(slo_bench.LOADS)
+    table = slo_matrix.matrix_table(policy_matrix)
+    assert len(table.splitlines()) == 2 + 2 * len(slo_matrix.WORKLOADS) * len(slo_matrix.LOADS)
     assert "| bursts | above | deadline |" in table and "interactive" in table
-    kinds = slo_bench.kind_table(policy_matrix).splitlines()
-    assert len(kinds) == 2 + 2 * len(slo_bench.LOADS) * (1 + 2 + 2)  # uniform: 1 kind; mixed, bursts: 2
+    kinds = slo_matrix.kind_table(policy_matrix).splitlines()
+    assert len(kinds) == 2 + 2 * len(slo_matrix.LOADS) * (1 + 2 + 2)  # uniform: 1 kind; mixed, bursts: 2
     assert "| mixed | near | interactive | deadline |" in "\n".join(kinds)
 
 
@@ -124,7 +124,7 @@ def test_snapshot_counts_add_up(tiny_model, tmp_path):
 
 def test_plan_matches_what_the_engine_allocates(tiny_model):
     config = EngineConfig(model=str(tiny_model), device="cpu", kv_cache_memory=300_000, block_size=8)
-    plan = plan_from_config(config)
+    plan = capacity_report(config)
     engine = LLMEngine(config)
     assert plan.num_blocks == engine.block_manager.num_blocks
     assert plan.kv_bytes_per_token == engine.kv_bytes_per_token

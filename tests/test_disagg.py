@@ -8,13 +8,13 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from nano import kv_transfer
+from nano.disagg import kv_transfer
 from nano.config import EngineConfig
-from nano.disagg import DecodeInstance, Node, PrefillInstance, Router, parse_split, run_local
-from nano.disagg_metrics import summary
+from nano.disagg.serving import DecodeInstance, Node, PrefillInstance, Router, parse_split, run_local
+from nano.disagg.metrics import summary
 from nano.engine import LLMEngine
 from nano.errors import NanoError
-from nano.links import LocalLinks
+from nano.disagg.links import LocalLinks
 from nano.sequence import SamplingParams, Sequence
 from test_stress import check_invariants, make_requests
 from test_tp import PROMPTS, assert_one_line_error, interrupt_one_rank, launch, needs_mpi
@@ -67,7 +67,7 @@ def assert_no_leaks(nodes, links=None):
         bm = engine.block_manager
         assert bm.num_free_blocks == bm.num_blocks, f"rank {node.instance.rank}: blocks leaked"
         assert len(bm.free_host_blocks) == bm.num_swap_blocks
-        assert not engine.scheduler.has_work() and not engine.scheduler.parked
+        assert not engine.scheduler.has_work() and not engine.scheduler.held
         assert not getattr(node.instance, "offers", [])
     assert node.instance.stopped
     if links:
@@ -125,7 +125,7 @@ def test_blocks_arrive_exactly_and_each_is_checked(tiny_model, kv):
     offer, payload = kv_transfer.pack(sender.runner, seq, 0, 2, lambda: 0.0)
     assert offer.num_blocks == 3 and payload.shape[0] == 3 and offer.seq.block_table == []
     kv_transfer.verify(offer, payload)
-    receiver.runner.import_blocks([1, 3, 0], payload)
+    receiver.runner.write_blocks([1, 3, 0], payload)
     for a, b in zip(sender.runner.kv_cache.block_arrays(), receiver.runner.kv_cache.block_arrays()):
         np.testing.assert_array_equal(a[:, :, [5, 2, 9]], b[:, :, [1, 3, 0]])
 
@@ -392,7 +392,8 @@ def test_ctrl_c_on_either_instance_ends_both(tmp_path, tiny_model, rank):
 
 # ---- figures: the pools' signals, interference, the P:D estimate --------------------------------
 def test_pool_snapshots_carry_each_pools_queue_and_occupancy(tiny_model, tmp_path):
-    from nano.metrics import MetricsWriter, pool_prometheus_text
+    from nano.disagg.metrics import pool_prometheus_text
+    from nano.metrics import MetricsWriter
     config = tiny_config(tiny_model)
     nodes = cluster([config], [config])
     writer = MetricsWriter(str(tmp_path / "m.jsonl"), str(tmp_path / "m.prom"), pool_prometheus_text)
@@ -415,7 +416,7 @@ def test_pool_snapshots_carry_each_pools_queue_and_occupancy(tiny_model, tmp_pat
 
 
 def test_decode_interference_compares_steps_of_as_many_decodes():
-    from nano.metrics import decode_interference
+    from nano.disagg.metrics import decode_interference
     # (start, end, prompt tokens, decodes): quiet steps of 1 and 2 decodes take 10 and 20 ms
     steps = [(0.00, 0.01, 0, 1), (0.02, 0.03, 0, 1), (0.04, 0.06, 0, 2), (0.07, 0.09, 0, 2),
              (0.10, 0.13, 0, 2),    # overlaps another engine's prefill: 30 ms = 1.5x
@@ -430,7 +431,7 @@ def test_decode_interference_compares_steps_of_as_many_decodes():
 
 
 def test_disagg_plan_balances_the_pools():
-    from nano.disagg_plan import estimate
+    from nano.disagg.estimate import estimate
     # c0 10 ms, 1 ms per prompt token, 2 ms per decode, 10 us per context token
     coef = (0.01, 0.001, 0.002, 1e-5)
     p = estimate(coef, prompt_len=1000, output_len=101, chunk=512, num_blocks=640, block_size=16,
@@ -448,7 +449,7 @@ def test_disagg_plan_balances_the_pools():
 
 
 def test_plan_disagg_prints_the_estimate(tiny_model):
-    proc = launch(["run.py", "--plan", "--disagg", "1:1", "--model", str(tiny_model), "--input-len", "40:60",
+    proc = launch(["run.py", "--capacity", "--disagg", "1:1", "--model", str(tiny_model), "--input-len", "40:60",
                    "--output-len", "8", "--request-rate", "2", "--num-blocks", "64"])
     assert proc.returncode == 0, proc.stderr[-2000:]
     for text in ("prefill instance", "decode instance", "balanced P:D", "at 2.0 req/s", "--disagg 1:1"):
@@ -456,7 +457,7 @@ def test_plan_disagg_prints_the_estimate(tiny_model):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--disagg"], "--disagg needs P:D, e.g. --disagg 1:1 (only --plan --disagg estimates it)"),
+    (["--disagg"], "--disagg needs P:D, e.g. --disagg 1:1 (only --capacity --disagg estimates it)"),
     (["--disagg-compare", "1:1"], "--policy-compare, --request-rate and --disagg-compare are --bench modes: "
                                   "add --bench"),
     (["--bench", "--disagg-compare", "1:1", "--output", "x.jsonl"],
@@ -498,7 +499,7 @@ def check_gpu_handoff(model, kv):
     seq.block_table, seq.num_computed_tokens = [5, 2, 9], 20
     offer, payload = kv_transfer.pack(sender.runner, seq, 0, 2, lambda: 0.0)
     kv_transfer.verify(offer, payload)
-    receiver.runner.import_blocks([1, 3, 0], payload)
+    receiver.runner.write_blocks([1, 3, 0], payload)
     for a, b in zip(sender.runner.kv_cache.block_arrays(), receiver.runner.kv_cache.block_arrays()):
         np.testing.assert_array_equal(sender.device.to_host(a)[:, :, [5, 2, 9]],
                                       receiver.device.to_host(b)[:, :, [1, 3, 0]])

@@ -11,7 +11,7 @@ import pytest
 from nano.config import EngineConfig
 from nano.engine import LLMEngine
 from nano.sequence import SamplingParams
-from nano.weights import Tokenizer
+from nano.tokenizer import Tokenizer
 from reference import DenseLlama, make_random_model
 
 # float32 everywhere; the engine sums attention in a different order (paged, chunked),

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from nano import ops
-from nano.capacity import plan_from_config
+from nano.bench.capacity import capacity_report
 from nano.config import EngineConfig, ModelConfig
 from nano.engine import LLMEngine
 from nano.kv_cache import KEY_SCHEMES, KVCache, bytes_per_token
@@ -133,7 +133,7 @@ def test_int8_plan_and_engine_agree_on_the_blocks(tiny_model):
     plans = {}
     for dtype in ("auto", "int8"):
         config = EngineConfig(model=str(tiny_model), device="cpu", kv_cache_memory=10**7, kv_cache_dtype=dtype)
-        plans[dtype] = plan_from_config(config)
+        plans[dtype] = capacity_report(config)
         engine = LLMEngine(config)
         assert engine.block_manager.num_blocks == plans[dtype].num_blocks
         assert engine.runner.kv_cache.nbytes <= 10**7

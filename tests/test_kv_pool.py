@@ -1,11 +1,11 @@
-"""The KV pool's size: one function (capacity.kv_pool_memory / kv_pool_blocks) for the
-engine and --plan, its formula on each device with given numbers, and the plan printing
+"""The KV pool's size: one function (kv_cache.pool_memory / pool_blocks) for the
+engine and --capacity, its formula on each device with given numbers, and the report printing
 what the engine allocates."""
 import pytest
 
 from nano import device
-from nano.capacity import (DEFAULT_CPU_KV_MEMORY, GPU_FREE_MEMORY_FRACTION, kv_pool_blocks,
-                           kv_pool_memory, plan_from_config)
+from nano.bench.capacity import capacity_report
+from nano.kv_cache import DEFAULT_CPU_KV_MEMORY, GPU_FREE_MEMORY_FRACTION, pool_blocks, pool_memory
 from nano.config import EngineConfig
 from nano.engine import LLMEngine
 
@@ -14,35 +14,35 @@ GB = 10**9
 
 def test_cpu_pool_is_a_fixed_default_whatever_is_free():
     for free in (GB, 100 * GB):
-        assert kv_pool_memory(EngineConfig(), "cpu", free, 0, 1) == DEFAULT_CPU_KV_MEMORY == 2 * 2**30
+        assert pool_memory(EngineConfig(), "cpu", free, 0, 1) == DEFAULT_CPU_KV_MEMORY == 2 * 2**30
 
 
 def test_gpu_pool_is_a_fraction_of_free_memory_split_among_the_ranks_on_the_gpu(monkeypatch):
     assert GPU_FREE_MEMORY_FRACTION == 0.9
     monkeypatch.setattr(device, "gpu_count", lambda: 1)
-    assert kv_pool_memory(EngineConfig(), "gpu", 10 * GB, 0, 1) == 9 * GB
-    assert kv_pool_memory(EngineConfig(), "gpu", 10 * GB, 0, 2) == 4.5 * GB  # tp=2 on one GPU
+    assert pool_memory(EngineConfig(), "gpu", 10 * GB, 0, 1) == 9 * GB
+    assert pool_memory(EngineConfig(), "gpu", 10 * GB, 0, 2) == 4.5 * GB  # tp=2 on one GPU
     monkeypatch.setattr(device, "gpu_count", lambda: 2)
     # tp=3 on two GPUs: ranks 0 and 2 share GPU 0, rank 1 has GPU 1 to itself
-    assert [kv_pool_memory(EngineConfig(), "gpu", 10 * GB, r, 3) for r in range(3)] == [4.5 * GB, 9 * GB, 4.5 * GB]
+    assert [pool_memory(EngineConfig(), "gpu", 10 * GB, r, 3) for r in range(3)] == [4.5 * GB, 9 * GB, 4.5 * GB]
 
 
 @pytest.mark.parametrize("kind", ["cpu", "gpu"], ids=["cpu_formula", "gpu_formula"])
 def test_given_sizes_win_on_both_devices(kind):
     config = EngineConfig(kv_cache_memory=3 * GB, block_size=16)
-    assert kv_pool_memory(config, kind, 100 * GB, 0, 1) == 3 * GB
-    assert kv_pool_blocks(config, 3 * GB, 1000) == 3 * GB // 16_000
+    assert pool_memory(config, kind, 100 * GB, 0, 1) == 3 * GB
+    assert pool_blocks(config, 3 * GB, 1000) == 3 * GB // 16_000
     config = EngineConfig(kv_cache_memory=3 * GB, num_blocks=7)
-    assert kv_pool_blocks(config, 3 * GB, 1000) == 7
+    assert pool_blocks(config, 3 * GB, 1000) == 7
 
 
 @pytest.mark.parametrize("args", [{}, {"kv_cache_memory": 300_000, "block_size": 8}, {"num_blocks": 40}])
 def test_plan_pool_is_the_engine_pool_on_the_cpu(tiny_model, args):
     config = EngineConfig(model=str(tiny_model), device="cpu", **args)
-    plan = plan_from_config(config)
+    report = capacity_report(config)
     engine = LLMEngine(config)
-    assert plan.num_blocks == engine.block_manager.num_blocks
-    assert plan.kv_bytes_per_token == engine.kv_bytes_per_token
+    assert report.num_blocks == engine.block_manager.num_blocks
+    assert report.kv_bytes_per_token == engine.kv_bytes_per_token
 
 
 @pytest.mark.gpu
@@ -51,7 +51,7 @@ def test_plan_pool_is_the_engine_pool_on_the_gpu(tiny_model):
     loading them: the same within what the CUDA context and small buffers take."""
     import cupy
     config = EngineConfig(model=str(tiny_model), device="gpu")
-    plan = plan_from_config(config)
+    report = capacity_report(config)
     cupy.get_default_memory_pool().free_all_blocks()  # the plan's bandwidth buffers
     engine = LLMEngine(config)
-    assert plan.num_blocks == pytest.approx(engine.block_manager.num_blocks, rel=0.02)
+    assert report.num_blocks == pytest.approx(engine.block_manager.num_blocks, rel=0.02)

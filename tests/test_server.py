@@ -1,4 +1,4 @@
-"""The OpenAI-compatible server (nano/server.py): the real server on a loopback port, the
+"""The OpenAI-compatible server (nano/server/): the real server on a loopback port, the
 real `openai` client (and plain HTTP for what a client library hides), the default model."""
 import asyncio
 import json
@@ -21,7 +21,7 @@ from nano.config import EngineConfig  # noqa: E402
 from nano.engine import LLMEngine  # noqa: E402
 from nano.llm import LLM  # noqa: E402
 from nano.sequence import SamplingParams  # noqa: E402
-from nano.server import create_app  # noqa: E402
+from nano.server.app import create_app  # noqa: E402
 
 PROMPT = "The three primary colors are"
 

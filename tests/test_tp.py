@@ -15,7 +15,7 @@ import pytest
 
 from nano.config import ModelConfig
 from nano.errors import NanoError
-from nano.tp import plan_shard
+from nano.tp import partition
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
@@ -36,7 +36,7 @@ def config(num_heads: int, num_kv_heads: int, intermediate: int = 1536) -> Model
 def test_plan_covers_every_head_once_and_keeps_groups_together(nq, nkv):
     cfg, group = config(nq, nkv), nq // nkv
     for world in range(1, nq + 1):
-        plans = [plan_shard(cfg, r, world) for r in range(world)]
+        plans = [partition(cfg, r, world) for r in range(world)]
         q_heads = [h for p in plans for h in p.q_heads]
         assert q_heads == list(range(nq)), (world, q_heads)  # each once, contiguous, in rank order
         assert {h for p in plans for h in p.kv_heads} == set(range(nkv))
@@ -51,22 +51,22 @@ def test_plan_covers_every_head_once_and_keeps_groups_together(nq, nkv):
 
 
 def test_uneven_split_gives_first_ranks_the_extra_kv_group():
-    plans = [plan_shard(config(9, 3), r, 2) for r in range(2)]
+    plans = [partition(config(9, 3), r, 2) for r in range(2)]
     assert [list(p.kv_heads) for p in plans] == [[0, 1], [2]]
     assert [list(p.q_heads) for p in plans] == [[0, 1, 2, 3, 4, 5], [6, 7, 8]]
 
 
 def test_more_ranks_than_kv_heads_replicates_kv_and_splits_query_heads():
-    plans = [plan_shard(config(9, 3), r, 4) for r in range(4)]
+    plans = [partition(config(9, 3), r, 4) for r in range(4)]
     assert [list(p.kv_heads) for p in plans] == [[0], [0], [1], [2]]
     assert [list(p.q_heads) for p in plans] == [[0, 1], [2], [3, 4, 5], [6, 7, 8]]
-    plans = [plan_shard(config(9, 3), r, 9) for r in range(9)]
+    plans = [partition(config(9, 3), r, 9) for r in range(9)]
     assert [p.kv_heads.start for p in plans] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
 
 
 def test_more_ranks_than_query_heads_is_an_error():
     with pytest.raises(NanoError, match="--tp 10 is more ranks than the model's 9 query heads"):
-        plan_shard(config(9, 3), 0, 10)
+        partition(config(9, 3), 0, 10)
 
 
 # ---- runs under mpirun ---------------------------------------------------------------

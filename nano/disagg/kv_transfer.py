@@ -1,7 +1,7 @@
 """A sequence's KV blocks moved from a prefill instance's pool to a decode instance's
 (disaggregated serving, disagg.py), and checked on arrival.
 
-    payload:   (num_blocks, block_bytes) uint8, one row per block (ModelRunner.export_blocks):
+    payload:   (num_blocks, block_bytes) uint8, one row per block (ModelRunner.read_blocks):
                the block's slice of every block array, all layers, K and V (and, in an int8
                pool, the scales), so a row is everything one block holds
     checksums: (num_blocks,) one CRC-32 per row, seeded with (seq_id, block index)
@@ -58,7 +58,7 @@ def pack(runner, seq: Sequence, source: int, tag: int, now, buffers=None) -> tup
     num_blocks = -(-seq.num_computed_tokens // runner.block_size)
     shape = (num_blocks, runner.kv_cache.block_nbytes)
     out = buffers.take(shape[0] * shape[1])[:shape[0] * shape[1]].reshape(shape) if buffers else None
-    payload = runner.export_blocks(seq.block_table[:num_blocks], out)
+    payload = runner.read_blocks(seq.block_table[:num_blocks], out)
     checksums = [row_checksum(row, seq.seq_id, i) for i, row in enumerate(payload)]
     per_piece = max(1, PIECE_BYTES // payload.shape[1])
     offer = Offer(wire_copy(seq), source, tag, num_blocks, payload.nbytes, per_piece, checksums,

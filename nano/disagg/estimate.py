@@ -1,4 +1,4 @@
-"""How many prefill and decode instances a workload needs (run.py --plan --disagg).
+"""How many prefill and decode instances a workload needs (run.py --capacity --disagg).
 
 From the step-time model (cost_model.py: t = c0 + c_p x prompt tokens + c_d x decodes +
 c_ctx x their context tokens), fitted here on this machine's real steps of the workload's
@@ -42,7 +42,7 @@ def calibrate(engine, prompt_len: int, output_len: int) -> np.ndarray:
 
 
 @dataclass
-class DisaggPlan:
+class SplitEstimate:
     prompt_len: float
     output_len: float
     prefill_seconds: float       # W_P: one request's prefill on one instance
@@ -64,7 +64,7 @@ class DisaggPlan:
 
 
 def estimate(coef, prompt_len: float, output_len: float, chunk: int, num_blocks: int, block_size: int,
-             max_num_seqs: int, tpot_slo: float | None = None) -> DisaggPlan:
+             max_num_seqs: int, tpot_slo: float | None = None) -> SplitEstimate:
     c0, cp, cd, cctx = (float(c) for c in coef)
     prefill = np.ceil(prompt_len / chunk) * c0 + cp * prompt_len
     context = prompt_len + output_len / 2
@@ -80,10 +80,10 @@ def estimate(coef, prompt_len: float, output_len: float, chunk: int, num_blocks:
     limit = min(limits, key=limits.get)
     b = limits[limit]
     decode = b / (max(output_len - 1, 1) * step(b))
-    return DisaggPlan(prompt_len, output_len, prefill, 1 / prefill, b, step(b), decode, limit, (c0, cp, cd, cctx))
+    return SplitEstimate(prompt_len, output_len, prefill, 1 / prefill, b, step(b), decode, limit, (c0, cp, cd, cctx))
 
 
-def format_disagg_plan(p: DisaggPlan, rate: float | None, split: tuple[int, int] | None) -> str:
+def format_estimate(p: SplitEstimate, rate: float | None, split: tuple[int, int] | None) -> str:
     c0, cp, cd, cctx = p.coef
     lines = [
         f"step-time model     {1e3 * c0:.1f} ms + {1e3 * cp:.2f} ms per prompt token + {1e3 * cd:.2f} ms per "

@@ -1,7 +1,7 @@
 """Capacity planning: how many sequences fit, and how fast a decode step can possibly be.
 
-The engine sizes its KV pool with these same functions, so `run.py --plan`
-prints exactly what the engine will allocate.
+The engine sizes its KV pool with the same functions (kv_cache.pool_memory, pool_blocks),
+so `run.py --capacity` prints exactly what the engine will allocate.
 
   KV bytes per token = 2 (K and V) x layers x KV heads x (head_dim x bytes per element,
                        or head_dim + 2 for int8 values and their float16 scale; kv_cache.py)
@@ -18,36 +18,10 @@ import numpy as np
 from nano import kv_cache
 from nano.config import EngineConfig, max_model_len
 from nano.device import Device, ranks_on_gpu, select_device
-from nano.tp import plan_shard, shard_num_params, tied_lm_head
+from nano.tp import partition, shard_num_params, tied_lm_head
 from nano.weights import open_model
 
-PLAN_CONTEXTS = (512, 2048, 8192)
-DEFAULT_CPU_KV_MEMORY = 2 * 2**30
-# Of the GPU memory still free once the weights are loaded (vLLM's gpu_memory_utilization
-# is a fraction of the total instead).
-GPU_FREE_MEMORY_FRACTION = 0.9
-
-
-def blocks_for_memory(memory: int, bytes_per_token: int, block_size: int) -> int:
-    return memory // (bytes_per_token * block_size)
-
-
-def kv_pool_memory(config: EngineConfig, device: str, free_after_weights: int, rank: int,
-                   world: int) -> int:
-    """Bytes for rank's KV pool: --kv-cache-memory if given; on a GPU, a fraction of what is
-    free once the weights of every rank on it are loaded, split among those ranks; on the
-    CPU a fixed default."""
-    if config.kv_cache_memory:
-        return config.kv_cache_memory
-    if device == "gpu":
-        return int(free_after_weights * GPU_FREE_MEMORY_FRACTION) // len(ranks_on_gpu(rank, world))
-    return DEFAULT_CPU_KV_MEMORY
-
-
-def kv_pool_blocks(config: EngineConfig, memory: int, bytes_per_token: int) -> int:
-    """Blocks in the KV pool: --num-blocks if given, else as many as `memory` holds."""
-    return config.num_blocks or blocks_for_memory(memory, bytes_per_token, config.block_size)
-
+CONTEXTS = (512, 2048, 8192)  # the report's rows: those below the model context, then it
 
 def measure_copy_bandwidth(xp, nbytes: int = 256 * 2**20, reps: int = 5) -> float:
     """Bytes read + written per second by a large copy on the device `xp` (numpy or cupy)."""
@@ -70,7 +44,7 @@ def measure_copy_bandwidth(xp, nbytes: int = 256 * 2**20, reps: int = 5) -> floa
 
 
 @dataclass
-class CapacityPlan:
+class CapacityReport:
     model: str
     device: str
     kv_memory: int                    # bytes given to the KV pool (per rank)
@@ -97,7 +71,7 @@ class CapacityPlan:
         return (self.weight_bytes + batch * context * self.kv_bytes_per_token) / self.bandwidth
 
 
-def format_plan(p: CapacityPlan) -> str:
+def format_report(p: CapacityReport) -> str:
     gqa = p.kv_bytes_per_token_full / sum(p.kv_bytes_per_token_per_rank)
     lines = [
         f"model {p.model} on {p.device}; weights {p.weight_bytes / 1e6:.1f} MB per rank",
@@ -126,7 +100,7 @@ def format_plan(p: CapacityPlan) -> str:
     return "\n".join(lines)
 
 
-def plan_from_config(config: EngineConfig) -> CapacityPlan:
+def capacity_report(config: EngineConfig) -> CapacityReport:
     """What an engine built from `config` would allocate on rank 0, without loading any
     weights: the pool is sized by the engine's function, from the memory free now less the
     weights of the ranks that will share rank 0's GPU."""
@@ -135,7 +109,7 @@ def plan_from_config(config: EngineConfig) -> CapacityPlan:
     bias = "model.layers.0.self_attn.q_proj.bias" in names
     tied = tied_lm_head(cfg, names)
     device = Device(select_device(config.device))
-    shards = [plan_shard(cfg, r, config.tp) for r in range(config.tp)]
+    shards = [partition(cfg, r, config.tp) for r in range(config.tp)]
     weight_bytes = [shard_num_params(cfg, s, bias, tied) * device.itemsize for s in shards]
     free = device.free_memory()
     if device.kind == "gpu":
@@ -144,16 +118,16 @@ def plan_from_config(config: EngineConfig) -> CapacityPlan:
         return kv_cache.bytes_per_token(cfg, num_kv_heads, config.kv_cache_dtype, device.itemsize)
 
     per_token = [per_token_of(s.num_kv_heads) for s in shards]
-    memory = kv_pool_memory(config, device.kind, free, 0, config.tp)
+    memory = kv_cache.pool_memory(config, device.kind, free, 0, config.tp)
     context = max_model_len(config, cfg)
-    return CapacityPlan(
+    return CapacityReport(
         model=folder.path.name, device=device.kind, kv_memory=memory,
         kv_dtype=kv_cache.label(config.kv_cache_dtype, config.key_scheme, device.dtype), block_size=config.block_size,
         weight_bytes=weight_bytes[0], kv_bytes_per_token=per_token[0],
         kv_bytes_per_token_full=per_token_of(cfg.num_heads),
         kv_bytes_per_token_per_rank=per_token,
-        num_blocks=kv_pool_blocks(config, memory, per_token[0]),
-        full_precision_blocks=None if config.kv_cache_dtype == "auto" or config.num_blocks else blocks_for_memory(
+        num_blocks=kv_cache.pool_blocks(config, memory, per_token[0]),
+        full_precision_blocks=None if config.kv_cache_dtype == "auto" or config.num_blocks else kv_cache.blocks_for_memory(
             memory, kv_cache.bytes_per_token(cfg, shards[0].num_kv_heads, "auto", device.itemsize), config.block_size),
         bandwidth=measure_copy_bandwidth(device.xp),
-        contexts=sorted({c for c in PLAN_CONTEXTS if c < context} | {context}))
+        contexts=sorted({c for c in CONTEXTS if c < context} | {context}))

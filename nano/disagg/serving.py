@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from nano import kv_transfer
+from nano.disagg import kv_transfer
 from nano.errors import NanoError
 from nano.sequence import Sequence, Status
 
@@ -101,6 +101,7 @@ class Instance:
         self.start = engine.clock.now()
         self.stalls: list[tuple[float, float]] = []  # decode: (start, end) of each payload received
         self.reported = None                          # (queue tokens, used blocks) last sent
+        self.handoffs: dict[int, dict] = {}           # decode: seq_id -> its KV handoff's figures
 
     def step(self) -> bool:
         """One engine step if there is work; returns whether it ran one (a prefill instance
@@ -115,7 +116,7 @@ class Instance:
 
     def end(self, seq: Sequence) -> None:
         self.seqs.pop(seq.seq_id, None)
-        self.link.send(ROUTER, ("result", kv_transfer.wire_copy(seq)))
+        self.link.send(ROUTER, ("result", kv_transfer.wire_copy(seq), self.handoffs.pop(seq.seq_id, None)))
 
     def status(self, queue_tokens: int, busy: bool, **extra) -> None:
         """Report to the router after a step, or when idle and something changed since (so
@@ -140,7 +141,7 @@ class Instance:
 class PrefillInstance(Instance):
     def __init__(self, engine, link):
         super().__init__(engine, link)
-        self.parked: dict[int, tuple[Sequence, int, np.ndarray]] = {}  # seq_id -> (sequence, decode rank, payload)
+        self.offered: dict[int, tuple[Sequence, int, np.ndarray]] = {}  # seq_id -> (sequence, decode rank, payload)
         self.buffers = kv_transfer.PayloadBuffers()
         self.returning: list[np.ndarray] = []               # payloads acknowledged, sends maybe not yet reaped
         self.decode_rank: dict[int, int] = {}              # of each sequence in self.seqs
@@ -154,7 +155,7 @@ class PrefillInstance(Instance):
             self.engine.scheduler.add(seq)
             self.received += 1
         elif kind == "ack":
-            seq, _, payload = self.parked.pop(message[1])
+            seq, _, payload = self.offered.pop(message[1])
             self.engine.scheduler.finish(seq, "handed_off")  # frees its blocks
             self.returning.append(payload)
         elif kind == "abort":
@@ -163,8 +164,8 @@ class PrefillInstance(Instance):
             self.stopping = True
 
     def abort(self, seq_id: int) -> None:
-        if seq_id in self.parked:  # offered: behind the offer, so the decode side has it first
-            self.link.send(self.parked[seq_id][1], ("abort", seq_id))
+        if seq_id in self.offered:  # offered: behind the offer, so the decode side has it first
+            self.link.send(self.offered[seq_id][1], ("abort", seq_id))
         elif seq_id in self.seqs:
             seq = self.seqs[seq_id]
             self.engine.scheduler.abort(seq)
@@ -179,10 +180,10 @@ class PrefillInstance(Instance):
         queue = self.queue_tokens()
         busy = self.step()
         for seq in [s for s in self.engine.scheduler.running if s.num_output_tokens]:
-            self.engine.scheduler.park(seq)
+            self.engine.scheduler.hold(seq)
             self.offer(seq)
         self.status(queue if busy else self.queue_tokens(), busy, received=self.received)
-        if self.stopping and not self.parked:  # every handoff acknowledged: nothing held
+        if self.stopping and not self.offered:  # every handoff acknowledged: nothing held
             self.finish_stop()
         return busy
 
@@ -199,7 +200,7 @@ class PrefillInstance(Instance):
         self.link.send(decode, ("offer", offer))
         for first, n in kv_transfer.pieces(offer):
             self.link.send_payload(decode, tag, payload[first:first + n])
-        self.parked[seq.seq_id] = (seq, decode, payload)
+        self.offered[seq.seq_id] = (seq, decode, payload)
 
     def queue_tokens(self) -> int:
         s = self.engine.scheduler
@@ -282,7 +283,7 @@ class DecodeInstance(Instance):
         """Give the first offer blocks, if the watermark allows; False if there is none to take."""
         while self.offers:
             offer = self.offers[0]
-            adopted = self.engine.scheduler.adopt(offer.seq)
+            adopted = self.engine.scheduler.reserve(offer.seq)
             if adopted is False:
                 return False  # back-pressure: the payload waits on the prefill side
             self.offers.popleft()
@@ -303,7 +304,7 @@ class DecodeInstance(Instance):
             rows = rows.reshape(n, -1)
             try:
                 kv_transfer.verify(offer, rows, first)
-                self.engine.runner.import_blocks(offer.seq.block_table[first:first + n], rows)
+                self.engine.runner.write_blocks(offer.seq.block_table[first:first + n], rows)
             except kv_transfer.ChecksumError as e:
                 a.ending = ("rejected", str(e))  # the rest is received unchecked
         end = clock.now()
@@ -332,9 +333,9 @@ class DecodeInstance(Instance):
             self.end(seq)
             return
         self.engine.block_manager.register_full_blocks(seq)
-        self.engine.scheduler.unpark(seq)
-        seq.kv_transfer = {"bytes": offer.nbytes, "pack_s": offer.pack_seconds, "receive_s": a.seconds,
-                           "handoff_s": now - offer.offered_at}
+        self.engine.scheduler.resume(seq)
+        self.handoffs[seq.seq_id] = {"bytes": offer.nbytes, "pack_s": offer.pack_seconds,
+                                     "receive_s": a.seconds, "handoff_s": now - offer.offered_at}
         self.seqs[seq.seq_id] = seq
         self.adopted.append(seq.seq_id)
 
@@ -350,7 +351,7 @@ class DecodeInstance(Instance):
 
     def queue_tokens(self) -> int:
         s = self.engine.scheduler
-        waiting = [o.seq for o in self.offers] + s.parked + list(s.waiting) + s.running + list(s.swapped)
+        waiting = [o.seq for o in self.offers] + s.held + list(s.waiting) + s.running + list(s.swapped)
         return sum(q.params.max_tokens - q.num_output_tokens for q in waiting)
 
 
@@ -367,6 +368,7 @@ class Router:
         self.pending: deque[Sequence] = deque()       # not yet arrived, in arrival order
         self.expected = 0
         self.results: dict[int, Sequence] = {}
+        self.handoffs: dict[int, dict] = {}           # seq_id -> its KV handoff's figures (decode side)
         self.where: dict[int, tuple[int, int]] = {}   # seq_id -> (prefill rank, decode rank), until its result
         self.status: dict[int, InstanceStatus] = {}
         self.in_flight: dict[int, deque[int]] = {p: deque() for p in self.prefill}  # prompt tokens sent, not yet received
@@ -433,8 +435,10 @@ class Router:
         """Take a message meant for the router; False if it is for the instance on this rank."""
         kind = message[0]
         if kind == "result":
-            seq = message[1]
+            _, seq, handoff = message
             self.results[seq.seq_id] = seq
+            if handoff:
+                self.handoffs[seq.seq_id] = handoff
             _, d = self.where.pop(seq.seq_id)
             self.promised[d].pop(seq.seq_id, None)
             if self.on_result:
@@ -517,12 +521,14 @@ def launch(config, num_prefill: int, num_decode: int, make_requests, warm_up: bo
     """This rank's part of a run under mpirun -n P+D. make_requests(engine) -> sequences
     (engine.make_sequence, arrival times in seconds after the start) runs on rank 0, which
     returns (router, its engine, wall seconds) at the end; the other ranks return None."""
-    from nano import bench, parallel
+    from nano import parallel
+    from nano.bench import workload
     from nano.engine import LLMEngine
-    from nano.links import MpiLink
-    from nano.metrics import MetricsWriter, pool_prometheus_text
+    from nano.disagg.links import MpiLink
+    from nano.disagg.metrics import pool_prometheus_text
+    from nano.metrics import MetricsWriter
 
-    world = parallel.disaggregate()
+    world = parallel.separate_ranks()
     with world.together():  # a failure on any rank, loading or reading requests, ends them all
         if world.world != num_prefill + num_decode:
             raise NanoError(f"--disagg {num_prefill}:{num_decode} needs {num_prefill + num_decode} MPI ranks, "
@@ -531,7 +537,7 @@ def launch(config, num_prefill: int, num_decode: int, make_requests, warm_up: bo
         engine = LLMEngine(instance_config(config))
         seqs = make_requests(engine) if world.rank == ROUTER else []
     if warm_up:
-        bench.warm_up(engine)
+        workload.warm_up(engine)
     link = MpiLink(world.comm)
     kind = PrefillInstance if world.rank < num_prefill else DecodeInstance
     node = Node(kind(engine, link))

@@ -5,7 +5,7 @@ everything seeded, so two runs (or two policies) see exactly the same requests.
 """
 import numpy as np
 
-from nano.capacity import measure_copy_bandwidth
+from nano.bench.capacity import measure_copy_bandwidth
 from nano.sequence import SamplingParams
 
 

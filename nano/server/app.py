@@ -8,22 +8,15 @@
 
 Two threads. uvicorn's event loop speaks HTTP: it validates a request (pydantic; unknown
 fields are tolerated, wrong types and ranges are a 400), tokenizes it in a worker thread,
-and hands the engine thread one Job per choice. The engine thread owns the LLMEngine: it
-takes new jobs and aborts from its inbox between steps, runs a step, and turns each job's
-new tokens into text (Detokenizer), stop-string checks and logprobs, which it puts on the
-job's asyncio queue (loop.call_soon_threadsafe). So nothing the engine does blocks the
-event loop: /health answers while the engine is saturated. A client that goes away has its
+and hands the engine thread (engine_thread.py) one Job per choice. Nothing the engine does
+blocks the event loop: /health answers while the engine is saturated. A client that goes away has its
 jobs aborted: the engine drops them before its next step, blocks freed.
 """
 import asyncio
 import json
-import queue
-import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 
-import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -31,8 +24,8 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 from pydantic import BaseModel, ConfigDict, Field
 
 from nano.errors import NanoError
-from nano.metrics import prometheus_text
-from nano.sequence import SamplingParams, Sequence
+from nano.sequence import SamplingParams
+from nano.server.engine_thread import EngineThread, Job
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
@@ -86,136 +79,6 @@ def error_response(message: str, status: int = 400, kind: str = "invalid_request
     """OpenAI's error body."""
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}},
                         status_code=status)
-
-
-# ---- the engine side ------------------------------------------------------------------------------
-class Detokenizer:
-    """A sequence's text, token by token: the text of the tokens since a few before the last
-    emitted one, minus the text of those few (vLLM's prefix/read offsets), so that a
-    multi-byte character split over tokens is emitted whole, once it is complete."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.prefix, self.read = 0, 0  # ids[prefix:read] was decoded last time as context
-
-    def add(self, ids: list[int]) -> str:
-        self.ids += ids
-        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
-        text = self.tokenizer.decode(self.ids[self.prefix:])
-        if text.endswith("\ufffd"):  # an incomplete character: wait for the next token
-            return ""
-        self.prefix, self.read = max(self.read - 5, 0), len(self.ids)
-        return text[len(before):]
-
-
-@dataclass(eq=False)
-class Job:
-    """One choice of one request: its sequence, and the queue its events go to."""
-    prompt: list[int]
-    params: SamplingParams
-    stops: list[str]
-    top_logprobs: int | None             # None: no logprobs
-    events: asyncio.Queue
-    loop: asyncio.AbstractEventLoop
-    seq: Sequence | None = None
-    tokens: int = 0                      # output tokens turned into text so far
-    text: str = ""                       # all of it, stop string removed
-    sent: int = 0                        # characters of text already sent
-    detok: Detokenizer | None = None
-
-    def put(self, event: dict) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-
-
-class EngineThread(threading.Thread):
-    """Owns the engine: inbox in, steps, text out. Stops when told (None in the inbox)."""
-
-    def __init__(self, engine):
-        super().__init__(name="nano-engine", daemon=True)
-        self.engine = engine
-        self.inbox: queue.Queue = queue.Queue()  # ("add", job) | ("abort", job) | ("metrics", fn) | None
-        self.jobs: list[Job] = []
-        self.error: str | None = None
-
-    def run(self) -> None:
-        try:
-            while self._take(block=not self.engine.has_unfinished()):
-                if self.engine.has_unfinished():
-                    self.engine.step()
-                    self._publish()
-        except Exception as e:  # a bug: every waiting client gets an error, /health says so
-            self.error = f"{type(e).__name__}: {e}"
-            for job in self.jobs:
-                job.put({"error": "engine failed: " + self.error, "status": 500})
-
-    def _take(self, block: bool) -> bool:
-        """Apply what the event loop sent; False once it says stop."""
-        items = [self.inbox.get()] if block else []
-        while not self.inbox.empty():
-            items.append(self.inbox.get_nowait())
-        for item in items:
-            if item is None:
-                return False
-            kind, value = item
-            if kind == "add":
-                self._add(value)
-            elif kind == "abort" and value in self.jobs:
-                self.engine.abort(value.seq)
-                self.jobs.remove(value)
-            elif kind == "metrics":
-                now = self.engine.clock.now()
-                value(prometheus_text(self.engine.snapshot(now)))
-        return True
-
-    def _add(self, job: Job) -> None:
-        try:
-            job.seq = self.engine.add_request(job.prompt, job.params)
-        except NanoError as e:
-            job.put({"error": str(e)})
-            return
-        job.detok = Detokenizer(self.engine.tokenizer)
-        self.jobs.append(job)
-
-    def _publish(self) -> None:
-        for job in list(self.jobs):
-            seq = job.seq
-            new = seq.output_token_ids[job.tokens:]
-            job.tokens += len(new)
-            logprobs = self._logprobs(job, new)
-            job.text += job.detok.add(new) if new else ""
-            reason = seq.finish_reason
-            cut = min((i for i in (job.text.find(s) for s in job.stops) if i >= 0), default=-1)
-            if cut >= 0:  # a stop string: the text ends before it, the sequence ends now
-                job.text = job.text[:cut]
-                if not seq.is_finished:
-                    self.engine.finish(seq, "stop")
-                reason = "stop"
-            # Hold back what could be the start of a stop string until it is settled.
-            hold = 0 if seq.is_finished else max((len(s) - 1 for s in job.stops), default=0)
-            end = max(job.sent, len(job.text) - hold)
-            if end > job.sent or logprobs or seq.is_finished:
-                job.put({"text": job.text[job.sent:end], "logprobs": logprobs,
-                         "finish_reason": reason if seq.is_finished else None,
-                         "error": seq.error if reason == "rejected" else None,
-                         "prompt_tokens": seq.num_prompt_tokens, "completion_tokens": seq.num_output_tokens})
-                job.sent = end
-            if seq.is_finished:
-                self.jobs.remove(job)
-
-    def _logprobs(self, job: Job, new: list[int]) -> list[dict] | None:
-        """Each new token's log-probability and the top ones of its distribution."""
-        if job.top_logprobs is None or not new:
-            return None
-        rows, job.seq.logits = job.seq.logits[:len(new)], job.seq.logits[len(new):]
-        out, decode = [], self.engine.tokenizer.decode
-        for token, row in zip(new, rows):
-            row = np.asarray(row, np.float64)
-            logp = row - row.max() - np.log(np.exp(row - row.max()).sum())
-            top = np.argsort(-logp)[:job.top_logprobs]
-            out.append({"token": decode([token]), "logprob": float(logp[token]),
-                        "top": [(decode([int(t)]), float(logp[t])) for t in top]})
-        return out
 
 
 # ---- the HTTP side ------------------------------------------------------------------------------

@@ -20,10 +20,9 @@ import tempfile
 from pathlib import Path
 
 from nano.errors import NanoError
-from nano.disagg_metrics import format_slowdown
-from nano.metrics import decode_interference
+from nano.disagg.metrics import decode_interference, format_slowdown
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout, where run.py is
 
 
 def colocated_summary(engine, seqs, wall: float) -> dict:

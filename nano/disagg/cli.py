@@ -1,0 +1,108 @@
+"""run.py's disaggregated modes: --disagg P:D under mpirun, --bench --disagg-compare P:D (one
+command: colocated here, then disaggregated under mpirun) and --capacity --disagg [P:D]."""
+import gc
+import os
+import sys
+
+from nano.bench import workload
+from nano.bench.cli import bench_requests, parse_range
+from nano.cli.offline import run_all
+from nano.cli.output import OutputFile, Progress, format_summary, print_completions, write_summary
+from nano.cli.prompts import model_inputs
+from nano.config import EngineConfig
+from nano.disagg import compare, serving
+from nano.disagg import metrics as disagg_metrics
+from nano.sequence import SamplingParams
+
+
+def run_disagg(args, config: EngineConfig, params: SamplingParams, requests) -> int:
+    """--disagg P:D under mpirun: every rank an instance (serving.py); rank 0 routes and
+    reports."""
+    num_prefill, num_decode = serving.parse_split(args.disagg)
+    run = {"generated": 0}  # rank 0's: filled in by make_requests
+
+    def make_requests(engine):
+        if args.bench:
+            inputs, per_request = bench_requests(args, engine, params)
+            arrivals = (workload.poisson_arrivals(len(inputs), args.request_rate) if args.request_rate
+                        else [0.0] * len(inputs))
+            prompts = [""] * len(inputs)
+        else:
+            prompts = [p for p, _ in requests]
+            inputs = model_inputs(engine.tokenizer, prompts, chat=not args.no_chat)
+            per_request, arrivals = [sp for _, sp in requests], [0.0] * len(inputs)
+        seqs = [engine.make_sequence(p, sp, t) for p, sp, t in zip(inputs, per_request, arrivals)]
+        run.update(prompts=prompts, index={seq.seq_id: i for i, seq in enumerate(seqs)},
+                   progress=Progress(len(seqs)),
+                   output=OutputFile(args.output, prompts, engine.detokenize) if args.output else None)
+        print(f"disaggregated: {num_prefill} prefill + {num_decode} decode instances, one rank each; "
+              f"each {engine.describe()}", file=sys.stderr)
+        return seqs
+
+    def on_result(seq):
+        run["generated"] += seq.num_output_tokens
+        run["progress"].update(1, run["generated"])
+        if run["output"]:
+            run["output"].write(run["index"][seq.seq_id], seq)
+
+    try:
+        ran = serving.launch(config, num_prefill, num_decode, make_requests, args.bench, on_result)
+    finally:
+        if run.get("output"):
+            run["output"].close()
+    if ran is None:
+        return 0
+    router, engine, wall = ran
+    seqs = sorted(router.results.values(), key=lambda q: run["index"][q.seq_id])
+    if not args.bench:
+        print_completions(run["prompts"], seqs, engine.detokenize)
+    summary = disagg_metrics.summary(router, wall)
+    print(format_summary(summary))
+    print(disagg_metrics.format_disagg(summary))
+    write_summary(args.summary_json, summary)
+    return 0
+
+
+def disagg_compare(args, argv: list[str], config: EngineConfig, params: SamplingParams) -> int:
+    """--bench --disagg-compare P:D: colocated here, then disaggregated under mpirun."""
+    from nano.engine import LLMEngine
+    engine = LLMEngine(config)
+    print(engine.describe(), file=sys.stderr)
+    inputs, per_request = bench_requests(args, engine, params)
+    workload.warm_up(engine)
+    arrivals = workload.poisson_arrivals(len(inputs), args.request_rate) if args.request_rate else None
+    seqs, wall = run_all(engine, inputs, per_request, arrivals)
+    colocated = compare.colocated_summary(engine, seqs, wall)
+    print(f"--- colocated\n{format_summary(colocated)}\n--- disaggregated {args.disagg_compare}", flush=True)
+    del engine, seqs
+    gc.collect()  # its KV pool freed before the ranks allocate theirs
+    disaggregated = compare.run_disaggregated(argv, args.disagg_compare)
+    print(f"\n{args.num_seqs} requests, --input-len {args.input_len} --output-len {args.output_len}, "
+          f"{args.request_rate or 'all at once'} req/s (Poisson, seeded), TTFT target {args.ttft_slo} ms, "
+          f"TPOT target {args.tpot_slo} ms; {os.cpu_count()} cores either way")
+    results = {"colocated": colocated, f"disaggregated {args.disagg_compare}": disaggregated}
+    print(compare.table(results))
+    for name, s in results.items():
+        print(compare.targets(name, s))
+    write_summary(args.summary_json, {"colocated": colocated, "disaggregated": disaggregated})
+    return 0
+
+
+def show_estimate(args, config: EngineConfig, params: SamplingParams) -> None:
+    """--capacity --disagg: P:D for the workload of --input-len, --output-len (their means) and
+    --request-rate, from the step-time model fitted on this machine (estimate.py)."""
+    from nano.disagg import estimate
+    from nano.engine import LLMEngine
+    prompt_len, output_len = (sum(parse_range(r, name)) / 2 for r, name in
+                              ((args.input_len, "--input-len"), (args.output_len, "--output-len")))
+    engine = LLMEngine(config)
+    workload.warm_up(engine)
+    print(f"\nfitting the step-time model on this machine ({engine.device.kind}, prompts of "
+          f"{prompt_len:.0f} tokens) ...", file=sys.stderr)
+    coef = estimate.calibrate(engine, int(prompt_len), int(output_len))
+    split = estimate.estimate(coef, prompt_len, output_len, config.max_num_batched_tokens,
+                              engine.block_manager.num_blocks, config.block_size, config.max_num_seqs,
+                              params.tpot_slo)
+    print("\ndisaggregated serving, one engine per instance on this machine's share of it:")
+    print(estimate.format_estimate(split, args.request_rate,
+                                   serving.parse_split(args.disagg) if args.disagg else None))

@@ -1,0 +1,7 @@
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn), an add-on on the engine's public API
+(add_request, step, abort, finish, snapshot):
+
+  app.py            endpoints, request models, errors, streaming (the event loop's side)
+  engine_thread.py  the thread that owns the engine: jobs in, steps, text and logprobs out
+  cli.py            run.py --serve
+"""

@@ -1,0 +1,91 @@
+"""What every tensor-parallel rank loads: its slice of the model on its device and its KV
+pool (load_shard; LLMEngine on rank 0 and worker.Worker on the others both call it).
+
+Loading runs on every rank in step: its failures are shared (Group.together), and the
+ranks agree on one number of blocks, since rank 0 schedules for all of them.
+"""
+from dataclasses import dataclass
+from pathlib import Path
+
+from nano import kv_cache, parallel
+from nano.config import EngineConfig, ModelConfig, max_model_len
+from nano.device import Device, gpu_of, host_memory, select_device
+from nano.errors import NanoError
+from nano.kv_calibration import calibration_tokens, key_channel_scales
+from nano.runner import ModelRunner
+from nano.tokenizer import Tokenizer
+from nano.tp import Partition, load_model, partition
+from nano.weights import open_model
+
+
+@dataclass
+class Shard:
+    """One rank's part of the engine, loaded: its slice of the model on its device, and its
+    KV pool (in the runner), which holds only its KV heads."""
+    model_dir: Path
+    model_config: ModelConfig
+    tokenizer: Tokenizer | None      # rank 0's alone
+    max_model_len: int
+    partitions: list[Partition]      # every rank's heads and columns
+    device: Device
+    runner: ModelRunner
+    num_blocks: int                  # the same on every rank
+    num_swap_blocks: int
+    kv_bytes_per_token: int          # this rank's
+    weight_bytes: int                # this rank's
+
+
+def load_shard(config: EngineConfig, group: parallel.Group) -> Shard:
+    """This rank's weights on its device and its KV pool, sized from what is left."""
+    with group.together():  # a rank failing here fails them all, before any collective
+        config.validate()
+        group.require(config.tp)
+        folder = open_model(config.model, tokenizer=group.rank == 0)
+        cfg, context = folder.config, max_model_len(config, folder.config)
+        partitions = [partition(cfg, r, group.world) for r in range(group.world)]
+        kind = select_device(config.device)
+        device = Device(kind, gpu_of(group.rank) if kind == "gpu" else 0)
+        group.cuda_aware = kind == "gpu" and group.world > 1 and parallel.cuda_aware_mpi()
+        if config.key_scheme == "rotate" and cfg.head_dim & (cfg.head_dim - 1):
+            raise NanoError(f"--kv-int8-keys rotate needs a power-of-two head dim, the model's is "
+                            f"{cfg.head_dim} (give --kv-int8-keys token or channel)")
+        model = load_model(folder.reader, cfg, partitions[group.rank], device.put, context, group.all_reduce)
+
+    per_token = kv_cache.bytes_per_token(cfg, partitions[group.rank].num_kv_heads, config.kv_cache_dtype,
+                                         device.itemsize)
+    block_bytes = per_token * config.block_size
+    # Free memory measured once every rank has loaded its weights (the together block above).
+    memory = kv_cache.pool_memory(config, device.kind, device.free_memory(), group.rank, group.world)
+    num_blocks = group.min(kv_cache.pool_blocks(config, memory, per_token))
+    if num_blocks < 1:  # agreed, so every rank raises it
+        raise parallel.SharedError(f"KV cache memory holds no block of {block_bytes} bytes")
+    num_swap_blocks = group.min(config.swap_space // block_bytes)
+    with group.together():
+        _check_memory(device, num_blocks * block_bytes, num_swap_blocks * block_bytes)
+    runner = ModelRunner(model, device, num_blocks, num_swap_blocks, config.block_size,
+                         config.kv_cache_dtype, config.key_scheme, group.broadcast,
+                         # MPI all-reduces run on the host: a TP step cannot be captured
+                         cuda_graphs=not config.enforce_eager and group.world == 1,
+                         max_num_seqs=config.max_num_seqs, max_model_len=context)
+    if config.key_scheme == "channel":  # every rank at once: the forward pass has all-reduces
+        tokens = group.broadcast(calibration_tokens(folder.tokenizer) if group.rank == 0 else None)
+        scales = key_channel_scales(model, device, tokens, config.block_size)
+        runner.kv_cache.k_channel_scale = device.put(scales, keep_float32=True)
+    return Shard(folder.path, cfg, folder.tokenizer, context, partitions, device, runner, num_blocks,
+                 num_swap_blocks, per_token, model.nbytes)
+
+
+def _check_memory(device: Device, kv_bytes: int, swap_bytes: int) -> None:
+    """Refuse a KV pool or swap space the machine cannot hold, before allocating it (else
+    a NumPy or CuPy error, or the kernel killing the process once the pages are used).
+    The KV pool is written as it fills, so it must fit in what is free now; swap space is
+    only touched under preemption, so it must fit in the machine's memory."""
+    free = device.free_memory()
+    if kv_bytes > free:
+        where = "GPU" if device.kind == "gpu" else "host"
+        raise NanoError(f"a KV cache of {kv_bytes / 1e9:.2f} GB does not fit: {free / 1e9:.2f} GB of "
+                        f"{where} memory is available (give a smaller --kv-cache-memory or --num-blocks)")
+    _, total = host_memory()
+    if swap_bytes > total:
+        raise NanoError(f"swap space of {swap_bytes / 1e9:.2f} GB does not fit: this machine has "
+                        f"{total / 1e9:.2f} GB of memory (give a smaller --swap-space)")
