@@ -12,12 +12,13 @@ This file is the flags and the dispatch; each mode's code lives with its package
 (prompts in, completions out), nano/bench (benchmarks, capacity), nano/disagg, nano/server.
 """
 import argparse
+import math
 import sys
 
-from nano import checks, parallel
+from nano import checks, default_model, parallel
 from nano.bench.cli import check_bench_args
 from nano.cli.prompts import ms, read_requests
-from nano.config import EngineConfig, parse_bytes
+from nano.config import EngineConfig
 from nano.errors import NanoError
 from nano.kv_cache import DEFAULT_KEY_SCHEME
 from nano.sequence import FIELD_RULES, SamplingParams
@@ -108,6 +109,29 @@ def build_parser() -> Parser:
     return p
 
 
+def parse_bytes(text: str) -> int:
+    """'2GB', '512MiB', '1e9' -> bytes."""
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+             "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "K": 10**3, "M": 10**6,
+             "G": 10**9, "T": 10**12, "B": 1}
+    s = str(text).strip().upper()
+    for unit, scale in units.items():
+        if s.endswith(unit):
+            s, mult = s[:-len(unit)], scale
+            break
+    else:
+        mult = 1
+    try:
+        value = float(s) * mult
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):  # also 'inf' and 'nan', which float() reads
+        raise NanoError(f"cannot read a byte size from {text!r} (e.g. 2GB, 512MiB)")
+    if value < 0:
+        raise NanoError(f"byte size must not be negative, got {text!r}")
+    return int(value)  # the flag's own check says whether it is enough (EngineConfig.validate)
+
+
 def engine_config(args) -> EngineConfig:
     return EngineConfig(
         model=args.model, device=args.device, block_size=args.block_size,
@@ -138,6 +162,7 @@ def main(argv=None) -> int:
         args, config, params, requests = parse(argv, group.rank)
         if not args.capacity and not args.disagg:  # a report for --tp N is computed in one process
             group.require(config.tp)
+        default_model.ensure(config.model)  # fetched and converted on first use
     if args.capacity:
         from nano.bench.cli import show_capacity
         show_capacity(config)
@@ -164,9 +189,10 @@ def main(argv=None) -> int:
             worker.runner.touch_kv_cache()
         worker.run()
         return 0
+    from nano.cli.output import describe
     from nano.engine import LLMEngine
     engine = LLMEngine(config)
-    print(engine.describe(), file=sys.stderr)
+    print(describe(engine), file=sys.stderr)
     if args.serve:
         from nano.server.cli import serve
         return serve(args, engine)

@@ -1,4 +1,5 @@
-"""Time as the engine sees it. Tests swap in a simulated clock to replay a schedule exactly."""
+"""Time as the engine sees it: a clock passed in (LLMEngine(config, clock)), so that tests can
+swap in a simulated one and replay a schedule exactly."""
 import time
 
 
@@ -8,16 +9,3 @@ class Clock:
 
     def sleep(self, seconds: float) -> None:
         time.sleep(max(seconds, 0.0))
-
-
-class SimulatedClock(Clock):
-    """Advances only when told: by the engine's sleeps, or by a fixed step-time model."""
-
-    def __init__(self, start: float = 0.0):
-        self.t = start
-
-    def now(self) -> float:
-        return self.t
-
-    def sleep(self, seconds: float) -> None:
-        self.t += max(seconds, 0.0)

@@ -1,5 +1,4 @@
 """EngineConfig and ModelConfig: every knob in one place, validated once."""
-import math
 from dataclasses import dataclass
 
 from nano import checks
@@ -85,29 +84,6 @@ def _rope_scaling(scaling) -> dict | None:
         for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
             checks.number(f"config.json rope_scaling {key}", scaling.get(key), low=0, open_low=True)
     return scaling
-
-
-def parse_bytes(text: str) -> int:
-    """'2GB', '512MiB', '1e9' -> bytes."""
-    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
-             "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "K": 10**3, "M": 10**6,
-             "G": 10**9, "T": 10**12, "B": 1}
-    s = str(text).strip().upper()
-    for unit, scale in units.items():
-        if s.endswith(unit):
-            s, mult = s[:-len(unit)], scale
-            break
-    else:
-        mult = 1
-    try:
-        value = float(s) * mult
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value):  # also 'inf' and 'nan', which float() reads
-        raise NanoError(f"cannot read a byte size from {text!r} (e.g. 2GB, 512MiB)")
-    if value < 0:
-        raise NanoError(f"byte size must not be negative, got {text!r}")
-    return int(value)  # the flag's own check says whether it is enough (EngineConfig.validate)
 
 
 @dataclass

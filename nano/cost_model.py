@@ -11,21 +11,33 @@ fitted by least squares over a sliding window of measured steps, with a prior
 (the starting coefficients) so it answers sensibly before the first step.
 """
 from collections import deque
+from typing import NamedTuple
 
 import numpy as np
 
 
+class StepCoefficients(NamedTuple):
+    """The step-time model's terms, in seconds."""
+    base: float                # per step
+    per_prefill_token: float
+    per_decode_seq: float
+    per_context_token: float   # per cached token a decode attends to
+
+
 class CostModel:
-    def __init__(self, prior: tuple[float, float, float, float], swap_bandwidth: float,
-                 window: int = 256):
-        self.prior = np.array(prior, dtype=np.float64)   # seconds: (c0, per prefill token, per decode seq, per context token)
-        self.coef = self.prior.copy()
+    def __init__(self, prior: StepCoefficients, swap_bandwidth: float, window: int = 256):
+        self.prior = np.array(prior, dtype=np.float64)   # StepCoefficients' order
+        self.coef = self.prior.copy()                     # the fitted ones, same order
         self.samples: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
         self.swap_bandwidth = swap_bandwidth              # bytes/s host<->device, updated from real swaps
 
     @staticmethod
     def features(prefill_tokens: int, decode_seqs: int, context_tokens: int) -> np.ndarray:
         return np.array([1.0, prefill_tokens, decode_seqs, context_tokens])
+
+    @property
+    def coefficients(self) -> StepCoefficients:
+        return StepCoefficients(*self.coef.tolist())
 
     def step_time(self, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> float:
         return float(self.features(prefill_tokens, decode_seqs, context_tokens) @ self.coef)
@@ -53,4 +65,4 @@ class CostModel:
 
     def recompute_cost(self, num_tokens: int) -> float:
         """Prefill of the whole sequence again, as extra tokens in later steps."""
-        return num_tokens * self.coef[1]
+        return num_tokens * self.coefficients.per_prefill_token

@@ -8,11 +8,11 @@ which replay it on their shards (worker.Worker).
 """
 import numpy as np
 
-from nano import checks, kv_cache, parallel
+from nano import checks, parallel
 from nano.block_manager import BlockManager
 from nano.clock import Clock
 from nano.config import EngineConfig
-from nano.cost_model import CostModel
+from nano.cost_model import CostModel, StepCoefficients
 from nano.errors import NanoError
 from nano.metrics import Metrics, MetricsWriter, QueueState
 from nano.plan import SchedulerOutput, decode_context, is_decode
@@ -55,43 +55,10 @@ class LLMEngine:
     def _cost_model(self) -> CostModel:
         flops, bandwidth, link = DEVICE_PRIORS[self.device.kind]
         params = self.weight_bytes / self.device.itemsize
-        prior = (self.weight_bytes / bandwidth, 2 * params / flops, 2 * params / flops,
-                 self.kv_bytes_per_token / bandwidth)
+        prior = StepCoefficients(base=self.weight_bytes / bandwidth, per_prefill_token=2 * params / flops,
+                                 per_decode_seq=2 * params / flops,
+                                 per_context_token=self.kv_bytes_per_token / bandwidth)
         return CostModel(prior, swap_bandwidth=link)
-
-    def describe(self) -> str:
-        bm, bs = self.block_manager, self.config.block_size
-        per_seq = bm.num_blocks_for(self.max_model_len)
-        return (f"model {self.shard.model_dir.name} on {self.device.kind}: weights {self.weight_bytes / 1e6:.0f} MB; "
-                f"KV cache {self.kv_bytes_per_token} bytes/token "
-                f"({kv_cache.label(self.config.kv_cache_dtype, self.config.key_scheme, self.device.dtype)}), "
-                f"{bm.num_blocks} blocks of {bs} tokens "
-                f"({bm.num_blocks * bs} tokens, {bm.num_blocks * bs * self.kv_bytes_per_token / 1e9:.2f} GB"
-                + self._describe_int8_gain() + "); "
-                f"batch ceiling {bm.num_blocks // per_seq} sequences of {self.max_model_len} tokens; "
-                f"swap space {bm.num_swap_blocks} blocks" + self._describe_ranks())
-
-    def _describe_int8_gain(self) -> str:
-        if self.config.kv_cache_dtype == "auto":
-            return ""
-        full = kv_cache.bytes_per_token(self.model_config, self.runner.model.num_kv_heads, "auto", self.device.itemsize)
-        return f", {full / self.kv_bytes_per_token:.2f}x the tokens of a full-precision pool"
-
-    def _describe_ranks(self) -> str:
-        """Under TP the figures above are rank 0's. Every rank has the same number of blocks
-        (so the same batch ceiling), but a block holds only that rank's KV heads."""
-        if self.group.world == 1:
-            return ""
-        lines = [f"\ntensor parallel over {self.group.world} ranks (figures above: rank 0), "
-                 f"each {self.block_manager.num_blocks} blocks:"]
-        for p in self.shard.partitions:
-            per_token = kv_cache.bytes_per_token(self.model_config, p.num_kv_heads, self.config.kv_cache_dtype,
-                                                 self.device.itemsize)
-            pool = self.block_manager.num_blocks * self.config.block_size * per_token
-            lines.append(f"  rank {p.rank}: query heads {p.q_heads.start}..{p.q_heads.stop - 1}, "
-                         f"KV heads {p.kv_heads.start}..{p.kv_heads.stop - 1}: "
-                         f"KV cache {per_token} bytes/token, {pool / 1e9:.2f} GB")
-        return "\n".join(lines)
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams,

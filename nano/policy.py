@@ -1,10 +1,14 @@
 """Scheduling policies (--policy): the choices scheduler.py leaves open.
 
 The scheduler is the mechanism (queues, one token budget, blocks, preemption); each step
-it asks its policy the questions of the Policy interface below.
+it asks its policy the questions FCFS's methods below answer, and sees itself only through
+a SchedulerView (the time of the step, what runs, whether anything is swapped out).
 
   FCFS      admission in arrival order; prefill chunks in admission order; the victim is
             the most recently admitted sequence; no cap, no one is given up on.
+  both      a victim gives way by swap (its KV to host memory and back) or by recompute
+            (blocks freed, its tokens prefilled again), whichever the cost model prices
+            lower for its length, unless --preemption forces one or swap space is full.
   Deadline  maximises goodput: requests that meet both their time-to-first-token (TTFT)
             and time-per-output-token (TPOT) targets. Which rule serves which target:
     TTFT  - admission and prefill chunks in earliest-deadline-first order (deadline =
@@ -28,7 +32,7 @@ it asks its policy the questions of the Policy interface below.
             spent on one long step that would leave every later step starved of prefill.
     both  - under memory pressure the victim is a sequence that has already missed a
             target (preempting it costs no goodput), else the one with the most slack.
-Measured on nano/slo_bench.py's matrix (README, docs/perf_notes.md): never behind FCFS on
+Measured on nano/bench/slo_matrix.py's matrix (docs/results.md, docs/perf_notes.md): never behind FCFS on
 uniform targets, 1.4-1.9x its goodput with mixed urgency or long-prompt bursts near and
 above capacity, on the real clock and the simulated one.
 
@@ -44,8 +48,10 @@ the second):
 """
 import math
 from collections import deque
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
+from nano.config import EngineConfig
+from nano.cost_model import CostModel
 from nano.plan import decode_context, is_decode
 from nano.sequence import Sequence
 
@@ -55,55 +61,83 @@ if TYPE_CHECKING:  # only for annotations: the scheduler imports this module
     from nano.scheduler import Scheduler
 
 
-class Policy(Protocol):
+class SchedulerView:
+    """What a policy sees of its scheduler, read as it changes during the step."""
+
+    def __init__(self, scheduler: "Scheduler"):
+        self._scheduler = scheduler
+
+    @property
+    def now(self) -> float:
+        """The time of the step being scheduled."""
+        return self._scheduler.now
+
+    @property
+    def running(self) -> list[Sequence]:
+        """The running sequences, in admission order (not to be modified)."""
+        return self._scheduler.running
+
+    @property
+    def any_swapped(self) -> bool:
+        return bool(self._scheduler.swapped)
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return self._scheduler.bm.can_swap_out(seq)
+
+
+class FCFS:
+    """First come, first served. Its answers are the defaults that Deadline refines."""
+
+    def __init__(self, view: SchedulerView, cost: CostModel, config: EngineConfig, block_size: int,
+                 kv_bytes_per_token: int):
+        self.view, self.cost, self.config = view, cost, config
+        self.block_size, self.kv_bytes_per_token = block_size, kv_bytes_per_token
+
     def admission_order(self, arrived: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
         """The arrived waiting requests in the order they are admitted: (those that can
         still make their targets, those that cannot), each in order. The scheduler serves
         the second after the first, or rejects it (--drop-late) with late_reason."""
+        return arrived, []
 
     def late_reason(self, seq: Sequence) -> str:
         """Why a request that cannot make its targets is rejected (--drop-late)."""
+        raise AssertionError("FCFS gives up on no request")
 
     def prefill_order(self, prefills: list[Sequence]) -> list[Sequence]:
         """Running prompts in the order they share the token budget for prefill chunks."""
+        return prefills
 
     def prefill_budget(self, budget: int, decoding: list[Sequence]) -> int:
         """What the rest of the step (prefill chunks, swap-ins, admissions) may take of the
         budget its decodes left."""
-
-    def held_for_waiting(self, budget: int, prefills: list[Sequence], arrived: list[Sequence]) -> int:
-        """Tokens of that budget that admissions get before the running prompts' chunks."""
-
-    def victim(self, candidates: list[Sequence]) -> Sequence:
-        """Which running sequence gives way when a sequence finds no free block."""
-
-
-class FCFS:
-    """First come, first served."""
-
-    def admission_order(self, arrived: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
-        return arrived, []
-
-    def late_reason(self, seq: Sequence) -> str:
-        raise AssertionError("FCFS gives up on no request")
-
-    def prefill_order(self, prefills: list[Sequence]) -> list[Sequence]:
-        return prefills
-
-    def prefill_budget(self, budget: int, decoding: list[Sequence]) -> int:
         return budget
 
     def held_for_waiting(self, budget: int, prefills: list[Sequence], arrived: list[Sequence]) -> int:
+        """Tokens of that budget that admissions get before the running prompts' chunks."""
         return 0
 
     def victim(self, candidates: list[Sequence]) -> Sequence:
-        return candidates[-1]  # the scheduler keeps running sequences in admission order
+        """Which running sequence gives way when a sequence finds no free block."""
+        return candidates[-1]  # the most recently admitted
+
+    def preemption_mode(self, seq: Sequence) -> tuple[str, str]:
+        """How a victim gives way, and why: (swap | recompute, forced | no_swap_space |
+        swap_cheaper | recompute_cheaper)."""
+        if self.config.preemption == "recompute":
+            return "recompute", "forced"
+        if not self.view.can_swap_out(seq):
+            return "recompute", "no_swap_space"
+        if self.config.preemption == "swap":
+            return "swap", "forced"
+        swap = self.cost.swap_cost(seq.num_computed_tokens * self.kv_bytes_per_token)
+        recompute = self.cost.recompute_cost(seq.num_computed_tokens)
+        return ("swap", "swap_cheaper") if swap <= recompute else ("recompute", "recompute_cheaper")
 
 
-class Deadline:
+class Deadline(FCFS):
     """Earliest deadline first, with admission control. Predictions depend on the time of
-    the step and on the batch running in it, so this policy reads both from its scheduler
-    as they change during the step."""
+    the step and on the batch running in it, which it reads from its view as they change
+    during the step."""
 
     # A request that arrives during a step waits for it to end: a step's prefill is kept to
     # STEP_SHARE_OF_TTFT of the tightest TTFT target among the last RECENT arrivals.
@@ -112,8 +146,8 @@ class Deadline:
     # Steps are planned to this share of the pace TPOT targets need: predictions are not exact.
     PACE_MARGIN = 0.9
 
-    def __init__(self, scheduler: "Scheduler"):
-        self.sched = scheduler
+    def __init__(self, *args):
+        super().__init__(*args)
         self.recent_ttft: deque[float] = deque(maxlen=self.RECENT)
         self.last_arrival = -math.inf
 
@@ -122,15 +156,15 @@ class Deadline:
         prompts and of the requests before it that can still make it) misses its deadline is
         moved to the late list, and its work is not counted against those after it."""
         self._note_arrivals(arrived)
-        ahead = sum(s.num_uncomputed_tokens for s in self.sched.running
+        ahead = sum(s.num_uncomputed_tokens for s in self.view.running
                     if not is_decode(s.num_uncomputed_tokens))
         feasible, late = [], []
-        decoding = [s for s in self.sched.running if is_decode(s.num_uncomputed_tokens)]
-        step = self.sched.cost.step_time(0, len(decoding), decode_context(decoding))  # once, not per request
+        decoding = [s for s in self.view.running if is_decode(s.num_uncomputed_tokens)]
+        step = self.cost.step_time(0, len(decoding), decode_context(decoding))  # once, not per request
         for seq in sorted(arrived, key=self._ttft_deadline):
             work = ahead + seq.num_uncomputed_tokens
             resumed = seq.first_token_time is not None  # preempted by recompute: TTFT is past
-            if resumed or self.sched.now + self._prefill_time(work, step) <= self._ttft_deadline(seq)[0]:
+            if resumed or self.view.now + self._prefill_time(work, step) <= self._ttft_deadline(seq)[0]:
                 feasible.append(seq)
                 ahead = work
             else:
@@ -161,8 +195,8 @@ class Deadline:
     def _prefill_time(self, tokens: int, step: float) -> float:
         """Seconds to prefill `tokens` in steps of at most the token budget, each also
         taking `step` seconds for the decodes running now."""
-        steps = max(-(-tokens // self.sched.config.max_num_batched_tokens), 1)
-        return steps * step + tokens * self.sched.cost.coef[1]
+        steps = max(-(-tokens // self.config.max_num_batched_tokens), 1)
+        return steps * step + tokens * self.cost.coefficients.per_prefill_token
 
     def prefill_budget(self, budget: int, decoding: list[Sequence]) -> int:
         """How long this step may be, as prefill tokens beside its decodes: no longer than
@@ -179,23 +213,23 @@ class Deadline:
         limits = [self.PACE_MARGIN * p for p in paces if p > 0]
         if self.recent_ttft:
             limits.append(min(self.recent_ttft) * self.STEP_SHARE_OF_TTFT)
-        cost = self.sched.cost
-        if not limits or cost.coef[1] <= 0:
+        per_token = self.cost.coefficients.per_prefill_token
+        if not limits or per_token <= 0:
             return budget
-        room = min(limits) - cost.step_time(0, len(decoding), decode_context(decoding))
-        return min(budget, max(int(room / cost.coef[1]), self.sched.bm.block_size))
+        room = min(limits) - self.cost.step_time(0, len(decoding), decode_context(decoding))
+        return min(budget, max(int(room / per_token), self.block_size))
 
     def _pace(self, seq: Sequence) -> float:
         """Seconds per step that still meets seq's TPOT target (<= 0: it cannot)."""
         p = seq.params
         left = p.max_tokens - seq.num_output_tokens
         deadline = seq.first_token_time + p.tpot_slo * (p.max_tokens - 1)
-        return (deadline - self.sched.now) / left if left > 0 else math.inf
+        return (deadline - self.view.now) / left if left > 0 else math.inf
 
     def held_for_waiting(self, budget: int, prefills: list[Sequence], arrived: list[Sequence]) -> int:
         """EDF across the queue line: arrived requests whose TTFT deadline comes before every
         running prompt's (and that can still make it) get their prompts' tokens first."""
-        if self.sched.swapped or not prefills:  # swapped sequences come back before any admission
+        if self.view.any_swapped or not prefills:  # swapped sequences come back before any admission
             return 0
         first = min(self._ttft_deadline(s) for s in prefills)
         feasible, _ = self.admission_order(arrived)
@@ -208,7 +242,7 @@ class Deadline:
     def slack(self, seq: Sequence) -> float:
         """Seconds seq can still wait and meet its latency targets, given the work it has
         left at the step times the cost model predicts; inf when it has no target."""
-        p, now, cost = seq.params, self.sched.now, self.sched.cost
+        p, now, cost = seq.params, self.view.now, self.cost
         prefill = seq.num_uncomputed_tokens - (seq.first_token_time is not None)
         prefill_time = cost.step_time(prefill, 0, 0) if prefill > 0 else 0.0
         if seq.first_token_time is None:
@@ -223,10 +257,12 @@ class Deadline:
 
     def _decode_step_time(self) -> float:
         """A decode step of the batch running now (at least this sequence)."""
-        running = self.sched.running
+        running = self.view.running
         decoding = [s for s in running if is_decode(s.num_uncomputed_tokens)]
-        return self.sched.cost.step_time(0, max(len(running), 1), decode_context(decoding))
+        return self.cost.step_time(0, max(len(running), 1), decode_context(decoding))
 
 
-def make_policy(scheduler: "Scheduler") -> Policy:
-    return Deadline(scheduler) if scheduler.config.policy == "deadline" else FCFS()
+def make_policy(view: SchedulerView, cost: CostModel, config: EngineConfig, block_size: int,
+                kv_bytes_per_token: int) -> FCFS:
+    kind = Deadline if config.policy == "deadline" else FCFS
+    return kind(view, cost, config, block_size, kv_bytes_per_token)

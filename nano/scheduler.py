@@ -13,8 +13,8 @@ Every step respects one token budget (max_num_batched_tokens) and one sequence c
 A request is only considered once it has arrived (its arrival time has passed).
 
 This file is the mechanism; the choices it leaves open (admission and prefill order, how
-much prefill a step may carry, the victim, rejecting late requests) are the policy's
-(policy.py: FCFS or Deadline, by --policy).
+much prefill a step may carry, the victim and whether it is swapped or recomputed, which
+requests are late) are the policy's (policy.py: FCFS or Deadline, by --policy).
 """
 from collections import deque
 
@@ -22,7 +22,7 @@ from nano.block_manager import BlockManager
 from nano.config import EngineConfig
 from nano.cost_model import CostModel
 from nano.plan import Preemption, SchedulerOutput, is_decode
-from nano.policy import make_policy
+from nano.policy import SchedulerView, make_policy
 from nano.sequence import Sequence, Status
 
 
@@ -32,15 +32,14 @@ class Scheduler:
         self.config = config
         self.bm = block_manager
         self.max_model_len = max_model_len
-        self.kv_bytes_per_token = kv_bytes_per_token
-        self.cost = cost_model
         self.watermark_blocks = int(config.watermark * block_manager.num_blocks)
         self.now = 0.0                        # the time of the step being scheduled
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []     # in admission order (swapped back in: admitted again)
         self.swapped: deque[Sequence] = deque()
         self.held: list[Sequence] = []        # out of the batch with their blocks (hold, reserve)
-        self.policy = make_policy(self)
+        self.policy = make_policy(SchedulerView(self), cost_model, config, block_manager.block_size,
+                                  kv_bytes_per_token)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -236,20 +235,9 @@ class Scheduler:
         seq.error = error
         self._finish(seq, "rejected", out)
 
-    def _preemption_mode(self, seq: Sequence) -> tuple[str, str]:
-        if self.config.preemption == "recompute":
-            return "recompute", "forced"
-        if not self.bm.can_swap_out(seq):
-            return "recompute", "no_swap_space"
-        if self.config.preemption == "swap":
-            return "swap", "forced"
-        swap = self.cost.swap_cost(seq.num_computed_tokens * self.kv_bytes_per_token)
-        recompute = self.cost.recompute_cost(seq.num_computed_tokens)
-        return ("swap", "swap_cheaper") if swap <= recompute else ("recompute", "recompute_cheaper")
-
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
-        mode, reason = self._preemption_mode(seq)
+        mode, reason = self.policy.preemption_mode(seq)
         if mode == "swap":
             out.blocks_to_swap_out += self.bm.swap_out(seq)
             seq.status = Status.SWAPPED

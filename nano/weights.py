@@ -1,7 +1,8 @@
 """Model folders and the checkpoint reader.
 
 A model is a Hugging Face style folder (config.json, *.safetensors, tokenizer.json,
-tokenizer_config.json); the default one is built on first use (default_model.py).
+tokenizer_config.json). The default one lives in weights/, made on first use by the
+nano/default_model package (run.py calls it before loading).
 """
 
 from __future__ import annotations
@@ -9,22 +10,28 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from nano import default_model
 from nano.config import ModelConfig
 from nano.errors import NanoError, read_json
 from nano.tokenizer import Tokenizer
 
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
+MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
 
 def resolve_model(model: str | None) -> Path:
     """Return the folder of `model`: the default name (or None) or a path to a HF folder."""
-    if model is None or model == default_model.NAME:
-        return default_model.ensure()
+    if model is None or model == DEFAULT_MODEL:
+        folder = WEIGHTS_DIR / DEFAULT_MODEL
+        if not is_complete(folder):
+            raise NanoError(f"weights/{DEFAULT_MODEL} is not there yet: python -m nano.default_model "
+                            f"fetches and converts it (run.py does on first use)")
+        return folder
     if not isinstance(model, (str, os.PathLike)):
         raise NanoError(f"model must be a folder path, got {model!r:.40}")
     folder = Path(model)
@@ -45,18 +52,13 @@ class ModelFolder:
 
 def open_model(model: str | None, tokenizer: bool = True) -> ModelFolder:
     """The one place a model folder is opened and checked: config.json, the checkpoint files'
-    structure (every tensor's bytes inside its file), the tokenizer (if asked for). A damaged
-    default model (a conversion cut short, a truncated file) is converted again; any other
-    folder's damage is a NanoError. Tensor shapes are checked as they load (tp.load_model)."""
-    folder = resolve_model(model)
-    try:
-        return _open(folder, tokenizer)
-    except NanoError as e:
-        if folder != default_model.folder():
-            raise
-        print(f"weights/{default_model.NAME} is damaged ({e}); converting it again", file=sys.stderr)
-        default_model.fetch(folder)
-        return _open(folder, tokenizer)
+    structure (every tensor's bytes inside its file), the tokenizer (if asked for). Damage
+    is a NanoError. Tensor shapes are checked as they load (tp.load_model)."""
+    return _open(resolve_model(model), tokenizer)
+
+
+def is_complete(folder: Path) -> bool:
+    return all((folder / f).is_file() for f in MODEL_FILES)
 
 
 def _open(folder: Path, tokenizer: bool) -> ModelFolder:

@@ -4,12 +4,14 @@ import sys
 
 import pytest
 
+from nano import default_model as fetcher
 from nano.weights import resolve_model
 from reference import DenseLlama, make_random_model
 
 
 @pytest.fixture(scope="session")
 def default_model():
+    fetcher.ensure()
     return resolve_model(None)
 
 

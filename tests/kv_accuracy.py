@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from nano.cli.output import describe  # noqa: E402
 from nano.config import EngineConfig  # noqa: E402
 from nano.corpus import EVALUATION_TOPICS, english_text  # noqa: E402
 from nano.engine import LLMEngine  # noqa: E402
@@ -82,7 +83,7 @@ def main() -> int:
                      for t in EVALUATION_TOPICS]
         results[name] = [teacher_forced(engine, ids) for ids in texts]
         answers[name] = greedy(engine, prompts)
-        print(f"{name}: {engine.describe().splitlines()[0]}; {time.perf_counter() - start:.0f} s", file=sys.stderr)
+        print(f"{name}: {describe(engine).splitlines()[0]}; {time.perf_counter() - start:.0f} s", file=sys.stderr)
         del engine
 
     base = results["full precision"]

@@ -1,7 +1,7 @@
 """Byte sizes as the flags and EngineConfig take them (--kv-cache-memory, --swap-space)."""
 import pytest
 
-from nano.config import parse_bytes
+from run import parse_bytes
 from nano.errors import NanoError
 
 

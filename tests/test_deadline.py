@@ -6,10 +6,24 @@ import pytest
 
 from nano.bench import slo_matrix
 from nano.bench.capacity import capacity_report
-from nano.clock import SimulatedClock
+from nano.clock import Clock
 from nano.config import EngineConfig
 from nano.engine import LLMEngine
 from nano.sequence import SamplingParams
+
+
+class SimulatedClock(Clock):
+    """Advances only when told: by the engine's sleeps, or by a fixed step-time model."""
+
+    def __init__(self, start: float = 0.0):
+        self.t = start
+
+    def now(self) -> float:
+        return self.t
+
+    def sleep(self, seconds: float) -> None:
+        self.t += max(seconds, 0.0)
+
 
 # A fixed step-time model: what every step costs on the simulated clock.
 STEP_BASE, PER_PREFILL_TOKEN, PER_DECODE = 0.010, 0.001, 0.002

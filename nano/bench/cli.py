@@ -7,7 +7,7 @@ import sys
 from nano import checks
 from nano.bench import workload
 from nano.cli.offline import generate, run_all
-from nano.cli.output import format_summary, write_summary
+from nano.cli.output import describe, format_summary, write_summary
 from nano.config import EngineConfig
 from nano.errors import NanoError
 from nano.sequence import SamplingParams
@@ -72,7 +72,7 @@ def rate_bench(args, config: EngineConfig, params: SamplingParams) -> int:
     for policy in ("fcfs", "deadline"):
         engine = LLMEngine(dataclasses.replace(config, policy=policy))
         if policy == "fcfs":
-            print(engine.describe(), file=sys.stderr)
+            print(describe(engine), file=sys.stderr)
         inputs, per_request = bench_requests(args, engine, params)
         workload.warm_up(engine)
         _, wall = run_all(engine, inputs, per_request, arrivals)

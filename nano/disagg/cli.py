@@ -7,7 +7,7 @@ import sys
 from nano.bench import workload
 from nano.bench.cli import bench_requests, parse_range
 from nano.cli.offline import run_all
-from nano.cli.output import OutputFile, Progress, format_summary, print_completions, write_summary
+from nano.cli.output import OutputFile, Progress, describe, format_summary, print_completions, write_summary
 from nano.cli.prompts import model_inputs
 from nano.config import EngineConfig
 from nano.disagg import compare, serving
@@ -36,7 +36,7 @@ def run_disagg(args, config: EngineConfig, params: SamplingParams, requests) -> 
                    progress=Progress(len(seqs)),
                    output=OutputFile(args.output, prompts, engine.detokenize) if args.output else None)
         print(f"disaggregated: {num_prefill} prefill + {num_decode} decode instances, one rank each; "
-              f"each {engine.describe()}", file=sys.stderr)
+              f"each {describe(engine)}", file=sys.stderr)
         return seqs
 
     def on_result(seq):
@@ -67,7 +67,7 @@ def disagg_compare(args, argv: list[str], config: EngineConfig, params: Sampling
     """--bench --disagg-compare P:D: colocated here, then disaggregated under mpirun."""
     from nano.engine import LLMEngine
     engine = LLMEngine(config)
-    print(engine.describe(), file=sys.stderr)
+    print(describe(engine), file=sys.stderr)
     inputs, per_request = bench_requests(args, engine, params)
     workload.warm_up(engine)
     arrivals = workload.poisson_arrivals(len(inputs), args.request_rate) if args.request_rate else None

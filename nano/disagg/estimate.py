@@ -38,7 +38,7 @@ def calibrate(engine, prompt_len: int, output_len: int) -> np.ndarray:
             prompts.append(prompt)
             params.append(SamplingParams(max_tokens=max(2, output_len * k // 4), ignore_eos=True, seed=k))
     engine.generate(prompts, params)
-    return engine.cost.coef.copy()
+    return engine.cost.coefficients
 
 
 @dataclass
@@ -51,7 +51,7 @@ class SplitEstimate:
     decode_step: float           # T(b), seconds
     decode_capacity: float       # C_D, requests/s per decode instance
     batch_limit: str             # what capped b
-    coef: tuple                  # the step-time model: c0, c_p, c_d, c_ctx (seconds)
+    coef: tuple                  # the step-time model (cost_model.StepCoefficients): c0, c_p, c_d, c_ctx
 
     @property
     def ratio(self) -> float:

