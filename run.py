@@ -23,7 +23,6 @@ from nano.errors import NanoError
 from nano.kv_cache import DEFAULT_KEY_SCHEME
 from nano.sequence import FIELD_RULES, SamplingParams
 
-
 ENGINE = EngineConfig()      # the engine's defaults, which the flags show
 SAMPLING = SamplingParams()  # the API's sampling defaults
 CLI_MAX_TOKENS = 256         # the API's 16 (vLLM's) cuts a chat answer short

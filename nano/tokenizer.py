@@ -1,9 +1,8 @@
-"""The tokenizer (Hugging Face tokenizers) and the chat template (Jinja, as transformers)."""
+"""The tokenizer (Hugging Face tokenizers), with the model's special tokens and its chat
+template's source (rendered by nano/chat)."""
 
 from __future__ import annotations
 
-import json
-from datetime import datetime
 from pathlib import Path
 
 import tokenizers
@@ -52,43 +51,3 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
-
-    def apply_chat_template(self, messages: str | list[dict]) -> str:
-        """Render a conversation (a list of {"role", "content"}; a string is one user message)
-        the way HF transformers' apply_chat_template does, ready for the assistant's turn."""
-        import jinja2
-
-        if self.chat_template is None:
-            raise NanoError("this model has no chat template")
-        if isinstance(messages, str):
-            messages = [{"role": "user", "content": messages}]
-        try:
-            return _compile_template(self.chat_template).render(
-                messages=messages,
-                add_generation_prompt=True,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-            )
-        except jinja2.TemplateError as e:  # a broken template, or one that raise_exception()s
-            raise NanoError(f"the model's chat template failed: {e}") from None
-
-
-def _compile_template(source: str):
-    # Same environment as transformers (utils/chat_template_utils.py).
-    import jinja2
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # Jinja's own tojson HTML-escapes; transformers overrides it with plain json.
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
-                          separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)

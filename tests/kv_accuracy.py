@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from nano.chat.template import render as render_chat  # noqa: E402
 from nano.cli.output import describe  # noqa: E402
 from nano.config import EngineConfig  # noqa: E402
 from nano.corpus import EVALUATION_TOPICS, english_text  # noqa: E402
@@ -60,7 +61,7 @@ def teacher_forced(engine: LLMEngine, token_ids: np.ndarray):
 
 
 def greedy(engine: LLMEngine, prompts: list[str]) -> list[str]:
-    chat = [engine.tokenizer.apply_chat_template(p) for p in prompts]
+    chat = [render_chat(engine.tokenizer, p) for p in prompts]
     seqs = engine.generate(chat, SamplingParams(temperature=0, max_tokens=64))
     return [engine.detokenize(s) for s in seqs]
 

@@ -1,8 +1,8 @@
 """Byte sizes as the flags and EngineConfig take them (--kv-cache-memory, --swap-space)."""
 import pytest
 
-from run import parse_bytes
 from nano.errors import NanoError
+from run import parse_bytes
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -8,13 +8,13 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from nano.disagg import kv_transfer
 from nano.config import EngineConfig
-from nano.disagg.serving import DecodeInstance, Node, PrefillInstance, Router, parse_split, run_local
+from nano.disagg import kv_transfer
+from nano.disagg.links import LocalLinks
 from nano.disagg.metrics import summary
+from nano.disagg.serving import DecodeInstance, Node, PrefillInstance, Router, parse_split, run_local
 from nano.engine import LLMEngine
 from nano.errors import NanoError
-from nano.disagg.links import LocalLinks
 from nano.sequence import SamplingParams, Sequence
 from test_stress import check_invariants, make_requests
 from test_tp import PROMPTS, assert_one_line_error, interrupt_one_rank, launch, needs_mpi

@@ -8,6 +8,7 @@ to force preemption by swap and by recompute.
 import numpy as np
 import pytest
 
+from nano.chat.template import render as render_chat
 from nano.config import EngineConfig
 from nano.engine import LLMEngine
 from nano.sequence import SamplingParams
@@ -87,7 +88,7 @@ def test_prefix_cache_hits_across_requests(tiny_model, tiny_dense):
 @pytest.mark.parametrize("name", ["default", "chunked_prefill", "preempt_swap", "preempt_recompute"])
 def test_default_model_matches_dense(default_model, default_dense, name):
     tok = Tokenizer(default_model)
-    prompts = [tok.encode(tok.apply_chat_template(p)) for p in CHAT]
+    prompts = [tok.encode(render_chat(tok, p)) for p in CHAT]
     args = dict(CONFIGS[name])
     if name.startswith("preempt"):
         args["num_blocks"] = 14  # 4 prompts of ~40 tokens + 12 generated need 16

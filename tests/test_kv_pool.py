@@ -5,9 +5,9 @@ import pytest
 
 from nano import device
 from nano.bench.capacity import capacity_report
-from nano.kv_cache import DEFAULT_CPU_KV_MEMORY, GPU_FREE_MEMORY_FRACTION, pool_blocks, pool_memory
 from nano.config import EngineConfig
 from nano.engine import LLMEngine
+from nano.kv_cache import DEFAULT_CPU_KV_MEMORY, GPU_FREE_MEMORY_FRACTION, pool_blocks, pool_memory
 
 GB = 10**9
 

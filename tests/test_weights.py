@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from nano.errors import NanoError
+from nano.chat.template import render as render_chat
 from nano.default_model import ensure
 from nano.default_model.convert import _unpermute
 from nano.default_model.fetch import download_gguf
+from nano.errors import NanoError
 from nano.tokenizer import Tokenizer
 from nano.weights import CheckpointReader, load_config, open_model, resolve_model
 from reference import DenseLlama, make_random_model
@@ -80,14 +81,14 @@ def test_safetensors_equal_gguf_dequantized(smol, tmp_path):
 
 def test_real_model_answers_paris(smol):
     tok = Tokenizer(smol)
-    prompt = tok.apply_chat_template("What is the capital of France?")
+    prompt = render_chat(tok, "What is the capital of France?")
     out = DenseLlama(smol).greedy(tok.encode(prompt), 30, tok.eos_token_ids)
     assert tok.decode(out).startswith("The capital of France is Paris.")
 
 
 def test_chat_template_renders_chatml_with_default_system_prompt(smol):
     tok = Tokenizer(smol)
-    assert tok.apply_chat_template("What is the capital of France?") == CHATML_FRANCE
+    assert render_chat(tok, "What is the capital of France?") == CHATML_FRANCE
     ids = tok.encode(CHATML_FRANCE)
     assert ids[0] == 1 and ids[-4:] == [1, 520, 9531, 198]  # <|im_start|> is one token; no BOS added
     assert tok.eos_token_ids == {2}
@@ -115,7 +116,7 @@ def test_byte_tokenizer_of_random_model(tmp_path):
     text = "héllo 123 <x>"
     assert tok.decode(tok.encode(text)) == text
     assert tok._tok.get_vocab_size() == 300 and tok.eos_token_ids == {2}
-    assert tok.apply_chat_template("hi") == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert render_chat(tok, "hi") == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
 # ---------------------------------------------------------------- checkpoint reader

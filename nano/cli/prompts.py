@@ -4,6 +4,7 @@ import dataclasses
 import json
 
 from nano import checks
+from nano.chat.template import render as render_chat
 from nano.errors import NanoError
 from nano.sequence import FIELD_RULES, SamplingParams
 
@@ -63,4 +64,4 @@ def model_inputs(tokenizer, prompts: list[str], chat: bool) -> list[str]:
     model has none."""
     if not chat or tokenizer.chat_template is None:
         return list(prompts)
-    return [tokenizer.apply_chat_template(p) for p in prompts]
+    return [render_chat(tokenizer, p) for p in prompts]

@@ -19,8 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from nano.errors import NanoError
 from nano.disagg.metrics import decode_interference, format_slowdown
+from nano.errors import NanoError
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout, where run.py is
 

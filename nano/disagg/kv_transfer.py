@@ -25,7 +25,6 @@ import numpy as np
 from nano.errors import NanoError
 from nano.sequence import Sequence
 
-
 PIECE_BYTES = 2 * 2**20  # ~1.3 ms to receive, check and write on this CPU (1.6 GB/s)
 
 

@@ -523,9 +523,9 @@ def launch(config, num_prefill: int, num_decode: int, make_requests, warm_up: bo
     returns (router, its engine, wall seconds) at the end; the other ranks return None."""
     from nano import parallel
     from nano.bench import workload
-    from nano.engine import LLMEngine
     from nano.disagg.links import MpiLink
     from nano.disagg.metrics import pool_prometheus_text
+    from nano.engine import LLMEngine
     from nano.metrics import MetricsWriter
 
     world = parallel.separate_ranks()

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.sse import EventSourceResponse, format_sse_event
 from pydantic import BaseModel, ConfigDict, Field
 
+from nano.chat.template import render as render_chat
 from nano.errors import NanoError
 from nano.sequence import SamplingParams
 from nano.server.engine_thread import EngineThread, Job
@@ -187,7 +188,7 @@ def create_app(engine, max_queued: int = 256) -> FastAPI:
         if engine.tokenizer.chat_template is None:
             raise BadRequest("this model has no chat template: use /v1/completions")
         try:
-            text = engine.tokenizer.apply_chat_template([m.model_dump(include={"role", "content"})
+            text = render_chat(engine.tokenizer, [m.model_dump(include={"role", "content"})
                                                          for m in body.messages])
         except NanoError as e:
             raise BadRequest(str(e)) from None

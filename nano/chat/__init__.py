@@ -1,0 +1,1 @@
+"""Chat templates (template.py): conversations into prompt text, for nano/cli and nano/server."""
