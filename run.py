@@ -17,6 +17,7 @@ import sys
 
 from nano import checks, default_model, parallel
 from nano.bench.cli import check_bench_args
+from nano.cli.output import check_writable
 from nano.cli.prompts import ms, read_requests
 from nano.config import EngineConfig
 from nano.errors import NanoError
@@ -87,7 +88,7 @@ def build_parser() -> Parser:
     m = p.add_argument_group("metrics and planning")
     m.add_argument("--metrics-file", help="append a JSON metrics snapshot per step to this file")
     m.add_argument("--metrics-prom", help="keep this file rewritten with the latest snapshot in Prometheus text format")
-    m.add_argument("--metrics-interval", type=int, default=ENGINE.metrics_interval, help="steps between snapshots")
+    m.add_argument("--metrics-interval", type=int, default=1, help="steps between snapshots")
     m.add_argument("--summary-json", help="also write the run's summary as one JSON object to this file")
     m.add_argument("--capacity", action="store_true",
                    help="print the KV pool, the batch ceiling and the decode-step floor, then exit")
@@ -140,9 +141,7 @@ def engine_config(args) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching, preemption=args.preemption,
         kv_cache_dtype=args.kv_cache_dtype, kv_int8_keys=args.kv_int8_keys,
         seed=ENGINE.seed if args.seed is None else args.seed, tp=args.tp, enforce_eager=args.enforce_eager, policy=args.policy,
-        drop_late=args.drop_late,
-        metrics_file=args.metrics_file, metrics_prom=args.metrics_prom,
-        metrics_interval=args.metrics_interval)
+        drop_late=args.drop_late)
 
 
 def sampling_params(args) -> SamplingParams:
@@ -207,6 +206,9 @@ def parse(argv, rank: int):
     args = build_parser().parse_args(argv)
     config = engine_config(args)
     config.validate()
+    check_writable("--metrics-file", args.metrics_file)
+    check_writable("--metrics-prom", args.metrics_prom)
+    checks.integer("--metrics-interval", args.metrics_interval, low=1)
     params = sampling_params(args)
     estimate_disagg = args.capacity and args.disagg is not None
     if args.bench or estimate_disagg:  # --capacity --disagg sizes the pools for the bench flags' workload
@@ -236,15 +238,15 @@ def parse(argv, rank: int):
         if rank > 0 or args.policy_compare or config.tp > 1:
             raise NanoError("--disagg-compare runs alone (it starts mpirun itself): no mpirun, --tp "
                             "or --policy-compare")
-        if args.output or config.metrics_file or config.metrics_prom:
+        if args.output or args.metrics_file or args.metrics_prom:
             raise NanoError("--disagg-compare writes a table (and --summary-json), no completions or "
                             "metrics files: drop --output, --metrics-file and --metrics-prom")
     if args.summary_json and args.policy_compare:
         raise NanoError("--policy-compare prints its matrix: drop --summary-json")
     requests = (read_requests(args.prompt_file, params)
                 if args.prompt_file and not args.bench and rank == 0 else None)
-    checks.writable_file("--output", args.output)  # now, not after generating everything
-    checks.writable_file("--summary-json", args.summary_json)
+    check_writable("--output", args.output)  # now, not after generating everything
+    check_writable("--summary-json", args.summary_json)
     return args, config, params, requests
 
 

@@ -4,7 +4,6 @@ raises a NanoError, one line naming the value and saying what it must be, so tha
 mistake is reported where it is made instead of as a NumPy error deep inside a step."""
 import math
 import numbers
-import os
 
 from nano.errors import NanoError
 
@@ -68,23 +67,6 @@ def token_ids(name: str, value, vocab_size: int) -> list[int]:
     for i, t in enumerate(value):
         integer(f"{name} token {i}", t, 0, vocab_size - 1)
     return [int(t) for t in value]
-
-
-def writable_file(name: str, path: str | None) -> str | None:
-    """A file this process can create or overwrite, checked without touching it (so that a
-    run refuses a bad path before loading the model, and leaves the old file alone)."""
-    if path is None:
-        return None
-    if not isinstance(path, (str, os.PathLike)):
-        raise NanoError(f"{name} must be a file path, got {_show(path)}")
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise NanoError(f"cannot write {name} {path}: it is a folder")
-    if not os.path.isdir(folder):
-        raise NanoError(f"cannot write {name} {path}: no folder {folder}")
-    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise NanoError(f"cannot write {name} {path}: permission denied")
-    return path
 
 
 def _within(value, low, high) -> bool:

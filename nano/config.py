@@ -107,9 +107,6 @@ class EngineConfig:
     enforce_eager: bool = False              # GPU: no CUDA graphs for decode steps (like vLLM's)
     policy: str = "fcfs"                     # fcfs | deadline (see policy.py)
     drop_late: bool = False                  # deadline policy: reject requests that can no longer meet their TTFT
-    metrics_file: str | None = None          # JSONL metrics snapshots
-    metrics_prom: str | None = None          # Prometheus text file, rewritten at each snapshot
-    metrics_interval: int = 1                # steps between snapshots
 
     @property
     def key_scheme(self) -> str | None:
@@ -143,6 +140,3 @@ class EngineConfig:
             raise NanoError("--drop-late needs --policy deadline")
         checks.integer("--seed", self.seed)
         checks.integer("--tp", self.tp, low=1)
-        checks.writable_file("--metrics-file", self.metrics_file)
-        checks.writable_file("--metrics-prom", self.metrics_prom)
-        checks.integer("--metrics-interval", self.metrics_interval, low=1)

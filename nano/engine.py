@@ -14,7 +14,7 @@ from nano.clock import Clock
 from nano.config import EngineConfig
 from nano.cost_model import CostModel, StepCoefficients
 from nano.errors import NanoError
-from nano.metrics import Metrics, MetricsWriter, QueueState
+from nano.metrics import Metrics, QueueState
 from nano.plan import SchedulerOutput, decode_context, is_decode
 from nano.sampler import Sampler
 from nano.scheduler import Scheduler
@@ -45,8 +45,6 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len,
                                    self.kv_bytes_per_token, self.cost)
         self.metrics = Metrics(shard.num_blocks)
-        self.metrics_writer = (MetricsWriter(config.metrics_file, config.metrics_prom)
-                               if config.metrics_file or config.metrics_prom else None)
         self.rng = np.random.default_rng(config.seed % 2**64)  # any int seed, as the sampler's
         self.next_id = 0
         self.arrival_times: list[float] = []  # of every request added, for the arrived count
@@ -166,13 +164,6 @@ class LLMEngine:
                              *self.group.take_all_reduce_stats())
         for seq in finished:
             self.metrics.on_finish(seq)
-        if self.metrics_writer and self.metrics.steps % self.config.metrics_interval == 0:
-            self.metrics_writer.write(self.snapshot(now))
-
-    def snapshot(self, now: float) -> dict:
-        """The metrics snapshot as of now: between steps too (an abort frees blocks without one)."""
-        self.metrics.kv_occupancy = 1 - self.block_manager.num_free_blocks / self.block_manager.num_blocks
-        return self.metrics.snapshot(now, self.queue_state(now))
 
     def queue_state(self, now: float) -> QueueState:
         s = self.scheduler

@@ -47,10 +47,6 @@ class SchedulerOutput:
     admitted: list[Sequence] = field(default_factory=list)  # newly given blocks from the waiting queue
     finished: list[Sequence] = field(default_factory=list)  # ended by the scheduler (rejected, or out of KV)
 
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
     def rows(self) -> list[tuple[Sequence, int]]:
         """The scheduled sequences in the forward pass's row order: decodes first (stable)."""
         return sorted(self.scheduled, key=lambda item: not is_decode(item[1]))

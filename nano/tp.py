@@ -124,12 +124,3 @@ def tied_lm_head(cfg: ModelConfig, names) -> bool:
     """Whether the LM head is the embedding: config.json says so, or the checkpoint has no
     lm_head.weight of its own."""
     return cfg.tie_word_embeddings or "lm_head.weight" not in names
-
-
-def shard_num_params(cfg: ModelConfig, part: Partition, bias: bool, tied: bool) -> int:
-    """Weights one rank holds (what load_model loads), from shapes alone: for the capacity report."""
-    h, d, inter = cfg.hidden_size, cfg.head_dim, part.inter.stop - part.inter.start
-    qkv_rows = (part.num_heads + 2 * part.num_kv_heads) * d
-    per_layer = (qkv_rows * h + bias * qkv_rows + h * part.num_heads * d  # qkv (+ bias), o_proj
-                 + 3 * h * inter + 2 * h)                                  # gate/up/down, norms
-    return cfg.num_layers * per_layer + cfg.vocab_size * h * (1 if tied else 2) + h

@@ -17,10 +17,10 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
 
 import openai  # noqa: E402
+from test_server import Running  # noqa: E402
 
 from nano.llm import LLM  # noqa: E402
 from nano.sequence import SamplingParams  # noqa: E402
-from test_server import Running  # noqa: E402
 
 KV = 300 * 10**6
 

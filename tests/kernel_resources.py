@@ -9,7 +9,6 @@ from cupy_backends.cuda.libs import nvrtc
 
 from nano import kernels
 
-
 # Itanium ABI codes of the template arguments the kernels use: ints (Li64E), the builtin
 # signed char (a: int8_t), unsigned short (t), and named types (6__half, 5uint4).
 _TEMPLATE_ARG = re.compile(r"Li(-?\d+)E|(a)|(t)|(\d+)")

@@ -14,11 +14,11 @@ import sys
 import time
 
 import pytest
+from test_cli import ROOT, assert_one_line_error, run_cli
 
 import run
 from nano import LLM, SamplingParams
 from nano.errors import NanoError
-from test_cli import ROOT, assert_one_line_error, run_cli
 from test_stress import check_invariants
 
 FAST = ["--no-chat", "--num-blocks", "256"]  # a small pool starts quickly

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 pytest.importorskip("cupy")  # nano/kernels.py imports it
+from test_kernels import assert_close, assert_quantized_close, f16, make_cache, rope_table  # noqa: E402
+
 from cuda_host import cupy_stub, emulator  # noqa: E402
 from nano import kernels, ops  # noqa: E402
 from nano.kv_cache import LayerKV  # noqa: E402
-from test_kernels import assert_close, assert_quantized_close, f16, make_cache, rope_table  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -10,6 +10,7 @@ from nano.clock import Clock
 from nano.config import EngineConfig
 from nano.engine import LLMEngine
 from nano.sequence import SamplingParams
+from nano.telemetry.export import MetricsWriter
 
 
 class SimulatedClock(Clock):
@@ -112,7 +113,8 @@ def test_drop_late_rejects_what_cannot_make_it(tiny_model):
 def test_snapshot_counts_add_up(tiny_model, tmp_path):
     jsonl, prom = tmp_path / "m.jsonl", tmp_path / "m.prom"
     engine = simulated_engine(tiny_model, policy="deadline", num_blocks=24, block_size=8, watermark=0.0,
-                              max_num_batched_tokens=48, metrics_file=str(jsonl), metrics_prom=str(prom))
+                              max_num_batched_tokens=48)
+    writer = MetricsWriter(str(jsonl), str(prom))
     rng = np.random.default_rng(3)
     for i in range(40):
         # an empty prompt, and some longer than the whole pool (192 tokens): rejected on arrival
@@ -121,6 +123,7 @@ def test_snapshot_counts_add_up(tiny_model, tmp_path):
         engine.add_request(prompt, params, arrival_time=float(rng.uniform(0, 2)))
     while engine.has_unfinished():
         engine.step()
+        writer.after_step(engine)
     snaps = [json.loads(line) for line in jsonl.read_text().splitlines()]
     assert len(snaps) == engine.metrics.steps
     for s in snaps:

@@ -206,22 +206,22 @@ def test_back_pressure_holds_blocks_on_the_prefill_side(tiny_model):
     nodes = cluster([prefill], [decode], links)
     seen = Counter()
     d = nodes[1].instance
-    adopt = d.engine.scheduler.adopt
+    reserve = d.engine.scheduler.reserve
 
-    def checked_adopt(seq):
-        taken = adopt(seq)
+    def checked_reserve(seq):
+        taken = reserve(seq)
         if taken is True:
             seen["adopted"] += 1
             assert d.engine.block_manager.num_free_blocks >= d.engine.scheduler.watermark_blocks
         return taken
-    d.engine.scheduler.adopt = checked_adopt
+    d.engine.scheduler.reserve = checked_reserve
 
     def watch(nodes):
         p = nodes[0].instance
         if d.offers:
             seen["offers waiting"] += 1
             assert len(links.payloads) >= len(d.offers)  # not received: still the prefill side's
-        if p.engine.scheduler.parked and p.engine.scheduler.waiting:
+        if p.engine.scheduler.held and p.engine.scheduler.waiting:
             seen["prefill blocked"] += 1
     results = serve(nodes, prompts, params, watch)
     assert seen["offers waiting"] > 0 and seen["prefill blocked"] > 0 and seen["adopted"] == 16, seen
@@ -393,10 +393,10 @@ def test_ctrl_c_on_either_instance_ends_both(tmp_path, tiny_model, rank):
 # ---- figures: the pools' signals, interference, the P:D estimate --------------------------------
 def test_pool_snapshots_carry_each_pools_queue_and_occupancy(tiny_model, tmp_path):
     from nano.disagg.metrics import pool_prometheus_text
-    from nano.metrics import MetricsWriter
+    from nano.telemetry.export import MetricsWriter
     config = tiny_config(tiny_model)
     nodes = cluster([config], [config])
-    writer = MetricsWriter(str(tmp_path / "m.jsonl"), str(tmp_path / "m.prom"), pool_prometheus_text)
+    writer = MetricsWriter(str(tmp_path / "m.jsonl"), str(tmp_path / "m.prom"), prom_text=pool_prometheus_text)
     nodes[0].router.on_snapshot = writer.write
     prompts, params = workload(5, 30)
     serve(nodes, prompts, params)

@@ -33,6 +33,7 @@ def test_gpu_engine_path_matches_cpu_on_the_emulator(tmp_path):
 def emulate_gpu() -> None:
     """Make `import cupy` give the emulator's stand-in, with a NumPy GEMM for cuBLAS."""
     import numpy as np
+
     from cuda_host import cupy_stub
     sys.modules["cupy"] = cupy_stub
     from nano import kernels
@@ -46,8 +47,9 @@ def emulate_gpu() -> None:
 
 def main(workdir: str) -> None:
     emulate_gpu()
-    from reference import make_random_model
     from test_engine_gpu import GPU_CONFIGS, check_gpu_configs, prompts_for
+
+    from reference import make_random_model
 
     model_dir = make_random_model(Path(workdir) / "model", max_pos=1024, dtype="float16", seed=7, **SHAPE)
     for engine, name, gpu in check_gpu_configs(model_dir, prompts_for(SHAPE["vocab"]), enforce_eager=True):

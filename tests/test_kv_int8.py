@@ -12,6 +12,7 @@ precision, int8 logits are within INT8_VS_FULL_TOL (the quantization error itsel
 """
 import numpy as np
 import pytest
+from test_equivalence import CONFIGS, shared_prefix_prompts
 
 from nano import ops
 from nano.bench.capacity import capacity_report
@@ -23,7 +24,6 @@ from nano.runner import ModelRunner
 from nano.sequence import SamplingParams
 from nano.weights import open_model
 from reference import assert_greedy_runs_agree
-from test_equivalence import CONFIGS, shared_prefix_prompts
 
 INT8_SCHEDULE_TOL = 1e-2
 INT8_VS_FULL_TOL = 5e-2

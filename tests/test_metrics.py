@@ -4,8 +4,7 @@ import json
 
 import pytest
 
-from nano.metrics import BUCKETS, MetricsWriter, histogram, prometheus_text
-
+from nano.telemetry.export import BUCKETS, MetricsWriter, histogram, prometheus_text
 
 text_string_to_metric_families = pytest.importorskip(  # a test-only requirement
     "prometheus_client.parser").text_string_to_metric_families

@@ -4,8 +4,8 @@ import math
 import numpy as np
 
 from nano import ops
-from nano.kv_cache import LayerKV
 from nano.config import ModelConfig
+from nano.kv_cache import LayerKV
 from nano.model import rope_cos_sin
 
 

@@ -13,8 +13,8 @@ from nano.sequence import SamplingParams, Status
 def check_invariants(engine: LLMEngine) -> None:
     bm, sched = engine.block_manager, engine.scheduler
     owners = Counter()
-    for seq in sched.running + sched.parked:  # parked: a disaggregated prefill's, blocks held
-        assert seq.status is (Status.RUNNING if seq in sched.running else Status.PARKED)
+    for seq in sched.running + sched.held:  # held: out of the batch with their blocks
+        assert seq.status is (Status.RUNNING if seq in sched.running else Status.HELD)
         assert len(set(seq.block_table)) == len(seq.block_table), "a sequence holds a block twice"
         assert len(seq.block_table) >= bm.num_blocks_for(seq.num_computed_tokens)
         owners.update(seq.block_table)
@@ -36,7 +36,7 @@ def check_invariants(engine: LLMEngine) -> None:
     assert len(host) + len(bm.free_host_blocks) == bm.num_swap_blocks
     for seq in sched.waiting:
         assert seq.status is Status.WAITING and not seq.block_table
-    ids = [s.seq_id for s in sched.running + sched.parked + list(sched.swapped) + list(sched.waiting)]
+    ids = [s.seq_id for s in sched.running + sched.held + list(sched.swapped) + list(sched.waiting)]
     assert len(ids) == len(set(ids)), "a sequence in two queues"
 
 

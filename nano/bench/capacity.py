@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from nano import kv_cache
-from nano.config import EngineConfig, max_model_len
+from nano.config import EngineConfig, ModelConfig, max_model_len
 from nano.device import Device, ranks_on_gpu, select_device
-from nano.tp import partition, shard_num_params, tied_lm_head
+from nano.tp import Partition, partition, tied_lm_head
 from nano.weights import open_model
 
 CONTEXTS = (512, 2048, 8192)  # the report's rows: those below the model context, then it
@@ -41,6 +41,15 @@ def measure_copy_bandwidth(xp, nbytes: int = 256 * 2**20, reps: int = 5) -> floa
             end.synchronize()
             times.append(xp.cuda.get_elapsed_time(begin, end) / 1e3)
     return 2 * nbytes / float(np.median(times[1:]))  # the first copy warms up
+
+
+def shard_num_params(cfg: ModelConfig, part: Partition, bias: bool, tied: bool) -> int:
+    """Weights one rank holds (what tp.load_model loads), from shapes alone."""
+    h, d, inter = cfg.hidden_size, cfg.head_dim, part.inter.stop - part.inter.start
+    qkv_rows = (part.num_heads + 2 * part.num_kv_heads) * d
+    per_layer = (qkv_rows * h + bias * qkv_rows + h * part.num_heads * d  # qkv (+ bias), o_proj
+                 + 3 * h * inter + 2 * h)                                  # gate/up/down, norms
+    return cfg.num_layers * per_layer + cfg.vocab_size * h * (1 if tied else 2) + h
 
 
 @dataclass

@@ -7,10 +7,11 @@ import sys
 from nano import checks
 from nano.bench import workload
 from nano.cli.offline import generate, run_all
-from nano.cli.output import describe, format_summary, write_summary
+from nano.cli.output import describe, metrics_writer, write_summary
 from nano.config import EngineConfig
 from nano.errors import NanoError
 from nano.sequence import SamplingParams
+from nano.telemetry.summary import format_summary, summarize
 
 
 def parse_range(text: str, name: str) -> tuple[int, int]:
@@ -54,8 +55,8 @@ def show_capacity(config: EngineConfig) -> None:
 def run_bench(args, engine, params: SamplingParams) -> int:
     inputs, per_request = bench_requests(args, engine, params)
     workload.warm_up(engine)
-    _, wall = generate(args.output, engine, [""] * len(inputs), inputs, per_request)
-    summary = engine.metrics.summary(wall)
+    _, wall = generate(args.output, engine, [""] * len(inputs), inputs, per_request, metrics_writer(args))
+    summary = summarize(engine.metrics, wall)
     print(format_summary(summary))
     write_summary(args.summary_json, summary)
     print(f"bench: {summary['output_tokens_per_s']:.1f} output tokens/s, "
@@ -75,8 +76,8 @@ def rate_bench(args, config: EngineConfig, params: SamplingParams) -> int:
             print(describe(engine), file=sys.stderr)
         inputs, per_request = bench_requests(args, engine, params)
         workload.warm_up(engine)
-        _, wall = run_all(engine, inputs, per_request, arrivals)
-        results[policy] = engine.metrics.summary(wall)
+        _, wall = run_all(engine, inputs, per_request, arrivals, metrics=metrics_writer(args))
+        results[policy] = summarize(engine.metrics, wall)
         print(f"--- {policy}\n{format_summary(results[policy])}")
         pool = getattr(engine.device.xp, "get_default_memory_pool", None)  # CuPy only
         del engine

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from nano.metrics import percentile
 from nano.sequence import SamplingParams
+from nano.telemetry.summary import percentile
 
 WORKLOADS = ("uniform", "mixed", "bursts")
 LOADS = {"below": 0.6, "near": 1.0, "above": 1.5}

@@ -1,12 +1,14 @@
 """Offline inference: a list of requests run to completion through the engine's public API
 (add_request, step), with progress, and --output written as requests finish."""
-from nano.cli.output import OutputFile, Progress, format_summary, print_completions, write_summary
+from nano.cli.output import OutputFile, Progress, metrics_writer, print_completions, write_summary
 from nano.cli.prompts import model_inputs
+from nano.telemetry.summary import format_summary, summarize
 
 
-def run_all(engine, inputs, per_request, arrivals=None, output=None):
+def run_all(engine, inputs, per_request, arrivals=None, output=None, metrics=None):
     """Generate everything (arrivals: seconds from now at which each request arrives; output:
-    an OutputFile that gets each request as it finishes). Returns (sequences, wall seconds)."""
+    an OutputFile that gets each request as it finishes; metrics: a MetricsWriter, given
+    every step). Returns (sequences, wall seconds)."""
     progress = Progress(len(inputs))
     start = engine.clock.now()
     seqs = [engine.add_request(p, sp, None if arrivals is None else start + t)
@@ -15,18 +17,20 @@ def run_all(engine, inputs, per_request, arrivals=None, output=None):
     while engine.has_unfinished():
         finished = engine.step()
         progress.update(len(finished), engine.metrics.generated_tokens)
+        if metrics:
+            metrics.after_step(engine)
         if output:
             for seq in finished:
                 output.write(index[seq.seq_id], seq)
     return seqs, engine.clock.now() - start
 
 
-def generate(path: str | None, engine, prompts, inputs, per_request):
+def generate(path: str | None, engine, prompts, inputs, per_request, metrics=None):
     """run_all, with --output written as requests finish and put in input order at the end,
     also on Ctrl-C or an error; then the TP ranks are told to stop."""
     output = OutputFile(path, prompts, engine.detokenize) if path else None
     try:
-        seqs, wall = run_all(engine, inputs, per_request, output=output)
+        seqs, wall = run_all(engine, inputs, per_request, output=output, metrics=metrics)
     finally:
         if output:
             output.close()
@@ -38,9 +42,9 @@ def run_prompts(args, engine, requests) -> int:
     """--prompt-file: every prompt's completion printed, then the run's summary."""
     prompts = [p for p, _ in requests]
     inputs = model_inputs(engine.tokenizer, prompts, chat=not args.no_chat)
-    seqs, wall = generate(args.output, engine, prompts, inputs, [sp for _, sp in requests])
+    seqs, wall = generate(args.output, engine, prompts, inputs, [sp for _, sp in requests], metrics_writer(args))
     print_completions(prompts, seqs, engine.detokenize)
-    summary = engine.metrics.summary(wall)
+    summary = summarize(engine.metrics, wall)
     print(format_summary(summary))
     write_summary(args.summary_json, summary)
     return 0

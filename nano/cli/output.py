@@ -6,7 +6,8 @@ import sys
 import time
 
 from nano import kv_cache
-from nano.errors import writing
+from nano.errors import NanoError, writing
+from nano.telemetry.export import MetricsWriter
 
 
 def describe(engine) -> str:
@@ -50,6 +51,27 @@ def _ranks(engine) -> str:
     return "\n".join(lines)
 
 
+def check_writable(flag: str, path: str | None) -> None:
+    """A file this process can create or overwrite, checked without touching it (so that a
+    run refuses a bad path before loading the model, and leaves the old file alone)."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise NanoError(f"cannot write {flag} {path}: it is a folder")
+    if not os.path.isdir(folder):
+        raise NanoError(f"cannot write {flag} {path}: no folder {folder}")
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise NanoError(f"cannot write {flag} {path}: permission denied")
+
+
+def metrics_writer(args) -> MetricsWriter | None:
+    """--metrics-file / --metrics-prom, every --metrics-interval steps."""
+    if not (args.metrics_file or args.metrics_prom):
+        return None
+    return MetricsWriter(args.metrics_file, args.metrics_prom, args.metrics_interval)
+
+
 def print_completions(prompts: list[str], seqs, detokenize) -> None:
     """Each prompt and its completion on stdout; a rejected request's reason on stderr."""
     for i, (prompt, seq) in enumerate(zip(prompts, seqs)):
@@ -57,27 +79,6 @@ def print_completions(prompts: list[str], seqs, detokenize) -> None:
             print(f"[{i}] rejected: {seq.error}", file=sys.stderr)
         else:
             print(f"[{i}] {prompt}\n{detokenize(seq)}\n")
-
-
-def format_summary(s: dict) -> str:
-    reasons = ", ".join(f"{k} {v}" for k, v in sorted(s["preemption_reasons"].items())) or "none"
-    return "\n".join([
-        f"requests            {s['requests']} ({s['rejected']} rejected)",
-        f"tokens              {s['prompt_tokens']} prompt, {s['generated_tokens']} generated",
-        f"wall time           {s['wall_s']:.2f} s",
-        f"throughput          {s['output_tokens_per_s']:.1f} output tok/s, {s['total_tokens_per_s']:.1f} total tok/s",
-        f"TTFT                p50 {s['ttft_p50_ms']:.1f} ms, p90 {s['ttft_p90_ms']:.1f} ms, p99 {s['ttft_p99_ms']:.1f} ms",
-        f"time per out token  p50 {s['tpot_p50_ms']:.1f} ms, p90 {s['tpot_p90_ms']:.1f} ms, p99 {s['tpot_p99_ms']:.1f} ms",
-        f"SLO attainment      {100 * s['slo_attainment']:.1f}% of requests, goodput {s['goodput_rps']:.2f} req/s; "
-        f"{s['served_late']} served late, {s['rejected_late']} rejected as late",
-        f"preemptions         {s['preemptions_swap']} swap, {s['preemptions_recompute']} recompute ({reasons})",
-        f"prefix cache hits   {100 * s['prefix_cache_hit_rate']:.1f}% of prompt tokens",
-        f"peak KV occupancy   {100 * s['peak_kv_occupancy']:.1f}%, {s['peak_running']} sequences in one step",
-        f"steps               {s['steps']}, mean {s['mean_step_ms']:.1f} ms",
-    ] + ([  # tensor parallelism only; the time includes waiting for the slowest rank
-        f"all-reduce          {s['all_reduce_ms_per_step']:.1f} ms and "
-        f"{s['all_reduce_bytes_per_step'] / 1e6:.2f} MB per step (mean, rank 0)",
-    ] if s["all_reduce_bytes_per_step"] else []))
 
 
 def write_summary(path: str | None, summary: dict) -> None:

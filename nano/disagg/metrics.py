@@ -3,7 +3,8 @@ the step figures summed over the instances, and what only this mode has: the KV 
 each pool's busy time, queue and occupancy, and how much prefill slowed decoding."""
 import numpy as np
 
-from nano.metrics import Metrics, percentile
+from nano.metrics import Metrics
+from nano.telemetry.summary import percentile, summarize
 
 
 def summary(router, wall: float) -> dict:
@@ -12,7 +13,7 @@ def summary(router, wall: float) -> dict:
     metrics = Metrics(1)
     for seq in router.results.values():
         metrics.on_finish(seq)
-    s = metrics.summary(wall)
+    s = summarize(metrics, wall)
     reports = list(router.reports.values())
     prefill = [r.summary for r in reports if r.rank in router.prefill]
     decode = [r.summary for r in reports if r.rank in router.decode]

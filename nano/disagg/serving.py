@@ -35,7 +35,6 @@ since p dealt with it. Exactly one instance reports each request's end.
 Times are each process's time.perf_counter(): CLOCK_MONOTONIC, one clock for all ranks
 on one host (the arrival trace, TTFT and TPOT mix ranks' times).
 """
-import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -44,6 +43,7 @@ import numpy as np
 from nano.disagg import kv_transfer
 from nano.errors import NanoError
 from nano.sequence import Sequence, Status
+from nano.telemetry.summary import summarize
 
 ROUTER = 0
 STALL_FRACTION = 0.1  # of a decode step's time, given to receiving handoffs between two steps
@@ -131,7 +131,7 @@ class Instance:
 
     def finish_stop(self) -> None:
         bm, m = self.engine.block_manager, self.engine.metrics
-        report = Report(self.rank, m.summary(self.engine.clock.now() - self.start), list(m.step_log),
+        report = Report(self.rank, summarize(m, self.engine.clock.now() - self.start), list(m.step_log),
                         self.stalls, bm.num_blocks - bm.num_free_blocks,
                         bm.num_swap_blocks - len(bm.free_host_blocks))
         self.link.send(ROUTER, ("final", report))
@@ -517,16 +517,15 @@ class Node:
 
 
 def launch(config, num_prefill: int, num_decode: int, make_requests, warm_up: bool = False,
-           on_result=None):
+           on_result=None, metrics=None):
     """This rank's part of a run under mpirun -n P+D. make_requests(engine) -> sequences
     (engine.make_sequence, arrival times in seconds after the start) runs on rank 0, which
-    returns (router, its engine, wall seconds) at the end; the other ranks return None."""
+    returns (router, its engine, wall seconds) at the end; the other ranks return None.
+    metrics: rank 0's MetricsWriter for the pools' snapshots (metrics.pool_prometheus_text)."""
     from nano import parallel
     from nano.bench import workload
     from nano.disagg.links import MpiLink
-    from nano.disagg.metrics import pool_prometheus_text
     from nano.engine import LLMEngine
-    from nano.metrics import MetricsWriter
 
     world = parallel.separate_ranks()
     with world.together():  # a failure on any rank, loading or reading requests, ends them all
@@ -534,7 +533,7 @@ def launch(config, num_prefill: int, num_decode: int, make_requests, warm_up: bo
             raise NanoError(f"--disagg {num_prefill}:{num_decode} needs {num_prefill + num_decode} MPI ranks, "
                             f"got {world.world}: run mpirun -n {num_prefill + num_decode} python run.py "
                             f"--disagg {num_prefill}:{num_decode} ...")
-        engine = LLMEngine(instance_config(config))
+        engine = LLMEngine(config)
         seqs = make_requests(engine) if world.rank == ROUTER else []
     if warm_up:
         workload.warm_up(engine)
@@ -542,10 +541,8 @@ def launch(config, num_prefill: int, num_decode: int, make_requests, warm_up: bo
     kind = PrefillInstance if world.rank < num_prefill else DecodeInstance
     node = Node(kind(engine, link))
     if world.rank == ROUTER:
-        writer = (MetricsWriter(config.metrics_file, config.metrics_prom, pool_prometheus_text)
-                  if config.metrics_file or config.metrics_prom else None)
         node.router = Router(link, num_prefill, num_decode, config.block_size, engine.clock, on_result,
-                             writer and _every(config.metrics_interval, writer.write))
+                             metrics and metrics.tick)
     world.comm.Barrier()  # everyone loaded and warmed up: the arrival trace starts now
     start = engine.clock.now()
     if node.router:
@@ -554,18 +551,6 @@ def launch(config, num_prefill: int, num_decode: int, make_requests, warm_up: bo
         node.router.add(seqs)
     run_node(node)
     return (node.router, engine, engine.clock.now() - start) if node.router else None
-
-
-def _every(n: int, write):
-    """write every n-th snapshot."""
-    count = 0
-
-    def maybe(snap):
-        nonlocal count
-        count += 1
-        if count % n == 0:
-            write(snap)
-    return maybe
 
 
 def run_node(node: Node) -> None:
@@ -584,8 +569,3 @@ def run_local(nodes: list[Node], on_tick=None) -> None:
                 node.tick()
         if on_tick:
             on_tick(nodes)
-
-
-def instance_config(config):
-    """An instance's engine config: the router writes the pool metrics, not the engines."""
-    return dataclasses.replace(config, metrics_file=None, metrics_prom=None)

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from nano.errors import NanoError
-from nano.metrics import prometheus_text
 from nano.sequence import SamplingParams, Sequence
+from nano.telemetry.export import prometheus_text, snapshot
 
 
 class Detokenizer:
@@ -56,9 +56,9 @@ class Job:
 class EngineThread(threading.Thread):
     """Owns the engine: inbox in, steps, text out. Stops when told (None in the inbox)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, metrics=None):
         super().__init__(name="nano-engine", daemon=True)
-        self.engine = engine
+        self.engine, self.metrics = engine, metrics  # metrics: a MetricsWriter (--metrics-file)
         self.inbox: queue.Queue = queue.Queue()  # ("add", job) | ("abort", job) | ("metrics", fn) | None
         self.jobs: list[Job] = []
         self.error: str | None = None
@@ -69,6 +69,8 @@ class EngineThread(threading.Thread):
                 if self.engine.has_unfinished():
                     self.engine.step()
                     self._publish()
+                    if self.metrics:
+                        self.metrics.after_step(self.engine)
         except Exception as e:  # a bug: every waiting client gets an error, /health says so
             self.error = f"{type(e).__name__}: {e}"
             for job in self.jobs:
@@ -90,7 +92,7 @@ class EngineThread(threading.Thread):
                 self.jobs.remove(value)
             elif kind == "metrics":
                 now = self.engine.clock.now()
-                value(prometheus_text(self.engine.snapshot(now)))
+                value(prometheus_text(snapshot(self.engine, now)))
         return True
 
     def _add(self, job: Job) -> None:

@@ -1,0 +1,111 @@
+"""The engine's signals for autoscalers and dashboards: a snapshot of its metrics and queues,
+appended to a JSONL file (--metrics-file) and, in the Prometheus text format, rewritten to a
+file (--metrics-prom) and served by the HTTP server (GET /metrics). Whoever drives the
+engine's steps writes them (MetricsWriter.after_step): the command line's loop, the
+server's engine thread; a disaggregated run's router writes its pools' instead."""
+import json
+import os
+
+import numpy as np
+
+from nano.errors import writing
+
+# Latency histogram bucket bounds in seconds (Prometheus style: cumulative, then +Inf).
+BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def histogram(values: list[float]) -> list[int]:
+    """Cumulative counts per bucket bound, then the total (+Inf)."""
+    counts = np.searchsorted(np.sort(values), BUCKETS, side="right").tolist() if values else [0] * len(BUCKETS)
+    return counts + [len(values)]
+
+
+def snapshot(engine, now: float) -> dict:
+    """The engine's metrics and queues as of now: between steps too (an abort frees blocks
+    without a step)."""
+    m, bm, queues = engine.metrics, engine.block_manager, engine.queue_state(now)
+    occupancy = 1 - bm.num_free_blocks / bm.num_blocks
+    return {
+        "time": now, "step": m.steps,
+        "arrived": queues.arrived, "finished": m.requests - m.rejected,
+        "running": queues.running, "waiting": queues.waiting, "swapped": queues.swapped,
+        "rejected": m.rejected,
+        "queue_depth_tokens": queues.queue_tokens,
+        "kv_occupancy": occupancy,
+        "ttft_histogram": histogram(m.ttft), "tpot_histogram": histogram(m.tpot),
+        "preemptions": {"swap": m.preemptions["swap"], "recompute": m.preemptions["recompute"]},
+        "prefix_cache_hit_rate": m.prefix_hits / m.prefix_queried if m.prefix_queried else 0.0,
+        "step_time": m.last_step_time,
+        "mean_step_time": m.step_time / m.steps if m.steps else 0.0,
+        "ttft_sum": float(sum(m.ttft)), "tpot_sum": float(sum(m.tpot)),
+    }
+
+
+def prometheus_text(snap: dict) -> str:
+    """One snapshot in the Prometheus text exposition format."""
+    lines = []
+
+    def metric(name, kind, help_text, samples):
+        lines.extend([f"# HELP nano_{name} {help_text}", f"# TYPE nano_{name} {kind}"])
+        lines.extend(f"nano_{name}{labels} {value}" for labels, value in samples)
+
+    metric("requests_arrived_total", "counter", "Requests that have arrived.", [("", snap["arrived"])])
+    metric("requests_finished_total", "counter", "Requests finished (not rejected).", [("", snap["finished"])])
+    metric("requests_rejected_total", "counter", "Requests rejected.", [("", snap["rejected"])])
+    for state in ("running", "waiting", "swapped"):
+        metric(f"requests_{state}", "gauge", f"Requests {state} now.", [("", snap[state])])
+    metric("queue_depth_tokens", "gauge", "Waiting prompt tokens plus remaining output tokens.",
+           [("", snap["queue_depth_tokens"])])
+    metric("kv_cache_occupancy", "gauge", "Fraction of KV blocks in use.", [("", snap["kv_occupancy"])])
+    metric("preemptions_total", "counter", "Preemptions by kind.",
+           [(f'{{kind="{k}"}}', v) for k, v in snap["preemptions"].items()])
+    metric("prefix_cache_hit_rate", "gauge", "Prompt tokens found in the prefix cache.",
+           [("", snap["prefix_cache_hit_rate"])])
+    metric("step_seconds", "gauge", "Duration of the last engine step.", [("", snap["step_time"])])
+    for name, key in (("time_to_first_token_seconds", "ttft"), ("time_per_output_token_seconds", "tpot")):
+        counts = snap[f"{key}_histogram"]
+        bounds = [str(b) for b in BUCKETS] + ["+Inf"]
+        metric(name, "histogram", f"Request {name.replace('_', ' ')}.",
+               [(f'_bucket{{le="{b}"}}', c) for b, c in zip(bounds, counts)]
+               + [("_sum", snap[f"{key}_sum"]), ("_count", counts[-1])])
+    return "\n".join(lines) + "\n"
+
+
+class MetricsWriter:
+    """Appends snapshots to a JSONL file and/or rewrites a Prometheus text file (atomically,
+    for a node exporter's textfile collector to pick up)."""
+
+    def __init__(self, jsonl_path: str | None, prom_path: str | None, interval: int = 1, prom_text=None):
+        self.jsonl_path, self.prom_path, self.interval = jsonl_path, prom_path, interval
+        self.prom_text = prom_text or prometheus_text
+        self.count = 0  # the engine's steps, or the snapshots ticked, so far
+        if jsonl_path:  # a new run starts a new file
+            with writing(jsonl_path):
+                open(jsonl_path, "w", encoding="utf-8").close()
+
+    def after_step(self, engine) -> None:
+        """Whoever drives the engine calls this after each step(): every interval-th step
+        the engine ran is written (a call after an idle step(), which ran nothing, is not)."""
+        self._at(engine.metrics.steps, lambda: snapshot(engine, engine.clock.now()))
+
+    def tick(self, snap: dict) -> None:
+        """One more snapshot made elsewhere (a disaggregated run's router): every interval-th
+        is written."""
+        self._at(self.count + 1, lambda: snap)
+
+    def _at(self, count: int, make_snapshot) -> None:
+        if count != self.count:
+            self.count = count
+            if count % self.interval == 0:
+                self.write(make_snapshot())
+
+    def write(self, snap: dict) -> None:
+        if self.jsonl_path:  # opened per snapshot: nothing is left open for anyone to close
+            with writing(self.jsonl_path), open(self.jsonl_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(snap) + "\n")
+        if self.prom_path:
+            tmp = self.prom_path + ".tmp"
+            with writing(self.prom_path):
+                with open(tmp, "w", encoding="utf-8") as f:
+                    f.write(self.prom_text(snap))
+                os.replace(tmp, self.prom_path)
