@@ -37,6 +37,19 @@ def test_hash_chains_over_the_parent():
     assert bm.match_prefix([9, 9, 3, 4, 5]) == []
 
 
+def test_same_block_after_another_parent_is_not_served():
+    """A block's hash names its whole prefix: b's second block holds the same tokens as a's,
+    but its KV was computed after other tokens, so c (b's prefix) must get b's block, not a's."""
+    bm = BlockManager(num_blocks=10, block_size=2, num_swap_blocks=0)
+    a = seq(0, [1, 2, 3, 4, 5])
+    b = seq(1, [9, 9, 3, 4, 5])
+    admit_and_compute(bm, a)
+    admit_and_compute(bm, b)
+    hits = bm.match_prefix([9, 9, 3, 4, 6])
+    assert hits == b.block_table[:2]
+    assert a.block_table[1] not in hits
+
+
 def test_hash_collision_is_verified(monkeypatch):
     monkeypatch.setattr(block_manager, "chain_hash", lambda parent, tokens: 42)  # everything collides
     bm = BlockManager(num_blocks=10, block_size=2, num_swap_blocks=0)
