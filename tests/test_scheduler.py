@@ -58,6 +58,36 @@ def test_fcfs_victims_are_the_most_recently_admitted_first():
     assert list(sched.waiting) == [c, d]  # back at the front, in their old order
 
 
+def test_admission_keeps_the_free_blocks_at_or_above_the_watermark():
+    # 10 blocks, watermark 2: a and b (4 blocks each) leave exactly 2 free, which is allowed;
+    # c (1 block) would leave 1, so it waits, in the queue, until a's blocks come back.
+    sched = make_scheduler(num_blocks=10, watermark=0.2)
+    a, b, c = request(sched, 4 * BLOCK), request(sched, 4 * BLOCK), request(sched, BLOCK)
+    out = step(sched)
+    assert out.admitted == [a, b] and list(sched.waiting) == [c]
+    assert sched.bm.num_free_blocks == 2
+    sched.finish(a, "stop")
+    assert step(sched).admitted == [c]
+
+
+def test_swapped_sequence_waits_for_the_watermark_while_others_run():
+    # 10 blocks, watermark 2: c, b (1 block each) and a (6) fill all but 2; at the first
+    # decode a, admitted last, needs a 7th block and is swapped out.
+    sched = make_scheduler(num_blocks=10, num_swap_blocks=10, preemption="swap", watermark=0.2)
+    c, b, a = request(sched, BLOCK), request(sched, BLOCK), request(sched, 6 * BLOCK)
+    step(sched)
+    assert [(p.seq, p.mode) for p in step(sched).preempted] == [(a, "swap")]
+    for _ in range(6):
+        step(sched)                          # c and b decode, into 3 blocks each
+    sched.finish(b, "stop")
+    assert sched.bm.num_free_blocks == 7     # a needs 7 back: 0 would be left, below 2
+    out = step(sched)
+    assert not out.blocks_to_swap_in and [s for s, _ in out.scheduled] == [c]
+    assert a.status is Status.SWAPPED
+    sched.finish(c, "stop")                  # nothing runs: the watermark is waived
+    assert step(sched).blocks_to_swap_in and a.status is Status.RUNNING
+
+
 def test_swapped_sequence_comes_back_below_the_watermark_when_nothing_runs():
     # 10 blocks, watermark 2. b (1 block) was admitted first, a (7 blocks) second.
     sched = make_scheduler(num_blocks=10, num_swap_blocks=10, preemption="swap", watermark=0.2)
