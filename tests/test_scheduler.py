@@ -17,10 +17,11 @@ COEF = (0.010, 0.001, 0.002, 0.0)
 seq_ids = itertools.count()
 
 
-def make_scheduler(num_blocks, num_swap_blocks=0, swap_bandwidth=1e9, **config_args) -> Scheduler:
+def make_scheduler(num_blocks, num_swap_blocks=0, swap_bandwidth=1e9, max_model_len=4096,
+                   **config_args) -> Scheduler:
     config = EngineConfig(block_size=BLOCK, enable_prefix_caching=False, **config_args)
     bm = BlockManager(num_blocks, BLOCK, num_swap_blocks, enable_prefix_caching=False)
-    return Scheduler(config, bm, max_model_len=4096, kv_bytes_per_token=KV_BYTES_PER_TOKEN,
+    return Scheduler(config, bm, max_model_len=max_model_len, kv_bytes_per_token=KV_BYTES_PER_TOKEN,
                      cost_model=CostModel(COEF, swap_bandwidth))
 
 
@@ -68,6 +69,25 @@ def test_admission_keeps_the_free_blocks_at_or_above_the_watermark():
     assert sched.bm.num_free_blocks == 2
     sched.finish(a, "stop")
     assert step(sched).admitted == [c]
+
+
+def test_never_fits_the_pool_is_rejected_at_once_and_does_not_block_the_queue():
+    # 10 blocks, watermark 2: one request can ever hold 8 blocks, 32 tokens. A prompt needs
+    # room for itself and one generated token: 31 fits exactly, 32 never does.
+    sched = make_scheduler(num_blocks=10, watermark=0.2)
+    too_long, fits = request(sched, 8 * BLOCK), request(sched, 8 * BLOCK - 1)
+    out = step(sched)
+    assert out.finished == [too_long] and too_long.finish_reason == "rejected"
+    assert "needs 9 KV blocks" in too_long.error and "can ever give one request 8" in too_long.error
+    assert out.admitted == [fits] and sched.bm.num_free_blocks == 2
+
+
+def test_never_fits_the_context_is_rejected_at_once_and_does_not_block_the_queue():
+    sched = make_scheduler(num_blocks=1000, watermark=0.0, max_model_len=20)
+    too_long, fits = request(sched, 20), request(sched, 19)   # 19 + 1 generated = the context
+    out = step(sched)
+    assert out.finished == [too_long] and "model context of 20" in too_long.error
+    assert out.admitted == [fits]
 
 
 def test_swapped_sequence_waits_for_the_watermark_while_others_run():
