@@ -33,10 +33,35 @@ def request(sched, prompt_len, arrival=0.0, **params) -> Sequence:
     return seq
 
 
-def step(sched, now=0.0):
+class FakeKV:
+    """Stands in for the runner's pools: each slot holds (seq_id, position) of the token
+    whose KV was written there; swaps copy whole blocks as the runner does, out first."""
+
+    def __init__(self):
+        self.device, self.host = {}, {}
+
+    def run(self, out):
+        for dev, host in out.blocks_to_swap_out:
+            self.host[host] = list(self.device[dev])
+        for host, dev in out.blocks_to_swap_in:
+            self.device[dev] = list(self.host[host])
+        for seq, n in out.scheduled:
+            for t in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+                self.device.setdefault(seq.block_table[t // BLOCK], [None] * BLOCK)[t % BLOCK] = (seq.seq_id, t)
+
+    def check(self, seqs):
+        """Every computed token of each running sequence is where its block table says."""
+        for seq in seqs:
+            for t in range(seq.num_computed_tokens):
+                assert self.device[seq.block_table[t // BLOCK]][t % BLOCK] == (seq.seq_id, t), (seq, t)
+
+
+def step(sched, now=0.0, kv=None):
     """Schedule one step and do what the engine would: compute the scheduled tokens and
     sample one more token for every sequence whose prompt is now all computed."""
     out = sched.schedule(now)
+    if kv is not None:
+        kv.run(out)
     for seq, n in out.scheduled:
         seq.num_computed_tokens += n
         if seq.num_computed_tokens == seq.num_tokens:
@@ -106,6 +131,28 @@ def test_swapped_sequence_waits_for_the_watermark_while_others_run():
     assert a.status is Status.SWAPPED
     sched.finish(c, "stop")                  # nothing runs: the watermark is waived
     assert step(sched).blocks_to_swap_in and a.status is Status.RUNNING
+
+
+def test_swap_out_and_in_brings_every_token_back_to_its_slot():
+    sched = make_scheduler(num_blocks=10, num_swap_blocks=10, preemption="swap", watermark=0.0)
+    kv = FakeKV()
+    c, b, a = request(sched, BLOCK), request(sched, 2 * BLOCK + 1), request(sched, 5 * BLOCK + 2)
+    swapped_out = swapped_in = 0
+    for i in range(12):                        # a, admitted last, is swapped out at once
+        if i == 6:
+            sched.finish(b, "stop")            # room for a to come back while c runs
+        out = step(sched, kv=kv)
+        swapped_out += len(out.blocks_to_swap_out)
+        swapped_in += len(out.blocks_to_swap_in)
+        kv.check(sched.running)
+        if out.blocks_to_swap_out:
+            (p,) = out.preempted
+            assert p.mode == "swap" and [h for _, h in out.blocks_to_swap_out] == p.seq.block_table
+    assert swapped_in and swapped_out > swapped_in  # a out, back in, out again (still there)
+    assert a.status is Status.SWAPPED and len(sched.bm.free_host_blocks) == 10 - len(a.block_table)
+    for seq in (a, c):
+        sched.abort(seq)
+    assert len(sched.bm.free_host_blocks) == 10 and sched.bm.num_free_blocks == 10
 
 
 def test_swapped_sequence_comes_back_below_the_watermark_when_nothing_runs():
