@@ -155,6 +155,25 @@ def test_swap_out_and_in_brings_every_token_back_to_its_slot():
     assert len(sched.bm.free_host_blocks) == 10 and sched.bm.num_free_blocks == 10
 
 
+def test_recompute_victim_gives_its_blocks_up_and_goes_back_ahead_of_the_queue():
+    # 3 blocks: a and b (one block each) run, c (two blocks) waits; at the first decode a
+    # needs a second block and b, admitted last, is preempted by recompute.
+    sched = make_scheduler(num_blocks=3, preemption="recompute", watermark=0.0)
+    kv = FakeKV()
+    a, b, c = request(sched, BLOCK), request(sched, BLOCK), request(sched, 2 * BLOCK)
+    step(sched, kv=kv)
+    assert list(sched.waiting) == [c]
+    out = step(sched, kv=kv)
+    assert [(p.seq, p.mode) for p in out.preempted] == [(b, "recompute")]
+    assert b.status is Status.WAITING and b.num_computed_tokens == 0 and b.block_table == []
+    assert list(sched.waiting) == [b, c]       # it was admitted before c: first in line
+    assert len(a.block_table) == 2 and sched.bm.num_free_blocks == 1  # a grew into b's freed block
+    sched.finish(a, "stop")
+    out = step(sched, kv=kv)
+    assert out.admitted == [b] and out.scheduled == [(b, BLOCK + 1)]  # its prompt and its token, again
+    kv.check(sched.running)
+
+
 def test_swapped_sequence_comes_back_below_the_watermark_when_nothing_runs():
     # 10 blocks, watermark 2. b (1 block) was admitted first, a (7 blocks) second.
     sched = make_scheduler(num_blocks=10, num_swap_blocks=10, preemption="swap", watermark=0.2)
