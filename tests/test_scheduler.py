@@ -7,6 +7,7 @@ import pytest
 from nano.block_manager import BlockManager
 from nano.config import EngineConfig
 from nano.cost_model import CostModel
+from nano.plan import SchedulerOutput
 from nano.scheduler import Scheduler
 from nano.sequence import SamplingParams, Sequence, Status
 
@@ -60,6 +61,8 @@ def step(sched, now=0.0, kv=None):
     """Schedule one step and do what the engine would: compute the scheduled tokens and
     sample one more token for every sequence whose prompt is now all computed."""
     out = sched.schedule(now)
+    assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
+    assert len(out.scheduled) <= sched.config.max_num_seqs
     if kv is not None:
         kv.run(out)
     for seq, n in out.scheduled:
@@ -172,6 +175,36 @@ def test_recompute_victim_gives_its_blocks_up_and_goes_back_ahead_of_the_queue()
     out = step(sched, kv=kv)
     assert out.admitted == [b] and out.scheduled == [(b, BLOCK + 1)]  # its prompt and its token, again
     kv.check(sched.running)
+
+
+def test_chunked_prefill_fills_the_token_budget_and_never_exceeds_it():
+    sched = make_scheduler(num_blocks=100, watermark=0.0, max_num_batched_tokens=10)
+    kv = FakeKV()
+    seqs = [request(sched, n) for n in (3, 37, 15)]
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in seqs):
+        work = sum(s.num_uncomputed_tokens for s in seqs)
+        out = step(sched, kv=kv)               # (and step() checks the budget)
+        assert out.num_batched_tokens == min(10, work)  # no budget left unused while there is work
+        kv.check(sched.running)                # each chunk starts where the last one ended
+    assert all(s.num_output_tokens >= 1 for s in seqs)
+
+
+def test_a_step_holds_at_most_max_num_seqs_sequences():
+    sched = make_scheduler(num_blocks=100, watermark=0.0, max_num_seqs=2)
+    a, b, c = (request(sched, BLOCK) for _ in range(3))
+    assert [s for s, _ in step(sched).scheduled] == [a, b] and list(sched.waiting) == [c]
+
+
+def test_swapped_in_tokens_count_against_the_budget_of_admissions():
+    sched = make_scheduler(num_blocks=100, num_swap_blocks=10, preemption="swap", watermark=0.0,
+                           max_num_batched_tokens=8)
+    s = request(sched, 8)
+    step(sched)
+    sched._preempt(s, SchedulerOutput())
+    assert s.status is Status.SWAPPED
+    w = request(sched, 20)
+    out = step(sched)                          # s's decode comes back, w gets what is left
+    assert out.scheduled == [(s, 1), (w, 7)]
 
 
 def test_swapped_sequence_comes_back_below_the_watermark_when_nothing_runs():
