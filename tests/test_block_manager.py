@@ -1,4 +1,8 @@
 """Block manager unit tests: prefix hashing, sharing, LRU eviction, swap bookkeeping."""
+import random
+
+import pytest
+
 from nano import block_manager
 from nano.block_manager import BlockManager
 from nano.sequence import SamplingParams, Sequence
@@ -35,6 +39,36 @@ def test_hash_chains_over_the_parent():
     admit_and_compute(bm, seq(0, [1, 2, 3, 4, 5]))
     # Same second block [3, 4] after a different first block: no hit on it.
     assert bm.match_prefix([9, 9, 3, 4, 5]) == []
+
+
+def test_same_block_after_another_parent_is_not_served():
+    """A block's hash names its whole prefix: b's second block holds the same tokens as a's,
+    but its KV was computed after other tokens, so c (b's prefix) must get b's block, not a's."""
+    bm = BlockManager(num_blocks=10, block_size=2, num_swap_blocks=0)
+    a = seq(0, [1, 2, 3, 4, 5])
+    b = seq(1, [9, 9, 3, 4, 5])
+    admit_and_compute(bm, a)
+    admit_and_compute(bm, b)
+    hits = bm.match_prefix([9, 9, 3, 4, 6])
+    assert hits == b.block_table[:2]
+    assert a.block_table[1] not in hits
+
+
+def test_a_shared_block_stays_held_until_its_last_sharer_frees_it():
+    bm = BlockManager(num_blocks=4, block_size=2, num_swap_blocks=0)
+    a, b = seq(0, [1, 2, 3]), seq(1, [1, 2, 4])
+    admit_and_compute(bm, a)
+    admit_and_compute(bm, b)
+    shared = a.block_table[0]
+    assert b.block_table[0] == shared and bm.blocks[shared].ref_count == 2
+    bm.free(a)
+    assert bm.blocks[shared].ref_count == 1 and shared not in bm.free_blocks
+    c = seq(2, [7, 8, 9, 10])                  # takes both free blocks: never b's
+    bm.admit(c, [])
+    assert shared not in c.block_table and bm.num_free_blocks == 0
+    tail = b.block_table[1]
+    bm.free(b)
+    assert list(bm.free_blocks) == [tail, shared] and bm.blocks[shared].ref_count == 0
 
 
 def test_hash_collision_is_verified(monkeypatch):
@@ -90,3 +124,66 @@ def test_swap_out_and_in_round_trip():
     back = bm.swap_in(a)
     assert [h for h, _ in back] == [h for _, h in out]
     assert len(bm.free_host_blocks) == 4 and bm.num_free_blocks == 3
+
+
+def check_invariants(bm, running, swapped):
+    """Every device block is free (ref count 0, in the free queue) or held: its ref count is
+    the number of running tables listing it, and one shared by two tables is a registered
+    prefix block at the same index in both; host blocks are each free or in one swapped table."""
+    holders = {}
+    for s in running:
+        assert len(set(s.block_table)) == len(s.block_table), s
+        assert len(s.block_table) >= bm.num_blocks_for(s.num_computed_tokens)
+        for i, b in enumerate(s.block_table):
+            holders.setdefault(b, []).append(i)
+    for block in bm.blocks:
+        at = holders.get(block.block_id, [])
+        assert block.ref_count == len(at), block.block_id
+        assert (block.block_id in bm.free_blocks) == (block.ref_count == 0), block.block_id
+        if len(at) > 1:
+            assert block.hash is not None and len(set(at)) == 1, block.block_id
+    for h, b in bm.hash_to_block.items():
+        assert bm.blocks[b].hash == h
+    host = [b for s in swapped for b in s.block_table] + bm.free_host_blocks
+    assert sorted(host) == list(range(bm.num_swap_blocks))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_walk_keeps_block_tables_consistent(seed):
+    """Admissions with shared prefixes, decode growth, frees, swaps out and in, in random order."""
+    rng = random.Random(seed)
+    bm = BlockManager(num_blocks=24, block_size=4, num_swap_blocks=16)
+    prefixes = [[rng.randrange(50) for _ in range(rng.randrange(4, 13))] for _ in range(3)]
+    running, swapped = [], []
+    for i in range(300):
+        op = rng.random()
+        if op < 0.3:
+            s = seq(i, rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 6))])
+            hits = bm.match_prefix(s.token_ids)
+            if bm.can_admit(s, hits, 0):
+                admit_and_compute(bm, s)
+                running.append(s)
+        elif op < 0.6 and running:             # a decode: one more token, its slot, its KV
+            s = rng.choice(running)
+            if bm.blocks_to_grow(s, 1) <= bm.num_free_blocks:
+                bm.grow(s, 1)
+                s.num_computed_tokens += 1
+                s.token_ids.append(rng.randrange(50))
+                bm.register_full_blocks(s)
+        elif op < 0.75 and running:
+            s = running.pop(rng.randrange(len(running)))
+            bm.free(s)
+        elif op < 0.85 and running:
+            s = rng.choice(running)
+            if bm.can_swap_out(s):
+                running.remove(s)
+                bm.swap_out(s)
+                swapped.append(s)
+        elif swapped:
+            s = swapped[0]
+            if rng.random() < 0.2:
+                bm.free_swapped(swapped.pop(0))
+            elif bm.can_swap_in(s, 0, 0):
+                bm.swap_in(swapped.pop(0))
+                running.append(s)
+        check_invariants(bm, running, swapped)

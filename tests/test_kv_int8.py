@@ -90,8 +90,39 @@ def test_quantize_round_trip_and_zero_rows():
     values, scales = ops.quantize(x)
     assert values.dtype == np.int8 and scales.dtype == np.float16
     assert np.abs(values).max() == 127 and not values[4, 1].any() and scales[4, 1] == 0
+    rows = np.abs(values).max(axis=-1)          # one scale per (token, head): every nonzero row reaches 127
+    assert (rows[scales > 0] == 127).all() and (scales > 0).sum() == 50 * 3 - 1
     step = scales.astype(np.float32)[..., None]
     assert np.all(np.abs(values * step - x) <= 0.5 * step + 1e-3 * np.abs(x))
+
+
+@pytest.mark.parametrize("scheme", KEY_SCHEMES)
+def test_values_and_their_scales_are_written_at_their_slots(scheme):
+    """Each token's V goes, quantized with its own scale per KV head, to its slot; a slot
+    of -1 (already cached) is left alone."""
+    rng = np.random.default_rng(1)
+    t, nkv, d, bs = 5, 2, 16, 4
+    cfg = ModelConfig.from_hf(dict(hidden_size=2 * nkv * d, intermediate_size=8, num_hidden_layers=1,
+                                   num_attention_heads=2 * nkv, num_key_value_heads=nkv, vocab_size=8))
+    q, k, v = (rng.normal(size=(t, n, d)).astype(np.float32) for n in (2 * nkv, nkv, nkv))
+    v[1, 0] *= 30                                # one large (token, head) row
+    pool = KVCache(np, 1, 3, nkv, bs, d, np.float32, "int8", scheme)
+    if scheme == "channel":
+        pool.k_channel_scale = np.ones((1, nkv, d), np.float32)
+    cache = pool.layer(0)
+    slots = np.array([9, 10, 2, -1, 3], np.int32)   # blocks 2, 2, 0, skipped, 0
+    ops.rope_store_kvcache(q, k, v, np.arange(t), rope_cos_sin(cfg, 8), cache, slots)
+    for i, slot in enumerate(slots):
+        if slot < 0:
+            continue
+        b, o = divmod(int(slot), bs)
+        scale = cache.v_scale[b, :, o].astype(np.float32)
+        np.testing.assert_allclose(scale, np.abs(v[i]).max(axis=-1) / 127, rtol=1e-3)
+        np.testing.assert_allclose(cache.v[b, :, o] * scale[:, None], v[i], atol=0.51 * scale.max())
+    untouched = np.ones((3, bs), bool)
+    untouched.flat[slots[slots >= 0]] = False
+    assert not np.moveaxis(cache.v_scale, 1, -1)[untouched].any()
+    assert not np.moveaxis(cache.k_scale, 1, -1)[untouched].any()
 
 
 def test_key_schemes_keep_q_dot_k():

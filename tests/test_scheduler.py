@@ -7,6 +7,7 @@ import pytest
 from nano.block_manager import BlockManager
 from nano.config import EngineConfig
 from nano.cost_model import CostModel
+from nano.plan import SchedulerOutput
 from nano.scheduler import Scheduler
 from nano.sequence import SamplingParams, Sequence, Status
 
@@ -17,10 +18,11 @@ COEF = (0.010, 0.001, 0.002, 0.0)
 seq_ids = itertools.count()
 
 
-def make_scheduler(num_blocks, num_swap_blocks=0, swap_bandwidth=1e9, **config_args) -> Scheduler:
+def make_scheduler(num_blocks, num_swap_blocks=0, swap_bandwidth=1e9, max_model_len=4096,
+                   **config_args) -> Scheduler:
     config = EngineConfig(block_size=BLOCK, enable_prefix_caching=False, **config_args)
     bm = BlockManager(num_blocks, BLOCK, num_swap_blocks, enable_prefix_caching=False)
-    return Scheduler(config, bm, max_model_len=4096, kv_bytes_per_token=KV_BYTES_PER_TOKEN,
+    return Scheduler(config, bm, max_model_len=max_model_len, kv_bytes_per_token=KV_BYTES_PER_TOKEN,
                      cost_model=CostModel(COEF, swap_bandwidth))
 
 
@@ -32,10 +34,37 @@ def request(sched, prompt_len, arrival=0.0, **params) -> Sequence:
     return seq
 
 
-def step(sched, now=0.0):
+class FakeKV:
+    """Stands in for the runner's pools: each slot holds (seq_id, position) of the token
+    whose KV was written there; swaps copy whole blocks as the runner does, out first."""
+
+    def __init__(self):
+        self.device, self.host = {}, {}
+
+    def run(self, out):
+        for dev, host in out.blocks_to_swap_out:
+            self.host[host] = list(self.device[dev])
+        for host, dev in out.blocks_to_swap_in:
+            self.device[dev] = list(self.host[host])
+        for seq, n in out.scheduled:
+            for t in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+                self.device.setdefault(seq.block_table[t // BLOCK], [None] * BLOCK)[t % BLOCK] = (seq.seq_id, t)
+
+    def check(self, seqs):
+        """Every computed token of each running sequence is where its block table says."""
+        for seq in seqs:
+            for t in range(seq.num_computed_tokens):
+                assert self.device[seq.block_table[t // BLOCK]][t % BLOCK] == (seq.seq_id, t), (seq, t)
+
+
+def step(sched, now=0.0, kv=None):
     """Schedule one step and do what the engine would: compute the scheduled tokens and
     sample one more token for every sequence whose prompt is now all computed."""
     out = sched.schedule(now)
+    assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
+    assert len(out.scheduled) <= sched.config.max_num_seqs
+    if kv is not None:
+        kv.run(out)
     for seq, n in out.scheduled:
         seq.num_computed_tokens += n
         if seq.num_computed_tokens == seq.num_tokens:
@@ -56,6 +85,126 @@ def test_fcfs_victims_are_the_most_recently_admitted_first():
     assert [p.seq for p in out.preempted] == [d, c]
     assert [s for s, _ in out.scheduled] == [a, b]
     assert list(sched.waiting) == [c, d]  # back at the front, in their old order
+
+
+def test_admission_keeps_the_free_blocks_at_or_above_the_watermark():
+    # 10 blocks, watermark 2: a and b (4 blocks each) leave exactly 2 free, which is allowed;
+    # c (1 block) would leave 1, so it waits, in the queue, until a's blocks come back.
+    sched = make_scheduler(num_blocks=10, watermark=0.2)
+    a, b, c = request(sched, 4 * BLOCK), request(sched, 4 * BLOCK), request(sched, BLOCK)
+    out = step(sched)
+    assert out.admitted == [a, b] and list(sched.waiting) == [c]
+    assert sched.bm.num_free_blocks == 2
+    sched.finish(a, "stop")
+    assert step(sched).admitted == [c]
+
+
+def test_never_fits_the_pool_is_rejected_at_once_and_does_not_block_the_queue():
+    # 10 blocks, watermark 2: one request can ever hold 8 blocks, 32 tokens. A prompt needs
+    # room for itself and one generated token: 31 fits exactly, 32 never does.
+    sched = make_scheduler(num_blocks=10, watermark=0.2)
+    too_long, fits = request(sched, 8 * BLOCK), request(sched, 8 * BLOCK - 1)
+    out = step(sched)
+    assert out.finished == [too_long] and too_long.finish_reason == "rejected"
+    assert "needs 9 KV blocks" in too_long.error and "can ever give one request 8" in too_long.error
+    assert out.admitted == [fits] and sched.bm.num_free_blocks == 2
+
+
+def test_never_fits_the_context_is_rejected_at_once_and_does_not_block_the_queue():
+    sched = make_scheduler(num_blocks=1000, watermark=0.0, max_model_len=20)
+    too_long, fits = request(sched, 20), request(sched, 19)   # 19 + 1 generated = the context
+    out = step(sched)
+    assert out.finished == [too_long] and "model context of 20" in too_long.error
+    assert out.admitted == [fits]
+
+
+def test_swapped_sequence_waits_for_the_watermark_while_others_run():
+    # 10 blocks, watermark 2: c, b (1 block each) and a (6) fill all but 2; at the first
+    # decode a, admitted last, needs a 7th block and is swapped out.
+    sched = make_scheduler(num_blocks=10, num_swap_blocks=10, preemption="swap", watermark=0.2)
+    c, b, a = request(sched, BLOCK), request(sched, BLOCK), request(sched, 6 * BLOCK)
+    step(sched)
+    assert [(p.seq, p.mode) for p in step(sched).preempted] == [(a, "swap")]
+    for _ in range(6):
+        step(sched)                          # c and b decode, into 3 blocks each
+    sched.finish(b, "stop")
+    assert sched.bm.num_free_blocks == 7     # a needs 7 back: 0 would be left, below 2
+    out = step(sched)
+    assert not out.blocks_to_swap_in and [s for s, _ in out.scheduled] == [c]
+    assert a.status is Status.SWAPPED
+    sched.finish(c, "stop")                  # nothing runs: the watermark is waived
+    assert step(sched).blocks_to_swap_in and a.status is Status.RUNNING
+
+
+def test_swap_out_and_in_brings_every_token_back_to_its_slot():
+    sched = make_scheduler(num_blocks=10, num_swap_blocks=10, preemption="swap", watermark=0.0)
+    kv = FakeKV()
+    c, b, a = request(sched, BLOCK), request(sched, 2 * BLOCK + 1), request(sched, 5 * BLOCK + 2)
+    swapped_out = swapped_in = 0
+    for i in range(12):                        # a, admitted last, is swapped out at once
+        if i == 6:
+            sched.finish(b, "stop")            # room for a to come back while c runs
+        out = step(sched, kv=kv)
+        swapped_out += len(out.blocks_to_swap_out)
+        swapped_in += len(out.blocks_to_swap_in)
+        kv.check(sched.running)
+        if out.blocks_to_swap_out:
+            (p,) = out.preempted
+            assert p.mode == "swap" and [h for _, h in out.blocks_to_swap_out] == p.seq.block_table
+    assert swapped_in and swapped_out > swapped_in  # a out, back in, out again (still there)
+    assert a.status is Status.SWAPPED and len(sched.bm.free_host_blocks) == 10 - len(a.block_table)
+    for seq in (a, c):
+        sched.abort(seq)
+    assert len(sched.bm.free_host_blocks) == 10 and sched.bm.num_free_blocks == 10
+
+
+def test_recompute_victim_gives_its_blocks_up_and_goes_back_ahead_of_the_queue():
+    # 3 blocks: a and b (one block each) run, c (two blocks) waits; at the first decode a
+    # needs a second block and b, admitted last, is preempted by recompute.
+    sched = make_scheduler(num_blocks=3, preemption="recompute", watermark=0.0)
+    kv = FakeKV()
+    a, b, c = request(sched, BLOCK), request(sched, BLOCK), request(sched, 2 * BLOCK)
+    step(sched, kv=kv)
+    assert list(sched.waiting) == [c]
+    out = step(sched, kv=kv)
+    assert [(p.seq, p.mode) for p in out.preempted] == [(b, "recompute")]
+    assert b.status is Status.WAITING and b.num_computed_tokens == 0 and b.block_table == []
+    assert list(sched.waiting) == [b, c]       # it was admitted before c: first in line
+    assert len(a.block_table) == 2 and sched.bm.num_free_blocks == 1  # a grew into b's freed block
+    sched.finish(a, "stop")
+    out = step(sched, kv=kv)
+    assert out.admitted == [b] and out.scheduled == [(b, BLOCK + 1)]  # its prompt and its token, again
+    kv.check(sched.running)
+
+
+def test_chunked_prefill_fills_the_token_budget_and_never_exceeds_it():
+    sched = make_scheduler(num_blocks=100, watermark=0.0, max_num_batched_tokens=10)
+    kv = FakeKV()
+    seqs = [request(sched, n) for n in (3, 37, 15)]
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in seqs):
+        work = sum(s.num_uncomputed_tokens for s in seqs)
+        out = step(sched, kv=kv)               # (and step() checks the budget)
+        assert out.num_batched_tokens == min(10, work)  # no budget left unused while there is work
+        kv.check(sched.running)                # each chunk starts where the last one ended
+    assert all(s.num_output_tokens >= 1 for s in seqs)
+
+
+def test_a_step_holds_at_most_max_num_seqs_sequences():
+    sched = make_scheduler(num_blocks=100, watermark=0.0, max_num_seqs=2)
+    a, b, c = (request(sched, BLOCK) for _ in range(3))
+    assert [s for s, _ in step(sched).scheduled] == [a, b] and list(sched.waiting) == [c]
+
+
+def test_swapped_in_tokens_count_against_the_budget_of_admissions():
+    sched = make_scheduler(num_blocks=100, num_swap_blocks=10, preemption="swap", watermark=0.0,
+                           max_num_batched_tokens=8)
+    s = request(sched, 8)
+    step(sched)
+    sched._preempt(s, SchedulerOutput())
+    assert s.status is Status.SWAPPED
+    w = request(sched, 20)
+    out = step(sched)                          # s's decode comes back, w gets what is left
+    assert out.scheduled == [(s, 1), (w, 7)]
 
 
 def test_swapped_sequence_comes_back_below_the_watermark_when_nothing_runs():
