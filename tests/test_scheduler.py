@@ -61,7 +61,7 @@ def step(sched, now=0.0, kv=None):
     """Schedule one step and do what the engine would: compute the scheduled tokens and
     sample one more token for every sequence whose prompt is now all computed."""
     out = sched.schedule(now)
-    assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
+    assert sum(n for _, n in out.scheduled) <= sched.config.max_num_batched_tokens
     assert len(out.scheduled) <= sched.config.max_num_seqs
     if kv is not None:
         kv.run(out)
@@ -184,7 +184,7 @@ def test_chunked_prefill_fills_the_token_budget_and_never_exceeds_it():
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in seqs):
         work = sum(s.num_uncomputed_tokens for s in seqs)
         out = step(sched, kv=kv)               # (and step() checks the budget)
-        assert out.num_batched_tokens == min(10, work)  # no budget left unused while there is work
+        assert sum(n for _, n in out.scheduled) == min(10, work)  # no budget left unused while there is work
         kv.check(sched.running)                # each chunk starts where the last one ended
     assert all(s.num_output_tokens >= 1 for s in seqs)
 
