@@ -194,12 +194,19 @@ struct DecodePath<HEAD_DIM, GROUP, __half> {
 // (half the bytes) and both products run on __dp4a (4 int8 multiply-adds into int32, no
 // int -> float conversions): q * scale is put in 15-bit fixed point per head once per block,
 // and p' = p * scale_v per head and tile, each split into a hi and a lo int8 (x = 256 hi +
-// lo). Both sums are then exact; the only rounding is that of q and p' to 15 bits (relative
-// 2^-16 of the largest, far below float16 output rounding).
+// lo). Both sums are then exact; the only rounding is that of q and p' to 15 bits, relative
+// 2^-16 of each one's largest element. That is far below float16 output rounding except
+// where q's elements differ widely in size: under the "channel" key scheme q arrives
+// multiplied by channel scales down to 2^-6, its small channels keep fewer bits, and K / s
+// makes their keys large. Measured on the emulator against the float32 reference (keys whose
+// channels do not follow the calibration, scales 2^-6 to 1): decode error up to 1.6e-3 max /
+// 9e-4 relative L2, against ~3e-4 / 2.3e-4 for the other schemes and for prefill
+// (docs/perf_notes.md); a third q byte would remove it at 50% more __dp4a in the scores.
 template <int HEAD_DIM, int GROUP>
 struct DecodePath<HEAD_DIM, GROUP, int8_t> {
     // FIXED15 is the largest |x| whose hi and lo are int8: (x + 128) >> 8 and x - 256 hi.
     static constexpr int FIXED15 = 32639;
+    static constexpr float MIN_PV = 0x1p-100f;  // the smallest tile maximum of p' that is kept
     __device__ __forceinline__ static int fixed15_hi(int x) { return (x + 128) >> 8; }
     __device__ __forceinline__ static int fixed15_lo(int x) { return x - fixed15_hi(x) * 256; }
     static constexpr int CHUNKS = HEAD_DIM / 16;  // 16-byte chunks per K/V row
@@ -319,7 +326,10 @@ struct DecodePath<HEAD_DIM, GROUP, int8_t> {
 #pragma unroll
         for (int i = 0; i < TILE / 32; i++) pv_max = fmaxf(pv_max, pv[i]);
         pv_max = warp_reduce(pv_max, Max());
-        const float inv = pv_max > 0.0f ? FIXED15 / pv_max : 0.0f;
+        // Below MIN_PV, FIXED15 / pv_max would overflow (from ~1e-34) and inf or NaN go to int.
+        // Such a tile adds nothing: scale_v >= 2^-24 (the smallest float16) puts its every p
+        // under 2^-76 of the running max's p = 1, so its weights are all 0.
+        const float inv = pv_max > MIN_PV ? FIXED15 / pv_max : 0.0f;
 #pragma unroll
         for (int i = 0; i < TILE / 32; i++) {
             const int r = lane + 32 * i, at = 4 * (r % TOKEN_QUADS) + r / TOKEN_QUADS;
