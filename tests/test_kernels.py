@@ -16,7 +16,9 @@ attends over the same int8 values and float16 scales in float32; the kernels do 
 anything more than the float16 path does, but for q and p' = p * scale_v, which the decode
 kernel puts in 15-bit fixed point for its exact integer products (relative 2^-16 ~ 1.5e-5
 of the largest element: ~30x below one float16 output rounding), and prefill's int8 -> half
-staging is exact. So the float16 bounds hold with the same margin (observed ~3e-4 max).
+staging is exact. So the float16 bounds hold with the same margin (observed ~3e-4 max), but
+for decode under the "channel" key scheme: q * channel scale (down to 2^-6) loses bits in its
+small channels, up to 1.6e-3 max / 9e-4 relative L2 (cuda/paged_attention.cu).
 The int8 cache writes (rope_store_kvcache) are compared dequantized: the kernel's rotated
 K may differ from NumPy's in the last float32 bit (FMA contraction on the GPU), which can
 move a scale by one float16 rounding (<= 2^-10 relative) and a value by one quantization
