@@ -9,8 +9,7 @@
 // contiguous values (and nkv * block_size contiguous scales), which is what a swap copies.
 //
 // rope_store_kvcache<CacheT> (CacheT __half or int8_t): rotate-half RoPE on q and k, then k
-//   and v into their cache slots, in one launch (it replaces two copies, a RoPE kernel and a
-//   cache-write kernel: 4 launches per layer, 3 of them saved). q (T, nq, d), k, v (T, nkv,
+//   and v into their cache slots, in one launch per layer. q (T, nq, d), k, v (T, nkv,
 //   d) are views into the fused QKV output: rows strided (q_stride, kv_stride elements),
 //   heads and dims contiguous. positions (T,) int32; cos_sin (max_pos, d) float32 = [cos |
 //   sin]; slot_mapping (T,) int32, slot = block * block_size + offset, -1 = token already
@@ -34,16 +33,10 @@
 //   block_ids (n,) int32. Arrays are passed as bytes; Unit is the copy unit: uint4 when a
 //   block's chunk (prod(rest) * itemsize bytes) is a multiple of 16, else unsigned short (a
 //   block's scales are nkv * block_size * 2 bytes, under 16 for small blocks). Grid (n,
-//   L * 2): one thread block per (block, layer*2 + k/v) copies `chunk` units.
+//   L * 2), block 256: one thread block per (block, layer*2 + k/v) copies `chunk` units.
 //
 // Requires d % 16 == 0 and 16-byte aligned rows (checked in nano/kernels.py). Offsets are
-// 64-bit: a large cache has more than 2^31 elements.
-//
-// Version v3 (one rope_store_kvcache template for float16 and int8 caches: quantization, key
-// channel scale and Hadamard rotation in the same launch; byte-generic swaps of data and
-// scale pools): rope_store_kvcache 54 registers (float16) and 55 (int8), gather and scatter
-// 18-20, no spills (tests/kernel_resources.py). Not yet measured on a GPU; earlier versions
-// are in docs/perf_notes.md.
+// 64-bit: a large cache has more than 2^31 elements. No kernel here uses shared memory.
 #include "common.cuh"
 
 // 8 floats through two 16-byte loads.

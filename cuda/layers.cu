@@ -2,18 +2,18 @@
 // embedding gather. Float16 in and out, float32 math. (RoPE lives in cache.cu, fused with
 // the KV-cache write; greedy argmax in sampling.cu, as the temperature-0 case of sampling.)
 //
-// rms_norm:     x (T, H), weight (H,) -> out (T, H). Grid T, block 256.
+// All arrays are row-major and contiguous.
+// rms_norm:     x (T, H), weight (H,) -> out (T, H) = x * rsqrt(mean(x^2) + eps) * weight.
+//               Grid T (a block per row), block 256; shared: 32 floats (block_reduce).
 // add_rms_norm: x, residual (T, H) -> out = rms_norm(x + residual), new_residual = x + residual,
-//               both (T, H), written in one pass. Grid T, block 256.
-// silu_mul:     gate_up (T, 2I) = [gate | up] -> out (T, I). One thread per 8 outputs.
-// embedding:    ids (T,) int32, table (V, H) -> out (T, H). Grid T, block 128.
+//               both (T, H), written in one pass. Grid T, block 256; shared: 32 floats.
+// silu_mul:     gate_up (T, 2I) = [gate | up] -> out (T, I) = silu(gate) * up. One thread per
+//               8 outputs: grid ceil(T * I / 8 / 256), block 256; no shared memory.
+// embedding:    ids (T,) int32, table (V, H) -> out (T, H) = table[ids]. Grid T, block 128;
+//               no shared memory.
 //
-// H, d and I must be multiples of 8 so rows can be moved as 16-byte uint4 chunks
-// (checked in nano/kernels.py).
-//
-// Version v2: rms_norm, add_rms_norm and silu_mul 32 registers, embedding 18, no spills
-// (tests/kernel_resources.py). Not yet measured on a GPU; earlier versions are in
-// docs/perf_notes.md.
+// H and I must be multiples of 8 so rows can be moved as 16-byte uint4 chunks (checked in
+// nano/kernels.py).
 #include "common.cuh"
 
 // out = src * inv_rms * weight over one row; each thread handles the same 8-value chunks it

@@ -22,7 +22,7 @@
 // (halfs or int8), so neighbouring threads load neighbouring 16-byte chunks of K/V rows
 // (coalesced); a token's scales sit at the same (block, head, offset) index of the scales.
 //
-// Design (v1, CUDA cores, no tensor cores): a thread block of 256 threads takes 64 query
+// Design (CUDA cores, no tensor cores): a thread block of 256 threads takes 64 query
 // rows = 64 / GROUP query tokens x the GROUP query heads of one KV head, so each K/V tile is
 // read once for the whole group. Grid (ceil(T / tokens per block), nkv, S); blocks past
 // the end of their chunk exit at once. Per tile of 32 keys:
@@ -36,11 +36,9 @@
 // probabilities by its V scale (after the sum-exp, which is of p): nothing is dequantized
 // in global memory, and steps 3 and 5 run the float16 code. Prefill is compute-bound (each
 // K/V tile serves 64 query rows), so the conversion's cost is small next to the products.
-//
-// Version v2 (int8 instances; the float16 instances are v1's code, with its registers and
-// shared memory): float16, head dim 64: 79-101 registers, 27.5 KB shared; 128: 127-128
-// registers, 43.9 KB shared; int8, head dim 64: 80 registers, 27.8 KB shared; 128: 107-127
-// registers, 44.2 KB shared; no spills (tests/kernel_resources.py). Not yet measured on a GPU.
+// Static shared memory: the block's 64 q rows and a tile's 32 K and 32 V rows, d + 8 halfs
+// each (padded, see step 3); scores 64 x 33 floats; alpha and sum-exp per row (2 x 64 floats);
+// 32 block ids; int8 cache also 2 x 32 float scales.
 #include "common.cuh"
 
 constexpr int NUM_THREADS = 256;

@@ -19,9 +19,7 @@
 // Kernel and reference agree exactly except (a) two allowed tokens whose noisy scores are
 // within float32 rounding of each other (logf / expf here vs NumPy's: ~1 ulp apart) and
 // (b) a top-p nucleus whose mass is within float32 summation-order rounding of p * Z.
-//
-// Version v1: 32 registers, no spills, 384 bytes shared (tests/kernel_resources.py). Not yet
-// measured on a GPU.
+// Shared memory: 32 floats, 32 unsigned ints and 32 ints for the block reductions.
 #include "common.cuh"
 
 constexpr int THREADS = 1024;  // 32 warps: block_argmax below relies on it
@@ -95,8 +93,8 @@ __device__ float mass_at_least(const __half* row, int vocab, unsigned int t, flo
     return block_reduce(m, Sum(), shared);
 }
 
-// Launch bounds (1024, 1): without the "1", ptxas aims at two blocks per SM, caps registers at
-// 32 and spills 20 bytes (nvcc 13.0); one block per SM needs 40 registers, no spills.
+// Launch bounds (1024, 1): without the "1", ptxas may aim at two blocks per SM and cap the
+// registers low enough to spill (docs/perf_notes.md); one block per SM is all the rows need.
 extern "C" __global__ void __launch_bounds__(THREADS, 1) sample(
         const __half* __restrict__ logits, int vocab, const float* __restrict__ temperatures,
         const int* __restrict__ top_ks, const float* __restrict__ top_ps,

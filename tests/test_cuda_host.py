@@ -235,8 +235,8 @@ BUGS = [
     ("read past the end of an input", "layers.cu", "if (i8 >= n8) return;", "if (i8 > n8) return;",
      "layers", "past the end of argument 'gate_up'"),
     ("int8 split sums added without a barrier", "paged_attention.cu",
-     "            __syncthreads();\n        }\n        if (split == SPLITS - 1) {",
-     "        }\n        if (split == SPLITS - 1) {", "paged_int8", "differs between thread orders"),
+     "            __syncthreads();\n        }\n        if (mine == SPLITS - 1) {",
+     "        }\n        if (mine == SPLITS - 1) {", "paged_int8", "differs between thread orders"),
     ("partial last staging round not cut short", "common.cuh",
      "if (WORK % NUM_THREADS != 0 && i >= WORK) break;", "", "prefill_int8", None),
     ("int8 scale over half a head", "cache.cu", "for (int o = 1; o < pieces; o <<= 1) m = ",
@@ -296,14 +296,16 @@ def sanitizer_env() -> dict:
 # One case of each kernel family and launch shape, small enough for ASan's slowdown.
 SANITIZED = ("emulator and (embedding or rms_norm or silu or rope or swap or greedy"
              " or (sample_matches and 1000 and 0.6) or (paged_attention and 9-3-64)"
-             " or (prefill_attention and 12-4-128))")
+             " or (prefill_attention and 12-4-128) or int8_underflowing_tile)")
 
 
 def test_kernels_under_address_and_undefined_behaviour_sanitizers():
     """tests/test_kernels.py's emulated cases again (a smaller set), built with
-    -fsanitize=address,undefined: out-of-bounds on either side of a buffer, misaligned vector
-    loads, integer overflow, shifts. One thread order: the plain runs cover the orders."""
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    -fsanitize=address,undefined,float-cast-overflow: out-of-bounds on either side of a buffer,
+    misaligned vector loads, integer overflow, shifts, floats (inf, NaN) converted to int. One
+    thread order: the plain runs cover the orders; -s, so that a report (it ends the process)
+    reaches stderr."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
                            str(REPO / "tests" / "test_kernels.py"), "-k", SANITIZED],
                           env=sanitizer_env(), cwd=REPO, capture_output=True, text=True, timeout=900)
     print(done.stdout.splitlines()[-1] if done.stdout else "")

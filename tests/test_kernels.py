@@ -16,7 +16,9 @@ attends over the same int8 values and float16 scales in float32; the kernels do 
 anything more than the float16 path does, but for q and p' = p * scale_v, which the decode
 kernel puts in 15-bit fixed point for its exact integer products (relative 2^-16 ~ 1.5e-5
 of the largest element: ~30x below one float16 output rounding), and prefill's int8 -> half
-staging is exact. So the float16 bounds hold with the same margin (observed ~3e-4 max).
+staging is exact. So the float16 bounds hold with the same margin (observed ~3e-4 max), but
+for decode under the "channel" key scheme: q * channel scale (down to 2^-6) loses bits in its
+small channels, up to 1.6e-3 max / 9e-4 relative L2 (cuda/paged_attention.cu).
 The int8 cache writes (rope_store_kvcache) are compared dequantized: the kernel's rotated
 K may differ from NumPy's in the last float32 bit (FMA contraction on the GPU), which can
 move a scale by one float16 rounding (<= 2^-10 relative) and a value by one quantization
@@ -420,6 +422,46 @@ def test_paged_attention_many_sequences_no_split(cupy, rng, dtype):
     lens = np.array(context_lens, np.int32)
     got = ops.paged_attention(q_d, cache_d, tables_d, cupy.asarray(lens), 0.125)
     assert_close(cupy, got, ops.paged_attention(q, cache, tables, lens, 0.125))
+
+
+@pytest.mark.parametrize("d", kernels.HEAD_DIMS)
+def test_paged_attention_int8_underflowing_tile(cupy, rng, d):
+    """int8 cache, one key far above all others: in the tile after its own, every weight p is
+    ~e^-80, so p * scale_v (the decode kernel's p') is ~1e-36, below FIXED15 / FLT_MAX: a
+    fixed-point step computed from it would be inf, and inf or NaN converted to int. Such a
+    tile adds nothing. 8 query heads on 2 KV heads, contexts 300 (split-KV) and 70; the
+    sanitizer run (tests/test_cuda_host.py) catches the conversion."""
+    nq, nkv, block_size, key, gap = 8, 2, 16, 5, 80.0
+    context_lens = [300, 70]
+    (cache, tables), (cache_d, tables_d) = make_cache(cupy, rng, context_lens, nkv, d, block_size, "int8")
+    scale = d ** -0.5
+    group = nq // nkv
+
+    def keys(i, h):  # sequence i's dequantized keys of KV head h, and their v scales
+        rows = [(tables[i, t // block_size], t % block_size) for t in range(context_lens[i])]
+        return (np.stack([cache.k[b, h, o] * np.float32(cache.k_scale[b, h, o]) for b, o in rows]),
+                np.array([cache.v_scale[b, h, o] for b, o in rows], np.float32))
+
+    q = np.zeros((len(context_lens), nq, d), np.float32)
+    for i in range(len(context_lens)):
+        b, o = tables[i, key // block_size], key % block_size
+        cache.k_scale[b, :, o] = 0.5  # a key far larger than the others, on both sides
+        cache_d.k_scale[b, :, o] = cupy.asarray(np.full(nkv, 0.5, np.float16))
+        for h in range(nkv):
+            k = keys(i, h)[0]
+            direction = k[key] / np.linalg.norm(k[key])
+            margin = k[key] @ direction - (k[64:128] @ direction).max()  # the second tile's best key
+            q[i, h * group:(h + 1) * group] = gap / (scale * margin) * direction
+    q, q_d = f16(cupy, q)
+    for i in range(len(context_lens)):  # the case described above: 0 < p' < 1e-34 in the second tile
+        for h in range(nkv):
+            k, v_scale = keys(i, h)
+            s = k @ q[i, h * group] * scale
+            p = np.exp(s[64:128] - s.max()) * v_scale[64:128]
+            assert 0 < p.max() < 1e-34, p.max()
+    lens = np.array(context_lens, np.int32)
+    got = ops.paged_attention(q_d, cache_d, tables_d, cupy.asarray(lens), scale)
+    assert_close(cupy, got, ops.paged_attention(q, cache, tables, lens, scale))
 
 
 @pytest.mark.parametrize("dtype", CACHE_DTYPES)

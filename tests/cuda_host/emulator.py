@@ -14,8 +14,9 @@ in shared memory. The outputs of all runs must be bit-identical: a difference me
 between threads or a read of shared memory nobody wrote. A fault at a guard page after an
 argument's buffer (see cupy_stub.py) is reported with the argument's name.
 
-Variants: plain (-O2, used in the normal test run) and sanitize (-fsanitize=address,undefined,
-set NANO_CUDA_HOST_SANITIZE=1 and preload libasan; tests/test_cuda_host.py does this in a
+Variants: plain (-O2, used in the normal test run) and sanitize (-fsanitize=address,undefined
+and float-cast-overflow, which g++'s "undefined" leaves out: inf, NaN or a float out of
+an int's range converted to int; set NANO_CUDA_HOST_SANITIZE=1 and preload libasan; tests/test_cuda_host.py does this in a
 subprocess).
 """
 import ctypes
@@ -37,7 +38,7 @@ SANITIZE = os.environ.get("NANO_CUDA_HOST_SANITIZE") == "1"
 ORDERS = tuple(int(o) for o in os.environ.get("NANO_CUDA_HOST_ORDERS", "0,1,2").split(","))
 POISON = {0: 0xFF, 1: 0x7F, 2: 0xA5}  # NaN / -1 as float / int; huge; garbage
 WORKERS = int(os.environ.get("NANO_CUDA_HOST_WORKERS", os.cpu_count() or 1))
-FLAGS = (["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+FLAGS = (["-O1", "-g", "-fsanitize=address,undefined,float-cast-overflow", "-fno-sanitize-recover=all",
           "-fno-omit-frame-pointer"] if SANITIZE else ["-O2"])
 
 # What this process compiled (kernel names) and launched ({name: launches}), for the test summary.
