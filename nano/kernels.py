@@ -11,7 +11,8 @@ index arrays are int32, the RoPE table, key channel scales and sampling paramete
 GEMMs go to cuBLAS through ctypes (nano/cublas.py), so they can be captured into CUDA graphs.
 
 Importing this module needs CuPy but no GPU: nothing here touches a device until a kernel
-is launched, so `compile_all` (used by CI) works on a machine without one.
+is launched, so CI compiles every kernel with these sources, templates and options
+(tests/kernel_resources.py) on a machine without one.
 """
 import functools
 import glob
@@ -66,29 +67,6 @@ def _options() -> tuple:
         if os.path.isfile(os.path.join(include, "cuda_fp16.h")):
             return ("-std=c++17", f"-I{CUDA_DIR}", f"-I{include}")
     raise RuntimeError("cuda_fp16.h not found: install the CUDA toolkit or nvidia-cuda-runtime")
-
-
-def compile_all(arch: str = "sm_90", extra_options: tuple = ()) -> dict:
-    """Compile every cuda/*.cu for `arch` with NVRTC directly, without a GPU, using the
-    options the RawModules use (CuPy adds its own -arch, -ftz=true and
-    --device-as-default-execution-space at load time) and `extra_options` (e.g. ptxas's
-    resource report, see tests/kernel_resources.py). Returns {file name: compile log};
-    raises RuntimeError with the log if a file does not compile."""
-    from cupy_backends.cuda.libs import nvrtc
-    logs = {}
-    for name in SOURCES:
-        prog = nvrtc.createProgram((CUDA_DIR / name).read_text(), name, (), ())
-        try:
-            for expression in _TEMPLATES.get(name, ()):
-                nvrtc.addNameExpression(prog, expression)
-            try:
-                nvrtc.compileProgram(prog, _options() + (f"-arch={arch}",) + tuple(extra_options))
-            except nvrtc.NVRTCError as e:
-                raise RuntimeError(f"{name} does not compile:\n{nvrtc.getProgramLog(prog)}") from e
-            logs[name] = nvrtc.getProgramLog(prog)
-        finally:
-            nvrtc.destroyProgram(prog)
-    return logs
 
 
 @functools.cache

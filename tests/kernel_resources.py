@@ -1,5 +1,6 @@
-"""Registers, spills and shared memory of every kernel instance, as ptxas reports them when
-NVRTC compiles cuda/*.cu for sm_90 (no GPU needed). The `.cu` headers quote this table.
+"""Every cuda/*.cu compiled for sm_90 by NVRTC with nano/kernels.py's sources, templates and
+options (no GPU needed; CI runs it), and the registers, spills and shared memory of every
+kernel instance as ptxas reports them (docs/perf_notes.md keeps the table).
 
     python tests/kernel_resources.py
 """
@@ -13,6 +14,28 @@ from nano import kernels
 # signed char (a: int8_t), unsigned short (t), and named types (6__half, 5uint4).
 _TEMPLATE_ARG = re.compile(r"Li(-?\d+)E|(a)|(t)|(\d+)")
 _BUILTINS = {"a": "int8_t", "t": "unsigned short"}
+
+
+def compile_all(arch: str = "sm_90", extra_options: tuple = ()) -> dict:
+    """Compile every cuda/*.cu for `arch` with NVRTC directly, without a GPU, using the
+    options the RawModules use (CuPy adds its own -arch, -ftz=true and
+    --device-as-default-execution-space at load time) and `extra_options` (e.g. ptxas's
+    resource report, see tests/kernel_resources.py). Returns {file name: compile log};
+    raises RuntimeError with the log if a file does not compile."""
+    logs = {}
+    for name in kernels.SOURCES:
+        prog = nvrtc.createProgram((kernels.CUDA_DIR / name).read_text(), name, (), ())
+        try:
+            for expression in kernels._TEMPLATES.get(name, ()):
+                nvrtc.addNameExpression(prog, expression)
+            try:
+                nvrtc.compileProgram(prog, kernels._options() + (f"-arch={arch}",) + tuple(extra_options))
+            except nvrtc.NVRTCError as e:
+                raise RuntimeError(f"{name} does not compile:\n{nvrtc.getProgramLog(prog)}") from e
+            logs[name] = nvrtc.getProgramLog(prog)
+        finally:
+            nvrtc.destroyProgram(prog)
+    return logs
 
 
 def demangle(name: str) -> str:
@@ -42,7 +65,7 @@ def demangle(name: str) -> str:
 
 
 def main():
-    logs = kernels.compile_all("sm_90", ("-ftz=true", "--ptxas-options=-v"))
+    logs = compile_all("sm_90", ("-ftz=true", "--ptxas-options=-v"))
     print(f"NVRTC {'.'.join(map(str, nvrtc.getVersion()))}, sm_90, -ftz=true (as CuPy compiles)\n")
     print(f"| {'file':20} | {'kernel':42} | regs | spill B | shared B |")
     print(f"|{'-' * 22}|{'-' * 44}|------|---------|----------|")
