@@ -1,0 +1,65 @@
+"""The shape of the code: the engine flat in nano/, each add-on a package of its own that the
+engine never imports, and the engine small enough to read."""
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+NANO = Path(__file__).resolve().parent.parent / "nano"
+ADD_ONS = sorted(p.name for p in NANO.iterdir() if (p / "__init__.py").is_file())
+CORE = sorted(NANO.glob("*.py"))
+# The path a reader follows through one step.
+STEP_PATH = ("engine", "scheduler", "policy", "block_manager", "plan", "sequence", "runner", "model",
+             "ops", "sampler")
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module a file imports, at the top or inside a function: 'nano.disagg.serving',
+    'nano.kv_cache', 'numpy', ..."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return names
+
+
+def test_the_add_ons_are_packages():
+    assert {"bench", "chat", "cli", "default_model", "disagg", "server", "telemetry"} <= set(ADD_ONS)
+
+
+def test_no_core_module_imports_an_add_on():
+    offenders = {}
+    for path in CORE:
+        hits = sorted(m for m in imported_modules(path)
+                      if m.split(".")[:2] in [["nano", a] for a in ADD_ONS])
+        if hits:
+            offenders[path.name] = hits
+    assert not offenders, f"core modules importing add-ons: {offenders}"
+
+
+def test_the_check_sees_an_add_on_import(tmp_path):
+    """The rule above fails on a planted import, wherever it sits in the file."""
+    planted = tmp_path / "planted.py"
+    planted.write_text("def f():\n    from nano.server import app\n    return app\n")
+    assert "nano.server.app" in imported_modules(planted)
+
+
+def test_the_core_stays_small():
+    lines = {p.stem: len(p.read_text().splitlines()) for p in CORE}
+    assert sum(lines.values()) <= 4000, f"the core is {sum(lines.values())} lines"
+    step = sum(lines[name] for name in STEP_PATH)
+    assert step <= 2000, f"one step's path is {step} lines"
+
+
+def test_the_engine_imports_without_the_add_ons_dependencies():
+    """As on a GPU machine that has only numpy, cupy, mpi4py, tokenizers and safetensors: the
+    engine loads no fetch/convert-only, server-only or export-only package."""
+    probe = ("import sys, nano.engine, nano.worker, nano.llm; "
+             "print(sorted({m.split('.')[0] for m in sys.modules} & "
+             "{'gguf', 'fastapi', 'uvicorn', 'pydantic', 'jinja2', 'prometheus_client', 'starlette'}))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         cwd=NANO.parent, check=True).stdout.strip()
+    assert out == "[]", f"the engine imported {out}"
