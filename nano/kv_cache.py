@@ -26,7 +26,7 @@ q.k is unchanged and no kernel dequantizes anything more:
            H H^T = I): every rotated channel mixes all d, so an outlier's energy is spread
            evenly and max |kH| sits near the typical magnitude. No calibration.
 The per-(token, head) scale and the bytes per token are the same in every scheme. Which
-scheme is the default, and the measurement that decided it, are in the README.
+scheme is the default, and the measurement that decided it, are in docs/int8-kv.md.
 """
 from dataclasses import dataclass
 from typing import TYPE_CHECKING

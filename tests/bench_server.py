@@ -5,7 +5,7 @@
 The same default-model engine settings both ways, greedy, EOS ignored: first the prompts
 through `LLM.generate` (one call, the engine batching them as it likes), then through the
 server on a loopback port from `--concurrency` concurrent `openai` clients. Prints both
-figures and their ratio; the README's figure comes from here.
+figures and their ratio; docs/results.md's figure comes from here.
 """
 import argparse
 import asyncio

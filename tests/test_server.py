@@ -279,7 +279,7 @@ def test_a_full_queue_answers_503():
 def test_a_few_hundred_concurrent_requests_all_complete(srv):
     """Bounded load: 200 requests from 32 concurrent clients, each answered in full; the
     server's throughput is printed next to LLM.generate's on the same prompts (the
-    benchmark figure is in the README; timing is not asserted here)."""
+    benchmark figure is in docs/results.md; timing is not asserted here)."""
     prompts = [f"Request {i}: name a fruit that is" for i in range(200)]
 
     async def main():

@@ -14,7 +14,7 @@ mean prompt (calibrate), for prompts of Lp tokens and outputs of Lo tokens:
 The pools balance when P x C_P = D x C_D: P:D = C_D : C_P. At a rate R, each pool's load
 is R / (P x C_P) and R / (D x C_D); the split sustains at most min(P x C_P, D x C_D).
 The model is linear: it misses prefill attention's growth with the square of the prompt
-and the interference of instances sharing a machine's memory system; the README compares
+and the interference of instances sharing a machine's memory system; docs/disaggregation.md compares
 its estimate with a measured run.
 """
 from dataclasses import dataclass
