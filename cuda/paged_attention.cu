@@ -244,8 +244,12 @@ struct DecodePath<HEAD_DIM, GROUP, int8_t> {
         return {k, v, qw, pw, kscale, vscale, qscale, pscale};
     }
 
-    // Dims 4 quad .. + 3 of heads pv_set + PV_SETS * h, over token quads split + SPLITS * m.
+    // Dims 4 quad .. + 3 of heads pv_set + PV_SETS * h, over token quads split + SPLITS * m:
+    // at(h, d). Stored last-first (at(0, 0) is the last element): so LLVM creates the tile
+    // loop's phis for them in the order the interleaved kernel had, and ptxas needs up to 4
+    // registers fewer than with first-first storage (docs/perf_notes.md).
     float acc[PV_HEADS][4] = {};
+    __device__ __forceinline__ float& at(int h, int d) { return acc[PV_HEADS - 1 - h][3 - d]; }
     const int quad = threadIdx.x % QUADS, pv_set = threadIdx.x / QUADS % PV_SETS;
     const int split = threadIdx.x / (QUADS * PV_SETS);
 
@@ -379,7 +383,7 @@ struct DecodePath<HEAD_DIM, GROUP, int8_t> {
             if (g < GROUP) {
                 const float alpha = s_alpha[g], pscale = s.pscale[g];
 #pragma unroll
-                for (int d = 0; d < 4; d++) acc[h][d] = acc[h][d] * alpha + pscale * (float)sum[h][d];
+                for (int d = 0; d < 4; d++) at(h, d) = at(h, d) * alpha + pscale * (float)sum[h][d];
             }
         }
     }
@@ -400,8 +404,8 @@ struct DecodePath<HEAD_DIM, GROUP, int8_t> {
 #pragma unroll
                         for (int d = 0; d < 4; d++) {
                             float* t = &total[g * HEAD_DIM + q4 + d];
-                            if (turn > 0) acc[h][d] += *t;
-                            if (turn < SPLITS - 1) *t = acc[h][d];
+                            if (turn > 0) at(h, d) += *t;
+                            if (turn < SPLITS - 1) *t = at(h, d);
                         }
                     }
                 }
@@ -412,8 +416,10 @@ struct DecodePath<HEAD_DIM, GROUP, int8_t> {
 #pragma unroll
             for (int h = 0; h < PV_HEADS; h++) {
                 const int g = set + h * PV_SETS;
-                if (g < GROUP)
-                    store_output<HEAD_DIM, 4>(out, partial_out, row0 + g, q4, acc[h], s_sum[g], num_parts, part);
+                if (g < GROUP) {
+                    const float a[4] = {at(h, 0), at(h, 1), at(h, 2), at(h, 3)};
+                    store_output<HEAD_DIM, 4>(out, partial_out, row0 + g, q4, a, s_sum[g], num_parts, part);
+                }
             }
         }
     }
