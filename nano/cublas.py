@@ -9,8 +9,7 @@ and captured steps share this one path.
 
 Why not our own mma.sync GEMM kernel: it would capture too, but matching cuBLAS's per-shape
 kernel choice (split-K for the skinny decode shapes, tile sizes for prefill) is a project of
-its own, and nothing could be measured when this was written; cuBLAS through ctypes is the
-measured, safe path.
+its own.
 
 Layout: nano keeps row-major x (T, K) and checkpoint-layout weights (N, K), and wants
 y (T, N) = x @ w^T. cuBLAS is column-major, where the same bytes read as x^T (K, T),

@@ -35,7 +35,6 @@ class Metrics:
         self.preemption_reasons: Counter[str] = Counter()  # "swap:swap_cheaper", ...
         self.prefix_queried = 0              # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0                 # of those, found cached
-        self.kv_occupancy = 0.0
         self.peak_kv_occupancy = 0.0
         self.peak_running = 0                # most sequences in one step
         self.steps = 0
@@ -64,8 +63,7 @@ class Metrics:
         self.swap_bytes += swap_bytes
         self.all_reduce_time += all_reduce_seconds
         self.all_reduce_bytes += all_reduce_bytes
-        self.kv_occupancy = 1 - free_blocks / self.num_blocks
-        self.peak_kv_occupancy = max(self.peak_kv_occupancy, self.kv_occupancy)
+        self.peak_kv_occupancy = max(self.peak_kv_occupancy, 1 - free_blocks / self.num_blocks)
         self.peak_running = max(self.peak_running, len(plan.scheduled))
         for p in plan.preempted:
             self.preemptions[p.mode] += 1

@@ -181,8 +181,7 @@ def _attend(q, keys, values, query_positions, scale, k_scale=None, v_scale=None)
 
 # The NumPy decode attention batches up to DECODE_GROUP sequences per product, fewer when
 # their contexts are long: about DECODE_GROUP_TOKENS padded rows per product keeps the
-# gathered K/V (and an int8 pool's float32 conversion) near the caches. At batch 8 x 16k
-# context one sequence at a time was 1.2-1.6x faster than eight (docs/perf_notes.md).
+# gathered K/V (and an int8 pool's float32 conversion) near the caches (docs/perf_notes.md).
 DECODE_GROUP = 32
 DECODE_GROUP_TOKENS = 8192
 
@@ -234,8 +233,7 @@ def _decode_group(q, cache: LayerKV, block_tables, context_lens, scale):
 
 # The NumPy prefill attention takes a chunk's queries a few at a time, so that each product's
 # float32 scores stay under PREFILL_SCORE_BYTES: larger temporaries are above glibc's mmap
-# threshold (32 MiB at most), so each was mapped and page-faulted afresh. A 1,024-token
-# prompt, one thread: 3.12 s -> 2.82 s, page faults 17,054 -> 14 (docs/perf_notes.md).
+# threshold (32 MiB at most) and would be mapped and page-faulted afresh (docs/perf_notes.md).
 PREFILL_SCORE_BYTES = 8 * 2**20
 
 
