@@ -213,7 +213,7 @@ class LLMEngine:
     def abort(self, seq: Sequence) -> None:
         """Drop an unfinished request: out of its queue, its blocks freed, as if it never came."""
         if not seq.is_finished:
-            self.scheduler.abort(seq)
+            self.scheduler.finish(seq, "aborted")
             self.arrival_times.remove(seq.arrival_time)
 
     def detokenize(self, seq: Sequence) -> str:

@@ -1,8 +1,7 @@
 """Scheduling policies (--policy): the choices scheduler.py leaves open.
 
 The scheduler is the mechanism (queues, one token budget, blocks, preemption); each step
-it asks its policy the questions FCFS's methods below answer, and sees itself only through
-a SchedulerView (the time of the step, what runs, whether anything is swapped out).
+it asks its policy the questions FCFS's methods below answer, through a SchedulerView.
 
   FCFS      admission in arrival order; prefill chunks in admission order; the victim is
             the most recently admitted sequence; no cap, no one is given up on.
@@ -24,17 +23,19 @@ a SchedulerView (the time of the step, what runs, whether anything is swapped ou
             its work no longer counts against them: a lost cause must not make others late.
           - EDF across the line between admitted and waiting: arrivals whose deadline comes
             before every running prompt's get their tokens of the step first.
-          - short steps: a request arriving mid-step waits for the step to end, so a step
-            is kept to a third of the tightest TTFT target among recent arrivals.
-    TPOT  - decodes go first in every step (both policies); a step is no longer than each
-            decoding sequence's pace (the time to its TPOT deadline over the tokens it has
-            left, planned at 90%): its slack spread evenly over its remaining steps, not
-            spent on one long step that would leave every later step starved of prefill.
+          - short steps where they buy something: a request arriving mid-step waits for the
+            step to end, so when requests like recent ones would be served before a prompt
+            the step carries (an earlier deadline), the step is kept to a third of their
+            TTFT target. With one target for everyone EDF puts each arrival behind the
+            prompts already there, which it waits for however they are cut: no cap.
+    TPOT  - decodes go first in every step (both policies); the step carries all the
+            prefill it can unless that would make a decoding sequence miss its TPOT target,
+            its later tokens priced at the recent pace of steps (TPOT is an average: a long
+            step its slack absorbs costs it nothing); then it is kept to what that allows.
     both  - under memory pressure the victim is a sequence that has already missed a
             target (preempting it costs no goodput), else the one with the most slack.
-Measured on nano/bench/slo_matrix.py's matrix (docs/results.md, docs/perf_notes.md): never behind FCFS on
-uniform targets, 1.4-1.9x its goodput with mixed urgency or long-prompt bursts near and
-above capacity, on the real clock and the simulated one.
+Measured on nano/bench/slo_matrix.py's matrix, on the real clock and the simulated one
+(docs/deadline-policy.md): never behind FCFS where targets are the same for everyone.
 
 Where throughput and deadlines pull apart (the deadline policy gives up the first for
 the second):
@@ -107,9 +108,9 @@ class FCFS:
         """Running prompts in the order they share the token budget for prefill chunks."""
         return prefills
 
-    def prefill_budget(self, budget: int, decoding: list[Sequence]) -> int:
+    def prefill_budget(self, budget: int, decoding: list[Sequence], prompts: list[Sequence]) -> int:
         """What the rest of the step (prefill chunks, swap-ins, admissions) may take of the
-        budget its decodes left."""
+        budget its decodes left, the prompts it could carry being `prompts`."""
         return budget
 
     def held_for_waiting(self, budget: int, prefills: list[Sequence], arrived: list[Sequence]) -> int:
@@ -139,17 +140,17 @@ class Deadline(FCFS):
     the step and on the batch running in it, which it reads from its view as they change
     during the step."""
 
-    # A request that arrives during a step waits for it to end: a step's prefill is kept to
-    # STEP_SHARE_OF_TTFT of the tightest TTFT target among the last RECENT arrivals.
-    STEP_SHARE_OF_TTFT = 1 / 3
-    RECENT = 64
-    # Steps are planned to this share of the pace TPOT targets need: predictions are not exact.
-    PACE_MARGIN = 0.9
+    RECENT = 64        # arrivals whose TTFT targets a step cap protects
+    STEP_SHARE_OF_TTFT = 1 / 3  # of an urgent arrival's target: its own prefill (and others') fit the rest
+    MARGIN = 0.9       # a capped step is planned to this share of what it must stay within
+    PACE_WEIGHT = 0.2  # of the newest gap between two decoding steps in the pace
 
     def __init__(self, *args):
         super().__init__(*args)
         self.recent_ttft: deque[float] = deque(maxlen=self.RECENT)
         self.last_arrival = -math.inf
+        self.pace = 0.0                       # seconds between steps while sequences decode (averaged)
+        self.last_step: float | None = None   # when the previous step with decodes was scheduled
 
     def admission_order(self, arrived: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
         """EDF; a request whose predicted first token (after the prefill work of the running
@@ -198,33 +199,49 @@ class Deadline(FCFS):
         steps = max(-(-tokens // self.config.max_num_batched_tokens), 1)
         return steps * step + tokens * self.cost.coefficients.per_prefill_token
 
-    def prefill_budget(self, budget: int, decoding: list[Sequence]) -> int:
-        """How long this step may be, as prefill tokens beside its decodes: no longer than
-          - the pace each decoding sequence needs to meet its TPOT target: the time left to
-            its deadline over the tokens it has left (TPOT is an average, so this spreads
-            any slack evenly instead of spending it on one long step); sequences already
-            past saving do not count;
-          - STEP_SHARE_OF_TTFT of the tightest recent TTFT target: a request arriving
-            mid-step waits for the step to end before its prompt can start.
-        Throughput wants the largest chunks (fewer, fuller steps); the targets want short
-        steps: here the two pull apart. At least one block's worth, so that prompts always
-        make progress."""
-        paces = [self._pace(s) for s in decoding if s.params.tpot_slo and s.first_token_time is not None]
-        limits = [self.PACE_MARGIN * p for p in paces if p > 0]
-        if self.recent_ttft:
-            limits.append(min(self.recent_ttft) * self.STEP_SHARE_OF_TTFT)
+    def prefill_budget(self, budget: int, decoding: list[Sequence], prompts: list[Sequence]) -> int:
+        """All the prefill the step can carry (throughput wants fewer, fuller steps) unless a
+        cap buys something (the module's "short steps" and TPOT rules), priced by the
+        step-time model for this step and by the recent pace of steps for the ones after it.
+        At least one block's worth, so that prompts always make progress."""
+        self._note_pace(decoding)
+        self._note_arrivals(prompts)
         per_token = self.cost.coefficients.per_prefill_token
-        if not limits or per_token <= 0:
+        decode_time = self.cost.step_time(0, len(decoding), decode_context(decoding))
+        full = decode_time + min(budget, sum(s.num_uncomputed_tokens for s in prompts)) * per_token
+        last = max((self._ttft_deadline(s)[0] for s in prompts), default=-math.inf)
+        limit = min([self.MARGIN * self._tpot_room(s, decode_time) for s in decoding]
+                    + [self._ttft_room(last)])
+        if per_token <= 0 or full <= limit:
             return budget
-        room = min(limits) - self.cost.step_time(0, len(decoding), decode_context(decoding))
-        return min(budget, max(int(room / per_token), self.block_size))
+        return min(budget, max(int((limit - decode_time) / per_token), self.block_size))
 
-    def _pace(self, seq: Sequence) -> float:
-        """Seconds per step that still meets seq's TPOT target (<= 0: it cannot)."""
+    def _note_pace(self, decoding: list[Sequence]) -> None:
+        """The time between this step and the previous one, if both decode, into the pace."""
+        now = self.view.now
+        if decoding and self.last_step is not None:
+            gap = now - self.last_step
+            self.pace = gap if not self.pace else (1 - self.PACE_WEIGHT) * self.pace + self.PACE_WEIGHT * gap
+        self.last_step = now if decoding else None
+
+    def _tpot_room(self, seq: Sequence, decode_time: float) -> float:
+        """The longest this step may be for seq to meet its TPOT target, its other tokens
+        coming at the recent pace (at least a decode step); inf if no cap could help."""
         p = seq.params
+        if not p.tpot_slo or seq.first_token_time is None:
+            return math.inf
         left = p.max_tokens - seq.num_output_tokens
-        deadline = seq.first_token_time + p.tpot_slo * (p.max_tokens - 1)
-        return (deadline - self.view.now) / left if left > 0 else math.inf
+        time_left = seq.first_token_time + p.tpot_slo * (p.max_tokens - 1) - self.view.now
+        if time_left < left * decode_time:  # past saving, even by decode-only steps
+            return math.inf
+        return max(time_left - (left - 1) * max(self.pace, decode_time), decode_time)
+
+    def _ttft_room(self, last_deadline: float) -> float:
+        """The cap an urgent arrival needs (inf if none): one like a recent request whose
+        TTFT deadline, arriving now, comes before that of a prompt the step carries
+        (last_deadline the latest of theirs), so that EDF would have served it first."""
+        urgent = [t for t in self.recent_ttft if self.view.now + t < last_deadline]
+        return self.STEP_SHARE_OF_TTFT * min(urgent, default=math.inf)
 
     def held_for_waiting(self, budget: int, prefills: list[Sequence], arrived: list[Sequence]) -> int:
         """EDF across the queue line: arrived requests whose TTFT deadline comes before every

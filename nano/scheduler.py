@@ -71,8 +71,9 @@ class Scheduler:
         decodes = [s for s in self.running if is_decode(s.num_uncomputed_tokens)]
         prefills = [s for s in self.running if not is_decode(s.num_uncomputed_tokens)]
         budget = self._schedule_each(decodes, out, budget)
-        budget = self.policy.prefill_budget(budget, [s for s, _ in out.scheduled])
         arrived = [s for s in self.waiting if s.arrival_time <= self.now]
+        budget = self.policy.prefill_budget(budget, [s for s, _ in out.scheduled],
+                                            [*prefills, *self.swapped, *arrived])
         held = self.policy.held_for_waiting(budget, prefills, arrived)
         return self._schedule_each(self.policy.prefill_order(prefills), out, budget - held) + held
 
@@ -222,10 +223,6 @@ class Scheduler:
         """A held sequence back in the batch from the next step."""
         self.held.remove(seq)
         self._start_running(seq)
-
-    def abort(self, seq: Sequence) -> None:
-        """Drop an unfinished sequence, wherever it is."""
-        self.finish(seq, "aborted")
 
     def _finish(self, seq: Sequence, reason: str, out: SchedulerOutput) -> None:
         self.finish(seq, reason)

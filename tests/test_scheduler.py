@@ -154,7 +154,7 @@ def test_swap_out_and_in_brings_every_token_back_to_its_slot():
     assert swapped_in and swapped_out > swapped_in  # a out, back in, out again (still there)
     assert a.status is Status.SWAPPED and len(sched.bm.free_host_blocks) == 10 - len(a.block_table)
     for seq in (a, c):
-        sched.abort(seq)
+        sched.finish(seq, "aborted")
     assert len(sched.bm.free_host_blocks) == 10 and sched.bm.num_free_blocks == 10
 
 
@@ -233,18 +233,44 @@ def test_alone_and_out_of_blocks_finishes_with_length():
     assert sched.bm.num_free_blocks == 2
 
 
-@pytest.mark.parametrize("policy,chunk", [("fcfs", 1000), ("deadline", 28)])
-def test_deadline_caps_prefill_by_the_decodes_tpot_pace(policy, chunk):
+@pytest.mark.parametrize("policy,chunk", [("fcfs", 1000), ("deadline", 262)])
+def test_deadline_caps_prefill_where_a_decode_would_miss_its_tpot(policy, chunk):
     sched = make_scheduler(num_blocks=1000, policy=policy, watermark=0.0)
     request(sched, BLOCK, max_tokens=10, tpot_slo=0.1)  # "decoding" below
     step(sched, now=0.0)                     # first token at t=0
     request(sched, 1000, arrival=0.5)        # a long prompt arrives while it decodes
     out = step(sched, now=0.5)
-    # decoding's pace at t=0.5: its last token is due at 0.1 * 9 = 0.9 s with 9 tokens
-    # left: (0.9 - 0.5) / 9 = 0.0444 s a step, planned at 90% (PACE_MARGIN): 0.04 s; the
-    # step's decode takes 0.012 s (base 0.010 + one decode 0.002), which leaves 0.028 s:
-    # 28 prefill tokens at 0.001 s each.
+    # decoding's last token is due at 0.1 * 9 = 0.9 s; at t=0.5 it has 9 tokens left. The
+    # whole prompt in this step would take 0.010 + 0.002 + 1.0 s: too long. Its other 8
+    # tokens at decode steps of 0.012 s leave this step 0.4 - 0.096 = 0.304 s, planned at
+    # 90% (MARGIN): 0.2736 s, less the decode's 0.012 s: 261.6 prefill tokens at 0.001 s.
     assert [n for _, n in out.scheduled] == [1, pytest.approx(chunk, abs=1)]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "deadline"])
+def test_deadline_takes_no_tpot_cap_that_buys_nothing(policy):
+    """The decode's slack absorbs one long step (its TPOT target is an average): the prompt
+    runs whole, as under FCFS, instead of being cut to the decode's per-token pace."""
+    sched = make_scheduler(num_blocks=1000, policy=policy, watermark=0.0)
+    request(sched, BLOCK, max_tokens=10, tpot_slo=0.2)  # last token due at 1.8 s
+    step(sched, now=0.0)
+    request(sched, 1000, arrival=0.5)
+    # At t=0.5: 1.3 s left for 9 tokens; after a 1.012 s step the other 8 at 0.012 s fit.
+    assert [n for _, n in step(sched, now=0.5).scheduled] == [1, 1000]
+
+
+@pytest.mark.parametrize("urgent,chunk", [(False, 1000), (True, 37)])
+def test_deadline_ttft_cap_only_for_arrivals_served_first(urgent, chunk):
+    """A recent request with a tight TTFT target: a step carrying a prompt with a later
+    deadline is cut to a third of that target (0.15 s / 3 = 0.05 s, less the 0.010 s base:
+    40 prefill tokens, 3 for the short prompt and 37 of the long one); with the same target
+    for both, an arrival would wait for the long prompt however its prefill is cut: no cap."""
+    sched = make_scheduler(num_blocks=1000, policy="deadline", watermark=0.0)
+    request(sched, 1000, ttft_slo=0.15 if not urgent else 100.0)  # its deadline
+    request(sched, 3, ttft_slo=0.15)                              # a recent tight target
+    out = step(sched, now=0.0)
+    short, long = sorted(n for _, n in out.scheduled)
+    assert short == 3 and long == pytest.approx(chunk, abs=1)
 
 
 def test_deadline_prefill_cap_ignores_decodes_already_late():

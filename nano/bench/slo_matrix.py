@@ -4,6 +4,8 @@ same seeded arrivals, for three workload classes at three loads, several seeds.
 Workloads (targets in units of the engine's own step times, so one definition serves the
 real clock and the simulated clock of the tests; see `Units`):
   uniform   every request the same targets, prompts 16-384 tokens
+  loose     every request the same loose targets, prompts 16-512 tokens, outputs 16-64:
+            well below capacity FCFS meets them all, and a policy must not lose any
   mixed     half interactive (short prompts, tight TTFT), half batch requests (long
             prompts, loose TTFT)
   bursts    a stream of interactive requests; one arrival in 8 is instead a burst of 4
@@ -19,7 +21,7 @@ import numpy as np
 from nano.sequence import SamplingParams
 from nano.telemetry.summary import percentile
 
-WORKLOADS = ("uniform", "mixed", "bursts")
+WORKLOADS = ("uniform", "loose", "mixed", "bursts")
 LOADS = {"below": 0.6, "near": 1.0, "above": 1.5}
 BURST = 4             # long prompts arriving together
 BURST_EVERY = 8       # one arrival event in BURST_EVERY is a burst
@@ -48,6 +50,7 @@ class Units:
 # kind -> (prompt tokens, output tokens, TTFT target in ttft units, TPOT target in tpot units)
 KINDS = {
     "uniform": ((16, 384), (8, 32), 6.0, 3.0),
+    "loose": ((16, 512), (16, 64), 6.0, 6.0),
     "interactive": ((16, 64), (8, 24), 2.0, 3.0),
     "batch": ((128, 448), (8, 32), 30.0, 6.0),
 }
@@ -66,8 +69,8 @@ def workload(name: str, num: int, seed: int, vocab: int, units: Units) -> list[l
     rng = np.random.default_rng(seed)
     events: list[list[Request]] = []
     while sum(map(len, events)) < num:
-        if name == "uniform":
-            events.append([_request("uniform", rng, vocab, units)])
+        if name in ("uniform", "loose"):
+            events.append([_request(name, rng, vocab, units)])
         elif name == "mixed":
             events.append([_request("interactive" if rng.random() < 0.5 else "batch", rng, vocab, units)])
         elif len(events) % BURST_EVERY == BURST_EVERY - 1:

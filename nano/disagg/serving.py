@@ -168,7 +168,7 @@ class PrefillInstance(Instance):
             self.link.send(self.offered[seq_id][1], ("abort", seq_id))
         elif seq_id in self.seqs:
             seq = self.seqs[seq_id]
-            self.engine.scheduler.abort(seq)
+            self.engine.scheduler.finish(seq, "aborted")
             self.decode_rank.pop(seq_id)
             self.end(seq)
 
@@ -244,7 +244,7 @@ class DecodeInstance(Instance):
             self.arriving.ending = ("aborted", None)
         elif seq_id in self.seqs:
             seq = self.seqs[seq_id]
-            self.engine.scheduler.abort(seq)
+            self.engine.scheduler.finish(seq, "aborted")
             self.end(seq)
 
     def drop(self, offer: kv_transfer.Offer, reason: str, error: str | None = None) -> None:
