@@ -244,14 +244,23 @@ struct DecodePath<HEAD_DIM, GROUP, int8_t> {
         return {k, v, qw, pw, kscale, vscale, qscale, pscale};
     }
 
-    // Dims 4 quad .. + 3 of heads pv_set + PV_SETS * h, over token quads split + SPLITS * m:
-    // at(h, d). Stored last-first (at(0, 0) is the last element): so LLVM creates the tile
-    // loop's phis for them in the order the interleaved kernel had, and ptxas needs up to 4
-    // registers fewer than with first-first storage (docs/perf_notes.md).
+    // Dims 4 quad .. + 3 of heads pv_set() + PV_SETS * h, over token quads split + SPLITS * m:
+    // at(h, d). ptxas's register count depends on the order in which the tile loop's values
+    // are created, not only on the arithmetic (docs/perf_notes.md), so two choices here are
+    // measured ones. The accumulators are stored last-first (at(0, 0) is the last element):
+    // LLVM then creates the tile loop's phis for them in the order the interleaved kernel had
+    // (up to 4 registers fewer than first-first). The head set is computed once, here, except
+    // in 64 x 5 (RECOMPUTE_SET), where accumulate and store recompute it from threadIdx.x:
+    // 71 registers there instead of 72, while recomputing it in every instance costs 128 x 5
+    // and 128 x 7 two registers each. Either way the value, and so the arithmetic, is the same.
     float acc[PV_HEADS][4] = {};
     __device__ __forceinline__ float& at(int h, int d) { return acc[PV_HEADS - 1 - h][3 - d]; }
-    const int quad = threadIdx.x % QUADS, pv_set = threadIdx.x / QUADS % PV_SETS;
+    static constexpr bool RECOMPUTE_SET = HEAD_DIM == 64 && GROUP == 5;
+    const int quad = threadIdx.x % QUADS, held_set = threadIdx.x / QUADS % PV_SETS;
     const int split = threadIdx.x / (QUADS * PV_SETS);
+    __device__ __forceinline__ int pv_set() const {
+        return RECOMPUTE_SET ? (int)(threadIdx.x / QUADS % PV_SETS) : held_set;
+    }
 
     // One warp per head: lane l holds dims 4l .. 4l + 3 and builds one word of hi bytes and
     // one of lo bytes, relative to the head's largest |q * scale|.
@@ -349,7 +358,7 @@ struct DecodePath<HEAD_DIM, GROUP, int8_t> {
     // bytes), dotted with the quad's p' word by __dp4a, exactly, in int32 for the tile.
     __device__ __forceinline__ void accumulate(const Shared s, const float (*)[TILE], const float* s_alpha,
                                                int) {
-        const int q4 = 4 * quad, set = pv_set;
+        const int q4 = 4 * quad, set = pv_set();
         int sum[PV_HEADS][4];
 #pragma unroll
         for (int h = 0; h < PV_HEADS; h++)
@@ -394,7 +403,7 @@ struct DecodePath<HEAD_DIM, GROUP, int8_t> {
                                           long long row0, int num_parts, int part) {
         static_assert(GROUP * HEAD_DIM * sizeof(float) <= sizeof(s.k), "the K tile holds the split sums");
         float* total = reinterpret_cast<float*>(s.k);
-        const int q4 = 4 * quad, set = pv_set, mine = split;
+        const int q4 = 4 * quad, set = pv_set(), mine = split;
         for (int turn = 0; turn < SPLITS; turn++) {
             if (mine == turn) {
 #pragma unroll
