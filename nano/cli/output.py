@@ -1,5 +1,6 @@
-"""What the command line writes: what the engine loaded (stderr), completions (stdout and --output), progress (stderr), and
-the run's summary (stdout and --summary-json)."""
+"""What the command line writes: what the engine loaded (stderr), completions (stdout and
+--output), progress (stderr), metrics snapshots (--metrics-file, --metrics-prom) and the
+run's summary (stdout and --summary-json)."""
 import json
 import os
 import sys
@@ -65,11 +66,12 @@ def check_writable(flag: str, path: str | None) -> None:
         raise NanoError(f"cannot write {flag} {path}: permission denied")
 
 
-def metrics_writer(args) -> MetricsWriter | None:
-    """--metrics-file / --metrics-prom, every --metrics-interval steps."""
+def metrics_writer(args, prom_text=None) -> MetricsWriter | None:
+    """--metrics-file / --metrics-prom, every --metrics-interval snapshots (prom_text: how a
+    snapshot reads in the Prometheus text format, the engine's by default)."""
     if not (args.metrics_file or args.metrics_prom):
         return None
-    return MetricsWriter(args.metrics_file, args.metrics_prom, args.metrics_interval)
+    return MetricsWriter(args.metrics_file, args.metrics_prom, args.metrics_interval, prom_text)
 
 
 def print_completions(prompts: list[str], seqs, detokenize) -> None:

@@ -7,13 +7,12 @@ import sys
 from nano.bench import workload
 from nano.bench.cli import bench_requests, parse_range
 from nano.cli.offline import run_all
-from nano.cli.output import OutputFile, Progress, describe, print_completions, write_summary
+from nano.cli.output import OutputFile, Progress, describe, metrics_writer, print_completions, write_summary
 from nano.cli.prompts import model_inputs
 from nano.config import EngineConfig
 from nano.disagg import compare, serving
 from nano.disagg import metrics as disagg_metrics
 from nano.sequence import SamplingParams
-from nano.telemetry.export import MetricsWriter
 from nano.telemetry.summary import format_summary
 
 
@@ -48,9 +47,7 @@ def run_disagg(args, config: EngineConfig, params: SamplingParams, requests) -> 
             run["output"].write(run["index"][seq.seq_id], seq)
 
     try:
-        metrics = (MetricsWriter(args.metrics_file, args.metrics_prom, args.metrics_interval,
-                                 disagg_metrics.pool_prometheus_text)
-                   if args.metrics_file or args.metrics_prom else None)
+        metrics = metrics_writer(args, disagg_metrics.pool_prometheus_text)
         ran = serving.launch(config, num_prefill, num_decode, make_requests, args.bench, on_result, metrics)
     finally:
         if run.get("output"):
