@@ -19,8 +19,10 @@ it asks its policy the questions FCFS's methods below answer, through a Schedule
           - admission control: walking the queue in EDF order, each request's first token
             is predicted (now + the prefill work ahead of it and its own, priced by the
             step-time model of cost_model.py). One that cannot make its deadline even so is
-            moved behind all those that can (--drop-late: rejected, with the reason), and
-            its work no longer counts against them: a lost cause must not make others late.
+            a lost cause that must not make others late: its work no longer counts against
+            those after it, and it is moved behind them when that saves one of them (not
+            otherwise: the prediction can be wrong, and then the move would cost it its
+            target for nothing). --drop-late rejects it instead, with the reason.
           - EDF across the line between admitted and waiting: arrivals whose deadline comes
             before every running prompt's get their tokens of the step first.
           - short steps where they buy something: a request arriving mid-step waits for the
@@ -95,9 +97,9 @@ class FCFS:
         self.block_size, self.kv_bytes_per_token = block_size, kv_bytes_per_token
 
     def admission_order(self, arrived: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
-        """The arrived waiting requests in the order they are admitted: (those that can
-        still make their targets, those that cannot), each in order. The scheduler serves
-        the second after the first, or rejects it (--drop-late) with late_reason."""
+        """(the arrived waiting requests in the order they are admitted, those of them that
+        cannot make their targets). The scheduler rejects the second (--drop-late) with
+        late_reason, or admits them in their place in the order."""
         return arrived, []
 
     def late_reason(self, seq: Sequence) -> str:
@@ -155,22 +157,36 @@ class Deadline(FCFS):
     def admission_order(self, arrived: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
         """EDF; a request whose predicted first token (after the prefill work of the running
         prompts and of the requests before it that can still make it) misses its deadline is
-        moved to the late list, and its work is not counted against those after it."""
+        late, and its work is not counted against those after it. Late requests stay in
+        their place until one after them makes its deadline only without their work ahead
+        of it; then they are moved behind it."""
         self._note_arrivals(arrived)
-        ahead = sum(s.num_uncomputed_tokens for s in self.view.running
-                    if not is_decode(s.num_uncomputed_tokens))
-        feasible, late = [], []
         decoding = [s for s in self.view.running if is_decode(s.num_uncomputed_tokens)]
         step = self.cost.step_time(0, len(decoding), decode_context(decoding))  # once, not per request
+
+        def makes_it(seq: Sequence, work: int) -> bool:
+            return self.view.now + self._prefill_time(work, step) <= self._ttft_deadline(seq)[0]
+
+        ahead = sum(s.num_uncomputed_tokens for s in self.view.running
+                    if not is_decode(s.num_uncomputed_tokens))
+        in_place: list[Sequence] = []  # late, still in their place in `order`
+        in_place_work = 0              # their prefill tokens
+        order, moved, late = [], [], []
         for seq in sorted(arrived, key=self._ttft_deadline):
             work = ahead + seq.num_uncomputed_tokens
-            resumed = seq.first_token_time is not None  # preempted by recompute: TTFT is past
-            if resumed or self.view.now + self._prefill_time(work, step) <= self._ttft_deadline(seq)[0]:
-                feasible.append(seq)
+            if seq.first_token_time is not None or makes_it(seq, work):  # resumed: its TTFT is past
+                if seq.first_token_time is None and in_place and not makes_it(seq, work + in_place_work):
+                    order = [s for s in order if s not in in_place]
+                    moved += in_place
+                    in_place, in_place_work = [], 0
+                order.append(seq)
                 ahead = work
             else:
                 late.append(seq)
-        return feasible, late
+                in_place.append(seq)
+                in_place_work += seq.num_uncomputed_tokens
+                order.append(seq)
+        return order + moved, late
 
     def _note_arrivals(self, arrived: list[Sequence]) -> None:
         """Remember the TTFT targets of requests not seen before (for the step cap)."""
@@ -249,8 +265,9 @@ class Deadline(FCFS):
         if self.view.any_swapped or not prefills:  # swapped sequences come back before any admission
             return 0
         first = min(self._ttft_deadline(s) for s in prefills)
-        feasible, _ = self.admission_order(arrived)
-        return min(budget, sum(s.num_uncomputed_tokens for s in feasible if self._ttft_deadline(s) < first))
+        order, late = self.admission_order(arrived)
+        return min(budget, sum(s.num_uncomputed_tokens for s in order
+                               if s not in late and self._ttft_deadline(s) < first))
 
     def victim(self, candidates: list[Sequence]) -> Sequence:
         """One that has missed a target already (no goodput lost), else the most slack."""

@@ -148,14 +148,14 @@ class Scheduler:
             budget -= n
 
     def _triage(self, arrived: list[Sequence], out: SchedulerOutput) -> list[Sequence]:
-        """The policy's admission order: those that can still make their targets, then
-        those that cannot (or, with --drop-late, those rejected)."""
+        """The policy's admission order; with --drop-late, those that cannot make their
+        targets are rejected instead."""
         order, late = self.policy.admission_order(arrived)
         if not self.config.drop_late:
-            return order + late
+            return order
         for seq in late:
             self._reject(seq, self.policy.late_reason(seq), out)
-        return order
+        return [s for s in order if s not in late]
 
     # ---- helpers -----------------------------------------------------------------------
     def _never_fits(self, seq: Sequence) -> str | None:

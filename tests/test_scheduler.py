@@ -273,6 +273,19 @@ def test_deadline_ttft_cap_only_for_arrivals_served_first(urgent, chunk):
     assert short == 3 and long == pytest.approx(chunk, abs=1)
 
 
+@pytest.mark.parametrize("later_target,order", [(1.0, "AB"), (0.1, "BA")])
+def test_deadline_moves_a_late_request_back_only_to_save_another(later_target, order):
+    """A's first token cannot make its 0.05 s target (0.010 s step + 100 x 0.001 s). B behind
+    it makes a 1 s target even after A's prefill (0.12 s): A keeps its place, in case the
+    prediction is wrong. B's 0.1 s target it makes only if it goes first (0.02 s): A moves."""
+    sched = make_scheduler(num_blocks=1000, policy="deadline", watermark=0.0)
+    a = request(sched, 100, ttft_slo=0.05)
+    b = request(sched, 10, ttft_slo=later_target)
+    sched.now = 0.0
+    admitted, late = sched.policy.admission_order([a, b])
+    assert late == [a] and admitted == ([a, b] if order == "AB" else [b, a])
+
+
 def test_deadline_prefill_cap_ignores_decodes_already_late():
     sched = make_scheduler(num_blocks=1000, policy="deadline", watermark=0.0)
     request(sched, BLOCK, max_tokens=10, tpot_slo=0.01)   # due at 0.09 s: late by t=0.5
