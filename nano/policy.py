@@ -20,9 +20,8 @@ it asks its policy the questions FCFS's methods below answer, through a Schedule
             is predicted (now + the prefill work ahead of it and its own, priced by the
             step-time model of cost_model.py). One that cannot make its deadline even so is
             a lost cause that must not make others late: its work no longer counts against
-            those after it, and it is moved behind them when that saves one of them (not
-            otherwise: the prediction can be wrong, and then the move would cost it its
-            target for nothing). --drop-late rejects it instead, with the reason.
+            those after it, and it moves behind them when that saves one (only then: a wrong
+            prediction would cost it its target for nothing). --drop-late rejects it.
           - EDF across the line between admitted and waiting: arrivals whose deadline comes
             before every running prompt's get their tokens of the step first.
           - short steps where they buy something: a request arriving mid-step waits for the
@@ -39,15 +38,7 @@ it asks its policy the questions FCFS's methods below answer, through a Schedule
 Measured on nano/bench/slo_matrix.py's matrix, on the real clock and the simulated one
 (docs/deadline-policy.md): never behind FCFS where targets are the same for everyone.
 
-Where throughput and deadlines pull apart (the deadline policy gives up the first for
-the second):
-  - Capping prefill per step for TPOT makes more, smaller steps: lower throughput.
-  - The cheapest victim for throughput has the least KV to move or recompute; the
-    deadline victim is a late or slack-rich one, however large.
-  - A request moved back as late still runs when there is room, and counts for
-    throughput, not goodput; dropping it (--drop-late) loses the work spent on it.
-  - EDF starts urgent short prompts before earlier long ones, so a long prompt's first-come
-    prefix blocks are less often still cached when its siblings arrive.
+Where it trades throughput for deadlines: docs/deadline-policy.md.
 """
 import math
 from collections import deque
@@ -157,9 +148,8 @@ class Deadline(FCFS):
     def admission_order(self, arrived: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
         """EDF; a request whose predicted first token (after the prefill work of the running
         prompts and of the requests before it that can still make it) misses its deadline is
-        late, and its work is not counted against those after it. Late requests stay in
-        their place until one after them makes its deadline only without their work ahead
-        of it; then they are moved behind it."""
+        late. Late ones keep their place until one after them makes its deadline only
+        without their work ahead of it; then they move behind it."""
         self._note_arrivals(arrived)
         decoding = [s for s in self.view.running if is_decode(s.num_uncomputed_tokens)]
         step = self.cost.step_time(0, len(decoding), decode_context(decoding))  # once, not per request
@@ -167,25 +157,18 @@ class Deadline(FCFS):
         def makes_it(seq: Sequence, work: int) -> bool:
             return self.view.now + self._prefill_time(work, step) <= self._ttft_deadline(seq)[0]
 
-        ahead = sum(s.num_uncomputed_tokens for s in self.view.running
-                    if not is_decode(s.num_uncomputed_tokens))
-        in_place: list[Sequence] = []  # late, still in their place in `order`
-        in_place_work = 0              # their prefill tokens
-        order, moved, late = [], [], []
+        ahead = sum(s.num_uncomputed_tokens for s in self.view.running if not is_decode(s.num_uncomputed_tokens))
+        order, late, in_place, moved = [], [], [], []  # in_place: late, not moved behind anyone yet
         for seq in sorted(arrived, key=self._ttft_deadline):
             work = ahead + seq.num_uncomputed_tokens
-            if seq.first_token_time is not None or makes_it(seq, work):  # resumed: its TTFT is past
-                if seq.first_token_time is None and in_place and not makes_it(seq, work + in_place_work):
-                    order = [s for s in order if s not in in_place]
-                    moved += in_place
-                    in_place, in_place_work = [], 0
-                order.append(seq)
-                ahead = work
-            else:
+            if seq.first_token_time is None and not makes_it(seq, work):  # resumed: its TTFT is past
                 late.append(seq)
                 in_place.append(seq)
-                in_place_work += seq.num_uncomputed_tokens
-                order.append(seq)
+            else:
+                if in_place and not makes_it(seq, work + sum(s.num_uncomputed_tokens for s in in_place)):
+                    order, moved, in_place = [s for s in order if s not in in_place], moved + in_place, []
+                ahead = work
+            order.append(seq)
         return order + moved, late
 
     def _note_arrivals(self, arrived: list[Sequence]) -> None:
