@@ -192,28 +192,48 @@ class Deadline(FCFS):
             return -math.inf, seq.arrival_time
         return (math.inf if target is None else seq.arrival_time + target), seq.arrival_time
 
-    def _prefill_time(self, tokens: int, step: float) -> float:
-        """Seconds to prefill `tokens` in steps of at most the token budget, each also
-        taking `step` seconds for the decodes running now."""
-        steps = max(-(-tokens // self.config.max_num_batched_tokens), 1)
+    def _prefill_time(self, tokens: int, step: float, per_step: int | None = None) -> float:
+        """Seconds to prefill `tokens` in steps of at most per_step tokens (the token budget),
+        each also taking `step` seconds for the decodes running now."""
+        steps = max(-(-tokens // (per_step or self.config.max_num_batched_tokens)), 1)
         return steps * step + tokens * self.cost.coefficients.per_prefill_token
 
     def prefill_budget(self, budget: int, decoding: list[Sequence], prompts: list[Sequence]) -> int:
         """All the prefill the step can carry (throughput wants fewer, fuller steps) unless a
         cap buys something (the module's "short steps" and TPOT rules), priced by the
-        step-time model for this step and by the recent pace of steps for the ones after it.
-        At least one block's worth, so that prompts always make progress."""
+        step-time model for this step and by the recent pace of steps for the ones after it."""
         self._note_pace(decoding)
         self._note_arrivals(prompts)
         per_token = self.cost.coefficients.per_prefill_token
         decode_time = self.cost.step_time(0, len(decoding), decode_context(decoding))
         full = decode_time + min(budget, sum(s.num_uncomputed_tokens for s in prompts)) * per_token
         last = max((self._ttft_deadline(s)[0] for s in prompts), default=-math.inf)
-        limit = min([self.MARGIN * self._tpot_room(s, decode_time) for s in decoding]
-                    + [self._ttft_room(last)])
+        rooms = [self.MARGIN * self._tpot_room(s, decode_time) for s in decoding]
+        tpot = min(rooms, default=math.inf)
+        saved = sum(room < full for room in rooms)  # decodes the full step would make miss
+        if saved and saved <= self._first_tokens_lost(self._tokens_within(tpot, decode_time), budget,
+                                                      decode_time, prompts):
+            tpot = math.inf  # as many TTFTs lost as TPOTs kept: the cap buys nothing
+        limit = min(tpot, self._ttft_room(last))
         if per_token <= 0 or full <= limit:
             return budget
-        return min(budget, max(int((limit - decode_time) / per_token), self.block_size))
+        return min(budget, self._tokens_within(limit, decode_time))
+
+    def _tokens_within(self, limit: float, decode_time: float) -> int:
+        """The prefill tokens a step can carry beside its decodes and stay within `limit`
+        seconds; at least one block's worth, so that prompts always make progress."""
+        per_token = self.cost.coefficients.per_prefill_token
+        return max(int((limit - decode_time) / per_token), self.block_size) if per_token > 0 else 1 << 30
+
+    def _first_tokens_lost(self, capped: int, budget: int, step: float, prompts: list[Sequence]) -> int:
+        """How many prompts steps of `capped` prefill tokens instead of `budget` would make
+        miss the TTFT deadline they make otherwise (the prompts' work in EDF order)."""
+        lost, work = 0, 0
+        for seq in sorted((s for s in prompts if s.first_token_time is None), key=self._ttft_deadline):
+            work += seq.num_uncomputed_tokens
+            deadline = self._ttft_deadline(seq)[0] - self.view.now
+            lost += self._prefill_time(work, step, budget) <= deadline < self._prefill_time(work, step, capped)
+        return lost
 
     def _note_pace(self, decoding: list[Sequence]) -> None:
         """The time between this step and the previous one, if both decode, into the pace."""

@@ -247,6 +247,19 @@ def test_deadline_caps_prefill_where_a_decode_would_miss_its_tpot(policy, chunk)
     assert [n for _, n in out.scheduled] == [1, pytest.approx(chunk, abs=1)]
 
 
+@pytest.mark.parametrize("ttft_slo,chunk", [(2.0, 262), (1.03, 1000)])
+def test_deadline_takes_no_tpot_cap_that_costs_a_first_token(ttft_slo, chunk):
+    """The case above, the long prompt with a TTFT target: whole, its first token comes at
+    0.5 + 1.012 s; cut to 262 tokens a step, at 0.5 + 4 x 0.012 + 1.0 = 1.548 s. A 2 s target
+    affords the cap; a 1.03 s one does not, and one request's TTFT for another's TPOT buys
+    nothing: no cap."""
+    sched = make_scheduler(num_blocks=1000, policy="deadline", watermark=0.0)
+    request(sched, BLOCK, max_tokens=10, tpot_slo=0.1)
+    step(sched, now=0.0)
+    request(sched, 1000, arrival=0.5, ttft_slo=ttft_slo)
+    assert [n for _, n in step(sched, now=0.5).scheduled] == [1, pytest.approx(chunk, abs=1)]
+
+
 @pytest.mark.parametrize("policy", ["fcfs", "deadline"])
 def test_deadline_takes_no_tpot_cap_that_buys_nothing(policy):
     """The decode's slack absorbs one long step (its TPOT target is an average): the prompt
