@@ -23,6 +23,7 @@ from nano.config import EngineConfig
 from nano.errors import NanoError
 from nano.kv_cache import DEFAULT_KEY_SCHEME
 from nano.sequence import FIELD_RULES, SamplingParams
+from nano.telemetry.watchdog import DEFAULT_STALL_TIMEOUT
 
 ENGINE = EngineConfig()      # the engine's defaults, which the flags show
 SAMPLING = SamplingParams()  # the API's sampling defaults
@@ -78,6 +79,9 @@ def build_parser() -> Parser:
     e.add_argument("--enforce-eager", action="store_true", help="GPU: run decode steps eagerly, no CUDA graphs")
     e.add_argument("--policy", default=ENGINE.policy, help="fcfs | deadline (by slack to the latency targets)")
     e.add_argument("--drop-late", action="store_true", help="deadline: reject requests that can no longer make their TTFT")
+    e.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT,
+                   help="seconds a step (or, --disagg, a rank's silence) may last before the run is "
+                        "ended as stalled: a stopped rank must not hang the others")
     h = p.add_argument_group("HTTP server (OpenAI-compatible, nano/server)")
     h.add_argument("--serve", action="store_true", help="serve /v1/completions, /v1/chat/completions, ... "
                    "(under mpirun --tp N: rank 0 serves)")
@@ -209,6 +213,7 @@ def parse(argv, rank: int):
     check_writable("--metrics-file", args.metrics_file)
     check_writable("--metrics-prom", args.metrics_prom)
     checks.integer("--metrics-interval", args.metrics_interval, low=1)
+    checks.number("--stall-timeout", args.stall_timeout, low=0, open_low=True)
     params = sampling_params(args)
     estimate_disagg = args.capacity and args.disagg is not None
     if args.bench or estimate_disagg:  # --capacity --disagg sizes the pools for the bench flags' workload

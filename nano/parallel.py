@@ -182,5 +182,14 @@ def exit_on_error(error: Exception, code: int) -> None:
             print(f"error: {message}", file=sys.stderr, flush=True)
         sys.exit(code)
     print(f"error: rank {group.rank}: {message}", file=sys.stderr, flush=True)
-    time.sleep(0.2)  # for mpirun to pass this line on before it prints its own abort notice
+    abort_all(code)
+
+
+def abort_all(code: int) -> None:
+    """End this process and every other rank now, from any thread (sys.exit would end only
+    the calling thread, and not the ranks waiting for this one)."""
+    group = _world or _group
+    if group is None or group.world == 1:
+        os._exit(code)
+    time.sleep(0.2)  # for mpirun to pass the last line on before it prints its own abort notice
     group.comm.Abort(code)

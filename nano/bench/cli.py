@@ -55,7 +55,8 @@ def show_capacity(config: EngineConfig) -> None:
 def run_bench(args, engine, params: SamplingParams) -> int:
     inputs, per_request = bench_requests(args, engine, params)
     workload.warm_up(engine)
-    _, wall = generate(args.output, engine, [""] * len(inputs), inputs, per_request, metrics_writer(args))
+    _, wall = generate(args.output, engine, [""] * len(inputs), inputs, per_request, metrics_writer(args),
+                       args.stall_timeout)
     summary = summarize(engine.metrics, wall)
     print(format_summary(summary))
     write_summary(args.summary_json, summary)

@@ -3,19 +3,22 @@
 from nano.cli.output import OutputFile, Progress, metrics_writer, print_completions, write_summary
 from nano.cli.prompts import model_inputs
 from nano.telemetry.summary import format_summary, summarize
+from nano.telemetry.watchdog import Watchdog
 
 
-def run_all(engine, inputs, per_request, arrivals=None, output=None, metrics=None):
+def run_all(engine, inputs, per_request, arrivals=None, output=None, metrics=None, stall_timeout=None):
     """Generate everything (arrivals: seconds from now at which each request arrives; output:
     an OutputFile that gets each request as it finishes; metrics: a MetricsWriter, given
-    every step). Returns (sequences, wall seconds)."""
-    progress = Progress(len(inputs))
+    every step; stall_timeout: seconds after which a step still running ends the run).
+    Returns (sequences, wall seconds)."""
+    progress, watchdog = Progress(len(inputs)), Watchdog(stall_timeout)
     start = engine.clock.now()
     seqs = [engine.add_request(p, sp, None if arrivals is None else start + t)
             for p, sp, t in zip(inputs, per_request, arrivals if arrivals is not None else [None] * len(inputs))]
     index = {seq.seq_id: i for i, seq in enumerate(seqs)}
     while engine.has_unfinished():
-        finished = engine.step()
+        with watchdog.step():
+            finished = engine.step()
         progress.update(len(finished), engine.metrics.generated_tokens)
         if metrics:
             metrics.after_step(engine)
@@ -25,12 +28,13 @@ def run_all(engine, inputs, per_request, arrivals=None, output=None, metrics=Non
     return seqs, engine.clock.now() - start
 
 
-def generate(path: str | None, engine, prompts, inputs, per_request, metrics=None):
+def generate(path: str | None, engine, prompts, inputs, per_request, metrics=None, stall_timeout=None):
     """run_all, with --output written as requests finish and put in input order at the end,
     also on Ctrl-C or an error; then the TP ranks are told to stop."""
     output = OutputFile(path, prompts, engine.detokenize) if path else None
     try:
-        seqs, wall = run_all(engine, inputs, per_request, output=output, metrics=metrics)
+        seqs, wall = run_all(engine, inputs, per_request, output=output, metrics=metrics,
+                             stall_timeout=stall_timeout)
     finally:
         if output:
             output.close()
@@ -42,7 +46,8 @@ def run_prompts(args, engine, requests) -> int:
     """--prompt-file: every prompt's completion printed, then the run's summary."""
     prompts = [p for p, _ in requests]
     inputs = model_inputs(engine.tokenizer, prompts, chat=not args.no_chat)
-    seqs, wall = generate(args.output, engine, prompts, inputs, [sp for _, sp in requests], metrics_writer(args))
+    seqs, wall = generate(args.output, engine, prompts, inputs, [sp for _, sp in requests], metrics_writer(args),
+                          args.stall_timeout)
     print_completions(prompts, seqs, engine.detokenize)
     summary = summarize(engine.metrics, wall)
     print(format_summary(summary))

@@ -48,7 +48,8 @@ def run_disagg(args, config: EngineConfig, params: SamplingParams, requests) -> 
 
     try:
         metrics = metrics_writer(args, disagg_metrics.pool_prometheus_text)
-        ran = serving.launch(config, num_prefill, num_decode, make_requests, args.bench, on_result, metrics)
+        ran = serving.launch(config, num_prefill, num_decode, make_requests, args.bench, on_result, metrics,
+                             args.stall_timeout)
     finally:
         if run.get("output"):
             run["output"].close()

@@ -32,9 +32,15 @@ received and dropped, then acknowledged, so p frees the blocks); an abort for a 
 never got is ignored,
 since p dealt with it. Exactly one instance reports each request's end.
 
+Liveness: an instance that has told the router nothing for HEARTBEAT seconds says it is
+alive; one silent past --stall-timeout has stopped (SIGSTOP, a lost host), and the router
+ends the run with one line rather than wait for it forever. (A stalled router is seen by no
+one: its /health, where it serves, no longer answers.)
+
 Times are each process's time.perf_counter(): CLOCK_MONOTONIC, one clock for all ranks
 on one host (the arrival trace, TTFT and TPOT mix ranks' times).
 """
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -48,6 +54,7 @@ from nano.telemetry.summary import summarize
 ROUTER = 0
 STALL_FRACTION = 0.1  # of a decode step's time, given to receiving handoffs between two steps
 TAG_SPAN = 1 << 14   # payload tags cycle through this many (MPI guarantees 32767 tags)
+HEARTBEAT = 1.0      # seconds of silence after which an instance tells the router it is alive
 
 
 def parse_split(text: str) -> tuple[int, int]:
@@ -102,6 +109,7 @@ class Instance:
         self.stalls: list[tuple[float, float]] = []  # decode: (start, end) of each payload received
         self.reported = None                          # (queue tokens, used blocks) last sent
         self.handoffs: dict[int, dict] = {}           # decode: seq_id -> its KV handoff's figures
+        self.last_told = time.monotonic()             # when this instance last sent the router anything
 
     def step(self) -> bool:
         """One engine step if there is work; returns whether it ran one (a prefill instance
@@ -116,7 +124,15 @@ class Instance:
 
     def end(self, seq: Sequence) -> None:
         self.seqs.pop(seq.seq_id, None)
-        self.link.send(ROUTER, ("result", kv_transfer.wire_copy(seq), self.handoffs.pop(seq.seq_id, None)))
+        self.tell_router(("result", kv_transfer.wire_copy(seq), self.handoffs.pop(seq.seq_id, None)))
+
+    def tell_router(self, message: tuple) -> None:
+        self.link.send(ROUTER, message)
+        self.last_told = time.monotonic()
+
+    def keep_alive(self) -> None:
+        if not self.stopped and time.monotonic() - self.last_told > HEARTBEAT:
+            self.tell_router(("alive",))
 
     def status(self, queue_tokens: int, busy: bool, **extra) -> None:
         """Report to the router after a step, or when idle and something changed since (so
@@ -126,7 +142,7 @@ class Instance:
         if not busy and (queue_tokens, used) == self.reported:
             return
         self.reported = (queue_tokens, used)
-        self.link.send(ROUTER, ("status", InstanceStatus(self.rank, self.engine.clock.now(), queue_tokens,
+        self.tell_router(("status", InstanceStatus(self.rank, self.engine.clock.now(), queue_tokens,
                                                    used, bm.num_blocks, **extra)))
 
     def finish_stop(self) -> None:
@@ -134,7 +150,7 @@ class Instance:
         report = Report(self.rank, summarize(m, self.engine.clock.now() - self.start), list(m.step_log),
                         self.stalls, bm.num_blocks - bm.num_free_blocks,
                         bm.num_swap_blocks - len(bm.free_host_blocks))
-        self.link.send(ROUTER, ("final", report))
+        self.tell_router(("final", report))
         self.stopped = True
 
 
@@ -361,7 +377,7 @@ class Router:
     decode instance; collects results, status reports and, at the end, every instance's report."""
 
     def __init__(self, link, num_prefill: int, num_decode: int, block_size: int, clock,
-                 on_result=None, on_snapshot=None):
+                 on_result=None, on_snapshot=None, stall_timeout=None):
         self.link, self.clock, self.block_size = link, clock, block_size
         self.prefill = list(range(num_prefill))
         self.decode = list(range(num_prefill, num_prefill + num_decode))
@@ -377,6 +393,8 @@ class Router:
         self.pool_samples = {"prefill": [], "decode": []}  # (queue tokens, KV occupancy) per report
         self.on_result, self.on_snapshot = on_result, on_snapshot
         self.stopped = False
+        self.stall_timeout = stall_timeout
+        self.last_heard = {r: time.monotonic() for r in self.prefill + self.decode}  # any message, per rank
 
     def add(self, seqs: list[Sequence]) -> None:
         self.pending.extend(sorted(seqs, key=lambda s: s.arrival_time))
@@ -434,7 +452,10 @@ class Router:
     def receive(self, source: int, message: tuple) -> bool:
         """Take a message meant for the router; False if it is for the instance on this rank."""
         kind = message[0]
-        if kind == "result":
+        self.last_heard[source] = time.monotonic()
+        if kind == "alive":
+            pass
+        elif kind == "result":
             _, seq, handoff = message
             self.results[seq.seq_id] = seq
             if handoff:
@@ -478,6 +499,19 @@ class Router:
                          "kv_occupancy": sum(r.used_blocks for r in reports) / blocks if blocks else 0.0}
         return out
 
+    def check_alive(self) -> None:
+        """End the run if an instance (not this rank's own, not one that has ended) has been
+        silent past the stall timeout."""
+        if not self.stall_timeout:
+            return
+        now = time.monotonic()
+        silent = [r for r, t in self.last_heard.items()
+                  if r != ROUTER and r not in self.reports and now - t > self.stall_timeout]
+        if silent:
+            kind = "prefill" if silent[0] in self.prefill else "decode"
+            raise NanoError(f"the {kind} instance on rank {silent[0]} has sent nothing for "
+                            f"{self.stall_timeout:g} s (--stall-timeout): it stopped making progress")
+
     def stop(self) -> None:
         for rank in self.prefill + self.decode:
             self.link.send(rank, ("stop",))
@@ -503,11 +537,13 @@ class Node:
                 self.instance.receive(source, message)
         busy = bool(messages)
         if self.router:
+            self.router.check_alive()
             busy = self.router.route() or busy
             if self.router.finished and not self.router.stopped:
                 self.router.stop()
         if not self.instance.stopped:
             busy = self.instance.work() or busy
+        self.instance.keep_alive()
         return busy
 
     def idle_time(self) -> float:
@@ -517,11 +553,12 @@ class Node:
 
 
 def launch(config, num_prefill: int, num_decode: int, make_requests, warm_up: bool = False,
-           on_result=None, metrics=None):
+           on_result=None, metrics=None, stall_timeout=None):
     """This rank's part of a run under mpirun -n P+D. make_requests(engine) -> sequences
     (engine.make_sequence, arrival times in seconds after the start) runs on rank 0, which
     returns (router, its engine, wall seconds) at the end; the other ranks return None.
-    metrics: rank 0's MetricsWriter for the pools' snapshots (metrics.pool_prometheus_text)."""
+    metrics: rank 0's MetricsWriter for the pools' snapshots (metrics.pool_prometheus_text);
+    stall_timeout: seconds of an instance's silence after which the run is ended."""
     from nano import parallel
     from nano.bench import workload
     from nano.disagg.links import MpiLink
@@ -542,7 +579,7 @@ def launch(config, num_prefill: int, num_decode: int, make_requests, warm_up: bo
     node = Node(kind(engine, link))
     if world.rank == ROUTER:
         node.router = Router(link, num_prefill, num_decode, config.block_size, engine.clock, on_result,
-                             metrics and metrics.tick)
+                             metrics and metrics.tick, stall_timeout)
     world.comm.Barrier()  # everyone loaded and warmed up: the arrival trace starts now
     start = engine.clock.now()
     if node.router:

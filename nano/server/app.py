@@ -84,10 +84,10 @@ def error_response(message: str, status: int = 400, kind: str = "invalid_request
 
 # ---- the HTTP side ------------------------------------------------------------------------------
 class Server:
-    def __init__(self, engine, max_queued: int = 256, metrics=None):
+    def __init__(self, engine, max_queued: int = 256, metrics=None, stall_timeout=None):
         self.engine, self.max_queued = engine, max_queued
         self.model_name = engine.shard.model_dir.name
-        self.thread = EngineThread(engine, metrics)
+        self.thread = EngineThread(engine, metrics, stall_timeout)
         self.active = 0  # jobs submitted and not yet ended (event loop only)
         self.created = int(time.time())
 
@@ -140,9 +140,9 @@ class Server:
                              404, "not_found_error")
 
 
-def create_app(engine, max_queued: int = 256, metrics=None) -> FastAPI:
+def create_app(engine, max_queued: int = 256, metrics=None, stall_timeout=None) -> FastAPI:
     """The FastAPI app; its engine thread starts with the app and stops with it."""
-    server = Server(engine, max_queued, metrics)
+    server = Server(engine, max_queued, metrics, stall_timeout)
     app = FastAPI(title="nano", lifespan=_lifespan(server))
     app.state.server = server
 
@@ -328,6 +328,6 @@ def chat_logprobs(entries: list[dict]) -> dict:
                         for e in entries]}
 
 
-def serve(engine, host: str, port: int, max_queued: int, metrics=None) -> None:
+def serve(engine, host: str, port: int, max_queued: int, metrics=None, stall_timeout=None) -> None:
     import uvicorn
-    uvicorn.run(create_app(engine, max_queued, metrics), host=host, port=port, log_level="warning")
+    uvicorn.run(create_app(engine, max_queued, metrics, stall_timeout), host=host, port=port, log_level="warning")

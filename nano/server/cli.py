@@ -12,7 +12,7 @@ def serve(args, engine) -> int:
         raise NanoError(f"--serve needs FastAPI and uvicorn (pip install -r requirements.txt): {e}") from None
     print(f"serving {engine.shard.model_dir.name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     try:
-        serve_http(engine, args.host, args.port, args.max_queued_requests, metrics_writer(args))
+        serve_http(engine, args.host, args.port, args.max_queued_requests, metrics_writer(args), args.stall_timeout)
     finally:
         engine.stop_workers()
     return 0

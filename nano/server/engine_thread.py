@@ -12,6 +12,7 @@ import numpy as np
 from nano.errors import NanoError
 from nano.sequence import SamplingParams, Sequence
 from nano.telemetry.export import prometheus_text, snapshot
+from nano.telemetry.watchdog import Watchdog
 
 
 class Detokenizer:
@@ -54,27 +55,33 @@ class Job:
 
 
 class EngineThread(threading.Thread):
-    """Owns the engine: inbox in, steps, text out. Stops when told (None in the inbox)."""
+    """Owns the engine: inbox in, steps, text out. Stops when told (None in the inbox). A step
+    that runs past stall_timeout (a TP rank stopped) fails every job and ends the process."""
 
-    def __init__(self, engine, metrics=None):
+    def __init__(self, engine, metrics=None, stall_timeout=None):
         super().__init__(name="nano-engine", daemon=True)
         self.engine, self.metrics = engine, metrics  # metrics: a MetricsWriter (--metrics-file)
         self.inbox: queue.Queue = queue.Queue()  # ("add", job) | ("abort", job) | ("metrics", fn) | None
         self.jobs: list[Job] = []
         self.error: str | None = None
+        self.watchdog = Watchdog(stall_timeout, self._fail)
 
     def run(self) -> None:
         try:
             while self._take(block=not self.engine.has_unfinished()):
                 if self.engine.has_unfinished():
-                    self.engine.step()
+                    with self.watchdog.step():
+                        self.engine.step()
                     self._publish()
                     if self.metrics:
                         self.metrics.after_step(self.engine)
         except Exception as e:  # a bug: every waiting client gets an error, /health says so
-            self.error = f"{type(e).__name__}: {e}"
-            for job in self.jobs:
-                job.put({"error": "engine failed: " + self.error, "status": 500})
+            self._fail(f"{type(e).__name__}: {e}")
+
+    def _fail(self, error: str) -> None:
+        self.error = error
+        for job in self.jobs:
+            job.put({"error": "engine failed: " + error, "status": 500})
 
     def _take(self, block: bool) -> bool:
         """Apply what the event loop sent; False once it says stop."""
