@@ -92,7 +92,7 @@ def build_parser() -> Parser:
                    help="requests to /v1/* need the header Authorization: Bearer KEY (default: $NANO_API_KEY; "
                         "/health and /metrics stay open)")
     h.add_argument("--allowed-hosts", help="comma-separated names the Host header may hold ('*': any; default: "
-                   "localhost, 127.0.0.1, ::1 and --host, or any when --host is 0.0.0.0 or ::)")
+                   "localhost, 127.0.0.1, [::1] and --host, or any when --host is 0.0.0.0 or ::)")
     h.add_argument("--max-request-bytes", type=parse_bytes, default=limits.body_bytes,
                    help="a request body's size (413 beyond, before parsing)")
     h.add_argument("--max-prompt-chars", type=int, default=limits.prompt_chars,

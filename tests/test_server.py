@@ -35,12 +35,18 @@ def free_port() -> int:
 class Running:
     """A server on a loopback port in this process (its engine reachable for checks)."""
 
-    def __init__(self, max_queued: int = 256, **engine_args):
+    def __init__(self, max_queued: int = 256, app: dict | None = None, sndbuf: int | None = None, **engine_args):
+        """app: create_app's keyword arguments (limits, api_key, hosts); sndbuf: the kernel's send
+        buffer for each connection (its own default grows to megabytes)."""
+        app = app or {}
         self.engine = LLMEngine(EngineConfig(**{"kv_cache_memory": 300 * 10**6, **engine_args}))
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(create_app(self.engine, max_queued), host="127.0.0.1",
-                                                   port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        listener = socket.socket()
+        if sndbuf:  # accepted connections inherit it
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+        listener.bind(("127.0.0.1", 0))
+        self.port = listener.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(create_app(self.engine, max_queued, **app), log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [listener]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60
         while not self.server.started:
@@ -48,7 +54,8 @@ class Running:
             time.sleep(0.02)
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = self.engine.shard.model_dir.name
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        self.key = app.get("api_key") or "none"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=self.key, max_retries=0, timeout=120)
 
     def idle(self, timeout: float = 10) -> bool:
         """Wait until the engine holds no request and no block."""

@@ -252,7 +252,8 @@ def allowed_hosts(host: str, hosts: str | None) -> list[str]:
         return [h.strip() for h in hosts.split(",") if h.strip()]
     if host in ("", "0.0.0.0", "::"):
         return ["*"]
-    return ["localhost", "127.0.0.1", "::1", host]
+    named = f"[{host}]" if ":" in host else host  # an IPv6 address, as a Host header writes it
+    return list(dict.fromkeys(["localhost", "127.0.0.1", "[::1]", named]))
 
 
 def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Limits(),
