@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from test_server import PROMPT, Running, free_port, httpx, openai  # noqa: F401 (skips without the server's packages)
+from test_server import PROMPT, Running, free_port, httpx  # (it skips without the server's packages)
 
 from nano.chat import template  # noqa: E402
 from nano.server.app import allowed_hosts  # noqa: E402

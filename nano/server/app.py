@@ -11,6 +11,11 @@ fields are tolerated, wrong types and ranges are a 400), tokenizes it in a worke
 and hands the engine thread (engine_thread.py) one Job per choice. Nothing the engine does
 blocks the event loop: /health answers while the engine is saturated. A client that goes away has its
 jobs aborted: the engine drops them before its next step, blocks freed.
+
+What one request may cost the others is bounded (limits.py: the body's bytes before it is
+parsed, the prompt's characters before it is tokenized, stop strings, n x max_tokens, a
+stream's unread chunks); --api-key guards /v1/*, --allowed-hosts the Host header (DNS
+rebinding); SIGTERM or Ctrl-C ends open requests within --shutdown-timeout (_Uvicorn).
 """
 import asyncio
 import json
