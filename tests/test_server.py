@@ -357,6 +357,9 @@ def test_serving_under_tp2_gives_the_one_rank_tokens(srv):
     (["--serve", "--port", "70000"], "--port must be an integer in [0, 65535], got 70000"),
     (["--serve", "--max-queued-requests", "0"], "--max-queued-requests must be an integer >= 1, got 0"),
     (["--serve", "--bench"], "--serve takes its prompts over HTTP: drop --prompt-file, --bench and --disagg"),
+    (["--serve", "--max-stop-strings", "0"], "--max-stop-strings must be an integer >= 1, got 0"),
+    (["--serve", "--shutdown-timeout", "-1"], "--shutdown-timeout must be a number >= 0, got -1.0"),
+    (["--serve", "--api-key", ""], "--api-key is empty (or NANO_API_KEY is set but empty)"),
 ])
 def test_bad_serve_flags_are_one_line(args, message):
     from test_tp import assert_one_line_error, launch
