@@ -40,7 +40,9 @@ class Running:
         buffer for each connection (its own default grows to megabytes)."""
         app = app or {}
         self.engine = LLMEngine(EngineConfig(**{"kv_cache_memory": 300 * 10**6, **engine_args}))
-        listener = socket.socket()
+        # IPPROTO_TCP named: asyncio turns Nagle off (TCP_NODELAY) only on sockets that say so,
+        # else each small response waits for a delayed ACK (40 ms).
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         if sndbuf:  # accepted connections inherit it
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
         listener.bind(("127.0.0.1", 0))

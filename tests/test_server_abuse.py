@@ -235,6 +235,7 @@ def test_a_stream_nobody_reads_is_aborted(guarded):
             time.sleep(0.02)
         # Read to the end, 8 x 4000 tokens would take many minutes; the buffers on the way take a few hundred chunks.
         assert guarded.idle(timeout=60), [s.num_output_tokens for s in guarded.engine.scheduler.running]
+        print(f"the unread stream was aborted {time.monotonic() - deadline + 10:.1f} s after it started")
     finally:
         sock.close()
 
@@ -277,6 +278,7 @@ def test_a_signal_ends_open_streams_cleanly_within_the_grace_period(signals):
             rest = [line for line in lines if line.startswith("data: ")]
             ended = time.monotonic() - start
         _, stderr = job.communicate(timeout=30)
+        print(f"{len(signals)} signal(s): the stream ended {ended:.1f} s after, exit status {job.returncode}")
         assert rest[-1] == "data: [DONE]" and "the server is shutting down" in rest[-2], rest[-3:]
         assert ended < (grace + 2 if len(signals) == 1 else 2), ended
         assert job.returncode == 0 and "Traceback" not in stderr, stderr[-3000:]
