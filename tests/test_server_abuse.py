@@ -202,6 +202,15 @@ def test_allowed_hosts_block_dns_rebinding(guarded):
     assert allowed_hosts("0.0.0.0", None) == ["*"] and allowed_hosts("0.0.0.0", "a.example, b") == ["a.example", "b"]
 
 
+def test_the_api_key_flag_defaults_to_the_environment(monkeypatch):
+    from run import build_parser
+    monkeypatch.setenv("NANO_API_KEY", KEY)
+    assert build_parser().parse_args(["--serve"]).api_key == KEY
+    assert build_parser().parse_args(["--serve", "--api-key", "other"]).api_key == "other"
+    monkeypatch.delenv("NANO_API_KEY")
+    assert build_parser().parse_args(["--serve"]).api_key is None
+
+
 # ---- 6. errors in OpenAI's shape, n beyond the queue, an unread stream -----------------------------------
 def test_every_error_is_in_openais_shape(srv):
     assert_openai_error(post_text(srv.url + "/v1/completions", "{not json"), 400, "not valid JSON")
@@ -285,3 +294,4 @@ def test_a_signal_ends_open_streams_cleanly_within_the_grace_period(signals):
     finally:
         if job.poll() is None:
             job.kill()
+
