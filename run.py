@@ -89,6 +89,26 @@ def build_parser() -> Parser:
     h.add_argument("--port", type=int, default=8000)
     h.add_argument("--max-queued-requests", type=int, default=256,
                    help="requests in flight beyond this are answered 503")
+    import os
+    from nano.server.limits import SHUTDOWN_TIMEOUT, Limits
+    limits = Limits()
+    h.add_argument("--api-key", default=os.environ.get("NANO_API_KEY"),
+                   help="requests to /v1/* need the header Authorization: Bearer KEY (default: $NANO_API_KEY; "
+                        "/health and /metrics stay open)")
+    h.add_argument("--allowed-hosts", help="comma-separated names the Host header may hold ('*': any; default: "
+                   "localhost, 127.0.0.1, [::1] and --host, or any when --host is 0.0.0.0 or ::)")
+    h.add_argument("--max-request-bytes", type=parse_bytes, default=limits.body_bytes,
+                   help="a request body's size (413 beyond, before parsing)")
+    h.add_argument("--max-prompt-chars", type=int, default=limits.prompt_chars,
+                   help="a prompt's characters, all chat messages together (checked before tokenizing)")
+    h.add_argument("--max-stop-strings", type=int, default=limits.stop_strings, help="stop strings in a request")
+    h.add_argument("--max-stop-chars", type=int, default=limits.stop_chars, help="characters in a stop string")
+    h.add_argument("--max-request-tokens", type=int, default=limits.request_tokens,
+                   help="n x max_tokens of a request (max_tokens capped by the context first)")
+    h.add_argument("--max-stream-backlog", type=int, default=limits.stream_backlog,
+                   help="chunks a stream may leave unread before its choices are aborted")
+    h.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT,
+                   help="seconds open requests get after SIGTERM or Ctrl-C; then they end with an error")
     m = p.add_argument_group("metrics and planning")
     m.add_argument("--metrics-file", help="append a JSON metrics snapshot per step to this file")
     m.add_argument("--metrics-prom", help="keep this file rewritten with the latest snapshot in Prometheus text format")
@@ -226,6 +246,8 @@ def parse(argv, rank: int):
     if args.serve:
         checks.integer("--port", args.port, 0, 65535)
         checks.integer("--max-queued-requests", args.max_queued_requests, low=1)
+        from nano.server.cli import check_args
+        check_args(args)
         if args.prompt_file or args.bench or args.disagg is not None:
             raise NanoError("--serve takes its prompts over HTTP: drop --prompt-file, --bench and --disagg")
     if args.disagg == "" and not args.capacity:

@@ -3,6 +3,7 @@ template's source (rendered by nano/chat)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import tokenizers
@@ -41,13 +42,30 @@ class Tokenizer:
         if cfg.get("add_bos_token") and self.bos_token is not None:
             self._bos_id = self._tok.token_to_id(self.bos_token)
 
+        # The same tokenizer with special-token matching off (tokenizers' encode_special_tokens),
+        # for text a user typed: "<|im_end|>" in it is those ten characters, not the end of a turn.
+        self._plain = tokenizers.Tokenizer.from_str(self._tok.to_str())
+        self._plain.encode_special_tokens = True
+        specials = sorted((t.content for t in self._tok.get_added_tokens_decoder().values() if t.special),
+                          key=len, reverse=True)  # longest first: the regex takes the first that matches
+        self.special_tokens = re.compile("|".join(map(re.escape, specials))) if specials else None
+
         self.eos_token_ids: set[int] = set(eos_token_ids)
         if self.eos_token is not None and self._tok.token_to_id(self.eos_token) is not None:
             self.eos_token_ids.add(self._tok.token_to_id(self.eos_token))
 
-    def encode(self, text: str) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        return [self._bos_id] + ids if self._bos_id is not None else ids
+    def encode(self, text: str, plain: bool = False) -> list[int]:
+        """plain: user text, in which a special token's text is plain text (never the token)."""
+        return self.encode_parts([(text, plain)])
+
+    def encode_parts(self, parts: list[tuple[str, bool]]) -> list[int]:
+        """Text given as (text, plain) parts, each tokenized on its own (as the tokenizer itself
+        splits text at special tokens); the BOS token first if the model wants one."""
+        ids = [self._bos_id] if self._bos_id is not None else []
+        for text, plain in parts:
+            if text:
+                ids += (self._plain if plain else self._tok).encode(text, add_special_tokens=False).ids
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)

@@ -35,12 +35,20 @@ def free_port() -> int:
 class Running:
     """A server on a loopback port in this process (its engine reachable for checks)."""
 
-    def __init__(self, max_queued: int = 256, **engine_args):
+    def __init__(self, max_queued: int = 256, app: dict | None = None, sndbuf: int | None = None, **engine_args):
+        """app: create_app's keyword arguments (limits, api_key, hosts); sndbuf: the kernel's send
+        buffer for each connection (its own default grows to megabytes)."""
+        app = app or {}
         self.engine = LLMEngine(EngineConfig(**{"kv_cache_memory": 300 * 10**6, **engine_args}))
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(create_app(self.engine, max_queued), host="127.0.0.1",
-                                                   port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        # IPPROTO_TCP named: asyncio turns Nagle off (TCP_NODELAY) only on sockets that say so,
+        # else each small response waits for a delayed ACK (40 ms).
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        if sndbuf:  # accepted connections inherit it
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+        listener.bind(("127.0.0.1", 0))
+        self.port = listener.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(create_app(self.engine, max_queued, **app), log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [listener]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60
         while not self.server.started:
@@ -48,7 +56,8 @@ class Running:
             time.sleep(0.02)
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = self.engine.shard.model_dir.name
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        self.key = app.get("api_key") or "none"
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=self.key, max_retries=0, timeout=120)
 
     def idle(self, timeout: float = 10) -> bool:
         """Wait until the engine holds no request and no block."""
@@ -350,6 +359,9 @@ def test_serving_under_tp2_gives_the_one_rank_tokens(srv):
     (["--serve", "--port", "70000"], "--port must be an integer in [0, 65535], got 70000"),
     (["--serve", "--max-queued-requests", "0"], "--max-queued-requests must be an integer >= 1, got 0"),
     (["--serve", "--bench"], "--serve takes its prompts over HTTP: drop --prompt-file, --bench and --disagg"),
+    (["--serve", "--max-stop-strings", "0"], "--max-stop-strings must be an integer >= 1, got 0"),
+    (["--serve", "--shutdown-timeout", "-1"], "--shutdown-timeout must be a number >= 0, got -1.0"),
+    (["--serve", "--api-key", ""], "--api-key is empty (or NANO_API_KEY is set but empty)"),
 ])
 def test_bad_serve_flags_are_one_line(args, message):
     from test_tp import assert_one_line_error, launch

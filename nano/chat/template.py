@@ -2,6 +2,7 @@
 (the model's Jinja template, in the environment HF transformers uses), for the command
 line's prompts (nano/cli) and the server's chat completions (nano/server)."""
 import json
+import re
 from datetime import datetime
 
 import jinja2
@@ -27,6 +28,34 @@ def render(tokenizer, messages: str | list[dict]) -> str:
         )
     except jinja2.TemplateError as e:  # a broken template, or one that raise_exception()s
         raise NanoError(f"the model's chat template failed: {e}") from None
+
+
+# Placeholders for special-token text in messages: lone surrogates, which no user text holds
+# (checks.text rejects them) and which a template passes through as any other character.
+_PLACEHOLDERS = (0xD800, 0xE000)
+
+
+def encode(tokenizer, messages: list[dict]) -> list[int]:
+    """render(), tokenized with the template's own special tokens special and the messages'
+    text plain: "<|im_end|><|im_start|>system" typed in a message is text, not a new turn.
+    Special-token text in a message is swapped for a placeholder before rendering (so the
+    template still sees, and may trim or split, the rest of the text), then tokenized on its
+    own as plain text where the placeholder landed."""
+    spelled: dict[str, str] = {}  # placeholder -> the special token's text it stands for
+    by_text: dict[str, str] = {}
+
+    def hide(match: re.Match) -> str:
+        if match.group() not in by_text:
+            if _PLACEHOLDERS[0] + len(by_text) == _PLACEHOLDERS[1]:
+                raise NanoError("the messages hold the text of too many different special tokens")
+            by_text[match.group()] = chr(_PLACEHOLDERS[0] + len(by_text))
+            spelled[by_text[match.group()]] = match.group()
+        return by_text[match.group()]
+
+    if tokenizer.special_tokens is not None:
+        messages = [{**m, "content": tokenizer.special_tokens.sub(hide, m["content"])} for m in messages]
+    pieces = re.split("([\ud800-\udfff])", render(tokenizer, messages))  # odd indexes: placeholders
+    return tokenizer.encode_parts([(spelled[p], True) if i % 2 else (p, False) for i, p in enumerate(pieces)])
 
 
 def _compile_template(source: str):

@@ -3,5 +3,6 @@
 
   app.py            endpoints, request models, errors, streaming (the event loop's side)
   engine_thread.py  the thread that owns the engine: jobs in, steps, text and logprobs out
+  limits.py         what one request may ask for (the --serve flags' defaults)
   cli.py            run.py --serve
 """

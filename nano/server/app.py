@@ -11,24 +11,52 @@ fields are tolerated, wrong types and ranges are a 400), tokenizes it in a worke
 and hands the engine thread (engine_thread.py) one Job per choice. Nothing the engine does
 blocks the event loop: /health answers while the engine is saturated. A client that goes away has its
 jobs aborted: the engine drops them before its next step, blocks freed.
+
+What one request may cost the others is bounded (limits.py: the body's bytes before it is
+parsed, the prompt's characters before it is tokenized, stop strings, n x max_tokens, a
+stream's unread chunks); --api-key guards /v1/*, --allowed-hosts the Host header (DNS
+rebinding); SIGTERM or Ctrl-C ends open requests within --shutdown-timeout (_Uvicorn).
 """
 import asyncio
 import json
+import secrets
 import time
 import uuid
+from typing import Annotated, Literal
 
-from fastapi import FastAPI, Request
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.sse import EventSourceResponse, format_sse_event
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic_core import PydanticCustomError
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
-from nano.chat.template import render as render_chat
+from nano import checks
+from nano.chat import template
 from nano.errors import NanoError
 from nano.sequence import SamplingParams
-from nano.server.engine_thread import EngineThread, Job
+from nano.server.engine_thread import EngineThread, Job, StopStrings
+from nano.server.limits import SHUTDOWN_TIMEOUT, Limits
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+ROLES = ("system", "developer", "user", "assistant", "tool")  # the chat roles OpenAI takes
+
+
+def _checked_text(value: str) -> str:
+    """The check the command line's prompts get (nano/checks.py): JSON's \\ud800 escape can
+    make a lone surrogate, which the tokenizer (and UTF-8) cannot take."""
+    try:
+        return checks.text("the text", value)
+    except NanoError as e:
+        raise PydanticCustomError("text", str(e)) from None
+
+
+Text = Annotated[str, AfterValidator(_checked_text)]
 
 
 # ---- requests (what OpenAI's API takes; top_k and ignore_eos are extensions, as in vLLM) ----
@@ -39,13 +67,13 @@ class StreamOptions(BaseModel):
 
 class Sampling(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)  # unknown fields: tolerated
-    model: str | None = None
+    model: Text | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1)
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     n: int = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -53,14 +81,14 @@ class Sampling(BaseModel):
 
 
 class CompletionRequest(Sampling):
-    prompt: str | list[int] = Field(min_length=1)
+    prompt: Text | list[int] = Field(min_length=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
-    role: str
-    content: str
+    role: Literal[ROLES]
+    content: Text
 
 
 class ChatRequest(Sampling):
@@ -71,38 +99,69 @@ class ChatRequest(Sampling):
 
 
 class BadRequest(Exception):
-    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error"):
+    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error", code: str | None = None):
         super().__init__(message)
-        self.status, self.kind = status, kind
+        self.status, self.kind, self.code = status, kind, code
 
 
-def error_response(message: str, status: int = 400, kind: str = "invalid_request_error") -> JSONResponse:
-    """OpenAI's error body."""
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}},
-                        status_code=status)
+def error_body(message: str, kind: str = "invalid_request_error", code: str | None = None) -> dict:
+    """OpenAI's error shape (a response's body, or a stream's last event)."""
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+def error_response(message: str, status: int = 400, kind: str = "invalid_request_error",
+                   code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, kind, code), status_code=status)
 
 
 # ---- the HTTP side ------------------------------------------------------------------------------
 class Server:
-    def __init__(self, engine, max_queued: int = 256, metrics=None, stall_timeout=None):
-        self.engine, self.max_queued = engine, max_queued
+    def __init__(self, engine, max_queued: int = 256, metrics=None, limits: Limits = Limits(),
+                 stall_timeout: float | None = None):
+        self.engine, self.max_queued, self.limits = engine, max_queued, limits
         self.model_name = engine.shard.model_dir.name
         self.thread = EngineThread(engine, metrics, stall_timeout)
-        self.active = 0  # jobs submitted and not yet ended (event loop only)
+        self.open: set[Job] = set()  # jobs submitted and not yet ended (event loop only)
         self.created = int(time.time())
+        self.closing = False  # shutting down: no new requests
+        self.deadline: asyncio.TimerHandle | None = None  # when the open jobs are ended
 
-    async def submit(self, body: Sampling, prompt: list[int], top_logprobs: int | None, max_tokens: int):
+    def check(self, body: Sampling) -> StopStrings:
+        """What can be checked before tokenizing: the model, and the stop strings (returned)."""
+        if body.model is not None and body.model != self.model_name:
+            raise BadRequest(f"the model {body.model!r} does not exist: this server has {self.model_name!r}",
+                             404, "not_found_error")
+        stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+        if len(stops) > self.limits.stop_strings:
+            raise BadRequest(f"stop: {len(stops)} strings, more than this server's {self.limits.stop_strings}")
+        if any(len(s) > self.limits.stop_chars for s in stops):
+            raise BadRequest(f"stop: a string longer than this server's {self.limits.stop_chars} characters")
+        return StopStrings(tuple(s for s in stops if s))
+
+    def check_chars(self, chars: int) -> None:
+        if chars > self.limits.prompt_chars:
+            raise BadRequest(f"the prompt has {chars} characters, more than this server's {self.limits.prompt_chars}")
+
+    async def submit(self, body: Sampling, prompt: list[int], stops: StopStrings, top_logprobs: int | None,
+                     max_tokens: int):
         """Start body.n jobs for one prompt; returns them."""
-        if self.stopped():
-            raise BadRequest(f"engine stopped: {self.thread.error}", 503, "server_error")
-        if self.active + body.n > self.max_queued:
-            raise BadRequest(f"the server has {self.active} requests in flight (at most {self.max_queued}): "
+        if self.closing or self.stopped():
+            raise BadRequest("the server is shutting down" if self.closing else f"engine stopped: {self.thread.error}",
+                             503, "server_error")
+        if body.n > self.max_queued:  # would never fit: not a "try again"
+            raise BadRequest(f"n: {body.n} choices, more than this server's {self.max_queued} requests in flight")
+        if len(self.open) + body.n > self.max_queued:
+            raise BadRequest(f"the server has {len(self.open)} requests in flight (at most {self.max_queued}): "
                              "try again later", 503, "server_overloaded")
         if len(prompt) + 1 > self.engine.max_model_len:
             raise BadRequest(f"this model's maximum context length is {self.engine.max_model_len} tokens; the "
                              f"prompt has {len(prompt)}")
+        if any(not 0 <= t < self.engine.model_config.vocab_size for t in prompt):  # after the length: bounded
+            raise BadRequest(f"prompt: token ids must be in [0, {self.engine.model_config.vocab_size})")
         max_tokens = min(max_tokens, self.engine.max_model_len - len(prompt))
-        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if body.n * max_tokens > self.limits.request_tokens:
+            raise BadRequest(f"n x max_tokens is {body.n} x {max_tokens}, more than this server's "
+                             f"{self.limits.request_tokens} tokens a request: ask for fewer choices or tokens")
         loop, jobs = asyncio.get_running_loop(), []
         for i in range(body.n):
             seed = None if body.seed is None else body.seed + i
@@ -113,20 +172,34 @@ class Server:
                 params.validate()
             except NanoError as e:
                 raise BadRequest(str(e)) from None
-            jobs.append(Job(prompt, params, [s for s in stops if s], top_logprobs, asyncio.Queue(), loop))
+            jobs.append(Job(prompt, params, stops, top_logprobs, asyncio.Queue(), loop))
         for job in jobs:
             self.thread.inbox.put(("add", job))
-        self.active += len(jobs)
+        self.open.update(jobs)
         return jobs
+
+    def abort(self, job: Job) -> None:
+        self.thread.inbox.put(("abort", job))
 
     def release(self, jobs: list[Job]) -> None:
         """The request is over (finished, failed or gone): abort what still runs."""
         for job in jobs:
-            self.thread.inbox.put(("abort", job))
-        self.active -= len(jobs)
+            self.abort(job)
+        self.open.difference_update(jobs)
 
     async def tokenize(self, text: str) -> list[int]:
-        return await asyncio.to_thread(self.engine.tokenizer.encode, text)
+        """A completion's prompt, as plain text, on a worker thread (the event loop keeps serving)."""
+        self.check_chars(len(text))
+        return await asyncio.to_thread(self.engine.tokenizer.encode, text, True)
+
+    async def tokenize_chat(self, messages: list[Message]) -> list[int]:
+        """The conversation in the model's chat template, on a worker thread."""
+        self.check_chars(sum(len(m.content) for m in messages))
+        conversation = [m.model_dump(include={"role", "content"}) for m in messages]
+        try:
+            return await asyncio.to_thread(template.encode, self.engine.tokenizer, conversation)
+        except NanoError as e:
+            raise BadRequest(str(e)) from None
 
     def stopped(self) -> JSONResponse | None:
         """A 503 if the engine thread is gone (it failed, or the server is shutting down)."""
@@ -134,36 +207,93 @@ class Server:
             return error_response(f"engine stopped: {self.thread.error}", 503, "server_error")
         return None
 
-    def check_model(self, body: Sampling) -> None:
-        if body.model is not None and body.model != self.model_name:
-            raise BadRequest(f"the model {body.model!r} does not exist: this server has {self.model_name!r}",
-                             404, "not_found_error")
+    def shut_down(self, grace: float) -> None:
+        """Take no new requests; end the open ones in `grace` seconds unless they finish first
+        (sooner if asked again). On the event loop."""
+        self.closing = True
+        if self.deadline:
+            self.deadline.cancel()
+        self.deadline = asyncio.get_running_loop().call_later(grace, self._end_open)
+
+    def _end_open(self) -> None:
+        for job in self.open:  # each waiting response ends with this error (a stream: then [DONE])
+            job.events.put_nowait({"error": "the server is shutting down", "status": 503})
 
 
-def create_app(engine, max_queued: int = 256, metrics=None, stall_timeout=None) -> FastAPI:
+class BodyLimit:
+    """A request body over `limit` bytes gets 413 before it is parsed: one whose Content-Length
+    says so at once, a chunked one once its bytes pass the limit. (FastAPI's max_body_size
+    answers plain text, not OpenAI's error shape.)"""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.limit:
+            return await error_response(self.message, 413)(scope, receive, send)
+        read = 0
+
+        async def counted():
+            nonlocal read
+            message = await receive()
+            read += len(message.get("body", b""))
+            if read > self.limit:  # raised while FastAPI reads the body: answered by the HTTPException handler
+                raise HTTPException(413, self.message)
+            return message
+        await self.app(scope, counted, send)
+
+    @property
+    def message(self) -> str:
+        return f"the request body is larger than this server's {self.limit} bytes"
+
+
+def allowed_hosts(host: str, hosts: str | None) -> list[str]:
+    """--allowed-hosts (comma-separated; '*': any). By default a server bound to one address
+    answers only the names of that address and of loopback, so a web page whose name an attacker
+    points at 127.0.0.1 (DNS rebinding) cannot reach it; one bound to every address takes any."""
+    if hosts is not None:
+        return [h.strip() for h in hosts.split(",") if h.strip()]
+    if host in ("", "0.0.0.0", "::"):
+        return ["*"]
+    named = f"[{host}]" if ":" in host else host  # an IPv6 address, as a Host header writes it
+    return list(dict.fromkeys(["localhost", "127.0.0.1", "[::1]", named]))
+
+
+def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Limits(),
+               api_key: str | None = None, hosts: list[str] = ("*",), stall_timeout: float | None = None) -> FastAPI:
     """The FastAPI app; its engine thread starts with the app and stops with it."""
-    server = Server(engine, max_queued, metrics, stall_timeout)
+    server = Server(engine, max_queued, metrics, limits, stall_timeout)
     app = FastAPI(title="nano", lifespan=_lifespan(server))
     app.state.server = server
+    app.add_middleware(BodyLimit, limit=limits.body_bytes)
+    if "*" not in hosts:
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=hosts)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_, exc: RequestValidationError):
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"] if p != "body")
+        errors = exc.errors()  # a union field has one per member: the text check's says the most
+        first = next((e for e in errors if e["type"] == "text"), errors[0])
+        if first["type"] == "json_invalid":
+            return error_response(f"the body is not valid JSON: {first['ctx']['error']}")
+        # The fields' path; a union member's name (list[int], function-after[...]) is not a field.
+        where = ".".join(str(p) for p in first["loc"] if p != "body" and (isinstance(p, int) or p.isidentifier()))
         return error_response(f"{where}: {first['msg']}" if where else first["msg"])
+
+    @app.exception_handler(HTTPException)  # Starlette's and FastAPI's own: 404, 405, 413, a body not parsed
+    async def http_error(_, exc: HTTPException):
+        return error_response(str(exc.detail), exc.status_code, "server_error" if exc.status_code >= 500
+                              else "invalid_request_error")
 
     @app.exception_handler(BadRequest)
     async def bad(_, exc: BadRequest):
-        return error_response(str(exc), exc.status, exc.kind)
+        return error_response(str(exc), exc.status, exc.kind, exc.code)
 
     @app.get("/health")
     async def health():
         return server.stopped() or {"status": "ok"}
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": server.model_name, "object": "model",
-                                            "created": server.created, "owned_by": "nano"}]}
 
     @app.get("/metrics")
     async def metrics():
@@ -173,31 +303,42 @@ def create_app(engine, max_queued: int = 256, metrics=None, stall_timeout=None) 
         server.thread.inbox.put(("metrics", lambda text: loop.call_soon_threadsafe(done.set_result, text)))
         return PlainTextResponse(await done, media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/completions")
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_key_check(api_key))] if api_key else [])
+
+    @v1.get("/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model",
+                                            "created": server.created, "owned_by": "nano"}]}
+
+    @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
-        server.check_model(body)
+        stops = server.check(body)
         prompt = await server.tokenize(body.prompt) if isinstance(body.prompt, str) else body.prompt
-        if any(not 0 <= t < engine.model_config.vocab_size for t in prompt):
-            raise BadRequest(f"prompt: token ids must be in [0, {engine.model_config.vocab_size})")
-        jobs = await server.submit(body, prompt, body.logprobs, body.max_tokens or 16)
+        jobs = await server.submit(body, prompt, stops, body.logprobs, body.max_tokens or 16)
         return await respond(server, request, body, jobs, "text_completion", "cmpl")
 
-    @app.post("/v1/chat/completions")
+    @v1.post("/chat/completions")
     async def chat(body: ChatRequest, request: Request):
-        server.check_model(body)
+        stops = server.check(body)
         if engine.tokenizer.chat_template is None:
             raise BadRequest("this model has no chat template: use /v1/completions")
-        try:
-            text = render_chat(engine.tokenizer, [m.model_dump(include={"role", "content"})
-                                                         for m in body.messages])
-        except NanoError as e:
-            raise BadRequest(str(e)) from None
         top = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens or engine.max_model_len
-        jobs = await server.submit(body, await server.tokenize(text), top, max_tokens)
+        jobs = await server.submit(body, await server.tokenize_chat(body.messages), stops, top, max_tokens)
         return await respond(server, request, body, jobs, "chat.completion", "chatcmpl")
 
+    app.include_router(v1)
     return app
+
+
+def _key_check(api_key: str):
+    """A dependency: the request's Authorization: Bearer KEY is the server's key, or a 401."""
+    async def check(credentials: HTTPAuthorizationCredentials | None = Depends(HTTPBearer(auto_error=False))):
+        # compare_digest: the time taken does not tell how much of a guess was right
+        if credentials is None or not secrets.compare_digest(credentials.credentials.encode(), api_key.encode()):
+            raise BadRequest("a valid API key is needed: send the header Authorization: Bearer KEY", 401,
+                             code="invalid_api_key")
+    return check
 
 
 def _lifespan(server: Server):
@@ -228,7 +369,7 @@ async def respond(server: Server, request: Request, body: Sampling, jobs: list[J
     failed = [r for r in results if r["error"]]
     if failed:  # rejected by the engine (400), or the engine failed (500)
         status = failed[0]["status"]
-        raise BadRequest(failed[0]["error"], status, "server_error" if status == 500 else "invalid_request_error")
+        raise BadRequest(failed[0]["error"], status, "server_error" if status >= 500 else "invalid_request_error")
     choices = []
     for i, r in enumerate(results):
         if kind == "chat.completion":
@@ -269,7 +410,11 @@ async def stream(server: Server, request: Request, jobs: list[Job], head: dict, 
     async def forward(i, job):
         while True:
             event = await job.events.get()
-            await events.put((i, event))
+            if events.qsize() >= server.limits.stream_backlog:  # the client stopped reading: stop generating
+                server.abort(job)
+                event = {"error": f"the client left more than {server.limits.stream_backlog} chunks unread: "
+                                  "the choice was aborted"}
+            events.put_nowait((i, event))
             if event.get("finish_reason") or event.get("error"):
                 return
 
@@ -283,7 +428,8 @@ async def stream(server: Server, request: Request, jobs: list[Job], head: dict, 
         while live:
             i, event = await events.get()
             if event.get("error"):
-                yield sse({"error": {"message": event["error"], "type": "invalid_request_error"}})
+                yield sse(error_body(event["error"], "server_error" if event.get("status", 400) >= 500
+                                     else "invalid_request_error"))
                 live -= 1
                 continue
             counts[i] = (event["prompt_tokens"], event["completion_tokens"])
@@ -328,6 +474,34 @@ def chat_logprobs(entries: list[dict]) -> dict:
                         for e in entries]}
 
 
-def serve(engine, host: str, port: int, max_queued: int, metrics=None, stall_timeout=None) -> None:
-    import uvicorn
-    uvicorn.run(create_app(engine, max_queued, metrics, stall_timeout), host=host, port=port, log_level="warning")
+class _Uvicorn(uvicorn.Server):
+    """uvicorn, with a signal's shutdown bounded: SIGTERM or Ctrl-C stops taking connections
+    and gives the open requests `grace` seconds, then ends them (a stream: an error event,
+    then [DONE]); a second signal ends them at once. Not uvicorn's own handling, which waits
+    for open streams without limit, cuts them on a second Ctrl-C (no [DONE], tracebacks) and
+    raises the signal again once done (exit status 143 on SIGTERM)."""
+
+    def __init__(self, config: uvicorn.Config, server: Server, grace: float):
+        super().__init__(config)
+        self.nano, self.grace = server, grace
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        # A signal handler: it may run while the loop waits in select, hence call_soon_threadsafe.
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.nano.shut_down, 0 if self.should_exit else self.grace)
+        self.should_exit = True
+
+
+def serve(engine, host: str, port: int, max_queued: int, metrics=None, limits: Limits = Limits(),
+          api_key: str | None = None, hosts: list[str] = ("*",), shutdown_timeout: float = SHUTDOWN_TIMEOUT,
+          stall_timeout: float | None = None) -> None:
+    app = create_app(engine, max_queued, metrics, limits, api_key, hosts, stall_timeout)
+    # uvicorn's own limit on the graceful wait is a backstop: the server ends its requests before it.
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning",
+                            timeout_graceful_shutdown=shutdown_timeout + 5)
+    _Uvicorn(config, app.state.server, shutdown_timeout).run()

@@ -1,18 +1,40 @@
-"""run.py --serve: the HTTP server until Ctrl-C; then the TP ranks are told to stop."""
+"""run.py --serve: the HTTP server until SIGTERM or Ctrl-C; then the TP ranks are told to stop."""
 import sys
 
+from nano import checks
 from nano.cli.output import metrics_writer
 from nano.errors import NanoError
+from nano.server.limits import Limits
+
+
+def check_args(args) -> None:
+    """The server's flags, before the model loads."""
+    for flag, value in (("--max-request-bytes", args.max_request_bytes), ("--max-prompt-chars", args.max_prompt_chars),
+                        ("--max-stop-strings", args.max_stop_strings), ("--max-stop-chars", args.max_stop_chars),
+                        ("--max-request-tokens", args.max_request_tokens),
+                        ("--max-stream-backlog", args.max_stream_backlog)):
+        checks.integer(flag, value, low=1)
+    checks.number("--shutdown-timeout", args.shutdown_timeout, low=0)
+    if args.api_key is not None and not args.api_key:
+        raise NanoError("--api-key is empty (or NANO_API_KEY is set but empty)")
+
+
+def limits(args) -> Limits:
+    return Limits(body_bytes=args.max_request_bytes, prompt_chars=args.max_prompt_chars,
+                  stop_strings=args.max_stop_strings, stop_chars=args.max_stop_chars,
+                  request_tokens=args.max_request_tokens, stream_backlog=args.max_stream_backlog)
 
 
 def serve(args, engine) -> int:
     try:
-        from nano.server.app import serve as serve_http
+        from nano.server.app import allowed_hosts, serve as serve_http
     except ImportError as e:
         raise NanoError(f"--serve needs FastAPI and uvicorn (pip install -r requirements.txt): {e}") from None
     print(f"serving {engine.shard.model_dir.name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     try:
-        serve_http(engine, args.host, args.port, args.max_queued_requests, metrics_writer(args), args.stall_timeout)
+        serve_http(engine, args.host, args.port, args.max_queued_requests, metrics_writer(args), limits(args),
+                   args.api_key, allowed_hosts(args.host, args.allowed_hosts), args.shutdown_timeout,
+                   args.stall_timeout)
     finally:
         engine.stop_workers()
     return 0

@@ -35,12 +35,27 @@ class Detokenizer:
         return text[len(before):]
 
 
+class StopStrings:
+    """A request's stop strings: one object its choices share. A search looks only at text
+    that is new since the last one (and the few characters before it a stop string could
+    start in), so a step costs what it generated, not what was generated before."""
+
+    def __init__(self, strings: tuple[str, ...] = ()):
+        self.strings = strings
+        self.hold = max(map(len, strings), default=1) - 1  # the most of one that can end a text
+
+    def find(self, text: str, new_from: int) -> int:
+        """Where the first stop string in text starts (-1: none), given that none was in text[:new_from]."""
+        start = max(0, new_from - self.hold)
+        return min((i for i in (text.find(s, start) for s in self.strings) if i >= 0), default=-1)
+
+
 @dataclass(eq=False)
 class Job:
     """One choice of one request: its sequence, and the queue its events go to."""
     prompt: list[int]
     params: SamplingParams
-    stops: list[str]
+    stops: StopStrings
     top_logprobs: int | None             # None: no logprobs
     events: asyncio.Queue
     loop: asyncio.AbstractEventLoop
@@ -117,16 +132,17 @@ class EngineThread(threading.Thread):
             new = seq.output_token_ids[job.tokens:]
             job.tokens += len(new)
             logprobs = self._logprobs(job, new)
+            searched = len(job.text)
             job.text += job.detok.add(new) if new else ""
             reason = seq.finish_reason
-            cut = min((i for i in (job.text.find(s) for s in job.stops) if i >= 0), default=-1)
+            cut = job.stops.find(job.text, searched)
             if cut >= 0:  # a stop string: the text ends before it, the sequence ends now
                 job.text = job.text[:cut]
                 if not seq.is_finished:
                     self.engine.finish(seq, "stop")
                 reason = "stop"
             # Hold back what could be the start of a stop string until it is settled.
-            hold = 0 if seq.is_finished else max((len(s) - 1 for s in job.stops), default=0)
+            hold = 0 if seq.is_finished else job.stops.hold
             end = max(job.sent, len(job.text) - hold)
             if end > job.sent or logprobs or seq.is_finished:
                 job.put({"text": job.text[job.sent:end], "logprobs": logprobs,

@@ -1,0 +1,19 @@
+"""What the server bounds (each one a run.py --serve flag, docs/server.md). Kept apart from
+app.py so that run.py shows the defaults without importing FastAPI."""
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for, so that none costs the others more than a bounded share.
+    The defaults are far above what a client of a model with a context of thousands of tokens
+    needs (OpenAI allows 4 stop strings)."""
+    body_bytes: int = 8 * 2**20        # a request's body: 413 before it is parsed
+    prompt_chars: int = 1_000_000      # a prompt (all messages together), checked before tokenizing
+    stop_strings: int = 32             # stop strings in one request
+    stop_chars: int = 256              # each stop string (also the text held back while streaming)
+    request_tokens: int = 2**17        # n x max_tokens (max_tokens capped by the context first)
+    stream_backlog: int = 1024         # chunks a stream may leave unread before its choices are aborted
+
+
+SHUTDOWN_TIMEOUT = 5.0  # seconds open requests get to finish after SIGTERM or Ctrl-C
