@@ -49,6 +49,7 @@ CONFIGS = {
     "default": {},
     "no_prefix_caching": {"enable_prefix_caching": False},
     "chunked_prefill": {"max_num_batched_tokens": 7},
+    "one_at_a_time": {"max_num_seqs": 1},
     "preempt_swap": {"num_blocks": 12, "watermark": 0.0, "preemption": "swap"},
     "preempt_recompute": {"num_blocks": 12, "watermark": 0.0, "preemption": "recompute"},
     "preempt_auto_chunked": {"num_blocks": 12, "watermark": 0.0, "max_num_batched_tokens": 16},

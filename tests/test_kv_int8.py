@@ -125,6 +125,37 @@ def test_values_and_their_scales_are_written_at_their_slots(scheme):
     assert not np.moveaxis(cache.k_scale, 1, -1)[untouched].any()
 
 
+@pytest.mark.parametrize("scheme", KEY_SCHEMES)
+def test_a_tokens_int8_row_does_not_depend_on_the_rest_of_the_step(scheme):
+    """Each token is rotated and quantized from its own K alone: written in a step of 37
+    tokens or alone, its int8 K and V, their scales and its returned q are bitwise the
+    same. (One product over all the step's rows would not be: OpenBLAS rounds a row
+    differently by the number of rows and its place among them.)"""
+    rng = np.random.default_rng(2)
+    t, nq, nkv, d, bs = 37, 6, 3, 64, 8
+    cfg = ModelConfig.from_hf(dict(hidden_size=nq * d, intermediate_size=8, num_hidden_layers=1,
+                                   num_attention_heads=nq, num_key_value_heads=nkv, vocab_size=8))
+    cos_sin = rope_cos_sin(cfg, t)
+    q, k, v = (rng.normal(size=(t, n, d)).astype(np.float32) for n in (nq, nkv, nkv))
+    channel_scale = rng.uniform(0.5, 2, (1, nkv, d)).astype(np.float32)
+
+    def write(tokens):  # a fresh pool holding just these tokens, at slots = their positions
+        pool = KVCache(np, 1, -(-t // bs), nkv, bs, d, np.float32, "int8", scheme)
+        if scheme == "channel":
+            pool.k_channel_scale = channel_scale
+        q_out = ops.rope_store_kvcache(q[tokens], k[tokens], v[tokens], tokens, cos_sin, pool.layer(0),
+                                       tokens.astype(np.int32))
+        return q_out, pool
+
+    q_all, step = write(np.arange(t))
+    for i in range(t):
+        q_one, alone = write(np.array([i]))
+        block, offset = divmod(i, bs)
+        np.testing.assert_array_equal(q_one[0], q_all[i])
+        for one, all_ in ((alone.data, step.data), (alone.scales, step.scales)):  # K and V of layer 0
+            np.testing.assert_array_equal(one[0, :, block, :, offset], all_[0, :, block, :, offset])
+
+
 def test_key_schemes_keep_q_dot_k():
     """K is stored in the scheme's basis and q returned in the matching one: q.k is what
     the unquantized rotated q and k would give, up to the int8 step."""
