@@ -161,7 +161,9 @@ class Scheduler:
     def _never_fits(self, seq: Sequence) -> str | None:
         if not seq.num_tokens:
             return "empty prompt"
-        need = seq.num_tokens + 1  # the prompt plus at least one generated token
+        # Room for the prompt and one generated token (whose KV the next step writes), or
+        # for every token of one that has output already (handed over, or recomputed).
+        need = max(seq.num_prompt_tokens + 1, seq.num_tokens)
         if need > self.max_model_len:
             return (f"prompt of {seq.num_tokens} tokens leaves no room to generate within the "
                     f"model context of {self.max_model_len} tokens")

@@ -242,6 +242,21 @@ def test_a_request_the_decode_pool_can_never_hold_is_rejected_not_stuck(tiny_mod
     assert_no_leaks(nodes, links)
 
 
+def test_a_request_that_just_fits_ends_as_it_does_in_one_engine(tiny_model):
+    """8 blocks of 8: a 63-token prompt and its first token fill them. One engine generates a
+    second token and ends it ("length"); the decode instance, counting the handed-over
+    sequence as one engine counts a prompt, must not reject it after its prefill."""
+    config = tiny_config(tiny_model, num_blocks=8, watermark=0.0)
+    prompts, params = [list(range(3, 66))], [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)]
+    expected = colocated(config, prompts, params)[0]
+    assert (expected.finish_reason, expected.num_output_tokens) == ("length", 2)
+    links = LocalLinks(2)
+    nodes = cluster([config], [config], links)
+    (result,) = serve(nodes, prompts, params)
+    assert (result.finish_reason, result.output_token_ids) == ("length", expected.output_token_ids), result.error
+    assert_no_leaks(nodes, links)
+
+
 # ---- aborts, preemptions, leaks ---------------------------------------------------------------
 @pytest.mark.parametrize("preemption,seed", [("swap", 0), ("recompute", 1), ("auto", 2)])
 def test_aborts_and_preemptions_leak_nothing(tiny_model, preemption, seed):
