@@ -211,10 +211,10 @@ class LLMEngine:
             self.metrics.on_finish(seq)
 
     def abort(self, seq: Sequence) -> None:
-        """Drop an unfinished request: out of its queue, its blocks freed, as if it never came."""
+        """Drop an unfinished request: out of its queue, its blocks freed; counted as aborted."""
         if not seq.is_finished:
             self.scheduler.finish(seq, "aborted")
-            self.arrival_times.remove(seq.arrival_time)
+            self.metrics.aborted += 1
 
     def detokenize(self, seq: Sequence) -> str:
         """The text of seq's generated tokens."""

@@ -24,6 +24,7 @@ class Metrics:
         self.num_blocks = num_blocks
         self.requests = 0                    # finished, rejected included
         self.rejected = 0
+        self.aborted = 0                     # dropped unfinished (abort(): a client went away)
         self.slo_met = 0                     # finished within both latency targets
         self.served_late = 0                 # finished, but missed a latency target
         self.rejected_late = 0               # rejected because they could no longer make it (--drop-late)

@@ -14,7 +14,7 @@ def snapshot(step: int) -> dict:
     ttft = [0.003, 0.04, 0.04, 0.7, 12.0][:step + 2]
     return {
         "time": 1.5 * step, "step": step, "arrived": 9, "finished": 4, "running": 2, "waiting": 1,
-        "swapped": 1, "rejected": 1, "queue_depth_tokens": 340, "kv_occupancy": 0.625,
+        "swapped": 1, "rejected": 1, "aborted": 1, "queue_depth_tokens": 340, "kv_occupancy": 0.625,
         "ttft_histogram": histogram(ttft), "tpot_histogram": histogram([0.02, 0.03]),
         "preemptions": {"swap": 2, "recompute": 1}, "prefix_cache_hit_rate": 0.25,
         "step_time": 0.0125, "mean_step_time": 0.011, "ttft_sum": sum(ttft), "tpot_sum": 0.05,
@@ -29,6 +29,7 @@ def test_prometheus_text_parses_with_prometheus_client():
     assert families["nano_requests_arrived"].type == "counter"
     assert samples[("nano_requests_arrived_total", ())] == 9
     assert samples[("nano_requests_rejected_total", ())] == 1
+    assert samples[("nano_requests_aborted_total", ())] == 1
     assert families["nano_kv_cache_occupancy"].type == "gauge"
     assert samples[("nano_kv_cache_occupancy", ())] == 0.625
     assert samples[("nano_requests_swapped", ())] == 1
@@ -57,3 +58,17 @@ def test_metrics_writer_appends_snapshots_and_rewrites_prometheus(tmp_path):
     count = [s for s in families["nano_time_to_first_token_seconds"].samples if s.name.endswith("_count")]
     assert count[0].value == 4  # the last snapshot's, not a mix
     assert not (tmp_path / "m.prom.tmp").exists()
+
+
+def test_an_abort_is_counted_and_the_arrival_stays_counted(tiny_model):
+    """Counters never go down: an aborted request has still arrived."""
+    from nano.config import EngineConfig
+    from nano.engine import LLMEngine
+    from nano.sequence import SamplingParams
+    from nano.telemetry.export import snapshot as engine_snapshot
+    engine = LLMEngine(EngineConfig(model=str(tiny_model), device="cpu", num_blocks=16))
+    seq = engine.add_request([5, 6, 7], SamplingParams(max_tokens=4))
+    engine.step()
+    engine.abort(seq)
+    snap = engine_snapshot(engine, engine.clock.now())
+    assert (snap["arrived"], snap["aborted"], snap["running"]) == (1, 1, 0)

@@ -29,7 +29,7 @@ def snapshot(engine, now: float) -> dict:
         "time": now, "step": m.steps,
         "arrived": queues.arrived, "finished": m.requests - m.rejected,
         "running": queues.running, "waiting": queues.waiting, "swapped": queues.swapped,
-        "rejected": m.rejected,
+        "rejected": m.rejected, "aborted": m.aborted,
         "queue_depth_tokens": queues.queue_tokens,
         "kv_occupancy": occupancy,
         "ttft_histogram": histogram(m.ttft), "tpot_histogram": histogram(m.tpot),
@@ -52,6 +52,8 @@ def prometheus_text(snap: dict) -> str:
     metric("requests_arrived_total", "counter", "Requests that have arrived.", [("", snap["arrived"])])
     metric("requests_finished_total", "counter", "Requests finished (not rejected).", [("", snap["finished"])])
     metric("requests_rejected_total", "counter", "Requests rejected.", [("", snap["rejected"])])
+    metric("requests_aborted_total", "counter", "Requests dropped unfinished (the client went away).",
+           [("", snap["aborted"])])
     for state in ("running", "waiting", "swapped"):
         metric(f"requests_{state}", "gauge", f"Requests {state} now.", [("", snap[state])])
     metric("queue_depth_tokens", "gauge", "Waiting prompt tokens plus remaining output tokens.",
