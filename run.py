@@ -282,8 +282,8 @@ if __name__ == "__main__":
         sys.exit(main())
     except NanoError as e:
         parallel.exit_on_error(e, 2)
-    except KeyboardInterrupt:  # under mpirun, on any rank: every rank ends (exit_on_error)
-        parallel.exit_on_error(NanoError("interrupted"), 130)
+    except KeyboardInterrupt as e:  # here, or on another rank (PeerInterrupted): every rank ends
+        parallel.exit_on_error(NanoError("interrupted"), 130, e.args[0] if e.args else None)
     except Exception as e:  # a bug: alone, show the traceback; under MPI, end every rank
         if parallel.alone():
             raise

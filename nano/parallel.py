@@ -21,6 +21,7 @@ import numpy as np
 from nano.errors import NanoError
 
 STOP = -1  # a step message's length that means "no more steps"
+INTERRUPTED = 7  # the tag of a rank's message to rank 0 that it was interrupted
 # Set by the launcher in every process it starts (Open MPI, PMIx, MPICH/Hydra).
 _LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE")
 
@@ -28,6 +29,11 @@ _LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE")
 class SharedError(NanoError):
     """A failure that every rank raises at once (agreed in `together`): rank 0 prints it
     and all ranks exit normally, with no rank left waiting."""
+
+
+class PeerInterrupted(KeyboardInterrupt):
+    """On rank 0: another rank (args[0]) was interrupted. The run ends as after a Ctrl-C on
+    rank 0 (its finished outputs written in order), not killed from that rank."""
 
 
 class Group:
@@ -40,6 +46,7 @@ class Group:
         self.cuda_aware = False          # set by the engine once it knows the device
         self.all_reduce_seconds = 0.0    # since the last take_all_reduce_stats()
         self.all_reduce_bytes = 0
+        self.pending = None              # tell_interrupted()'s send, kept until it completes
 
     def require(self, tp: int) -> None:
         if tp != self.world and self.world == 1:
@@ -100,6 +107,15 @@ class Group:
             message = np.empty(int(size[0]), dtype=np.int32)
         self.comm.Bcast(message, root=0)
         return message
+
+    def tell_interrupted(self) -> None:
+        """A rank > 0 got SIGINT: tell rank 0, without waiting (its steps go on until then)."""
+        self.pending = self.comm.isend(self.rank, dest=0, tag=INTERRUPTED)
+
+    def check_interrupted(self) -> None:
+        """On rank 0, between steps: raise PeerInterrupted if another rank was interrupted."""
+        if self.world > 1 and self.comm.Iprobe(tag=INTERRUPTED):
+            raise PeerInterrupted(self.comm.recv(tag=INTERRUPTED))
 
     @contextmanager
     def together(self):
@@ -171,17 +187,18 @@ def cuda_aware_mpi() -> bool:
 
 
 # ---- ending the run ------------------------------------------------------------------
-def exit_on_error(error: Exception, code: int) -> None:
+def exit_on_error(error: Exception, code: int, rank: int | None = None) -> None:
     """Print one line and end this process and, under MPI, every other rank too.
     An error every rank shares is printed once (by rank 0) and the ranks exit together;
-    any other one is printed with its rank and MPI_Abort ends the whole job."""
+    any other one is printed with its rank (or `rank`, where it happened) and MPI_Abort
+    ends the whole job."""
     group = _world or _group
     message = str(error) if isinstance(error, NanoError) else f"{type(error).__name__}: {error}"
     if group is None or group.world == 1 or isinstance(error, SharedError):
         if group is None or group.rank == 0:
             print(f"error: {message}", file=sys.stderr, flush=True)
         sys.exit(code)
-    print(f"error: rank {group.rank}: {message}", file=sys.stderr, flush=True)
+    print(f"error: rank {group.rank if rank is None else rank}: {message}", file=sys.stderr, flush=True)
     abort_all(code)
 
 

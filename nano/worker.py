@@ -1,5 +1,7 @@
 """A tensor-parallel rank > 0: it loads its shard (shard.py) and replays the steps rank 0
 broadcasts (engine.LLMEngine schedules and samples for every rank)."""
+import signal
+
 from nano import parallel
 from nano.config import EngineConfig
 from nano.plan import step_sizes, unpack_step
@@ -15,7 +17,10 @@ class Worker:
         self.runner = load_shard(config, self.group).runner
 
     def run(self) -> None:
-        """Replay each step rank 0 broadcasts on this rank's shard, until it says stop."""
+        """Replay each step rank 0 broadcasts on this rank's shard, until it says stop. A
+        SIGINT here is passed on to rank 0, which ends the run (a rank leaving mid-step
+        would leave the others waiting in a collective)."""
+        signal.signal(signal.SIGINT, lambda *_: self.group.tell_interrupted())
         while (packed := self.group.broadcast(None)) is not None:
             swaps = unpack_step(packed, step_sizes(packed))
             self.runner.swap(swaps["blocks_to_swap_out"], swaps["blocks_to_swap_in"])

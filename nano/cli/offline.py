@@ -19,6 +19,7 @@ def run_all(engine, inputs, per_request, arrivals=None, output=None, metrics=Non
     while engine.has_unfinished():
         with watchdog.step():
             finished = engine.step()
+        engine.group.check_interrupted()
         progress.update(len(finished), engine.metrics.generated_tokens)
         if metrics:
             metrics.after_step(engine)

@@ -40,6 +40,7 @@ one: its /health, where it serves, no longer answers.)
 Times are each process's time.perf_counter(): CLOCK_MONOTONIC, one clock for all ranks
 on one host (the arrival trace, TTFT and TPOT mix ranks' times).
 """
+import signal
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -586,13 +587,18 @@ def launch(config, num_prefill: int, num_decode: int, make_requests, warm_up: bo
         for seq in seqs:
             seq.arrival_time += start
         node.router.add(seqs)
-    run_node(node)
+    run_node(node, world)
     return (node.router, engine, engine.clock.now() - start) if node.router else None
 
 
-def run_node(node: Node) -> None:
-    """One rank of an MPI run, to the end."""
+def run_node(node: Node, world) -> None:
+    """One rank of an MPI run, to the end. A SIGINT on an instance's rank is passed on to
+    the router's, which ends the run (its finished outputs written in order)."""
+    if not node.router:
+        signal.signal(signal.SIGINT, lambda *_: world.tell_interrupted())
     while not node.done:
+        if node.router:
+            world.check_interrupted()
         if not node.tick():
             node.instance.link.wait(node.idle_time())
     node.instance.link.close()
