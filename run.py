@@ -13,6 +13,7 @@ This file is the flags and the dispatch; each mode's code lives with its package
 """
 import argparse
 import math
+import os
 import sys
 
 from nano import checks, default_model, parallel
@@ -225,6 +226,19 @@ def main(argv=None) -> int:
     return run_prompts(args, engine, requests)
 
 
+def check_distinct_files(args) -> None:
+    """No file written over the prompt file, nor two outputs into one file."""
+    files = {"--prompt-file": args.prompt_file, "--output": args.output, "--metrics-file": args.metrics_file,
+             "--metrics-prom": args.metrics_prom, "--summary-json": args.summary_json}
+    seen = {}
+    for flag, path in files.items():
+        if path:
+            real = os.path.realpath(path)
+            if real in seen:
+                raise NanoError(f"{flag} {path} is also {seen[real]}: give each its own file")
+            seen[real] = flag
+
+
 def parse(argv, rank: int):
     """Flags, checked; the prompt file, read (on rank 0) before the model loads."""
     args = build_parser().parse_args(argv)
@@ -274,6 +288,7 @@ def parse(argv, rank: int):
                 if args.prompt_file and not args.bench and rank == 0 else None)
     check_writable("--output", args.output)  # now, not after generating everything
     check_writable("--summary-json", args.summary_json)
+    check_distinct_files(args)
     return args, config, params, requests
 
 

@@ -80,6 +80,18 @@ def test_bad_flag_values(tmp_path, flags, message):
     assert main_error("--prompt-file", tmp_path / "p.txt", *flags) == message
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--output", "p.txt"], "--output p.txt is also --prompt-file: give each its own file"),
+    (["--output", "o.jsonl", "--metrics-file", "./o.jsonl"],
+     "--metrics-file ./o.jsonl is also --output: give each its own file"),
+])
+def test_no_output_over_the_prompts_or_another_output(tmp_path, monkeypatch, flags, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.txt").write_text("hi\n")
+    assert main_error("--prompt-file", "p.txt", *flags) == message
+    assert (tmp_path / "p.txt").read_text() == "hi\n"
+
+
 def test_bad_bench_flags():
     assert main_error("--bench", "--request-rate", "inf") == "--request-rate must be a number > 0, got inf"
     assert main_error("--bench", "--policy-compare", "--seeds", "0") == "--seeds must be an integer >= 1, got 0"
