@@ -1,9 +1,13 @@
 """Process settings for the CPU path: OpenBLAS threads and kernels, glibc malloc thresholds.
 OpenBLAS reads its variables when NumPy loads it, so nano/__init__.py calls configure()
 before anything imports NumPy; a variable the user has set is left alone. (The OpenBLAS
-part has no effect where NumPy was imported before nano.)"""
+part has no effect where NumPy was imported before nano.) BlasThreads then follows the
+cores other processes leave free, step by step."""
 import ctypes
 import os
+import time
+
+USER_THREADS = "OPENBLAS_NUM_THREADS" in os.environ  # the user's own choice: kept as it is
 
 
 def _cpu_flags() -> tuple[str, set[str]]:
@@ -52,3 +56,60 @@ def _keep_freed_memory() -> None:
         libc.mallopt(M_TRIM_THRESHOLD, 2**30)
     except (OSError, AttributeError):
         pass
+
+
+class BlasThreads:
+    """BLAS threads for the cores this process can have now. Every GEMM of a step forks and
+    joins over all of BLAS's threads (about 200 a step): when another process takes one of
+    their cores, each join waits for a descheduled thread's next time slice, and a 2-core
+    machine with one busy process decodes 10x slower with two threads than with one. So,
+    between steps, at most every CHECK seconds: the cores this process may run on
+    (affinity) that were idle, plus the CPU time it got itself, per second, rounded down
+    (a core counts once 3/4 of it was there) is the thread count (threadpoolctl). Nothing is
+    changed where the user set OPENBLAS_NUM_THREADS, or without threadpoolctl or /proc."""
+
+    CHECK = 0.5  # seconds between measurements
+
+    def __init__(self, read=None):
+        self.read = read or _usage  # -> (seconds, idle core-seconds of our cores, our CPU seconds) | None
+        self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        self.last = self.read()
+        self.threads = self.cores
+        try:
+            from threadpoolctl import ThreadpoolController
+            self.controller = ThreadpoolController()
+        except ImportError:  # not installed (a GPU machine has cores to spare)
+            self.controller = None
+        if USER_THREADS or self.controller is None or self.last is None:
+            self.cores = 1  # nothing to choose
+
+    def choose(self) -> None:
+        if self.cores == 1:
+            return
+        now = self.read()
+        wall = now[0] - self.last[0]
+        if wall < self.CHECK:
+            return
+        usable = ((now[1] - self.last[1]) + (now[2] - self.last[2])) / wall
+        self.last = now
+        threads = min(max(int(usable + 0.25), 1), self.cores)
+        if threads != self.threads:
+            self.controller.limit(limits=threads, user_api="blas")
+            self.threads = threads
+
+
+def _usage() -> tuple[float, float, float] | None:
+    """(now, idle seconds summed over this process's cores, this process's CPU seconds), from
+    /proc/stat (clock ticks of 1/100 s); None where there is no /proc."""
+    try:
+        with open("/proc/stat") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    cores = os.sched_getaffinity(0)
+    idle = 0
+    for line in lines:
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
+            idle += int(fields[3]) + int(fields[4])  # idle, iowait
+    return time.monotonic(), idle / os.sysconf("SC_CLK_TCK"), time.process_time()

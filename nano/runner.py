@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from nano import ops
+from nano.cpu_setup import BlasThreads
 from nano.device import Device
 from nano.graphs import DecodeGraphs, GraphStep
 from nano.kv_cache import KVCache
@@ -44,6 +45,7 @@ class ModelRunner:
         self.graphs = None
         if cuda_graphs and device.kind == "gpu":
             self.graphs = DecodeGraphs(model, self.kv_cache, max_num_seqs, -(-max_model_len // block_size))
+        self.blas_threads = BlasThreads() if device.kind == "cpu" else None
 
     def touch_kv_cache(self) -> None:
         """Write every page of the KV pool now. On the CPU np.zeros maps pages on first write,
@@ -165,6 +167,8 @@ class ModelRunner:
         """Logits (R, V) of the rows that sample."""
         if isinstance(inputs, GraphStep):
             return self.graphs.replay(inputs)
+        if self.blas_threads:
+            self.blas_threads.choose()
         return self.model.forward(inputs, self.kv_cache)
 
 
