@@ -72,16 +72,16 @@ class BlasThreads:
 
     def __init__(self, read=None):
         self.read = read or _usage  # -> (seconds, idle core-seconds of our cores, our CPU seconds) | None
-        self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
         self.last = self.read()
-        self.threads = self.cores
         try:
             from threadpoolctl import ThreadpoolController
-            self.controller = ThreadpoolController()
+            self.controller = ThreadpoolController().select(user_api="blas")
         except ImportError:  # not installed (a GPU machine has cores to spare)
             self.controller = None
-        if USER_THREADS or self.controller is None or self.last is None:
-            self.cores = 1  # nothing to choose
+        # At most what BLAS started with: a thread per core, or an MPI rank's share of them.
+        self.cores = 1 if USER_THREADS or not self.controller or self.last is None else \
+            min(lib.num_threads for lib in self.controller.lib_controllers)
+        self.threads = self.cores
 
     def choose(self) -> None:
         if self.cores == 1:
@@ -94,7 +94,7 @@ class BlasThreads:
         self.last = now
         threads = min(max(int(usable + 0.25), 1), self.cores)
         if threads != self.threads:
-            self.controller.limit(limits=threads, user_api="blas")
+            self.controller.limit(limits=threads)
             self.threads = threads
 
 
