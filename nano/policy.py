@@ -32,7 +32,9 @@ it asks its policy the questions FCFS's methods below answer, through a Schedule
     TPOT  - decodes go first in every step (both policies); the step carries all the
             prefill it can unless that would make a decoding sequence miss its TPOT target,
             its later tokens priced at the recent pace of steps (TPOT is an average: a long
-            step its slack absorbs costs it nothing); then it is kept to what that allows.
+            step its slack absorbs costs it nothing); then it is kept to what that allows,
+            unless the cut would make as many prompts miss their first token as it keeps
+            decodes on pace.
     both  - under memory pressure the victim is a sequence that has already missed a
             target (preempting it costs no goodput), else the one with the most slack.
 Measured on nano/bench/slo_matrix.py's matrix, on the real clock and the simulated one
