@@ -26,6 +26,18 @@ from nano.server.app import create_app  # noqa: E402
 PROMPT = "The three primary colors are"
 
 
+def wait_healthy(job, port: int, timeout: float) -> str:
+    """The URL of a server started as subprocess `job`, once its /health answers 200."""
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout
+    while True:
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -323,14 +335,7 @@ def test_serving_under_tp2_gives_the_one_rank_tokens(srv):
                             "--serve", "--tp", "2", "--port", str(port), "--kv-cache-memory", "300MB"],
                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + TIMEOUT
-        while True:
-            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        url = wait_healthy(job, port, TIMEOUT)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
         tp = client.completions.create(model=srv.model, prompt=PROMPT, max_tokens=12, temperature=0)
         one = srv.client.completions.create(model=srv.model, prompt=PROMPT, max_tokens=12, temperature=0)

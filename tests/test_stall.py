@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 from test_tp import ROOT, TIMEOUT, have_mpi, mpirun, rank_pid
@@ -42,23 +43,44 @@ def test_a_step_that_never_ends_ends_the_process():
     assert time.monotonic() - start < STALL / 3 + 5
 
 
+@contextmanager
+def stopping(job: subprocess.Popen):
+    """The job, and a list for the pids the test SIGSTOPs in it: resumed, and the job
+    killed, at the end whatever happened."""
+    stopped = []
+    try:
+        yield stopped
+    finally:
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        if job.poll() is None:
+            job.kill()
+
+
+def stop_rank(job: subprocess.Popen, rank: int, stopped: list) -> None:
+    stopped.append(rank_pid(job.pid, rank))
+    os.kill(stopped[-1], signal.SIGSTOP)
+
+
+def once_stepping(job: subprocess.Popen, metrics) -> None:
+    """Wait until the run's metrics file shows steps."""
+    deadline = time.monotonic() + TIMEOUT
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()
+        time.sleep(0.1)
+
+
 @needs_mpi
 def test_a_stopped_rank_under_serve_tp2_turns_health_503_and_ends_the_job():
     pytest.importorskip("fastapi")
-    from test_server import free_port, httpx
+    from test_server import free_port, httpx, wait_healthy
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
     job = mpi_job(2, "--serve", "--tp", "2", "--port", str(port), "--kv-cache-memory", "300MB")
-    stopped = None
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            assert job.poll() is None and time.monotonic() < deadline, job.communicate()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+    with stopping(job) as stopped:
+        url = wait_healthy(job, port, TIMEOUT)
         lines = []
 
         def read_stream():
@@ -72,70 +94,27 @@ def test_a_stopped_rank_under_serve_tp2_turns_health_503_and_ends_the_job():
         reader.start()
         while len(lines) < 4:  # generating: a step is in flight on both ranks most of the time
             time.sleep(0.05)
-        stopped = rank_pid(job.pid, 1)
-        os.kill(stopped, signal.SIGSTOP)
+        stop_rank(job, 1, stopped)
         start = time.monotonic()
         while httpx.get(url + "/health", timeout=5).status_code == 200:
             assert time.monotonic() - start < STALL + 3, "/health still 200"
             time.sleep(0.2)
-        assert time.monotonic() - start < STALL + 3
         reader.join(timeout=15)
         assert any("a step has run for over 6 s" in line for line in lines), lines[-3:]
         ended_with_one_line(job, STALL + 15, "a step has run for over 6 s (--stall-timeout)")
-    finally:
-        if stopped:
-            try:
-                os.kill(stopped, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        if job.poll() is None:
-            job.kill()
-
-
-def stop_rank_once_stepping(job: subprocess.Popen, rank: int, metrics) -> int:
-    """SIGSTOP rank `rank` once the run's metrics file shows steps; returns its pid."""
-    deadline = time.monotonic() + TIMEOUT
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
-        assert job.poll() is None and time.monotonic() < deadline, job.communicate()
-        time.sleep(0.1)
-    pid = rank_pid(job.pid, rank)
-    os.kill(pid, signal.SIGSTOP)
-    return pid
 
 
 @needs_mpi
-def test_a_stopped_rank_under_tp2_ends_the_offline_run(tmp_path):
+@pytest.mark.parametrize("mode,message", [
+    (["--tp", "2"], "a step has run for over 6 s (--stall-timeout)"),
+    (["--disagg", "1:1"], "the decode instance on rank 1 has sent nothing for 6 s"),
+])
+def test_a_stopped_rank_ends_the_offline_run(tmp_path, mode, message):
+    """--tp: rank 0 waits in the step's all-reduce; --disagg: the router hears nothing."""
     metrics = tmp_path / "m.jsonl"
-    job = mpi_job(2, "--tp", "2", "--bench", "--num-seqs", "4", "--input-len", "16", "--output-len", "1000",
+    job = mpi_job(2, *mode, "--bench", "--num-seqs", "4", "--input-len", "16", "--output-len", "1000",
                   "--metrics-file", str(metrics))
-    stopped = None
-    try:
-        stopped = stop_rank_once_stepping(job, 1, metrics)
-        ended_with_one_line(job, STALL + 15, "a step has run for over 6 s (--stall-timeout)")
-    finally:
-        if stopped:
-            try:
-                os.kill(stopped, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        if job.poll() is None:
-            job.kill()
-
-
-@needs_mpi
-def test_a_stopped_decode_instance_under_disagg_ends_the_run(tmp_path):
-    metrics = tmp_path / "m.jsonl"
-    job = mpi_job(2, "--disagg", "1:1", "--bench", "--num-seqs", "4", "--input-len", "16", "--output-len", "1000",
-                  "--metrics-file", str(metrics))
-    stopped = None
-    try:
-        stopped = stop_rank_once_stepping(job, 1, metrics)
-        ended_with_one_line(job, STALL + 15, "the decode instance on rank 1 has sent nothing for 6 s")
-    finally:
-        if stopped:
-            try:
-                os.kill(stopped, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        if job.poll() is None:
-            job.kill()
+    with stopping(job) as stopped:
+        once_stepping(job, metrics)
+        stop_rank(job, 1, stopped)
+        ended_with_one_line(job, STALL + 15, message)
