@@ -86,6 +86,9 @@ def _rope_scaling(scaling) -> dict | None:
     return scaling
 
 
+BATCH_INVARIANT_CPU_ONLY = "--batch-invariant is CPU-only"
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None                 # HF folder; None = the default model
@@ -107,6 +110,7 @@ class EngineConfig:
     enforce_eager: bool = False              # GPU: no CUDA graphs for decode steps (like vLLM's)
     policy: str = "fcfs"                     # fcfs | deadline (see policy.py)
     drop_late: bool = False                  # deadline policy: reject requests that can no longer meet their TTFT
+    batch_invariant: bool = False            # CPU: each token's result bitwise independent of the batch (ops.py)
 
     @property
     def key_scheme(self) -> str | None:
@@ -126,8 +130,10 @@ class EngineConfig:
         checks.integer("--max-num-seqs", self.max_num_seqs, low=1)
         checks.integer("--max-model-len", self.max_model_len, low=2, optional=True)
         checks.number("--watermark", self.watermark, 0, 1, open_high=True)
-        for name in ("enable_prefix_caching", "enforce_eager", "drop_late"):
+        for name in ("enable_prefix_caching", "enforce_eager", "drop_late", "batch_invariant"):
             checks.flag(name, getattr(self, name))
+        if self.batch_invariant and self.device == "gpu":  # device auto: checked once resolved (shard.py)
+            raise NanoError(BATCH_INVARIANT_CPU_ONLY)
         checks.choice("--preemption", self.preemption, ("swap", "recompute", "auto"))
         checks.choice("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.kv_int8_keys is not None:

@@ -70,6 +70,21 @@ def linear(x, weight, bias=None):
     return y
 
 
+# Batch-invariant mode (EngineConfig.batch_invariant, CPU only): each row's result is bitwise
+# the same whatever else is in the step. OpenBLAS (0.3.31, Haswell kernels) rounds a row of
+# x @ W.T differently in products of 1-8 rows than in larger ones; from 16 rows on, a row
+# came out bitwise the same in every product measured (tests/test_batch_invariant.py).
+INVARIANT_ROWS = 16
+
+
+def invariant_linear(x, weight, bias=None):
+    """linear on x padded with zero rows to at least INVARIANT_ROWS, so one GEMM path."""
+    rows = x.shape[0]
+    if rows < INVARIANT_ROWS:
+        x = np.concatenate([x, np.zeros((INVARIANT_ROWS - rows, x.shape[1]), x.dtype)])
+    return linear(x, weight, bias)[:rows]
+
+
 def silu_mul(gate_up):
     """gate_up: (T, 2I) = [gate | up] -> silu(gate) * up: (T, I)."""
     if on_gpu(gate_up):
@@ -201,6 +216,13 @@ def paged_attention(q, cache: LayerKV, block_tables, context_lens, scale):
     return out
 
 
+def _gather_tables(array, tables):
+    """array (num_blocks, nkv, block_size, *rest), tables (s, n) -> (s, nkv, n * block_size,
+    *rest), in one copy: index straight into that order."""
+    heads = np.arange(array.shape[1])[None, :, None]
+    return array[tables[:, None, :], heads].reshape(tables.shape[0], array.shape[1], -1, *array.shape[3:])
+
+
 def _decode_group(q, cache: LayerKV, block_tables, context_lens, scale):
     s, nq, d = q.shape
     nkv, block_size = cache.k.shape[1], cache.k.shape[2]
@@ -208,11 +230,7 @@ def _decode_group(q, cache: LayerKV, block_tables, context_lens, scale):
     tables = block_tables[:, :num_blocks]  # -1 entries gather some block; masked out below
     length = num_blocks * block_size
 
-    heads = np.arange(nkv)[None, :, None]
-
-    def gather(array):  # (s, nkv, length, *rest), in one copy: index straight into that order
-        return array[tables[:, None, :], heads].reshape(s, nkv, length, *array.shape[3:])
-
+    gather = functools.partial(_gather_tables, tables=tables)  # (s, nkv, length, *rest)
     def rows(array):  # K or V rows as float32: an int8 gather moves a quarter of the bytes
         return gather(array).astype(np.float32, copy=False)[:, :, None]
 
@@ -257,6 +275,42 @@ def prefill_attention(q, cache: LayerKV, cu_seqlens_q, block_tables, context_len
             out[lo:hi] = _attend(q[lo:hi], context[0], context[1], positions[lo - start:hi - start], scale,
                                  *context[2:])
     return out
+
+
+def invariant_attention(q, cache: LayerKV, tables, positions, scale):
+    """Batch-invariant attention, decode and prefill rows alike: row t attends to keys
+    0..positions[t] of the sequence whose block table is tables[t]. A row goes through the
+    same fixed-shape steps whatever the other rows are: its scores and partial sums per
+    cache block of block_size keys (one (block_size, d) product each), then the blocks added
+    in order (np.cumsum), where a block past its context adds exact zeros (exp(-inf)).
+    q: (T, nq, d); tables: (T, max_blocks) int32; positions: (T,) -> (T, nq, d)."""
+    out = np.empty_like(q)
+    rows = max(1, PREFILL_SCORE_BYTES // (4 * q.shape[-1] * cache.k.shape[1] * (int(positions.max()) + 16)))
+    for lo in range(0, q.shape[0], rows):  # the gathered K/V are per row: a few rows at a time
+        out[lo:lo + rows] = _invariant_rows(q[lo:lo + rows], cache, tables[lo:lo + rows], positions[lo:lo + rows],
+                                            scale)
+    return out
+
+
+def _invariant_rows(q, cache: LayerKV, tables, positions, scale):
+    t, nq, d = q.shape
+    nkv, bs = cache.k.shape[1:3]
+    nb = int(positions.max()) // bs + 1
+    tables = tables[:, :nb]  # -1 entries gather some block; masked out below
+
+    def blocks(array):  # (t, nkv, 1, nb, bs, *rest) float32
+        return _gather_tables(array, tables).reshape(t, nkv, 1, nb, bs, *array.shape[3:]).astype(np.float32, copy=False)
+
+    scores = np.matvec(blocks(cache.k), q.reshape(t, nkv, nq // nkv, 1, d))   # (t, nkv, group, nb, bs)
+    scores *= scale if cache.k_scale is None else scale * blocks(cache.k_scale)
+    valid = np.arange(nb * bs).reshape(nb, bs) <= positions[:, None, None]   # (t, nb, bs)
+    scores = np.where(valid[:, None, None], scores, -np.inf)
+    probs = np.exp(scores - scores.max(axis=(-2, -1), keepdims=True))       # a max is exact in any order
+    total = np.cumsum(probs.sum(axis=-1), axis=-1)[..., -1:]                # (t, nkv, group, 1)
+    if cache.v_scale is not None:
+        probs *= blocks(cache.v_scale)
+    out = np.cumsum(np.vecmat(probs, blocks(cache.v)), axis=-2)[..., -1, :]  # (t, nkv, group, d)
+    return (out / total).reshape(t, nq, d)
 
 
 def gather_blocks(pool, block_ids, out=None):
