@@ -71,18 +71,22 @@ def linear(x, weight, bias=None):
 
 
 # Batch-invariant mode (EngineConfig.batch_invariant, CPU only): each row's result is bitwise
-# the same whatever else is in the step. OpenBLAS (0.3.31, Haswell kernels) rounds a row of
-# x @ W.T differently in products of 1-8 rows than in larger ones; from 16 rows on, a row
-# came out bitwise the same in every product measured (tests/test_batch_invariant.py).
-INVARIANT_ROWS = 16
+# the same whatever else is in the step. OpenBLAS rounds a row of x @ W.T by where it falls
+# in its kernel's tiles (measured, 0.3.31, Zen and SkylakeX kernels: a 1-row product is a
+# GEMV; a 12-row tile computes rows 0-5 and 6-11 differently; leftover rows take narrower
+# kernels). In a product of exactly INVARIANT_ROWS rows every row is computed alike
+# (tests/test_batch_invariant.py), so the rows go through GEMMs of that many, zero-padded.
+INVARIANT_ROWS = 4
 
 
 def invariant_linear(x, weight, bias=None):
-    """linear on x padded with zero rows to at least INVARIANT_ROWS, so one GEMM path."""
-    rows = x.shape[0]
-    if rows < INVARIANT_ROWS:
-        x = np.concatenate([x, np.zeros((INVARIANT_ROWS - rows, x.shape[1]), x.dtype)])
-    return linear(x, weight, bias)[:rows]
+    """linear as one GEMM per INVARIANT_ROWS rows of x (numpy's batched matmul loops)."""
+    rows, tiles = x.shape[0], -(-x.shape[0] // INVARIANT_ROWS)
+    x = np.concatenate([x, np.zeros((tiles * INVARIANT_ROWS - rows, x.shape[1]), x.dtype)])
+    y = (x.reshape(tiles, INVARIANT_ROWS, x.shape[1]) @ weight.T).reshape(-1, weight.shape[0])[:rows]
+    if bias is not None:
+        y += bias
+    return y
 
 
 def silu_mul(gate_up):
