@@ -86,9 +86,6 @@ def _rope_scaling(scaling) -> dict | None:
     return scaling
 
 
-BATCH_INVARIANT_CPU_ONLY = "--batch-invariant is CPU-only"
-
-
 @dataclass
 class EngineConfig:
     model: str | None = None                 # HF folder; None = the default model
@@ -132,8 +129,6 @@ class EngineConfig:
         checks.number("--watermark", self.watermark, 0, 1, open_high=True)
         for name in ("enable_prefix_caching", "enforce_eager", "drop_late", "batch_invariant"):
             checks.flag(name, getattr(self, name))
-        if self.batch_invariant and self.device == "gpu":  # device auto: checked once resolved (shard.py)
-            raise NanoError(BATCH_INVARIANT_CPU_ONLY)
         checks.choice("--preemption", self.preemption, ("swap", "recompute", "auto"))
         checks.choice("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.kv_int8_keys is not None:

@@ -235,6 +235,7 @@ def _decode_group(q, cache: LayerKV, block_tables, context_lens, scale):
     length = num_blocks * block_size
 
     gather = functools.partial(_gather_tables, tables=tables)  # (s, nkv, length, *rest)
+
     def rows(array):  # K or V rows as float32: an int8 gather moves a quarter of the bytes
         return gather(array).astype(np.float32, copy=False)[:, :, None]
 

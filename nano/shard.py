@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nano import kv_cache, parallel
-from nano.config import BATCH_INVARIANT_CPU_ONLY, EngineConfig, ModelConfig, max_model_len
+from nano.config import EngineConfig, ModelConfig, max_model_len
 from nano.device import Device, gpu_of, host_memory, select_device
 from nano.errors import NanoError
 from nano.kv_calibration import calibration_tokens, key_channel_scales
@@ -44,8 +44,8 @@ def load_shard(config: EngineConfig, group: parallel.Group) -> Shard:
         cfg, context = folder.config, max_model_len(config, folder.config)
         partitions = [partition(cfg, r, group.world) for r in range(group.world)]
         kind = select_device(config.device)
-        if config.batch_invariant and kind == "gpu":
-            raise NanoError(BATCH_INVARIANT_CPU_ONLY)
+        if config.batch_invariant and kind == "gpu":  # its ops are NumPy's (ops.invariant_linear)
+            raise NanoError("--batch-invariant is CPU-only")
         device = Device(kind, gpu_of(group.rank) if kind == "gpu" else 0)
         group.cuda_aware = kind == "gpu" and group.world > 1 and parallel.cuda_aware_mpi()
         if config.key_scheme == "rotate" and cfg.head_dim & (cfg.head_dim - 1):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from test_equivalence import CHAT, CONFIGS, run, shared_prefix_prompts
 
-from nano import ops
+from nano import ops, shard
 from nano.chat.template import render as render_chat
 from nano.config import EngineConfig, ModelConfig
 from nano.engine import LLMEngine
@@ -138,6 +138,8 @@ def test_the_default_model_int8_batched_and_one_at_a_time_agree(default_model):
         np.testing.assert_array_equal(np.stack(a.logits), np.stack(b.logits))
 
 
-def test_batch_invariant_mode_is_refused_on_a_gpu():
+def test_batch_invariant_mode_is_refused_on_a_gpu(tiny_model, monkeypatch):
+    """Where the device comes out a GPU (given, or auto): refused before anything is loaded."""
+    monkeypatch.setattr(shard, "select_device", lambda device: "gpu")
     with pytest.raises(NanoError, match="^--batch-invariant is CPU-only$"):
-        EngineConfig(device="gpu", batch_invariant=True).validate()
+        LLMEngine(EngineConfig(model=str(tiny_model), batch_invariant=True))
