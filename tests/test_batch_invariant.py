@@ -2,8 +2,11 @@
 same whatever else is in the step and however its sequence was scheduled (batched, one at a
 time, chunked, preempted), so int8 KV caches quantize the same values and greedy runs agree
 exactly, not only to rounding (docs/int8-kv.md, "Schedules")."""
+import dataclasses
+
 import numpy as np
 import pytest
+from test_disagg import cluster, serve, tiny_config, workload
 from test_equivalence import CHAT, CONFIGS, run, shared_prefix_prompts
 
 from nano import ops, shard
@@ -143,3 +146,16 @@ def test_batch_invariant_mode_is_refused_on_a_gpu(tiny_model, monkeypatch):
     monkeypatch.setattr(shard, "select_device", lambda device: "gpu")
     with pytest.raises(NanoError, match="^--batch-invariant is CPU-only$"):
         LLMEngine(EngineConfig(model=str(tiny_model), batch_invariant=True))
+
+
+def test_disaggregated_serving_gives_one_engines_logits_at_a_time(tiny_model):
+    """Prefill on one instance, decode on two (tests/test_disagg.py's in-process cluster),
+    int8: bitwise the logits of one engine serving one sequence at a time."""
+    config = tiny_config(tiny_model, kv_cache_dtype="int8", kv_int8_keys="rotate", batch_invariant=True)
+    prompts, params = workload(3)
+    params = [dataclasses.replace(p, return_logits=True) for p in params]
+    results = serve(cluster([config], [config, config]), prompts, params)
+    alone = LLMEngine(dataclasses.replace(config, max_num_seqs=1)).generate(prompts, params)
+    for r, a in zip(results, alone):
+        assert r.output_token_ids == a.output_token_ids
+        np.testing.assert_array_equal(np.stack(r.logits), np.stack(a.logits))
