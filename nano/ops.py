@@ -74,9 +74,10 @@ def linear(x, weight, bias=None):
 # the same whatever else is in the step. OpenBLAS rounds a row of x @ W.T by where it falls
 # in its kernel's tiles (measured, 0.3.31, Zen and SkylakeX kernels: a 1-row product is a
 # GEMV; a 12-row tile computes rows 0-5 and 6-11 differently; leftover rows take narrower
-# kernels). In a product of exactly INVARIANT_ROWS rows every row is computed alike
-# (tests/test_batch_invariant.py), so the rows go through GEMMs of that many, zero-padded.
-INVARIANT_ROWS = 4
+# kernels). In a product of exactly 4 or 8 rows every row is computed alike
+# (tests/test_batch_invariant.py), so the rows go through GEMMs of that many, zero-padded;
+# 8 rather than 4: half the BLAS calls, each of which packs the whole weight.
+INVARIANT_ROWS = 8
 
 
 def invariant_linear(x, weight, bias=None):
