@@ -285,16 +285,16 @@ def prefill_attention(q, cache: LayerKV, cu_seqlens_q, block_tables, context_len
 
 def invariant_attention(q, cache: LayerKV, tables, positions, scale):
     """Batch-invariant attention, decode and prefill rows alike: row t attends to keys
-    0..positions[t] of the sequence whose block table is tables[t]. A row goes through the
-    same fixed-shape steps whatever the other rows are: its scores and partial sums per
-    cache block of block_size keys (one (block_size, d) product each), then the blocks added
-    in order (np.cumsum), where a block past its context adds exact zeros (exp(-inf)).
+    0..positions[t] of the sequence whose block table is tables[t], through the same
+    fixed-shape steps whatever the other rows are: scores and sums per cache block of
+    block_size keys, then the blocks added in order (np.cumsum), so that a block past the
+    row's context (exp(-inf) = 0) changes nothing; a max is exact in any order.
     q: (T, nq, d); tables: (T, max_blocks) int32; positions: (T,) -> (T, nq, d)."""
     out = np.empty_like(q)
     rows = max(1, PREFILL_SCORE_BYTES // (4 * q.shape[-1] * cache.k.shape[1] * (int(positions.max()) + 16)))
-    for lo in range(0, q.shape[0], rows):  # the gathered K/V are per row: a few rows at a time
-        out[lo:lo + rows] = _invariant_rows(q[lo:lo + rows], cache, tables[lo:lo + rows], positions[lo:lo + rows],
-                                            scale)
+    for lo in range(0, q.shape[0], rows):  # each row gathers its own K/V: a few rows at a time
+        part = slice(lo, lo + rows)
+        out[part] = _invariant_rows(q[part], cache, tables[part], positions[part], scale)
     return out
 
 
@@ -302,16 +302,16 @@ def _invariant_rows(q, cache: LayerKV, tables, positions, scale):
     t, nq, d = q.shape
     nkv, bs = cache.k.shape[1:3]
     nb = int(positions.max()) // bs + 1
-    tables = tables[:, :nb]  # -1 entries gather some block; masked out below
 
-    def blocks(array):  # (t, nkv, 1, nb, bs, *rest) float32
-        return _gather_tables(array, tables).reshape(t, nkv, 1, nb, bs, *array.shape[3:]).astype(np.float32, copy=False)
+    def blocks(array):  # (t, nkv, 1, nb, bs, *rest) float32; -1 entries gather some block, masked out below
+        rows = _gather_tables(array, tables[:, :nb]).reshape(t, nkv, 1, nb, bs, *array.shape[3:])
+        return rows.astype(np.float32, copy=False)
 
     scores = np.matvec(blocks(cache.k), q.reshape(t, nkv, nq // nkv, 1, d))   # (t, nkv, group, nb, bs)
     scores *= scale if cache.k_scale is None else scale * blocks(cache.k_scale)
     valid = np.arange(nb * bs).reshape(nb, bs) <= positions[:, None, None]   # (t, nb, bs)
     scores = np.where(valid[:, None, None], scores, -np.inf)
-    probs = np.exp(scores - scores.max(axis=(-2, -1), keepdims=True))       # a max is exact in any order
+    probs = np.exp(scores - scores.max(axis=(-2, -1), keepdims=True))       # masked: exactly 0
     total = np.cumsum(probs.sum(axis=-1), axis=-1)[..., -1:]                # (t, nkv, group, 1)
     if cache.v_scale is not None:
         probs *= blocks(cache.v_scale)
