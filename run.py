@@ -78,6 +78,8 @@ def build_parser() -> Parser:
                    help="disaggregated serving: P prefill and D decode instances, one rank each: run "
                         "under mpirun -n P+D (nano/disagg); with --capacity, P:D is optional")
     e.add_argument("--enforce-eager", action="store_true", help="GPU: run decode steps eagerly, no CUDA graphs")
+    e.add_argument("--batch-invariant", action="store_true",
+                   help="CPU: each token's result bitwise independent of the batch and schedule (slower)")
     e.add_argument("--policy", default=ENGINE.policy, help="fcfs | deadline (by slack to the latency targets)")
     e.add_argument("--drop-late", action="store_true", help="deadline: reject requests that can no longer make their TTFT")
     e.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT,
@@ -166,7 +168,7 @@ def engine_config(args) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching, preemption=args.preemption,
         kv_cache_dtype=args.kv_cache_dtype, kv_int8_keys=args.kv_int8_keys,
         seed=ENGINE.seed if args.seed is None else args.seed, tp=args.tp, enforce_eager=args.enforce_eager, policy=args.policy,
-        drop_late=args.drop_late)
+        drop_late=args.drop_late, batch_invariant=args.batch_invariant)
 
 
 def sampling_params(args) -> SamplingParams:

@@ -81,6 +81,7 @@ class LlamaModel:
         self.cos_sin = cos_sin          # (max_positions, d) float32
         self.scale = cfg.head_dim ** -0.5
         self.all_reduce = all_reduce or (lambda x: x)  # sums partial outputs across TP ranks
+        self.batch_invariant = False  # CPU: rows bitwise independent of the step (EngineConfig)
 
     @property
     def nbytes(self) -> int:
@@ -94,11 +95,12 @@ class LlamaModel:
         """kv_cache: the pool (nano/kv_cache.py). Returns logits (R, V) float32."""
         d, eps = self.cfg.head_dim, self.cfg.rms_norm_eps
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        linear = ops.invariant_linear if self.batch_invariant else ops.linear
         h = ops.embedding(batch.input_ids, self.embed)                       # (T, H)
         residual = None
         for layer, w in enumerate(self.layers):
             x, residual = ops.add_rms_norm(h, residual, w.input_norm, eps)
-            qkv = ops.linear(x, w.qkv, w.qkv_bias)                          # (T, (nq + 2 nkv) d)
+            qkv = linear(x, w.qkv, w.qkv_bias)                          # (T, (nq + 2 nkv) d)
             q = qkv[:, :q_size].reshape(-1, self.num_heads, d)              # (T, nq, d)
             k = qkv[:, q_size:q_size + kv_size].reshape(-1, self.num_kv_heads, d)
             v = qkv[:, q_size + kv_size:].reshape(-1, self.num_kv_heads, d)
@@ -106,15 +108,19 @@ class LlamaModel:
             q = ops.rope_store_kvcache(q, k, v, batch.positions, self.cos_sin, cache,
                                        batch.slot_mapping)                    # rotated q; K, V cached
             o = self._attention(q, cache, batch)                             # (T, nq, d)
-            h = self.all_reduce(ops.linear(o.reshape(-1, q_size), w.o_proj))  # (T, H)
+            h = self.all_reduce(linear(o.reshape(-1, q_size), w.o_proj))  # (T, H)
             x, residual = ops.add_rms_norm(h, residual, w.post_norm, eps)
-            h = self.all_reduce(ops.linear(ops.silu_mul(ops.linear(x, w.gate_up)), w.down))
+            h = self.all_reduce(linear(ops.silu_mul(linear(x, w.gate_up)), w.down))
         x, _ = ops.add_rms_norm(h, residual, self.final_norm, eps)
-        return ops.linear(x[batch.logits_indices], self.lm_head)             # (R, V)
+        return linear(x[batch.logits_indices], self.lm_head)             # (R, V)
 
     def _attention(self, q, cache: LayerKV, batch: ForwardBatch):
         """Decode rows through paged attention, prefill chunks through prefill attention."""
         nd = batch.num_decodes
+        if self.batch_invariant:  # one attention for every row: its sequence's table, its position
+            rows = np.concatenate([np.ones(nd, np.int64), np.diff(batch.cu_seqlens_q)])  # rows per sequence
+            tables = np.repeat(batch.block_tables, rows, axis=0)
+            return ops.invariant_attention(q, cache, tables, batch.positions, self.scale)
         if nd == q.shape[0]:
             return ops.paged_attention(q, cache, batch.block_tables, batch.context_lens, self.scale)
         prefill = ops.prefill_attention(q[nd:], cache, batch.cu_seqlens_q, batch.block_tables[nd:],

@@ -70,6 +70,26 @@ def linear(x, weight, bias=None):
     return y
 
 
+# Batch-invariant mode (EngineConfig.batch_invariant, CPU only): each row's result is bitwise
+# the same whatever else is in the step. OpenBLAS rounds a row of x @ W.T by where it falls
+# in its kernel's tiles (measured, 0.3.31, Zen and SkylakeX kernels: a 1-row product is a
+# GEMV; a 12-row tile computes rows 0-5 and 6-11 differently; leftover rows take narrower
+# kernels). In a product of exactly 4 or 8 rows every row is computed alike
+# (tests/test_batch_invariant.py), so the rows go through GEMMs of that many, zero-padded;
+# 8 rather than 4: half the BLAS calls, each of which packs the whole weight.
+INVARIANT_ROWS = 8
+
+
+def invariant_linear(x, weight, bias=None):
+    """linear as one GEMM per INVARIANT_ROWS rows of x (numpy's batched matmul loops)."""
+    rows, tiles = x.shape[0], -(-x.shape[0] // INVARIANT_ROWS)
+    x = np.concatenate([x, np.zeros((tiles * INVARIANT_ROWS - rows, x.shape[1]), x.dtype)])
+    y = (x.reshape(tiles, INVARIANT_ROWS, x.shape[1]) @ weight.T).reshape(-1, weight.shape[0])[:rows]
+    if bias is not None:
+        y += bias
+    return y
+
+
 def silu_mul(gate_up):
     """gate_up: (T, 2I) = [gate | up] -> silu(gate) * up: (T, I)."""
     if on_gpu(gate_up):
@@ -201,6 +221,13 @@ def paged_attention(q, cache: LayerKV, block_tables, context_lens, scale):
     return out
 
 
+def _gather_tables(array, tables):
+    """array (num_blocks, nkv, block_size, *rest), tables (s, n) -> (s, nkv, n * block_size,
+    *rest), in one copy: index straight into that order."""
+    heads = np.arange(array.shape[1])[None, :, None]
+    return array[tables[:, None, :], heads].reshape(tables.shape[0], array.shape[1], -1, *array.shape[3:])
+
+
 def _decode_group(q, cache: LayerKV, block_tables, context_lens, scale):
     s, nq, d = q.shape
     nkv, block_size = cache.k.shape[1], cache.k.shape[2]
@@ -208,10 +235,7 @@ def _decode_group(q, cache: LayerKV, block_tables, context_lens, scale):
     tables = block_tables[:, :num_blocks]  # -1 entries gather some block; masked out below
     length = num_blocks * block_size
 
-    heads = np.arange(nkv)[None, :, None]
-
-    def gather(array):  # (s, nkv, length, *rest), in one copy: index straight into that order
-        return array[tables[:, None, :], heads].reshape(s, nkv, length, *array.shape[3:])
+    gather = functools.partial(_gather_tables, tables=tables)  # (s, nkv, length, *rest)
 
     def rows(array):  # K or V rows as float32: an int8 gather moves a quarter of the bytes
         return gather(array).astype(np.float32, copy=False)[:, :, None]
@@ -257,6 +281,42 @@ def prefill_attention(q, cache: LayerKV, cu_seqlens_q, block_tables, context_len
             out[lo:hi] = _attend(q[lo:hi], context[0], context[1], positions[lo - start:hi - start], scale,
                                  *context[2:])
     return out
+
+
+def invariant_attention(q, cache: LayerKV, tables, positions, scale):
+    """Batch-invariant attention, decode and prefill rows alike: row t attends to keys
+    0..positions[t] of the sequence whose block table is tables[t], through the same
+    fixed-shape steps whatever the other rows are: scores and sums per cache block of
+    block_size keys, then the blocks added in order (np.cumsum), so that a block past the
+    row's context (exp(-inf) = 0) changes nothing; a max is exact in any order.
+    q: (T, nq, d); tables: (T, max_blocks) int32; positions: (T,) -> (T, nq, d)."""
+    out = np.empty_like(q)
+    rows = max(1, PREFILL_SCORE_BYTES // (4 * q.shape[-1] * cache.k.shape[1] * (int(positions.max()) + 16)))
+    for lo in range(0, q.shape[0], rows):  # each row gathers its own K/V: a few rows at a time
+        part = slice(lo, lo + rows)
+        out[part] = _invariant_rows(q[part], cache, tables[part], positions[part], scale)
+    return out
+
+
+def _invariant_rows(q, cache: LayerKV, tables, positions, scale):
+    t, nq, d = q.shape
+    nkv, bs = cache.k.shape[1:3]
+    nb = int(positions.max()) // bs + 1
+
+    def blocks(array):  # (t, nkv, 1, nb, bs, *rest) float32; -1 entries gather some block, masked out below
+        rows = _gather_tables(array, tables[:, :nb]).reshape(t, nkv, 1, nb, bs, *array.shape[3:])
+        return rows.astype(np.float32, copy=False)
+
+    scores = np.matvec(blocks(cache.k), q.reshape(t, nkv, nq // nkv, 1, d))   # (t, nkv, group, nb, bs)
+    scores *= scale if cache.k_scale is None else scale * blocks(cache.k_scale)
+    valid = np.arange(nb * bs).reshape(nb, bs) <= positions[:, None, None]   # (t, nb, bs)
+    scores = np.where(valid[:, None, None], scores, -np.inf)
+    probs = np.exp(scores - scores.max(axis=(-2, -1), keepdims=True))       # masked: exactly 0
+    total = np.cumsum(probs.sum(axis=-1), axis=-1)[..., -1:]                # (t, nkv, group, 1)
+    if cache.v_scale is not None:
+        probs *= blocks(cache.v_scale)
+    out = np.cumsum(np.vecmat(probs, blocks(cache.v)), axis=-2)[..., -1, :]  # (t, nkv, group, d)
+    return (out / total).reshape(t, nq, d)
 
 
 def gather_blocks(pool, block_ids, out=None):

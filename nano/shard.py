@@ -44,12 +44,15 @@ def load_shard(config: EngineConfig, group: parallel.Group) -> Shard:
         cfg, context = folder.config, max_model_len(config, folder.config)
         partitions = [partition(cfg, r, group.world) for r in range(group.world)]
         kind = select_device(config.device)
+        if config.batch_invariant and kind == "gpu":  # its ops are NumPy's (ops.invariant_linear)
+            raise NanoError("--batch-invariant is CPU-only")
         device = Device(kind, gpu_of(group.rank) if kind == "gpu" else 0)
         group.cuda_aware = kind == "gpu" and group.world > 1 and parallel.cuda_aware_mpi()
         if config.key_scheme == "rotate" and cfg.head_dim & (cfg.head_dim - 1):
             raise NanoError(f"--kv-int8-keys rotate needs a power-of-two head dim, the model's is "
                             f"{cfg.head_dim} (give --kv-int8-keys token or channel)")
         model = load_model(folder.reader, cfg, partitions[group.rank], device.put, context, group.all_reduce)
+        model.batch_invariant = config.batch_invariant
 
     per_token = kv_cache.bytes_per_token(cfg, partitions[group.rank].num_kv_heads, config.kv_cache_dtype,
                                          device.itemsize)
