@@ -45,7 +45,8 @@ class ModelRunner:
         self.graphs = None
         if cuda_graphs and device.kind == "gpu":
             self.graphs = DecodeGraphs(model, self.kv_cache, max_num_seqs, -(-max_model_len // block_size))
-        self.blas_threads = BlasThreads() if device.kind == "cpu" else None
+        # A GEMM's rounding depends on its thread count too: batch-invariant runs keep theirs.
+        self.blas_threads = BlasThreads() if device.kind == "cpu" and not model.batch_invariant else None
 
     def touch_kv_cache(self) -> None:
         """Write every page of the KV pool now. On the CPU np.zeros maps pages on first write,
