@@ -206,26 +206,33 @@ class Deadline(FCFS):
         step-time model for this step and by the recent pace of steps for the ones after it."""
         self._note_pace(decoding)
         self._note_arrivals(prompts)
-        per_token = self.cost.coefficients.per_prefill_token
-        decode_time = self.cost.step_time(0, len(decoding), decode_context(decoding))
-        full = decode_time + min(budget, sum(s.num_uncomputed_tokens for s in prompts)) * per_token
-        last = max((self._ttft_deadline(s)[0] for s in prompts), default=-math.inf)
-        rooms = [self.MARGIN * self._tpot_room(s, decode_time) for s in decoding]
-        tpot = min(rooms, default=math.inf)
-        saved = sum(room < full for room in rooms)  # decodes the full step would make miss
-        if saved and saved <= self._first_tokens_lost(self._tokens_within(tpot, decode_time), budget,
-                                                      decode_time, prompts):
-            tpot = math.inf  # as many TTFTs lost as TPOTs kept: the cap buys nothing
-        limit = min(tpot, self._ttft_room(last))
-        if per_token <= 0 or full <= limit:
+        if self.cost.coefficients.per_prefill_token <= 0:
             return budget
-        return min(budget, self._tokens_within(limit, decode_time))
+        step = self.cost.step_time(0, len(decoding), decode_context(decoding))
+        work = min(budget, sum(s.num_uncomputed_tokens for s in prompts))
+        last = max((self._ttft_deadline(s)[0] for s in prompts), default=-math.inf)
+        return min(self._tokens_within(self._ttft_room(last), step), self._tpot_cap(budget, work, step, decoding, prompts))
+
+    def _tpot_cap(self, budget: int, work: int, step: float, decoding: list[Sequence],
+                  prompts: list[Sequence]) -> int:
+        """The step's prefill tokens that keep the most requests on target: all of them, or
+        a cut that keeps more decodes on their TPOT target than it makes prompts miss their
+        first token. The cuts tried are those that would let one decoding sequence finish on
+        time while every one of its remaining steps carries such a chunk."""
+        best, gain = budget, 0
+        for cap in sorted({self._pace_cap(s, step) for s in decoding} - {None}, reverse=True):
+            if cap < work:
+                g = self._decodes_saved(cap, work, step, decoding) - \
+                    self._first_tokens_lost(cap, budget, step, prompts)
+                best, gain = (cap, g) if g > gain else (best, gain)
+        return best
 
     def _tokens_within(self, limit: float, decode_time: float) -> int:
         """The prefill tokens a step can carry beside its decodes and stay within `limit`
         seconds; at least one block's worth, so that prompts always make progress."""
-        per_token = self.cost.coefficients.per_prefill_token
-        return max(int((limit - decode_time) / per_token), self.block_size) if per_token > 0 else 1 << 30
+        if limit == math.inf:
+            return 1 << 30
+        return max(int((limit - decode_time) / self.cost.coefficients.per_prefill_token), self.block_size)
 
     def _first_tokens_lost(self, capped: int, budget: int, step: float, prompts: list[Sequence]) -> int:
         """How many prompts steps of `capped` prefill tokens instead of `budget` would make
@@ -245,17 +252,34 @@ class Deadline(FCFS):
             self.pace = gap if not self.pace else (1 - self.PACE_WEIGHT) * self.pace + self.PACE_WEIGHT * gap
         self.last_step = now if decoding else None
 
-    def _tpot_room(self, seq: Sequence, decode_time: float) -> float:
-        """The longest this step may be for seq to meet its TPOT target, its other tokens
-        coming at the recent pace (at least a decode step); inf if no cap could help."""
+    def _tpot_left(self, seq: Sequence) -> tuple[int, float] | None:
+        """(tokens seq has still to generate, seconds left for them on its TPOT target), or
+        None if it has no target or no first token yet."""
         p = seq.params
         if not p.tpot_slo or seq.first_token_time is None:
-            return math.inf
-        left = p.max_tokens - seq.num_output_tokens
-        time_left = seq.first_token_time + p.tpot_slo * (p.max_tokens - 1) - self.view.now
-        if time_left < left * decode_time:  # past saving, even by decode-only steps
-            return math.inf
-        return max(time_left - (left - 1) * max(self.pace, decode_time), decode_time)
+            return None
+        return (p.max_tokens - seq.num_output_tokens,
+                seq.first_token_time + p.tpot_slo * (p.max_tokens - 1) - self.view.now)
+
+    def _pace_cap(self, seq: Sequence, step: float) -> int | None:
+        """The prefill tokens a step may carry for seq to finish on time with a chunk that
+        size in each of its remaining steps (None: no target, or no cut can save it)."""
+        left = self._tpot_left(seq)
+        if left is None or left[1] < left[0] * step:
+            return None
+        return self._tokens_within(self.MARGIN * left[1] / left[0], step)
+
+    def _decodes_saved(self, cap: int, work: int, step: float, decoding: list[Sequence]) -> int:
+        """Decoding sequences that steps of `cap` prefill tokens keep on their TPOT target and
+        one step of all `work` tokens would make miss, later steps at the recent pace. The
+        deferred tokens still run: a sequence still decoding when they do pays for them."""
+        per_token, pace, chunks = self.cost.coefficients.per_prefill_token, max(self.pace, step), -(-work // cap)
+        saved = 0
+        for left, time_left in filter(None, map(self._tpot_left, decoding)):
+            whole = step + work * per_token + (left - 1) * pace
+            cut = min(left, chunks) * (step + cap * per_token) + max(left - chunks, 0) * pace
+            saved += cut <= self.MARGIN * time_left and whole > time_left
+        return saved
 
     def _ttft_room(self, last_deadline: float) -> float:
         """The cap an urgent arrival needs (inf if none): one like a recent request whose

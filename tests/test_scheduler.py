@@ -233,7 +233,7 @@ def test_alone_and_out_of_blocks_finishes_with_length():
     assert sched.bm.num_free_blocks == 2
 
 
-@pytest.mark.parametrize("policy,chunk", [("fcfs", 1000), ("deadline", 262)])
+@pytest.mark.parametrize("policy,chunk", [("fcfs", 1000), ("deadline", 28)])
 def test_deadline_caps_prefill_where_a_decode_would_miss_its_tpot(policy, chunk):
     sched = make_scheduler(num_blocks=1000, policy=policy, watermark=0.0)
     request(sched, BLOCK, max_tokens=10, tpot_slo=0.1)  # "decoding" below
@@ -241,16 +241,28 @@ def test_deadline_caps_prefill_where_a_decode_would_miss_its_tpot(policy, chunk)
     request(sched, 1000, arrival=0.5)        # a long prompt arrives while it decodes
     out = step(sched, now=0.5)
     # decoding's last token is due at 0.1 * 9 = 0.9 s; at t=0.5 it has 9 tokens left. The
-    # whole prompt in this step would take 0.010 + 0.002 + 1.0 s: too long. Its other 8
-    # tokens at decode steps of 0.012 s leave this step 0.4 - 0.096 = 0.304 s, planned at
-    # 90% (MARGIN): 0.2736 s, less the decode's 0.012 s: 261.6 prefill tokens at 0.001 s.
+    # whole prompt in this step would take 0.010 + 0.002 + 1.0 s: too long. The rest of a
+    # cut prompt runs in the next steps, which it decodes in too: its 9 steps may take
+    # 0.4 s, planned at 90% (MARGIN): 0.04 s each, less the decode's 0.012 s: 28 prefill
+    # tokens at 0.001 s a step.
     assert [n for _, n in out.scheduled] == [1, pytest.approx(chunk, abs=1)]
 
 
-@pytest.mark.parametrize("ttft_slo,chunk", [(2.0, 262), (1.03, 1000)])
+def test_deadline_takes_no_tpot_cap_for_a_decode_that_pays_for_the_prefill_anyway():
+    """199 tokens to go, due in 3.38 s: the whole prompt now and 198 decode steps take
+    3.388 s, a miss; cut to a block (4 tokens) a step, the decode pays for it in each of
+    its 199 steps (3.18 s, over 90% of 3.38 s): no cut saves it, so none is made."""
+    sched = make_scheduler(num_blocks=1000, policy="deadline", watermark=0.0)
+    request(sched, BLOCK, max_tokens=200, tpot_slo=0.0195)
+    step(sched, now=0.0)
+    request(sched, 1000, arrival=0.5)
+    assert [n for _, n in step(sched, now=0.5).scheduled] == [1, 1000]
+
+
+@pytest.mark.parametrize("ttft_slo,chunk", [(2.0, 28), (1.03, 1000)])
 def test_deadline_takes_no_tpot_cap_that_costs_a_first_token(ttft_slo, chunk):
-    """The case above, the long prompt with a TTFT target: whole, its first token comes at
-    0.5 + 1.012 s; cut to 262 tokens a step, at 0.5 + 4 x 0.012 + 1.0 = 1.548 s. A 2 s target
+    """The first case, the long prompt with a TTFT target: whole, its first token comes at
+    0.5 + 1.012 s; cut to 28 tokens a step, at 0.5 + 36 x 0.012 + 1.0 = 1.932 s. A 2 s target
     affords the cap; a 1.03 s one does not, and one request's TTFT for another's TPOT buys
     nothing: no cap."""
     sched = make_scheduler(num_blocks=1000, policy="deadline", watermark=0.0)
