@@ -177,9 +177,10 @@ def test_output_untouched_when_nothing_was_generated(tmp_path):
 
 
 def test_ctrl_c_keeps_every_finished_completion(tmp_path, tiny_model):
-    """SIGINT once a few of 40 long requests have finished: one error line, exit 130, and the
-    finished ones in the file, in input order, with the tokens an uninterrupted run gives."""
-    prompts = [f"prompt number {i}" for i in range(40)]
+    """SIGINT once a few of 200 long requests have finished: one error line, exit 130, and the
+    finished ones in the file, in input order, with the tokens an uninterrupted run gives.
+    (Enough requests that a busy machine, slow to poll the file, cannot see the run end first.)"""
+    prompts = [f"prompt number {i}" for i in range(200)]
     (tmp_path / "p.txt").write_text("\n".join(prompts) + "\n")
     out = tmp_path / "out.jsonl"
     out.write_text("yesterday's results\n")
