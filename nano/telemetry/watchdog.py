@@ -6,7 +6,8 @@ the steps times each one (`with watchdog.step(): engine.step()`); one still runn
 --stall-timeout seconds means no progress is possible. Then the driver is told (on_stall:
 the server turns /health to 503 and gives every waiting client an error), and after a
 grace period for those errors to reach the clients one line is printed and every rank
-ends. Between steps (nothing to do) nothing is timed: an idle engine is not a stalled one.
+ends. Between steps (nothing to do) nothing is timed: an idle engine is not a stalled one;
+nor is a driver's first step, which on a GPU compiles kernels (NVRTC) and captures graphs.
 
 Legitimate steps are far shorter than the default bound: a 2,048-token prefill of the
 default model takes ~5 s on a 2-core CPU; raise it for large models on slow machines."""
@@ -28,16 +29,18 @@ class Watchdog:
     def __init__(self, timeout: float | None, on_stall=None):
         self.timeout, self.on_stall = timeout, on_stall
         self.started: float | None = None  # time.monotonic() when the step in flight began
+        self.steps = 0                     # steps finished
         if timeout:
             threading.Thread(target=self._watch, name="nano-watchdog", daemon=True).start()
 
     @contextmanager
     def step(self):
-        self.started = time.monotonic()
+        self.started = time.monotonic() if self.steps else None
         try:
             yield
         finally:
             self.started = None
+            self.steps += 1
 
     def _watch(self) -> None:
         while True:
