@@ -87,7 +87,7 @@ class LLMEngine:
         return seq
 
     def reset_metrics(self) -> None:
-        self.metrics = Metrics(self.block_manager.num_blocks)
+        self.metrics = Metrics(self.block_manager.num_blocks, self.metrics.request_observers)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()

@@ -20,8 +20,11 @@ class QueueState:
 
 
 class Metrics:
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, request_observers=()):
         self.num_blocks = num_blocks
+        # Each called once with every request that ends finished or rejected: for what needs
+        # each request's own figures, not the sums kept here (Prometheus histograms).
+        self.request_observers = list(request_observers)
         self.requests = 0                    # finished, rejected included
         self.rejected = 0
         self.aborted = 0                     # dropped unfinished (abort(): a client went away)
@@ -75,6 +78,8 @@ class Metrics:
 
     def on_finish(self, seq: Sequence) -> None:
         self.requests += 1
+        for observe in self.request_observers:
+            observe(seq)
         if seq.finish_reason == "rejected":
             self.rejected += 1
             self.rejected_late += bool(seq.error and seq.error.startswith(LATE))

@@ -141,6 +141,8 @@ class Scheduler:
             self.waiting.remove(seq)
             self.bm.admit(seq, hits)
             seq.num_cached_tokens = len(hits) * self.bm.block_size
+            if seq.scheduled_time is None:  # readmitted after a preemption: it queued only once
+                seq.scheduled_time = self.now
             out.admitted.append(seq)
             self._start_running(seq)
             n = min(seq.num_uncomputed_tokens, budget)

@@ -63,6 +63,7 @@ class Sequence:
         self.num_computed_tokens = 0                 # tokens whose KV is in the cache
         self.num_cached_tokens = 0                   # of those, found in the prefix cache at admission
         self.arrival_time = arrival_time
+        self.scheduled_time: float | None = None     # first admitted to run (the end of its queueing)
         self.first_token_time: float | None = None
         self.token_times: list[float] = []
         self.finish_reason: str | None = None        # stop | length | rejected (error says why) | aborted

@@ -1,74 +1,163 @@
-"""Metrics output: the Prometheus text format read back by Prometheus's own parser, and the
-snapshot files a run writes."""
+"""Metrics for Prometheus (nano/telemetry/prometheus.py): vLLM's names, labels and buckets,
+read back by Prometheus's own parser; the snapshot files a run writes."""
 import json
 
 import pytest
 
-from nano.telemetry.export import BUCKETS, MetricsWriter, histogram, prometheus_text
+from nano.config import EngineConfig
+from nano.engine import LLMEngine
+from nano.sequence import SamplingParams
+from nano.telemetry.export import MetricsWriter, snapshot
 
-text_string_to_metric_families = pytest.importorskip(  # a test-only requirement
+text_string_to_metric_families = pytest.importorskip(  # the export's requirement
     "prometheus_client.parser").text_string_to_metric_families
+from nano.telemetry.prometheus import (REQUEST_LATENCY_BUCKETS, TOKEN_LATENCY_BUCKETS,  # noqa: E402
+                                       TTFT_BUCKETS, EngineExport, token_buckets)
+
+# vLLM's series (name, type) that nano serves, each labelled model_name and engine.
+VLLM = {
+    "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter", "vllm:num_preemptions": "counter",
+    "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter",
+    "vllm:request_success": "counter",
+    "vllm:time_to_first_token_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:time_per_output_token_seconds": "histogram", "vllm:request_time_per_output_token_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram", "vllm:request_queue_time_seconds": "histogram",
+    "vllm:request_inference_time_seconds": "histogram", "vllm:request_prefill_time_seconds": "histogram",
+    "vllm:request_decode_time_seconds": "histogram", "vllm:request_prompt_tokens": "histogram",
+    "vllm:request_generation_tokens": "histogram", "vllm:request_params_max_tokens": "histogram",
+}
+NANO = {"nano_requests_arrived": "counter", "nano_requests_rejected": "counter",
+        "nano_requests_rejected_late": "counter", "nano_requests_served_late": "counter",
+        "nano_requests_aborted": "counter", "nano_preemptions": "counter", "nano_requests_swapped": "gauge",
+        "nano_queue_depth_tokens": "gauge", "nano_step_seconds": "gauge"}
+PER_REQUEST = [name for name, kind in VLLM.items() if kind == "histogram" and name not in
+               ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")]
 
 
-def snapshot(step: int) -> dict:
-    ttft = [0.003, 0.04, 0.04, 0.7, 12.0][:step + 2]
-    return {
-        "time": 1.5 * step, "step": step, "arrived": 9, "finished": 4, "running": 2, "waiting": 1,
-        "swapped": 1, "rejected": 1, "aborted": 1, "queue_depth_tokens": 340, "kv_occupancy": 0.625,
-        "ttft_histogram": histogram(ttft), "tpot_histogram": histogram([0.02, 0.03]),
-        "preemptions": {"swap": 2, "recompute": 1}, "prefix_cache_hit_rate": 0.25,
-        "step_time": 0.0125, "mean_step_time": 0.011, "ttft_sum": sum(ttft), "tpot_sum": 0.05,
-    }
+def parse(text: str, model: str) -> tuple[dict, dict]:
+    """(family name -> type, (sample name, other labels) -> value); every sample is labelled
+    with the model's name and engine 0."""
+    families = list(text_string_to_metric_families(text))
+    samples = {}
+    for family in families:
+        for s in family.samples:
+            labels = dict(s.labels)
+            assert (labels.pop("model_name", None), labels.pop("engine", None)) == (model, "0"), s
+            samples[(s.name, tuple(sorted(labels.items())))] = s.value
+    return {f.name: f.type for f in families}, samples
 
 
-def test_prometheus_text_parses_with_prometheus_client():
-    snap = snapshot(3)
-    families = {f.name: f for f in text_string_to_metric_families(prometheus_text(snap))}
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for f in families.values() for s in f.samples}
-    assert families["nano_requests_arrived"].type == "counter"
-    assert samples[("nano_requests_arrived_total", ())] == 9
-    assert samples[("nano_requests_rejected_total", ())] == 1
-    assert samples[("nano_requests_aborted_total", ())] == 1
-    assert families["nano_kv_cache_occupancy"].type == "gauge"
-    assert samples[("nano_kv_cache_occupancy", ())] == 0.625
-    assert samples[("nano_requests_swapped", ())] == 1
-    assert samples[("nano_preemptions_total", (("kind", "swap"),))] == 2
-    assert samples[("nano_preemptions_total", (("kind", "recompute"),))] == 1
-
-    ttft = families["nano_time_to_first_token_seconds"]
-    assert ttft.type == "histogram"
-    buckets = [(float(s.labels["le"]), s.value) for s in ttft.samples if s.name.endswith("_bucket")]
-    assert [b for b, _ in buckets] == list(BUCKETS) + [float("inf")]
-    counts = [c for _, c in buckets]
-    assert counts == sorted(counts) and counts[-1] == 5  # cumulative, +Inf counts every request
-    assert counts[BUCKETS.index(0.005)] == 1 and counts[BUCKETS.index(0.05)] == 3
-    assert samples[("nano_time_to_first_token_seconds_count", ())] == 5
-    assert samples[("nano_time_to_first_token_seconds_sum", ())] == pytest.approx(snap["ttft_sum"])
+def engine_with_export(model_dir, **config):
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", num_blocks=64, **config))
+    return engine, EngineExport(engine)
 
 
-def test_metrics_writer_appends_snapshots_and_rewrites_prometheus(tmp_path):
-    jsonl, prom = tmp_path / "m.jsonl", tmp_path / "m.prom"
-    jsonl.write_text("left over from an earlier run\n")
-    writer = MetricsWriter(str(jsonl), str(prom))
-    for step in range(3):
-        writer.write(snapshot(step))
-    assert [json.loads(line)["step"] for line in jsonl.read_text().splitlines()] == [0, 1, 2]
-    families = {f.name: f for f in text_string_to_metric_families(prom.read_text())}
-    count = [s for s in families["nano_time_to_first_token_seconds"].samples if s.name.endswith("_count")]
-    assert count[0].value == 4  # the last snapshot's, not a mix
-    assert not (tmp_path / "m.prom.tmp").exists()
+def test_vllms_series_count_what_the_engine_served(tiny_model, tmp_path):
+    engine, export = engine_with_export(tiny_model)
+    prom = tmp_path / "m.prom"
+    writer = MetricsWriter(None, str(prom), export)
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12], [5, 6, 7, 8, 9, 13, 14]]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (4, 1, 6)]
+    seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while engine.has_unfinished():
+        engine.step()
+        writer.after_step(engine)
+    text = prom.read_text()
+    assert text == export.text().decode()  # the file is the registry
+    types, samples = parse(text, tiny_model.name)
+    assert {**VLLM, **NANO}.items() <= types.items()
+
+    def value(name, **labels):
+        return samples[(name, tuple(sorted(labels.items())))]
+
+    assert value("vllm:prompt_tokens_total") == sum(map(len, prompts)) == 15
+    assert value("vllm:generation_tokens_total") == sum(s.num_output_tokens for s in seqs) == 11
+    assert value("vllm:request_success_total", finished_reason="length") == 3
+    assert value("vllm:request_success_total", finished_reason="stop") == 0
+    for name in PER_REQUEST:  # one observation per request
+        assert value(name + "_count") == 3, name
+    gaps = sum(s.num_output_tokens - 1 for s in seqs)
+    assert value("vllm:inter_token_latency_seconds_count") == value("vllm:time_per_output_token_seconds_count") == gaps
+    assert value("vllm:request_prompt_tokens_sum") == 15 and value("vllm:request_generation_tokens_sum") == 11
+    assert value("vllm:e2e_request_latency_seconds_sum") == pytest.approx(
+        sum(s.token_times[-1] - s.arrival_time for s in seqs))
+    assert value("vllm:time_to_first_token_seconds_sum") == pytest.approx(sum(s.ttft for s in seqs))
+    assert value("vllm:request_queue_time_seconds_sum") + value("vllm:request_inference_time_seconds_sum") == \
+        pytest.approx(value("vllm:e2e_request_latency_seconds_sum"))
+    assert value("vllm:request_prefill_time_seconds_sum") + value("vllm:request_decode_time_seconds_sum") == \
+        pytest.approx(value("vllm:request_inference_time_seconds_sum"))
+    assert value("vllm:num_requests_running") == value("vllm:kv_cache_usage_perc") == 0
+    assert value("nano_requests_arrived_total") == 3
+    assert value("vllm:prefix_cache_queries_total") == engine.metrics.prefix_queried > 0
+    assert value("vllm:prefix_cache_hits_total") == engine.metrics.prefix_hits
+    # vLLM's buckets (vllm/v1/metrics/loggers.py)
+    bounds = {name: [float(s.labels["le"]) for s in f.samples if s.name.endswith("_bucket")]
+              for f in text_string_to_metric_families(text) for name in [f.name]}
+    assert bounds["vllm:time_to_first_token_seconds"] == [*TTFT_BUCKETS, float("inf")]
+    assert bounds["vllm:inter_token_latency_seconds"] == [*TOKEN_LATENCY_BUCKETS, float("inf")]
+    assert bounds["vllm:e2e_request_latency_seconds"] == [*REQUEST_LATENCY_BUCKETS, float("inf")]
+    assert bounds["vllm:request_prompt_tokens"] == [*token_buckets(engine.max_model_len), float("inf")]
+
+
+def test_token_buckets_are_vllms():
+    assert token_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
+    assert token_buckets(2048)[-3:] == [500, 1000, 2000]
+
+
+def test_two_engines_in_one_process_do_not_collide(tiny_model):
+    (a, export_a), (b, export_b) = engine_with_export(tiny_model), engine_with_export(tiny_model)
+    a.generate([[5, 6, 7]] * 2, SamplingParams(max_tokens=2, ignore_eos=True))
+    b.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
+    for engine, export, requests, tokens in ((a, export_a, 2, 4), (b, export_b, 1, 3)):
+        export.update(snapshot(engine, engine.clock.now()))
+        _, samples = parse(export.text().decode(), tiny_model.name)
+        assert samples[("vllm:e2e_request_latency_seconds_count", ())] == requests
+        assert samples[("vllm:generation_tokens_total", ())] == tokens
+
+
+def test_counters_go_on_when_the_engines_metrics_start_afresh(tiny_model):
+    """A warm-up's reset_metrics: the counters never go down, and no request is lost or twice."""
+    engine, export = engine_with_export(tiny_model)
+    engine.generate([[5, 6, 7]] * 2, SamplingParams(max_tokens=2, ignore_eos=True))
+    export.update(snapshot(engine, engine.clock.now()))
+    engine.reset_metrics()
+    engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, ignore_eos=True))
+    export.update(snapshot(engine, engine.clock.now()))
+    export.update(snapshot(engine, engine.clock.now()))  # again: nothing new is counted twice
+    _, samples = parse(export.text().decode(), tiny_model.name)
+    assert samples[("vllm:prompt_tokens_total", ())] == 3 + 3 + 4
+    assert samples[("vllm:generation_tokens_total", ())] == 2 + 2 + 3
+    assert samples[("vllm:request_success_total", (("finished_reason", "length"),))] == 3
+    assert samples[("vllm:request_generation_tokens_count", ())] == 3
+    assert samples[("nano_requests_arrived_total", ())] == 3
 
 
 def test_an_abort_is_counted_and_the_arrival_stays_counted(tiny_model):
-    """Counters never go down: an aborted request has still arrived."""
-    from nano.config import EngineConfig
-    from nano.engine import LLMEngine
-    from nano.sequence import SamplingParams
-    from nano.telemetry.export import snapshot as engine_snapshot
-    engine = LLMEngine(EngineConfig(model=str(tiny_model), device="cpu", num_blocks=16))
+    """Counters never go down: an aborted request has still arrived; it is no success."""
+    engine, export = engine_with_export(tiny_model)
     seq = engine.add_request([5, 6, 7], SamplingParams(max_tokens=4))
     engine.step()
     engine.abort(seq)
-    snap = engine_snapshot(engine, engine.clock.now())
+    snap = snapshot(engine, engine.clock.now())
     assert (snap["arrived"], snap["aborted"], snap["running"]) == (1, 1, 0)
+    export.update(snap)
+    _, samples = parse(export.text().decode(), tiny_model.name)
+    assert samples[("nano_requests_arrived_total", ())] == samples[("nano_requests_aborted_total", ())] == 1
+    assert samples[("vllm:e2e_request_latency_seconds_count", ())] == 0
+    assert samples[("vllm:num_requests_running", ())] == 0
+
+
+def test_metrics_writer_appends_snapshots(tiny_model, tmp_path):
+    jsonl = tmp_path / "m.jsonl"
+    jsonl.write_text("left over from an earlier run\n")
+    engine, export = engine_with_export(tiny_model)
+    writer = MetricsWriter(str(jsonl), None, export, interval=2)
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+        writer.after_step(engine)
+    snaps = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert [s["step"] for s in snaps] == [2, 4]
+    assert snaps[-1]["ttft_histogram"][-1] == 0 and snaps[-1]["running"] == 1

@@ -55,7 +55,7 @@ def show_capacity(config: EngineConfig) -> None:
 def run_bench(args, engine, params: SamplingParams) -> int:
     inputs, per_request = bench_requests(args, engine, params)
     workload.warm_up(engine)
-    _, wall = generate(args.output, engine, [""] * len(inputs), inputs, per_request, metrics_writer(args),
+    _, wall = generate(args.output, engine, [""] * len(inputs), inputs, per_request, metrics_writer(args, engine),
                        args.stall_timeout)
     summary = summarize(engine.metrics, wall)
     print(format_summary(summary))
@@ -77,7 +77,7 @@ def rate_bench(args, config: EngineConfig, params: SamplingParams) -> int:
             print(describe(engine), file=sys.stderr)
         inputs, per_request = bench_requests(args, engine, params)
         workload.warm_up(engine)
-        _, wall = run_all(engine, inputs, per_request, arrivals, metrics=metrics_writer(args))
+        _, wall = run_all(engine, inputs, per_request, arrivals, metrics=metrics_writer(args, engine))
         results[policy] = summarize(engine.metrics, wall)
         print(f"--- {policy}\n{format_summary(results[policy])}")
         pool = getattr(engine.device.xp, "get_default_memory_pool", None)  # CuPy only

@@ -47,7 +47,7 @@ def run_prompts(args, engine, requests) -> int:
     """--prompt-file: every prompt's completion printed, then the run's summary."""
     prompts = [p for p, _ in requests]
     inputs = model_inputs(engine.tokenizer, prompts, chat=not args.no_chat)
-    seqs, wall = generate(args.output, engine, prompts, inputs, [sp for _, sp in requests], metrics_writer(args),
+    seqs, wall = generate(args.output, engine, prompts, inputs, [sp for _, sp in requests], metrics_writer(args, engine),
                           args.stall_timeout)
     print_completions(prompts, seqs, engine.detokenize)
     summary = summarize(engine.metrics, wall)

@@ -66,12 +66,13 @@ def check_writable(flag: str, path: str | None) -> None:
         raise NanoError(f"cannot write {flag} {path}: permission denied")
 
 
-def metrics_writer(args, prom_text=None) -> MetricsWriter | None:
-    """--metrics-file / --metrics-prom, every --metrics-interval snapshots (prom_text: how a
-    snapshot reads in the Prometheus text format, the engine's by default)."""
+def metrics_writer(args, engine=None, export=None) -> MetricsWriter | None:
+    """--metrics-file / --metrics-prom, every --metrics-interval snapshots; the Prometheus
+    file is export's registry (by default the engine's, telemetry.prometheus.EngineExport)."""
     if not (args.metrics_file or args.metrics_prom):
         return None
-    return MetricsWriter(args.metrics_file, args.metrics_prom, args.metrics_interval, prom_text)
+    from nano.telemetry.prometheus import EngineExport  # prometheus_client: needed only here
+    return MetricsWriter(args.metrics_file, args.metrics_prom, export or EngineExport(engine), args.metrics_interval)
 
 
 def print_completions(prompts: list[str], seqs, detokenize) -> None:

@@ -47,9 +47,9 @@ def run_disagg(args, config: EngineConfig, params: SamplingParams, requests) -> 
             run["output"].write(run["index"][seq.seq_id], seq)
 
     try:
-        metrics = metrics_writer(args, disagg_metrics.pool_prometheus_text)
-        ran = serving.launch(config, num_prefill, num_decode, make_requests, args.bench, on_result, metrics,
-                             args.stall_timeout)
+        ran = serving.launch(config, num_prefill, num_decode, make_requests, args.bench, on_result,
+                             lambda engine: metrics_writer(args, export=disagg_metrics.PoolExport(
+                                 engine.shard.model_dir.name)), args.stall_timeout)
     finally:
         if run.get("output"):
             run["output"].close()

@@ -1,9 +1,12 @@
 """A disaggregated run's figures (serving.py): the usual summary over every request's result,
 the step figures summed over the instances, and what only this mode has: the KV handoffs,
-each pool's busy time, queue and occupancy, and how much prefill slowed decoding."""
+each pool's busy time, queue and occupancy, and how much prefill slowed decoding; each
+pool's signals for Prometheus (PoolExport)."""
 import numpy as np
+from prometheus_client import Counter, Gauge
 
 from nano.metrics import Metrics
+from nano.telemetry.prometheus import Export
 from nano.telemetry.summary import percentile, summarize
 
 
@@ -119,16 +122,25 @@ def decode_interference(decoders, prefill_spans=()) -> dict:
     return out
 
 
-def pool_prometheus_text(snap: dict) -> str:
-    """A disaggregated run's snapshot (disagg.Router.pools): each pool's signals, labelled."""
-    lines = []
-    for name, help_text in (("pool_instances", "Instances in the pool."),
-                            ("pool_queue_depth_tokens", "Prefill: prompt tokens not yet computed; "
-                                                        "decode: output tokens still to generate."),
-                            ("pool_kv_cache_occupancy", "Fraction of the pool's KV blocks in use.")):
-        key = name.removeprefix("pool_").replace("kv_cache_", "kv_")
-        lines += [f"# HELP nano_{name} {help_text}", f"# TYPE nano_{name} gauge"]
-        lines += [f'nano_{name}{{pool="{pool}"}} {values[key]}' for pool, values in snap["pools"].items()]
-    lines += ["# HELP nano_requests_finished_total Requests ended.", "# TYPE nano_requests_finished_total counter",
-              f"nano_requests_finished_total {snap['finished']}"]
-    return "\n".join(lines) + "\n"
+class PoolExport(Export):
+    """A disaggregated run's Prometheus metrics, updated from the router's snapshots
+    (Router.pools): each pool's signals, labelled pool, and the requests counted."""
+
+    def __init__(self, model_name: str):
+        super().__init__(model_name)
+        self.gauges = {key: self.metric(Gauge, name, help_text, ["pool"]) for key, name, help_text in (
+            ("instances", "nano_pool_instances", "Instances in the pool."),
+            ("queue_depth_tokens", "nano_pool_queue_depth_tokens", "Prefill: prompt tokens not yet computed; "
+                                                                   "decode: output tokens still to generate."),
+            ("kv_occupancy", "nano_pool_kv_cache_usage_perc", "The pool's KV-cache usage. 1 means 100 percent."))}
+        self.counters = {"arrived": self.metric(Counter, "nano_requests_arrived", "Requests that have arrived."),
+                         "finished": self.metric(Counter, "nano_requests_finished", "Requests ended (any way).")}
+        self.seen = dict.fromkeys(self.counters, 0)
+
+    def update(self, snap: dict) -> None:
+        for pool, values in snap["pools"].items():
+            for key, gauge in self.gauges.items():
+                gauge(pool=pool).set(values[key])
+        for key, counter in self.counters.items():  # the router's counts only grow
+            counter.inc(snap[key] - self.seen[key])
+            self.seen[key] = snap[key]

@@ -554,11 +554,11 @@ class Node:
 
 
 def launch(config, num_prefill: int, num_decode: int, make_requests, warm_up: bool = False,
-           on_result=None, metrics=None, stall_timeout=None):
+           on_result=None, make_metrics=None, stall_timeout=None):
     """This rank's part of a run under mpirun -n P+D. make_requests(engine) -> sequences
     (engine.make_sequence, arrival times in seconds after the start) runs on rank 0, which
     returns (router, its engine, wall seconds) at the end; the other ranks return None.
-    metrics: rank 0's MetricsWriter for the pools' snapshots (metrics.pool_prometheus_text);
+    make_metrics(engine): rank 0's MetricsWriter for the pools' snapshots (metrics.PoolExport), or None;
     stall_timeout: seconds of an instance's silence after which the run is ended."""
     from nano import parallel
     from nano.bench import workload
@@ -573,6 +573,7 @@ def launch(config, num_prefill: int, num_decode: int, make_requests, warm_up: bo
                             f"--disagg {num_prefill}:{num_decode} ...")
         engine = LLMEngine(config)
         seqs = make_requests(engine) if world.rank == ROUTER else []
+        metrics = make_metrics(engine) if make_metrics and world.rank == ROUTER else None
     if warm_up:
         workload.warm_up(engine)
     link = MpiLink(world.comm)

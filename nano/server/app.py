@@ -4,7 +4,7 @@
     mpirun -n 2 python run.py --serve --tp 2          (rank 0 serves, rank 1 replays its steps)
 
     POST /v1/completions, POST /v1/chat/completions (stream or not), GET /v1/models,
-    GET /health, GET /metrics (Prometheus text: the engine's snapshot, as --metrics-prom)
+    GET /health, GET /metrics (Prometheus text, vLLM's names: the registry --metrics-prom writes)
 
 Two threads. uvicorn's event loop speaks HTTP: it validates a request (pydantic; unknown
 fields are tolerated, wrong types and ranges are a 400), tokenizes it in a worker thread,
@@ -27,9 +27,10 @@ from typing import Annotated, Literal
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.sse import EventSourceResponse, format_sse_event
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 from starlette.datastructures import Headers
@@ -301,7 +302,7 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
             return server.stopped()
         loop, done = asyncio.get_running_loop(), asyncio.get_running_loop().create_future()
         server.thread.inbox.put(("metrics", lambda text: loop.call_soon_threadsafe(done.set_result, text)))
-        return PlainTextResponse(await done, media_type="text/plain; version=0.0.4")
+        return Response(await done, media_type=CONTENT_TYPE_LATEST)
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_key_check(api_key))] if api_key else [])
 

@@ -32,7 +32,7 @@ def serve(args, engine) -> int:
         raise NanoError(f"--serve needs FastAPI and uvicorn (pip install -r requirements.txt): {e}") from None
     print(f"serving {engine.shard.model_dir.name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     try:
-        serve_http(engine, args.host, args.port, args.max_queued_requests, metrics_writer(args), limits(args),
+        serve_http(engine, args.host, args.port, args.max_queued_requests, metrics_writer(args, engine), limits(args),
                    args.api_key, allowed_hosts(args.host, args.allowed_hosts), args.shutdown_timeout,
                    args.stall_timeout)
     finally:

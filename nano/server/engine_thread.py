@@ -11,7 +11,8 @@ import numpy as np
 
 from nano.errors import NanoError
 from nano.sequence import SamplingParams, Sequence
-from nano.telemetry.export import prometheus_text, snapshot
+from nano.telemetry.export import snapshot
+from nano.telemetry.prometheus import EngineExport
 from nano.telemetry.watchdog import Watchdog
 
 
@@ -76,6 +77,7 @@ class EngineThread(threading.Thread):
     def __init__(self, engine, metrics=None, stall_timeout=None):
         super().__init__(name="nano-engine", daemon=True)
         self.engine, self.metrics = engine, metrics  # metrics: a MetricsWriter (--metrics-file)
+        self.export = metrics.export if metrics else EngineExport(engine)  # GET /metrics: --metrics-prom's registry
         self.inbox: queue.Queue = queue.Queue()  # ("add", job) | ("abort", job) | ("metrics", fn) | None
         self.jobs: list[Job] = []
         self.error: str | None = None
@@ -112,9 +114,9 @@ class EngineThread(threading.Thread):
             elif kind == "abort" and value in self.jobs:
                 self.engine.abort(value.seq)
                 self.jobs.remove(value)
-            elif kind == "metrics":
-                now = self.engine.clock.now()
-                value(prometheus_text(snapshot(self.engine, now)))
+            elif kind == "metrics":  # read here, between steps: counts and gauges of one instant
+                self.export.update(snapshot(self.engine, self.engine.clock.now()))
+                value(self.export.text())
         return True
 
     def _add(self, job: Job) -> None:

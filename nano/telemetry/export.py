@@ -1,10 +1,10 @@
 """The engine's signals for autoscalers and dashboards: a snapshot of its metrics and queues,
-appended to a JSONL file (--metrics-file) and, in the Prometheus text format, rewritten to a
-file (--metrics-prom) and served by the HTTP server (GET /metrics). Whoever drives the
-engine's steps writes them (MetricsWriter.after_step): the command line's loop, the
-server's engine thread; a disaggregated run's router writes its pools' instead."""
+appended to a JSONL file (--metrics-file) and given to a Prometheus export (prometheus.py),
+whose registry is rewritten to a file (--metrics-prom) and served by the HTTP server (GET
+/metrics). Whoever drives the engine's steps writes them (MetricsWriter.after_step): the
+command line's loop, the server's engine thread; a disaggregated run's router writes its
+pools' instead."""
 import json
-import os
 
 import numpy as np
 
@@ -41,45 +41,13 @@ def snapshot(engine, now: float) -> dict:
     }
 
 
-def prometheus_text(snap: dict) -> str:
-    """One snapshot in the Prometheus text exposition format."""
-    lines = []
-
-    def metric(name, kind, help_text, samples):
-        lines.extend([f"# HELP nano_{name} {help_text}", f"# TYPE nano_{name} {kind}"])
-        lines.extend(f"nano_{name}{labels} {value}" for labels, value in samples)
-
-    metric("requests_arrived_total", "counter", "Requests that have arrived.", [("", snap["arrived"])])
-    metric("requests_finished_total", "counter", "Requests finished (not rejected).", [("", snap["finished"])])
-    metric("requests_rejected_total", "counter", "Requests rejected.", [("", snap["rejected"])])
-    metric("requests_aborted_total", "counter", "Requests dropped unfinished (the client went away).",
-           [("", snap["aborted"])])
-    for state in ("running", "waiting", "swapped"):
-        metric(f"requests_{state}", "gauge", f"Requests {state} now.", [("", snap[state])])
-    metric("queue_depth_tokens", "gauge", "Waiting prompt tokens plus remaining output tokens.",
-           [("", snap["queue_depth_tokens"])])
-    metric("kv_cache_occupancy", "gauge", "Fraction of KV blocks in use.", [("", snap["kv_occupancy"])])
-    metric("preemptions_total", "counter", "Preemptions by kind.",
-           [(f'{{kind="{k}"}}', v) for k, v in snap["preemptions"].items()])
-    metric("prefix_cache_hit_rate", "gauge", "Prompt tokens found in the prefix cache.",
-           [("", snap["prefix_cache_hit_rate"])])
-    metric("step_seconds", "gauge", "Duration of the last engine step.", [("", snap["step_time"])])
-    for name, key in (("time_to_first_token_seconds", "ttft"), ("time_per_output_token_seconds", "tpot")):
-        counts = snap[f"{key}_histogram"]
-        bounds = [str(b) for b in BUCKETS] + ["+Inf"]
-        metric(name, "histogram", f"Request {name.replace('_', ' ')}.",
-               [(f'_bucket{{le="{b}"}}', c) for b, c in zip(bounds, counts)]
-               + [("_sum", snap[f"{key}_sum"]), ("_count", counts[-1])])
-    return "\n".join(lines) + "\n"
-
-
 class MetricsWriter:
-    """Appends snapshots to a JSONL file and/or rewrites a Prometheus text file (atomically,
-    for a node exporter's textfile collector to pick up)."""
+    """Appends snapshots to a JSONL file and/or rewrites a Prometheus text file from an
+    export's registry (prometheus.Export: updated from each snapshot)."""
 
-    def __init__(self, jsonl_path: str | None, prom_path: str | None, interval: int = 1, prom_text=None):
+    def __init__(self, jsonl_path: str | None, prom_path: str | None, export, interval: int = 1):
         self.jsonl_path, self.prom_path, self.interval = jsonl_path, prom_path, interval
-        self.prom_text = prom_text or prometheus_text
+        self.export = export
         self.count = 0  # the engine's steps, or the snapshots ticked, so far
         if jsonl_path:  # a new run starts a new file
             with writing(jsonl_path):
@@ -105,9 +73,6 @@ class MetricsWriter:
         if self.jsonl_path:  # opened per snapshot: nothing is left open for anyone to close
             with writing(self.jsonl_path), open(self.jsonl_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(snap) + "\n")
+        self.export.update(snap)
         if self.prom_path:
-            tmp = self.prom_path + ".tmp"
-            with writing(self.prom_path):
-                with open(tmp, "w", encoding="utf-8") as f:
-                    f.write(self.prom_text(snap))
-                os.replace(tmp, self.prom_path)
+            self.export.write(self.prom_path)
