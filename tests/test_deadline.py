@@ -11,6 +11,9 @@ from nano.config import EngineConfig
 from nano.engine import LLMEngine
 from nano.sequence import SamplingParams
 from nano.telemetry.export import MetricsWriter
+from nano.telemetry.prometheus import EngineExport
+
+text_string_to_metric_families = pytest.importorskip("prometheus_client.parser").text_string_to_metric_families
 
 
 class SimulatedClock(Clock):
@@ -134,7 +137,7 @@ def test_snapshot_counts_add_up(tiny_model, tmp_path):
     jsonl, prom = tmp_path / "m.jsonl", tmp_path / "m.prom"
     engine = simulated_engine(tiny_model, policy="deadline", num_blocks=24, block_size=8, watermark=0.0,
                               max_num_batched_tokens=48)
-    writer = MetricsWriter(str(jsonl), str(prom))
+    writer = MetricsWriter(str(jsonl), str(prom), EngineExport(engine))
     rng = np.random.default_rng(3)
     for i in range(40):
         # an empty prompt, and some longer than the whole pool (192 tokens): rejected on arrival
@@ -153,10 +156,18 @@ def test_snapshot_counts_add_up(tiny_model, tmp_path):
     assert last["arrived"] == 40 and last["running"] == last["waiting"] == last["swapped"] == 0
     assert last["rejected"] > 0 and sum(last["preemptions"].values()) > 0
     assert any(s["queue_depth_tokens"] > 0 for s in snaps)
-    text = prom.read_text()
-    assert "nano_requests_arrived_total 40" in text
-    assert 'nano_time_to_first_token_seconds_bucket{le="+Inf"}' in text
-    assert 'nano_preemptions_total{kind="swap"}' in text
+    samples = {(s.name, s.labels.get("finished_reason") or s.labels.get("kind")): s.value
+               for f in text_string_to_metric_families(prom.read_text()) for s in f.samples}
+    m = engine.metrics
+    assert samples[("nano_requests_arrived_total", None)] == 40
+    assert samples[("nano_requests_rejected_total", None)] == m.rejected == last["rejected"]
+    served = samples[("vllm:request_success_total", "stop")] + samples[("vllm:request_success_total", "length")]
+    assert served + m.rejected == 40 == served + samples[("nano_requests_rejected_total", None)]
+    assert samples[("vllm:e2e_request_latency_seconds_count", None)] == served
+    assert samples[("nano_requests_served_late_total", None)] == m.served_late > 0
+    assert samples[("nano_preemptions_total", "swap")] == m.preemptions["swap"] == last["preemptions"]["swap"]
+    assert samples[("vllm:num_preemptions_total", None)] == sum(last["preemptions"].values())
+    assert samples[("vllm:generation_tokens_total", None)] == m.generated_tokens
 
 
 def test_plan_matches_what_the_engine_allocates(tiny_model):

@@ -407,11 +407,12 @@ def test_ctrl_c_on_either_instance_ends_both(tmp_path, tiny_model, rank):
 
 # ---- figures: the pools' signals, interference, the P:D estimate --------------------------------
 def test_pool_snapshots_carry_each_pools_queue_and_occupancy(tiny_model, tmp_path):
-    from nano.disagg.metrics import pool_prometheus_text
+    from prometheus_client.parser import text_string_to_metric_families
+    from nano.disagg.metrics import PoolExport
     from nano.telemetry.export import MetricsWriter
     config = tiny_config(tiny_model)
     nodes = cluster([config], [config])
-    writer = MetricsWriter(str(tmp_path / "m.jsonl"), str(tmp_path / "m.prom"), prom_text=pool_prometheus_text)
+    writer = MetricsWriter(str(tmp_path / "m.jsonl"), str(tmp_path / "m.prom"), PoolExport("tiny"))
     nodes[0].router.on_snapshot = writer.write
     prompts, params = workload(5, 30)
     serve(nodes, prompts, params)
@@ -422,10 +423,13 @@ def test_pool_snapshots_carry_each_pools_queue_and_occupancy(tiny_model, tmp_pat
     assert max(s["pools"]["decode"]["kv_occupancy"] for s in snaps) > 0
     for pool in snaps[-1]["pools"].values():  # quiet at the end: no stale busy figures
         assert pool["queue_depth_tokens"] == 0 and pool["kv_occupancy"] == 0
-    prom = (tmp_path / "m.prom").read_text()
-    for line in ('nano_pool_instances{pool="prefill"} 1', 'nano_pool_kv_cache_occupancy{pool="decode"}',
-                 'nano_pool_queue_depth_tokens{pool="prefill"}', "nano_requests_finished_total 30"):
-        assert line in prom, prom
+    samples = {(s.name, s.labels.get("pool")): s.value
+               for f in text_string_to_metric_families((tmp_path / "m.prom").read_text()) for s in f.samples
+               if s.labels["model_name"] == "tiny"}
+    assert samples[("nano_pool_instances", "prefill")] == samples[("nano_pool_instances", "decode")] == 1
+    assert ("nano_pool_kv_cache_usage_perc", "decode") in samples
+    assert ("nano_pool_queue_depth_tokens", "prefill") in samples
+    assert samples[("nano_requests_finished_total", None)] == samples[("nano_requests_arrived_total", None)] == 30
     s = summary(nodes[0].router, 1.0)
     assert s["prefill_queue_tokens_peak"] > 0 and s["decode_kv_occupancy_peak"] > 0
 

@@ -225,12 +225,71 @@ def test_unknown_fields_are_tolerated_and_the_client_raises_on_errors(srv):
     assert r.status_code == 400 and "error" in r.json()
 
 
-def test_metrics_carry_the_autoscaling_signals(srv):
-    srv.client.completions.create(model=srv.model, prompt=PROMPT, max_tokens=3)
-    text = httpx.get(srv.url + "/metrics").text
-    for name in ("nano_queue_depth_tokens", "nano_kv_cache_occupancy", "nano_requests_finished_total",
-                 "nano_time_to_first_token_seconds_bucket"):
-        assert name in text
+def scrape(url: str, model: str) -> tuple[dict, dict]:
+    """GET /metrics, parsed by Prometheus's own parser (test_metrics.parse)."""
+    from test_metrics import parse
+    r = httpx.get(url + "/metrics", timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return parse(r.text, model)
+
+
+def test_metrics_use_vllms_names_and_count_what_clients_were_told(srv):
+    """What a dashboard or autoscaler built for vLLM reads: the counters move by the usage the
+    responses reported, each request is one observation of each per-request histogram."""
+    from test_metrics import NANO, PER_REQUEST, VLLM
+    assert srv.idle()
+    _, before = scrape(srv.url, srv.model)
+    outs = [srv.client.completions.create(model=srv.model, prompt=f"{PROMPT} {i}", max_tokens=n, temperature=0)
+            for i, n in enumerate((3, 6, 1))]
+    outs.append(srv.client.chat.completions.create(model=srv.model, max_tokens=40, temperature=0,
+                                                   messages=[{"role": "user", "content": "Say hi."}]))
+    assert srv.idle()
+    types, after = scrape(srv.url, srv.model)
+    assert {**VLLM, **NANO}.items() <= types.items()
+
+    def moved(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after[key] - before.get(key, 0)
+
+    assert moved("vllm:prompt_tokens_total") == sum(o.usage.prompt_tokens for o in outs)
+    assert moved("vllm:generation_tokens_total") == sum(o.usage.completion_tokens for o in outs)
+    assert moved("vllm:request_prompt_tokens_sum") == sum(o.usage.prompt_tokens for o in outs)
+    reasons = [o.choices[0].finish_reason for o in outs]
+    assert "stop" in reasons and "length" in reasons
+    for reason in ("stop", "length"):
+        assert moved("vllm:request_success_total", finished_reason=reason) == reasons.count(reason)
+    for name in PER_REQUEST:
+        assert moved(name + "_count") == len(outs), name
+    assert moved("vllm:inter_token_latency_seconds_count") == sum(o.usage.completion_tokens - 1 for o in outs)
+    assert moved("nano_requests_arrived_total") == len(outs)
+    assert after[("vllm:num_requests_running", ())] == after[("nano_queue_depth_tokens", ())] == 0
+
+
+def test_the_metrics_prom_file_is_what_metrics_serves(tmp_path):
+    """run.py --serve --metrics-prom F: the file and GET /metrics come from one registry."""
+    import os
+    import subprocess
+    import sys
+
+    from test_tp import ROOT, TIMEOUT
+    port, prom = free_port(), tmp_path / "nano.prom"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    job = subprocess.Popen([sys.executable, "run.py", "--serve", "--port", str(port), "--kv-cache-memory", "300MB",
+                            "--metrics-prom", str(prom)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        url = wait_healthy(job, port, TIMEOUT)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        outs = [client.completions.create(model=model, prompt=PROMPT, max_tokens=n) for n in (2, 5)]
+        _, samples = scrape(url, model)  # answered between the engine's steps: after the file's last write
+        from test_metrics import parse
+        assert parse(prom.read_text(), model)[1] == samples
+        assert samples[("vllm:generation_tokens_total", ())] == sum(o.usage.completion_tokens for o in outs)
+        assert samples[("vllm:e2e_request_latency_seconds_count", ())] == 2
+    finally:
+        job.terminate()
+        job.communicate(timeout=60)
 
 
 # ---- load, saturation, disconnects, the bounded queue -------------------------------------------------
@@ -348,9 +407,9 @@ def test_serving_under_tp2_gives_the_one_rank_tokens(srv):
                     "prompt": f"{PROMPT} {i}", "max_tokens": 4000, "stream": True, "ignore_eos": True}) as r:
                 next(line for n, line in enumerate(r.iter_lines()) if n >= 2 * (i + 1))
         deadline = time.monotonic() + 10
-        while "nano_requests_running 0\n" not in (text := httpx.get(url + "/metrics").text) or \
-                "nano_kv_cache_occupancy 0.0\n" not in text:
-            assert time.monotonic() < deadline, text
+        while (now := scrape(url, srv.model)[1])[("vllm:num_requests_running", ())] or \
+                now[("vllm:kv_cache_usage_perc", ())]:
+            assert time.monotonic() < deadline, now
             time.sleep(0.1)
         os.kill(rank_pid(job.pid, 0), signal.SIGINT)  # Ctrl-C to the serving rank: both end cleanly
         _, stderr = job.communicate(timeout=60)
