@@ -1,1 +1,2 @@
-"""The engine's metrics exported (export.py): JSONL snapshots and the Prometheus text format."""
+"""The engine's metrics exported: JSONL snapshots (export.py), Prometheus under vLLM's names
+(prometheus.py), and the run's summary (summary.py)."""
