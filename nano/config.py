@@ -134,7 +134,8 @@ class EngineConfig:
     enforce_eager: bool = False              # GPU: no CUDA graphs for decode steps (like vLLM's)
     policy: str = "fcfs"                     # fcfs | deadline (see policy.py)
     drop_late: bool = False                  # deadline policy: reject requests that can no longer meet their TTFT
-    batch_invariant: bool = False            # CPU: each token's result bitwise independent of the batch (ops.py)
+    batch_invariant: bool | None = None      # CPU: each token's result bitwise independent of the batch
+                                             # (ops.py); None: on for an int8 KV cache on the CPU (shard.py)
 
     @property
     def key_scheme(self) -> str | None:
@@ -154,8 +155,10 @@ class EngineConfig:
         checks.integer("--max-num-seqs", self.max_num_seqs, low=1)
         checks.integer("--max-model-len", self.max_model_len, low=2, optional=True)
         checks.number("--watermark", self.watermark, 0, 1, open_high=True)
-        for name in ("enable_prefix_caching", "enforce_eager", "drop_late", "batch_invariant"):
+        for name in ("enable_prefix_caching", "enforce_eager", "drop_late"):
             checks.flag(name, getattr(self, name))
+        if self.batch_invariant is not None:
+            checks.flag("batch_invariant", self.batch_invariant)
         checks.choice("--preemption", self.preemption, ("swap", "recompute", "auto"))
         checks.choice("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.kv_int8_keys is not None:
