@@ -78,8 +78,9 @@ def build_parser() -> Parser:
                    help="disaggregated serving: P prefill and D decode instances, one rank each: run "
                         "under mpirun -n P+D (nano/disagg); with --capacity, P:D is optional")
     e.add_argument("--enforce-eager", action="store_true", help="GPU: run decode steps eagerly, no CUDA graphs")
-    e.add_argument("--batch-invariant", action="store_true",
-                   help="CPU: each token's result bitwise independent of the batch and schedule (slower)")
+    e.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=ENGINE.batch_invariant,
+                   help="CPU: each token's result bitwise independent of the batch and schedule (slower); "
+                        "default: on for --kv-cache-dtype int8, else off")
     e.add_argument("--policy", default=ENGINE.policy, help="fcfs | deadline (by slack to the latency targets)")
     e.add_argument("--drop-late", action="store_true", help="deadline: reject requests that can no longer make their TTFT")
     e.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT,

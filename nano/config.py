@@ -74,6 +74,33 @@ def max_model_len(config: "EngineConfig", model: ModelConfig) -> int:
     return min(config.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
 
 
+@dataclass(frozen=True)
+class Capacity:
+    """What one request can ever have of an engine: its model context, its KV pool less the
+    watermark. The one never-fit rule: its scheduler's at admission, and a disaggregated
+    router's (nano/disagg), which holds every instance's, before it sends a request anywhere."""
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    usable_blocks: int
+
+    def never_fits(self, seq) -> str | None:
+        """Why a Sequence could never be served here, or None."""
+        if not seq.num_tokens:
+            return "empty prompt"
+        # Room for the prompt and one generated token (whose KV the next step writes), or
+        # for every token of one that has output already (handed over, or recomputed).
+        need = max(seq.num_prompt_tokens + 1, seq.num_tokens)
+        if need > self.max_model_len:
+            return (f"prompt of {seq.num_tokens} tokens leaves no room to generate within the "
+                    f"model context of {self.max_model_len} tokens")
+        blocks = -(-need // self.block_size)
+        if blocks > self.usable_blocks:
+            return (f"prompt of {seq.num_tokens} tokens needs {blocks} KV blocks but the pool "
+                    f"can ever give one request {self.usable_blocks} (of {self.num_blocks})")
+        return None
+
+
 def _rope_scaling(scaling) -> dict | None:
     """None, or a dict; Llama 3's kind needs its four numbers (model.rope_cos_sin)."""
     if scaling is None:
@@ -107,7 +134,8 @@ class EngineConfig:
     enforce_eager: bool = False              # GPU: no CUDA graphs for decode steps (like vLLM's)
     policy: str = "fcfs"                     # fcfs | deadline (see policy.py)
     drop_late: bool = False                  # deadline policy: reject requests that can no longer meet their TTFT
-    batch_invariant: bool = False            # CPU: each token's result bitwise independent of the batch (ops.py)
+    batch_invariant: bool | None = None      # CPU: each token's result bitwise independent of the batch
+                                             # (ops.py); None: on for an int8 KV cache on the CPU (shard.py)
 
     @property
     def key_scheme(self) -> str | None:
@@ -127,8 +155,10 @@ class EngineConfig:
         checks.integer("--max-num-seqs", self.max_num_seqs, low=1)
         checks.integer("--max-model-len", self.max_model_len, low=2, optional=True)
         checks.number("--watermark", self.watermark, 0, 1, open_high=True)
-        for name in ("enable_prefix_caching", "enforce_eager", "drop_late", "batch_invariant"):
+        for name in ("enable_prefix_caching", "enforce_eager", "drop_late"):
             checks.flag(name, getattr(self, name))
+        if self.batch_invariant is not None:
+            checks.flag("batch_invariant", self.batch_invariant)
         checks.choice("--preemption", self.preemption, ("swap", "recompute", "auto"))
         checks.choice("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.kv_int8_keys is not None:

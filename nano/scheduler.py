@@ -19,7 +19,7 @@ requests are late) are the policy's (policy.py: FCFS or Deadline, by --policy).
 from collections import deque
 
 from nano.block_manager import BlockManager
-from nano.config import EngineConfig
+from nano.config import Capacity, EngineConfig
 from nano.cost_model import CostModel
 from nano.plan import Preemption, SchedulerOutput, is_decode
 from nano.policy import SchedulerView, make_policy
@@ -31,8 +31,9 @@ class Scheduler:
                  kv_bytes_per_token: int, cost_model: CostModel):
         self.config = config
         self.bm = block_manager
-        self.max_model_len = max_model_len
         self.watermark_blocks = int(config.watermark * block_manager.num_blocks)
+        self.capacity = Capacity(max_model_len, block_manager.block_size, block_manager.num_blocks,
+                                 block_manager.num_blocks - self.watermark_blocks)
         self.now = 0.0                        # the time of the step being scheduled
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []     # in admission order (swapped back in: admitted again)
@@ -128,7 +129,7 @@ class Scheduler:
         for seq in self._triage(arrived, out):
             if not self._room(out, budget):
                 break
-            error = self._never_fits(seq)
+            error = self.capacity.never_fits(seq)
             if error:
                 if seq.num_output_tokens:  # preempted by recompute and grown too long to return
                     self._finish(seq, "length", out)
@@ -160,22 +161,6 @@ class Scheduler:
         return [s for s in order if s not in late]
 
     # ---- helpers -----------------------------------------------------------------------
-    def _never_fits(self, seq: Sequence) -> str | None:
-        if not seq.num_tokens:
-            return "empty prompt"
-        # Room for the prompt and one generated token (whose KV the next step writes), or
-        # for every token of one that has output already (handed over, or recomputed).
-        need = max(seq.num_prompt_tokens + 1, seq.num_tokens)
-        if need > self.max_model_len:
-            return (f"prompt of {seq.num_tokens} tokens leaves no room to generate within the "
-                    f"model context of {self.max_model_len} tokens")
-        blocks = self.bm.num_blocks_for(need)
-        usable = self.bm.num_blocks - self.watermark_blocks
-        if blocks > usable:
-            return (f"prompt of {seq.num_tokens} tokens needs {blocks} KV blocks but the pool "
-                    f"can ever give one request {usable} (of {self.bm.num_blocks})")
-        return None
-
     def _start_running(self, seq: Sequence) -> None:
         seq.status = Status.RUNNING
         self.running.append(seq)
@@ -211,7 +196,7 @@ class Scheduler:
         them from outside (the runner's write_blocks), held until resume(). Returns False
         while the watermark does not allow it (try again after a step), the reason when it
         could never fit, or True."""
-        error = self._never_fits(seq)
+        error = self.capacity.never_fits(seq)
         if error:
             return error
         if not self.bm.can_admit(seq, [], self.watermark_blocks):

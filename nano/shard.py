@@ -52,7 +52,12 @@ def load_shard(config: EngineConfig, group: parallel.Group) -> Shard:
             raise NanoError(f"--kv-int8-keys rotate needs a power-of-two head dim, the model's is "
                             f"{cfg.head_dim} (give --kv-int8-keys token or channel)")
         model = load_model(folder.reader, cfg, partitions[group.rank], device.put, context, group.all_reduce)
-        model.batch_invariant = config.batch_invariant
+        # Unless told, an int8 pool on the CPU runs the batch-invariant forward: int8 turns the
+        # float pass's batch-dependent rounding into flipped near-ties, and its promise (the
+        # same tokens whatever the batch) holds only with it. A GPU's kernels are not
+        # batch-invariant: there int8 tokens may depend on the batch (docs/int8-kv.md).
+        default = kind == "cpu" and config.kv_cache_dtype == "int8"
+        model.batch_invariant = default if config.batch_invariant is None else config.batch_invariant
 
     per_token = kv_cache.bytes_per_token(cfg, partitions[group.rank].num_kv_heads, config.kv_cache_dtype,
                                          device.itemsize)

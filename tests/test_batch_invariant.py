@@ -1,7 +1,8 @@
-"""Batch-invariant mode (EngineConfig.batch_invariant, CPU): a token's result is bitwise the
-same whatever else is in the step and however its sequence was scheduled (batched, one at a
-time, chunked, preempted), so int8 KV caches quantize the same values and greedy runs agree
-exactly, not only to rounding (docs/int8-kv.md, "Schedules")."""
+"""Batch-invariant mode (EngineConfig.batch_invariant, CPU; on by default for an int8 KV
+cache): a token's result is bitwise the same whatever else is in the step and however its
+sequence was scheduled (batched, one at a time, chunked, preempted), so int8 KV caches
+quantize the same values and greedy runs agree exactly, not only to rounding
+(docs/int8-kv.md, "Schedules")."""
 import dataclasses
 
 import numpy as np
@@ -19,6 +20,9 @@ from nano.model import ForwardBatch, LlamaModel
 from nano.tokenizer import Tokenizer
 
 POOLS = [("auto", None)] + [("int8", s) for s in KEY_SCHEMES]
+# Engine arguments of each pool's runs: float32 with the flag, int8 as it comes (no flag).
+RUNS = {"float32 --batch-invariant": dict(kv_cache_dtype="auto", batch_invariant=True),
+        **{f"int8 {s}": dict(kv_cache_dtype="int8", kv_int8_keys=s) for s in KEY_SCHEMES}}
 
 
 @pytest.mark.parametrize("name", ["qkv", "o_proj", "gate_up", "down", "lm_head"])
@@ -114,14 +118,14 @@ def test_an_attention_row_is_the_same_in_any_schedule(kv_dtype, scheme):
 
 
 @pytest.mark.parametrize("name", [n for n in CONFIGS if n != "default"])
-@pytest.mark.parametrize("kv_dtype, scheme", POOLS)
-def test_every_schedule_gives_the_same_tokens_and_logits(tiny_model, kv_dtype, scheme, name):
+@pytest.mark.parametrize("pool", RUNS)
+def test_every_schedule_gives_the_same_tokens_and_logits(tiny_model, pool, name):
     """Greedy runs of the tiny model, each scheduling feature against the batched run:
     the same tokens and bitwise the same logits, in float32 and in int8."""
     prompts = shared_prefix_prompts(512, np.random.default_rng(1))
-    args = dict(kv_cache_dtype=kv_dtype, kv_int8_keys=scheme, batch_invariant=True)
-    _, batched = run(tiny_model, prompts, 24, **args)
-    engine, seqs = run(tiny_model, prompts, 24, **args, **CONFIGS[name])
+    _, batched = run(tiny_model, prompts, 24, **RUNS[pool])
+    engine, seqs = run(tiny_model, prompts, 24, **RUNS[pool], **CONFIGS[name])
+    assert engine.runner.model.batch_invariant
     if name.startswith("preempt"):
         assert sum(engine.metrics.preemptions.values()) > 0
     for b, s in zip(batched, seqs):
@@ -133,12 +137,24 @@ def test_the_default_model_int8_batched_and_one_at_a_time_agree(default_model):
     """Where the default mode parts at near-ties (docs/int8-kv.md), this one does not."""
     tok = Tokenizer(default_model)
     prompts = [tok.encode(render_chat(tok, p)) for p in CHAT]
-    args = dict(kv_cache_dtype="int8", kv_int8_keys="rotate", batch_invariant=True)
+    args = RUNS["int8 rotate"]
     _, batched = run(default_model, prompts, 16, **args)
     _, alone = run(default_model, prompts, 16, max_num_seqs=1, **args)
     for b, a in zip(batched, alone):
         assert a.output_token_ids == b.output_token_ids
         np.testing.assert_array_equal(np.stack(a.logits), np.stack(b.logits))
+
+
+def test_int8_without_the_mode_parts_from_the_batched_run(tiny_model):
+    """--no-batch-invariant: int8 at the float pass's speed, its rounding batch-dependent
+    again (one sequence at a time, the logits are not bitwise the batched run's)."""
+    prompts = shared_prefix_prompts(512, np.random.default_rng(1))
+    args = dict(RUNS["int8 rotate"], batch_invariant=False)
+    engine, batched = run(tiny_model, prompts, 24, **args)
+    _, alone = run(tiny_model, prompts, 24, max_num_seqs=1, **args)
+    assert not engine.runner.model.batch_invariant
+    assert any(not np.array_equal(np.stack(a.logits), np.stack(b.logits)) for a, b in zip(alone, batched))
+    assert not run(tiny_model, prompts[:1], 1)[0].runner.model.batch_invariant  # float32: off unless asked
 
 
 def test_batch_invariant_mode_is_refused_on_a_gpu(tiny_model, monkeypatch):
@@ -148,10 +164,11 @@ def test_batch_invariant_mode_is_refused_on_a_gpu(tiny_model, monkeypatch):
         LLMEngine(EngineConfig(model=str(tiny_model), batch_invariant=True))
 
 
-def test_disaggregated_serving_gives_one_engines_logits_at_a_time(tiny_model):
+@pytest.mark.parametrize("pool", [name for name in RUNS if name.startswith("int8")])
+def test_disaggregated_serving_gives_one_engines_logits_at_a_time(tiny_model, pool):
     """Prefill on one instance, decode on two (tests/test_disagg.py's in-process cluster),
     int8: bitwise the logits of one engine serving one sequence at a time."""
-    config = tiny_config(tiny_model, kv_cache_dtype="int8", kv_int8_keys="rotate", batch_invariant=True)
+    config = tiny_config(tiny_model, **RUNS[pool])
     prompts, params = workload(3)
     params = [dataclasses.replace(p, return_logits=True) for p in params]
     results = serve(cluster([config], [config, config]), prompts, params)

@@ -230,15 +230,30 @@ def test_back_pressure_holds_blocks_on_the_prefill_side(tiny_model):
     assert_no_leaks(nodes, links)
 
 
-def test_a_request_the_decode_pool_can_never_hold_is_rejected_not_stuck(tiny_model):
-    prefill, decode = tiny_config(tiny_model, num_blocks=64), tiny_config(tiny_model, num_blocks=8)
-    prompts = [list(range(3, 103)), list(range(3, 13))]  # 100 tokens: 13 blocks > 8
-    params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)] * 2
-    links = LocalLinks(2)
-    nodes = cluster([prefill], [decode], links)
+@pytest.mark.parametrize("decode_blocks", [[8], [14, 12]])
+def test_a_request_no_decode_pool_can_hold_is_rejected_before_its_prefill(tiny_model, decode_blocks):
+    """Decode pools smaller than the prefill pool's 64 blocks of 8: a request that fits the
+    prefill pool but no decode pool is rejected by the router, as one engine of the largest
+    decode pool's size rejects it (the same words), before the prefill instance sees it; one
+    that fits only the larger decode pool is served there; the others in the run finish."""
+    prefill = tiny_config(tiny_model)
+    decode = [tiny_config(tiny_model, num_blocks=n) for n in decode_blocks]
+    # 6, 13 and 19 blocks. With pools of 14 and 12, the first leaves the larger one fewer free
+    # blocks than the smaller has: the second still goes to the larger, the one that can hold it.
+    prompts = [list(range(400, 440)), list(range(3, 103)), list(range(200, 350))]
+    params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)] * 3
+    expected = colocated(decode[0], prompts, params)
+    assert [e.finish_reason for e in expected] == ["rejected" if n > decode_blocks[0] else "length"
+                                                   for n in (6, 13, 19)]
+    links = LocalLinks(1 + len(decode))
+    nodes = cluster([prefill], decode, links)
     results = serve(nodes, prompts, params)
-    assert results[0].finish_reason == "rejected" and "KV blocks" in results[0].error
-    assert results[1].num_output_tokens == 4
+    for r, e in zip(results, expected):
+        assert (r.finish_reason, r.error, r.output_token_ids) == (e.finish_reason, e.error, e.output_token_ids)
+    p = nodes[0].instance
+    served = [len(q) for q, e in zip(prompts, expected) if e.finish_reason != "rejected"]
+    assert p.received == len(served)  # the rejected ones never reached it
+    assert sum(prompt for _, _, prompt, _ in p.engine.metrics.step_log) == sum(served)  # no prefill spent on them
     assert_no_leaks(nodes, links)
 
 
@@ -345,6 +360,8 @@ def test_routing_prefers_short_prefill_queues_and_free_decode_blocks(tiny_model)
     long, short = engine.make_sequence(list(range(3, 200)), SamplingParams()), \
         engine.make_sequence(list(range(3, 10)), SamplingParams())
     router.add([long, short])
+    for source, message in router.link.poll():  # each instance's capacity
+        router.receive(source, message)
     router.route()
     assert router.where[long.seq_id][0] != router.where[short.seq_id][0]  # the second avoids the busy one
     assert router.where[long.seq_id][1] != router.where[short.seq_id][1]  # promised blocks count as used

@@ -24,7 +24,8 @@ def describe(engine) -> str:
             f"({bm.num_blocks * bs} tokens, {bm.num_blocks * bs * per_token / 1e9:.2f} GB"
             + _int8_gain(engine) + "); "
             f"batch ceiling {bm.num_blocks // per_seq} sequences of {engine.max_model_len} tokens; "
-            f"swap space {bm.num_swap_blocks} blocks" + _ranks(engine))
+            f"swap space {bm.num_swap_blocks} blocks"
+            + ("; batch-invariant forward" if engine.runner.model.batch_invariant else "") + _ranks(engine))
 
 
 def _int8_gain(engine) -> str:

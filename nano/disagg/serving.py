@@ -21,7 +21,11 @@ LLMEngine (tp=1) with its own KV pool; rank 0 also routes. A request's life:
 
 Routing, at arrival: to the prefill instance with the least queued prompt tokens, and to
 the decode instance with the most free blocks (its last report, less the blocks of
-requests already routed to it and not yet taken). Every instance reports its queue depth
+requests already routed to it and not yet taken), each among those that could ever hold
+the request. Every instance tells the router its capacity (scheduler.Capacity: context,
+pool, watermark) once at the start, and the router routes nothing before it has them all:
+a request no prefill or no decode instance could hold is rejected there, as one engine of
+that pool size rejects it, before any prefill is spent on it. Every instance reports its queue depth
 in tokens and KV occupancy after each step, and once more when it goes idle ("status"): the router routes on them, and
 they are each pool's autoscaling signals (--metrics-file, the run's summary).
 
@@ -47,6 +51,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from nano.config import Capacity
 from nano.disagg import kv_transfer
 from nano.errors import NanoError
 from nano.sequence import Sequence, Status
@@ -111,6 +116,7 @@ class Instance:
         self.reported = None                          # (queue tokens, used blocks) last sent
         self.handoffs: dict[int, dict] = {}           # decode: seq_id -> its KV handoff's figures
         self.last_told = time.monotonic()             # when this instance last sent the router anything
+        self.tell_router(("capacity", engine.scheduler.capacity))
 
     def step(self) -> bool:
         """One engine step if there is work; returns whether it ran one (a prefill instance
@@ -388,6 +394,7 @@ class Router:
         self.handoffs: dict[int, dict] = {}           # seq_id -> its KV handoff's figures (decode side)
         self.where: dict[int, tuple[int, int]] = {}   # seq_id -> (prefill rank, decode rank), until its result
         self.status: dict[int, InstanceStatus] = {}
+        self.capacity: dict[int, Capacity] = {}       # each instance's, from its first message
         self.in_flight: dict[int, deque[int]] = {p: deque() for p in self.prefill}  # prompt tokens sent, not yet received
         self.promised: dict[int, dict[int, int]] = {d: {} for d in self.decode}  # seq_id -> blocks, not yet taken
         self.reports: dict[int, Report] = {}
@@ -415,10 +422,17 @@ class Router:
     # ---- routing ----------------------------------------------------------------------
     def route(self) -> bool:
         now, routed = self.clock.now(), False
+        if len(self.capacity) < len(self.prefill) + len(self.decode):
+            return False
         while self.pending and self.pending[0].arrival_time <= now:
             seq = self.pending.popleft()
-            p = min(self.prefill, key=self.queued_tokens)
-            d = max(self.decode, key=self.free_blocks)
+            prefill, error = self.fitting(seq, self.prefill)
+            decode, decode_error = self.fitting(seq, self.decode)
+            if error or decode_error:
+                self.end(seq, "rejected", error or decode_error)
+                continue
+            p = min(prefill, key=self.queued_tokens)
+            d = max(decode, key=self.free_blocks)
             self.in_flight[p].append(seq.num_prompt_tokens)
             self.promised[d][seq.seq_id] = -(-(seq.num_prompt_tokens + 1) // self.block_size)
             self.where[seq.seq_id] = (p, d)
@@ -426,28 +440,38 @@ class Router:
             routed = True
         return routed
 
+    def fitting(self, seq: Sequence, ranks: list[int]) -> tuple[list[int], str | None]:
+        """The instances among ranks that could ever hold seq; if none, why not, in the words
+        of the largest pool's engine."""
+        errors = {r: self.capacity[r].never_fits(seq) for r in ranks}
+        fit = [r for r in ranks if errors[r] is None]
+        largest = max(ranks, key=lambda r: self.capacity[r].usable_blocks)
+        return fit, None if fit else errors[largest]
+
     def queued_tokens(self, p: int) -> int:
         reported = self.status[p].queue_tokens if p in self.status else 0
         return reported + sum(self.in_flight[p])
 
     def free_blocks(self, d: int) -> int:
-        if d not in self.status:
-            return -sum(self.promised[d].values())  # no report yet: all instances start alike
-        s = self.status[d]
-        return s.num_blocks - s.used_blocks - sum(self.promised[d].values())
+        used = self.status[d].used_blocks if d in self.status else 0
+        return self.capacity[d].num_blocks - used - sum(self.promised[d].values())
 
     def abort(self, seq_id: int) -> None:
         """Abort a request wherever it is (a pending one never leaves the router)."""
         pending = next((s for s in self.pending if s.seq_id == seq_id), None)
         if pending is not None:
             self.pending.remove(pending)
-            pending.status, pending.finish_reason = Status.FINISHED, "aborted"
-            self.results[seq_id] = pending
-            if self.on_result:
-                self.on_result(pending)
+            self.end(pending, "aborted")
         elif seq_id in self.where:
             for rank in self.where[seq_id]:
                 self.link.send(rank, ("abort", seq_id))
+
+    def end(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        """A request ended here, never sent to an instance."""
+        seq.status, seq.finish_reason, seq.error = Status.FINISHED, reason, error
+        self.results[seq.seq_id] = seq
+        if self.on_result:
+            self.on_result(seq)
 
     # ---- messages ---------------------------------------------------------------------
     def receive(self, source: int, message: tuple) -> bool:
@@ -456,6 +480,8 @@ class Router:
         self.last_heard[source] = time.monotonic()
         if kind == "alive":
             pass
+        elif kind == "capacity":
+            self.capacity[source] = message[1]
         elif kind == "result":
             _, seq, handoff = message
             self.results[seq.seq_id] = seq
