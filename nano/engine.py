@@ -102,7 +102,7 @@ class LLMEngine:
         finished = list(plan.finished)
         if inputs is not None:
             sampling = plan.sampling()  # asked before postprocessing advances the sequences
-            logits = self.runner.forward(inputs)
+            logits = self._score(self.runner.forward(inputs), plan.logits_rows())
             tokens = self.sampler.sample(logits, sampling)
             finished += self._postprocess(plan, sampling, tokens)
         elif not finished and self.scheduler.has_work():
@@ -125,6 +125,19 @@ class LLMEngine:
         if self.group.world > 1:
             self.group.broadcast(None)
 
+    def _score(self, logits, rows: list) -> object:
+        """Prompt logprobs: the logits rows that score a prompt's tokens (plan.scored) go to
+        their sequences' prompt_logprobs; returns the rows that sample."""
+        scoring = [i for i, (_, p) in enumerate(rows) if p is not None]
+        if not scoring:
+            return logits
+        k = min(max(rows[i][0].params.prompt_logprobs for i in scoring), logits.shape[1])
+        targets = [rows[i][0].token_ids[rows[i][1] + 1] for i in scoring]
+        for i, (logprob, rank, top) in zip(scoring, self.sampler.logprobs(logits[scoring], targets, k)):
+            seq = rows[i][0]
+            seq.prompt_logprobs.append((logprob, rank, top[:seq.params.prompt_logprobs]))
+        return logits[[i for i, (_, p) in enumerate(rows) if p is None]]
+
     def _postprocess(self, plan: SchedulerOutput, sampling: list[Sequence],
                      tokens: list[int]) -> list[Sequence]:
         for seq, n in plan.scheduled:
@@ -132,6 +145,10 @@ class LLMEngine:
             self.block_manager.register_full_blocks(seq)
         now, finished = self.clock.now(), []
         for seq, token in zip(sampling, tokens):
+            if seq.params.max_tokens == 0:  # it only scored its prompt: the token is not wanted
+                self.scheduler.finish(seq, "length")
+                finished.append(seq)
+                continue
             seq.token_ids.append(token)
             seq.token_times.append(now)
             if seq.first_token_time is None:

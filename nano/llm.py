@@ -18,6 +18,7 @@ class RequestOutput:
     num_prompt_tokens: int
     error: str | None = None              # why a request was rejected
     logits: list[np.ndarray] = field(default_factory=list)  # with SamplingParams(return_logits=True)
+    prompt_logprobs: list | None = None   # with SamplingParams(prompt_logprobs=k): Sequence.prompt_logprobs
 
 
 class LLM:
@@ -35,4 +36,5 @@ class LLM:
 
     def output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(seq.prompt, self.engine.detokenize(seq), seq.output_token_ids,
-                             seq.finish_reason, seq.num_prompt_tokens, seq.error, seq.logits)
+                             seq.finish_reason, seq.num_prompt_tokens, seq.error, seq.logits,
+                             seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None)

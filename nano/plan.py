@@ -25,6 +25,16 @@ def samples(seq: Sequence, num_tokens: int) -> bool:
     return seq.num_computed_tokens + num_tokens == seq.num_tokens
 
 
+def scored(seq: Sequence, num_tokens: int) -> range:
+    """Positions among this step's num_tokens whose logits score the prompt's next token, for
+    a request that asked for prompt logprobs: those before the prompt's last token (whose
+    logits sample) that it holds no score for yet (a prompt recomputed is scored once)."""
+    if seq.params.prompt_logprobs is None:
+        return range(0)
+    start = max(seq.num_computed_tokens, len(seq.prompt_logprobs) - 1)
+    return range(start, min(seq.num_computed_tokens + num_tokens, seq.num_prompt_tokens - 1))
+
+
 def decode_context(seqs) -> int:
     """KV tokens the decoding sequences `seqs` hold: what their attention reads, the input the
     cost model prices a decode by."""
@@ -59,6 +69,14 @@ class SchedulerOutput:
         Ask before postprocessing advances them."""
         return [seq for seq, n in self.rows() if samples(seq, n)]
 
+    def logits_rows(self) -> list[tuple[Sequence, int | None]]:
+        """The forward pass's logits rows in order: (sequence, position) for each position
+        that scores a prompt (scored), (sequence, None) for each row that samples."""
+        out = []
+        for seq, n in self.rows():
+            out += [(seq, p) for p in scored(seq, n)] + [(seq, None)] * samples(seq, n)
+        return out
+
 
 # ---- the packed step -------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -70,7 +88,7 @@ class StepSizes:
     seqs: int = 0         # S: rows, decodes first
     decodes: int = 0      # rows 0..decodes-1 have one token each
     max_blocks: int = 0   # block table width
-    logits: int = 0       # R: rows that sample
+    logits: int = 0       # R: rows that sample or score a prompt (SchedulerOutput.logits_rows)
 
     def fields(self) -> dict[str, tuple[int, ...]]:
         """The layout, in order: each field a C-order int32 block of this shape. The input

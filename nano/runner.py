@@ -20,7 +20,8 @@ from nano.device import Device
 from nano.graphs import DecodeGraphs, GraphStep
 from nano.kv_cache import KVCache
 from nano.model import ForwardBatch
-from nano.plan import SchedulerOutput, StepSizes, is_decode, pack_step, samples, step_sizes, unpack_step
+from nano.plan import (SchedulerOutput, StepSizes, is_decode, pack_step, samples, scored, step_sizes,
+                       unpack_step)
 
 
 class ModelRunner:
@@ -136,6 +137,7 @@ class ModelRunner:
             tables[i, :len(seq.block_table)] = seq.block_table
             if not is_decode(n):
                 cu_seqlens.append(cu_seqlens[-1] + n)
+            logits += [len(ids) - n + p - start for p in scored(seq, n)]
             if samples(seq, n):
                 logits.append(len(ids) - 1)
         positions = np.asarray(positions, np.int32)
@@ -155,8 +157,8 @@ class ModelRunner:
         n = step_sizes(packed)
         if n.seqs == 0:
             return None
-        # Graphs run steps where every sequence has one token and samples (a one-token
-        # prefill chunk that does not reach the prompt's end has one token but no logits row).
+        # Graphs run steps where every sequence has one token and a logits row (a one-token
+        # prefill chunk short of the prompt's end has none, unless it scores the prompt).
         if self.graphs is not None and n.tokens == n.decodes == n.logits and self.graphs.fits(n.seqs, n.max_blocks):
             host = unpack_step(packed, n)
             return self.graphs.prepare(host["input_ids"], host["positions"], host["slot_mapping"],
@@ -165,7 +167,7 @@ class ModelRunner:
 
     # ---- forward -----------------------------------------------------------------------
     def forward(self, inputs: ForwardBatch | GraphStep):
-        """Logits (R, V) of the rows that sample."""
+        """Logits (R, V) of the rows that sample or score a prompt (plan.logits_rows)."""
         if isinstance(inputs, GraphStep):
             return self.graphs.replay(inputs)
         if self.blas_threads:

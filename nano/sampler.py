@@ -27,6 +27,21 @@ class Sampler:
         tokens = ops.sample(logits, *self._parameters(seqs))
         return self.device.to_host(tokens).tolist()
 
+    def logprobs(self, logits, targets: list[int], k: int) -> list[tuple]:
+        """Rows of logits (m, V) -> per row (the log-probability of its target token, that
+        token's rank (1: the most likely), its k most likely [(token, logprob)] best first).
+        Computed on the device: only these figures come to the host."""
+        xp = self.device.xp
+        logp = logits.astype(xp.float32)
+        logp -= logp.max(axis=1, keepdims=True)
+        logp -= xp.log(xp.exp(logp).sum(axis=1, keepdims=True))
+        chosen = logp[xp.arange(len(targets)), xp.asarray(np.asarray(targets, np.int64))]
+        rank = (logp > chosen[:, None]).sum(axis=1) + 1
+        top = xp.argpartition(-logp, k - 1, axis=1)[:, :k] if k else xp.zeros((len(targets), 0), np.int64)
+        top = xp.take_along_axis(top, xp.argsort(-xp.take_along_axis(logp, top, axis=1), axis=1), axis=1)
+        out = [self.device.to_host(a).tolist() for a in (chosen, rank, top, xp.take_along_axis(logp, top, axis=1))]
+        return [(c, r, list(zip(t, v))) for c, r, t, v in zip(*out)]
+
     def _parameters(self, seqs: list[Sequence]) -> tuple:
         """ops.sample's per-row arrays (temperature, top_k, top_p, seeds, counters), packed
         into one uint32 host array so that the GPU gets them in one copy, then viewed."""

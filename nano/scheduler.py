@@ -136,7 +136,10 @@ class Scheduler:
                 else:
                     self._reject(seq, error, out)
                 continue
-            hits = self.bm.match_prefix(seq.token_ids)
+            # A cached token has no logits: a request that scores its prompt takes from the
+            # cache only the tokens it holds scores for (after a recompute), none at first.
+            scoring = seq.params.prompt_logprobs is not None
+            hits = self.bm.match_prefix(seq.token_ids[:len(seq.prompt_logprobs)] if scoring else seq.token_ids)
             if not self.bm.can_admit(seq, hits, self.watermark_blocks):
                 break  # no skipping ahead: a large request must not starve behind small ones
             self.waiting.remove(seq)

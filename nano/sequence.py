@@ -12,16 +12,19 @@ class SamplingParams:
     temperature: float = 1.0       # 0 = greedy
     top_p: float = 1.0             # nucleus mass, in (0, 1]
     top_k: int = -1                # -1 or 0 = off
-    max_tokens: int = 16
+    max_tokens: int = 16           # 0 only with prompt_logprobs: the prompt scored, nothing generated
     seed: int | None = None        # same seed, same output, whatever the batch around it
     ignore_eos: bool = False
     return_logits: bool = False    # keep the logits row behind every sampled token
+    prompt_logprobs: int | None = None  # score the prompt: each token's logprob and this many top ones
     ttft_slo: float | None = None  # seconds from arrival to the first token (deadline policy)
     tpot_slo: float | None = None  # seconds per output token after the first
 
     def validate(self) -> None:
+        scores_only = self.max_tokens == 0 and self.prompt_logprobs is not None  # no token generated
         for name, check in FIELD_RULES.items():
-            check(name, getattr(self, name))
+            if not (scores_only and name == "max_tokens"):
+                check(name, getattr(self, name))
 
 
 # What each field accepts (the one place each rule is written): SamplingParams.validate
@@ -35,6 +38,7 @@ FIELD_RULES = {
     "seed": lambda name, v: checks.integer(name, v, optional=True),  # any int: the sampler takes it mod 2**64
     "ignore_eos": checks.flag,
     "return_logits": checks.flag,
+    "prompt_logprobs": lambda name, v: checks.integer(name, v, 0, checks.INT32_MAX, optional=True),
     "ttft_slo": lambda name, v: checks.number(name, v, low=0, open_low=True, optional=True),
     "tpot_slo": lambda name, v: checks.number(name, v, low=0, open_low=True, optional=True),
 }
@@ -69,6 +73,9 @@ class Sequence:
         self.finish_reason: str | None = None        # stop | length | rejected (error says why) | aborted
         self.error: str | None = None
         self.logits: list[np.ndarray] = []           # only with params.return_logits
+        # With params.prompt_logprobs, prompt token i's (logprob, rank, [(token, logprob)] best
+        # first) at [i]; the first token has none. Filled as prefill chunks run (engine._score).
+        self.prompt_logprobs: list = [None]
         self.seed = seed                             # with the output count, keys each random draw
 
     @property

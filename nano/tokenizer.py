@@ -67,5 +67,9 @@ class Tokenizer:
                 ids += (self._plain if plain else self._tok).encode(text, add_special_tokens=False).ids
         return ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def piece(self, token_id: int) -> str | None:
+        """The token's vocabulary entry (in a byte-level vocabulary, one character per byte)."""
+        return self._tok.id_to_token(token_id)

@@ -399,6 +399,9 @@ def test_serving_under_tp2_gives_the_one_rank_tokens(srv):
         tp = client.completions.create(model=srv.model, prompt=PROMPT, max_tokens=12, temperature=0)
         one = srv.client.completions.create(model=srv.model, prompt=PROMPT, max_tokens=12, temperature=0)
         assert tp.choices[0].text == one.choices[0].text
+        scored = [c.completions.create(model=srv.model, prompt=PROMPT, max_tokens=0, echo=True, logprobs=2)
+                  .choices[0].logprobs for c in (client, srv.client)]  # prompt logprobs: the same on two ranks
+        assert scored[0].token_logprobs[1:] == pytest.approx(scored[1].token_logprobs[1:], abs=1e-4)
         chunks = list(client.chat.completions.create(model=srv.model, messages=[{"role": "user", "content": "Hi"}],
                                                      max_tokens=6, temperature=0, stream=True))
         assert chunks[-1].choices[0].finish_reason in ("stop", "length")

@@ -79,11 +79,14 @@ class Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # vLLM's: the prompt's, scored
 
 
 class CompletionRequest(Sampling):
     prompt: Text | list[int] = Field(min_length=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False  # the text and logprobs start with the prompt's (scored by the engine)
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: the prompt scored, nothing generated
 
 
 class Message(BaseModel):
@@ -144,8 +147,9 @@ class Server:
             raise BadRequest(f"the prompt has {chars} characters, more than this server's {self.limits.prompt_chars}")
 
     async def submit(self, body: Sampling, prompt: list[int], stops: StopStrings, top_logprobs: int | None,
-                     max_tokens: int):
-        """Start body.n jobs for one prompt; returns them."""
+                     max_tokens: int, echo: bool = False):
+        """Start body.n jobs for one prompt; returns them. echo: the prompt's text and (with
+        top_logprobs) its logprobs come first."""
         if self.closing or self.stopped():
             raise BadRequest("the server is shutting down" if self.closing else f"engine stopped: {self.thread.error}",
                              503, "server_error")
@@ -163,17 +167,20 @@ class Server:
         if body.n * max_tokens > self.limits.request_tokens:
             raise BadRequest(f"n x max_tokens is {body.n} x {max_tokens}, more than this server's "
                              f"{self.limits.request_tokens} tokens a request: ask for fewer choices or tokens")
+        # The engine scores the prompt for echo's logprobs, for prompt_logprobs, and for max_tokens 0.
+        asked = [k for k in (top_logprobs if echo else None, body.prompt_logprobs, 0 if max_tokens == 0 else None)
+                 if k is not None]
         loop, jobs = asyncio.get_running_loop(), []
         for i in range(body.n):
             seed = None if body.seed is None else body.seed + i
             params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                     max_tokens=max_tokens, seed=seed, ignore_eos=body.ignore_eos,
-                                    return_logits=top_logprobs is not None)
+                                    return_logits=top_logprobs is not None, prompt_logprobs=max(asked, default=None))
             try:
                 params.validate()
             except NanoError as e:
                 raise BadRequest(str(e)) from None
-            jobs.append(Job(prompt, params, stops, top_logprobs, asyncio.Queue(), loop))
+            jobs.append(Job(prompt, params, stops, top_logprobs, asyncio.Queue(), loop, echo, body.prompt_logprobs))
         for job in jobs:
             self.thread.inbox.put(("add", job))
         self.open.update(jobs)
@@ -314,8 +321,11 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
         stops = server.check(body)
+        if body.max_tokens == 0 and not body.echo:
+            raise BadRequest("max_tokens: 0 generates nothing; it is allowed with echo, to score the prompt")
         prompt = await server.tokenize(body.prompt) if isinstance(body.prompt, str) else body.prompt
-        jobs = await server.submit(body, prompt, stops, body.logprobs, body.max_tokens or 16)
+        jobs = await server.submit(body, prompt, stops, body.logprobs, 16 if body.max_tokens is None else body.max_tokens,
+                                   body.echo)
         return await respond(server, request, body, jobs, "text_completion", "cmpl")
 
     @v1.post("/chat/completions")
@@ -380,13 +390,15 @@ async def respond(server: Server, request: Request, body: Sampling, jobs: list[J
         else:
             choice = {"index": i, "text": r["text"], "finish_reason": r["finish_reason"],
                       "logprobs": completion_logprobs(r["logprobs"]) if jobs[i].top_logprobs is not None else None}
+        if jobs[i].prompt_logprobs is not None:
+            choice["prompt_logprobs"] = r["prompt_logprobs"]
         choices.append(choice)
     return {**head, "choices": choices, "usage": usage_of(results)}
 
 
 async def collect(job: Job, request: Request) -> dict | None:
     """A job's events gathered into one result; None if the client went away first."""
-    out = {"text": "", "logprobs": [], "finish_reason": None, "error": None}
+    out = {"text": "", "logprobs": [], "finish_reason": None, "error": None, "prompt_logprobs": None}
     while out["finish_reason"] is None and out["error"] is None:
         try:
             event = await asyncio.wait_for(job.events.get(), timeout=0.5)
@@ -396,6 +408,7 @@ async def collect(job: Job, request: Request) -> dict | None:
             continue
         out["text"] += event.get("text", "")
         out["logprobs"] += event.get("logprobs") or []
+        out["prompt_logprobs"] = out["prompt_logprobs"] or event.get("prompt_logprobs")
         out["error"], out["status"] = event.get("error"), event.get("status", 400)
         out["finish_reason"] = event.get("finish_reason")
         out["prompt_tokens"], out["completion_tokens"] = event.get("prompt_tokens", 0), event.get("completion_tokens", 0)
@@ -441,6 +454,8 @@ async def stream(server: Server, request: Request, jobs: list[Job], head: dict, 
             else:
                 choice = {"index": i, "text": event["text"], "logprobs": completion_logprobs(lp) if lp else None,
                           "finish_reason": event["finish_reason"]}
+            if event.get("prompt_logprobs"):  # the first chunk of a choice, as vLLM sends it
+                choice["prompt_logprobs"] = event["prompt_logprobs"]
             yield sse({**head, "object": chunk_kind, "choices": [choice]})
             live -= event["finish_reason"] is not None
         if usage:
@@ -464,15 +479,26 @@ def usage_of(results: list[dict]) -> dict:
 
 
 def completion_logprobs(entries: list[dict]) -> dict:
+    """OpenAI's legacy shape from engine_thread's entries (an echoed prompt's first: its first
+    token has no logprob and no top ones)."""
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [dict(e["top"]) for e in entries], "text_offset": []}
+            "top_logprobs": [None if e["top"] is None else top_by_token(e["top"]) for e in entries],
+            "text_offset": [e["offset"] for e in entries]}
+
+
+def top_by_token(top: list[dict]) -> dict[str, float]:
+    """The top logprobs keyed by token text, as the legacy shape wants: one key each, should
+    two tokens show the same text (the second is keyed by its id, as vLLM's token_id:N)."""
+    out = {}
+    for e in top:
+        out[f"token_id:{e['id']}" if e["token"] in out else e["token"]] = e["logprob"]
+    return out
 
 
 def chat_logprobs(entries: list[dict]) -> dict:
-    def item(token, logprob):
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
-    return {"content": [{**item(e["token"], e["logprob"]), "top_logprobs": [item(t, lp) for t, lp in e["top"]]}
-                        for e in entries]}
+    def item(e):
+        return {"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"]}
+    return {"content": [{**item(e), "top_logprobs": [item(t) for t in e["top"]]} for e in entries]}
 
 
 class _Uvicorn(uvicorn.Server):

@@ -4,6 +4,7 @@ its inbox between steps, runs a step, and turns each job's new tokens into text
 (loop.call_soon_threadsafe), so nothing the engine does blocks the event loop (app.py)."""
 import asyncio
 import queue
+import re
 import threading
 from dataclasses import dataclass
 
@@ -36,6 +37,34 @@ class Detokenizer:
         return text[len(before):]
 
 
+# GPT-2's byte-level alphabet, which byte-level vocabularies spell their tokens in: each byte's
+# character (the printable ones as themselves, the rest from 256 on), inverted.
+_PRINTABLE = [*range(33, 127), *range(161, 173), *range(174, 256)]
+BYTE_OF = {chr(c): b for b, c in zip(_PRINTABLE + [b for b in range(256) if b not in _PRINTABLE],
+                                     _PRINTABLE + list(range(256, 512 - len(_PRINTABLE))))}
+
+
+def token_view(tokenizer, token_id: int) -> tuple[str, list[int]]:
+    """A token as logprobs show it, and its bytes: its text, a special token as itself
+    ("<|im_end|>"); a piece of a character, which is no text alone, as OpenAI's API writes
+    it ("bytes:\\xe2\\x80"), or as vLLM's "token_id:N" if its bytes are not known."""
+    text = tokenizer.decode([token_id], skip_special_tokens=False)
+    if "\ufffd" not in text:
+        return text, list(text.encode())
+    piece = tokenizer.piece(token_id) or ""
+    byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)  # SentencePiece's byte-fallback tokens
+    if byte is None and not (piece and all(c in BYTE_OF for c in piece)):
+        return f"token_id:{token_id}", []
+    raw = [int(byte[1], 16)] if byte else [BYTE_OF[c] for c in piece]
+    return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
+
+
+def logprob_entry(tokenizer, token_id: int, logprob: float | None, **more) -> dict:
+    """One token's logprob as both APIs' shapes are built from it (app.py)."""
+    text, raw = token_view(tokenizer, token_id)
+    return {"token": text, "id": token_id, "bytes": raw, "logprob": logprob, **more}
+
+
 class StopStrings:
     """A request's stop strings: one object its choices share. A search looks only at text
     that is new since the last one (and the few characters before it a stop string could
@@ -60,6 +89,9 @@ class Job:
     top_logprobs: int | None             # None: no logprobs
     events: asyncio.Queue
     loop: asyncio.AbstractEventLoop
+    echo: bool = False                   # the first event's text and logprobs start with the prompt's
+    prompt_logprobs: int | None = None   # vLLM's prompt_logprobs, sent with the first event
+    base: int = 0                        # text offset of the first output token (the echoed prompt's length)
     seq: Sequence | None = None
     tokens: int = 0                      # output tokens turned into text so far
     text: str = ""                       # all of it, stop string removed
@@ -132,6 +164,8 @@ class EngineThread(threading.Thread):
         for job in list(self.jobs):
             seq = job.seq
             new = seq.output_token_ids[job.tokens:]
+            first = job.tokens == 0 and bool(new or seq.is_finished) and seq.error is None
+            prompt_text, prompt_lp, vllm_lp = self._prompt(job) if first else ("", [], None)
             job.tokens += len(new)
             logprobs = self._logprobs(job, new)
             searched = len(job.text)
@@ -146,8 +180,10 @@ class EngineThread(threading.Thread):
             # Hold back what could be the start of a stop string until it is settled.
             hold = 0 if seq.is_finished else job.stops.hold
             end = max(job.sent, len(job.text) - hold)
-            if end > job.sent or logprobs or seq.is_finished:
-                job.put({"text": job.text[job.sent:end], "logprobs": logprobs,
+            if end > job.sent or logprobs or seq.is_finished or first:
+                if prompt_lp and job.top_logprobs is not None:
+                    logprobs = prompt_lp + (logprobs or [])
+                job.put({"text": prompt_text + job.text[job.sent:end], "logprobs": logprobs, "prompt_logprobs": vllm_lp,
                          "finish_reason": reason if seq.is_finished else None,
                          "error": seq.error if reason == "rejected" else None,
                          "prompt_tokens": seq.num_prompt_tokens, "completion_tokens": seq.num_output_tokens})
@@ -155,16 +191,38 @@ class EngineThread(threading.Thread):
             if seq.is_finished:
                 self.jobs.remove(job)
 
+    def _prompt(self, job: Job) -> tuple[str, list[dict], list | None]:
+        """Once the prompt is scored (the engine's prompt_logprobs, with the first token or the
+        end): with echo, its text and its tokens' logprob entries (offsets into that text; the
+        output's follow it); with prompt_logprobs, vLLM's list (None, then per token
+        {id: {logprob, rank, decoded_token}}, the token's own and the top ones)."""
+        seq, tok, text = job.seq, self.engine.tokenizer, ""
+        entries, detok = [], Detokenizer(tok)
+        scores = seq.prompt_logprobs + [None] * (seq.num_prompt_tokens - len(seq.prompt_logprobs))  # unscored: echo alone
+        for token, score in zip(seq.token_ids[:seq.num_prompt_tokens], scores if job.echo else []):
+            logprob, rank, top = score or (None, None, [])
+            top = [logprob_entry(tok, t, lp) for t, lp in top[:job.top_logprobs or 0]]
+            entries.append(logprob_entry(tok, token, logprob, top=top if score else None, offset=len(text)))
+            text += detok.add([token])
+        job.base = len(text)
+        if job.prompt_logprobs is None:
+            return text, entries, None
+        vllm = [None]
+        for token, (logprob, rank, top) in zip(seq.token_ids[1:], seq.prompt_logprobs[1:]):
+            ranked = [(token, logprob, rank)] + [(t, lp, r) for r, (t, lp) in enumerate(top[:job.prompt_logprobs], 1)]
+            vllm.append({str(t): {"logprob": lp, "rank": r, "decoded_token": token_view(tok, t)[0]} for t, lp, r in ranked})
+        return text, entries, vllm
+
     def _logprobs(self, job: Job, new: list[int]) -> list[dict] | None:
         """Each new token's log-probability and the top ones of its distribution."""
         if job.top_logprobs is None or not new:
             return None
         rows, job.seq.logits = job.seq.logits[:len(new)], job.seq.logits[len(new):]
-        out, decode = [], self.engine.tokenizer.decode
+        out, tok = [], self.engine.tokenizer
         for token, row in zip(new, rows):
             row = np.asarray(row, np.float64)
             logp = row - row.max() - np.log(np.exp(row - row.max()).sum())
             top = np.argsort(-logp)[:job.top_logprobs]
-            out.append({"token": decode([token]), "logprob": float(logp[token]),
-                        "top": [(decode([int(t)]), float(logp[t])) for t in top]})
+            out.append(logprob_entry(tok, token, float(logp[token]), offset=job.base + len(job.text),
+                                     top=[logprob_entry(tok, int(t), float(logp[t])) for t in top]))
         return out
