@@ -67,12 +67,14 @@ def plot(rows: list[dict], fig) -> None:
         c.plot(k, [100 * r["hit_rate"] for r in on], "o-", color=f"C{i}", label=f"{prefix}: hit rate %")
         c.plot(k, [r["missed_prefix_blocks"] for r in on], "s--", color=f"C{i}",
                label=f"{prefix}: prefix blocks computed again")
-    titles = ("prefill tokens computed", "TTFT mean (ms)", "hit rate; evicted-before-hit blocks")
+    titles = ("prefill tokens computed (pool: 3 requests' blocks)", "TTFT mean (ms)",
+              "hit rate (%); prefix blocks computed again")
     for ax, title in zip((a, b, c), titles):
         ax.set_xticks(DISTINCT)
-        ax.set_xlabel(f"distinct prefixes among {REQUESTS} requests (pool: 3 requests' blocks)")
+        ax.set_xlabel(f"distinct prefixes among {REQUESTS} requests")
         ax.set_title(title, fontsize=10)
         ax.legend(fontsize=7)
+    c.set_ylim(0, 1.5 * c.get_ylim()[1])  # room for the legend above the lines
 
 
 def check(rows: list[dict]) -> str | None:
