@@ -14,7 +14,7 @@ DECODERS = 4
 def scale(size: Size) -> dict:
     if size.quick:
         return dict(budgets=(64, 256, 1024), long=1024, arrivals=(0.05, 0.15, 0.25), decode_tokens=240)
-    return dict(budgets=(64, 128, 256, 512, 1024), long=1024, arrivals=(0.5, 3.0, 5.5), decode_tokens=200)
+    return dict(budgets=(64, 256, 1024), long=512, arrivals=(0.5, 2.0, 3.5), decode_tokens=160)
 
 
 def run(size: Size) -> list[dict]:

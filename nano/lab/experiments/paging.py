@@ -14,17 +14,18 @@ from nano.config import EngineConfig
 from nano.lab.experiment import Experiment, Size, engine, model_of, serve
 from nano.sequence import SamplingParams
 
-POOL_TOKENS = 4096     # the pool's bytes: this many tokens at block size 16
+POOL_TOKENS = 2048     # the pool's bytes: this many tokens at block size 16
 MAX_MODEL_LEN = 1024
-MAX_TOKENS = 256       # what every request may generate (its reservation must cover it)
+MAX_TOKENS = 192       # what every request may generate (its reservation must cover it)
 BLOCK_SIZES = (8, 16, 32)
+REQUESTS = 24
 
 
 def workload(size: Size, vocab: int) -> list[tuple[list[int], int]]:
     """(prompt, output length): outputs end at spread lengths, as EOS would end them."""
     rng = np.random.default_rng(size.seed)
     return [(rng.integers(3, vocab, int(rng.integers(16, 65))).tolist(), int(rng.integers(16, MAX_TOKENS + 1)))
-            for _ in range(40)]
+            for _ in range(REQUESTS)]
 
 
 def contiguous(reserve: list[int], lengths: list[int]) -> tuple[int, float]:
@@ -95,7 +96,7 @@ EXPERIMENT = Experiment(
     varies="KV allocation (paged blocks of 8 / 16 / 32 tokens, run; contiguous extents of "
            "max_model_len or prompt + max_tokens tokens, computed)",
     fixed=f"the pool's bytes ({POOL_TOKENS} tokens), max_model_len {MAX_MODEL_LEN}, max_tokens "
-          f"{MAX_TOKENS}; 40 requests with 16-64-token prompts whose outputs end at lengths spread over "
+          f"{MAX_TOKENS}; {REQUESTS} requests with 16-64-token prompts whose outputs end at lengths spread over "
           f"16-{MAX_TOKENS}, all arriving at once",
     measures="sequences resident at once (peak and mean over steps), preemptions, the share of held "
              "memory never written",

@@ -12,12 +12,12 @@ from nano.lab.experiment import Experiment, Size, engine, serve
 from nano.sequence import SamplingParams
 
 BLOCK = EngineConfig().block_size
-REQUESTS, SUFFIX, OUTPUT = 16, 32, 4
-DISTINCT = (1, 4, 8)
+REQUESTS, SUFFIX, OUTPUT = 12, 32, 4
+DISTINCT = (1, 3, 6)
 
 
 def prefix_lengths(size: Size) -> tuple[int, ...]:
-    return (64, 256) if size.quick else (128, 512)
+    return (64, 256) if size.quick else (128, 256)
 
 
 def measure(size: Size, prefix: int, distinct: int, caching: bool) -> dict:
