@@ -12,7 +12,7 @@ from nano.sequence import SamplingParams
 
 def workload(size: Size, vocab: int):
     """Requests with a fixed prompt length and output lengths spread uniformly."""
-    num, prompt, (lo, hi) = (24, 16, (4, 96)) if size.quick else (32, 16, (8, 128))
+    num, prompt, (lo, hi) = (24, 16, (4, 96)) if size.quick else (16, 16, (8, 96))
     rng = np.random.default_rng(size.seed)
     return [(rng.integers(3, vocab, prompt).tolist(),
              SamplingParams(temperature=0, ignore_eos=True, max_tokens=int(rng.integers(lo, hi + 1))))
