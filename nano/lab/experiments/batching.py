@@ -24,7 +24,10 @@ def run(size: Size) -> list[dict]:
     for batch in (4, 16):
         eng = engine(size, max_num_seqs=batch, enable_prefix_caching=False, num_blocks=256)
         requests = workload(size, eng.model_config.vocab_size)
-        for mode in ("fixed", "re-formed"):
+        # quick runs last a second, where a busy machine's noise is as large as the effect:
+        # each mode runs twice, interleaved, and keeps its faster run
+        best = {}
+        for mode in ("fixed", "re-formed") * (2 if size.quick else 1):
             eng.reset_metrics()
             start = eng.clock.now()
             if mode == "fixed":
@@ -32,9 +35,12 @@ def run(size: Size) -> list[dict]:
             else:
                 seqs = serve(eng, requests)
             seconds = eng.clock.now() - start
+            if mode in best and best[mode][0] <= seconds:
+                continue
+            best[mode] = seconds, seqs, start, eng.metrics.steps
+        for mode, (seconds, seqs, start, steps) in best.items():
             latency = np.array([s.token_times[-1] - start for s in seqs])
             tokens = sum(s.num_output_tokens for s in seqs)
-            steps = eng.metrics.steps
             rows.append({"batch": batch, "mode": mode, "requests": len(seqs), "output_tokens": tokens,
                          "steps": steps, "seconds": round(seconds, 3),
                          "tokens_per_s": round(tokens / seconds, 1),
