@@ -33,8 +33,8 @@ SHAPES = {
 }
 DEVICE_BYTES, DEVICE_ITEMSIZE = 80 * 2**30, 2       # an 80 GiB GPU, float16 weights and KV
 SHAPE_CONTEXTS = (2048, 8192, 32768)
-POOL_TOKENS = 512                                   # the run's pool, at full precision
-RUN_CONTEXTS = {"auto": (128, 256, 512), "int8": (256,)}
+POOL_TOKENS = 256                                   # the run's pool, at full precision
+RUN_CONTEXTS = {"auto": (64, 128, 256), "int8": (128,)}
 BLOCK = EngineConfig().block_size
 
 

@@ -14,7 +14,7 @@ DECODERS = 4
 def scale(size: Size) -> dict:
     if size.quick:
         return dict(budgets=(64, 256, 1024), long=1024, arrivals=(0.05, 0.15, 0.25), decode_tokens=240)
-    return dict(budgets=(64, 256, 1024), long=512, arrivals=(0.5, 2.0, 3.5), decode_tokens=160)
+    return dict(budgets=(64, 512), long=512, arrivals=(0.5, 2.0), decode_tokens=48)
 
 
 def run(size: Size) -> list[dict]:
@@ -75,8 +75,8 @@ EXPERIMENT = Experiment(
     claim="A smaller token budget per step lowers the decodes' time per output token while long "
           "prompts prefill, and pays for it in the long prompts' time to first token.",
     varies="the token budget of a step (max_num_batched_tokens)",
-    fixed=f"{DECODERS} decoding requests (16-token prompts, long outputs); three long prompts arriving "
-          "while they decode, at fixed times; greedy, EOS ignored, no prefix caching",
+    fixed=f"{DECODERS} decoding requests (16-token prompts, long outputs); long prompts arriving "
+          "while they decode, at fixed times (three at quick size, two at full); greedy, EOS ignored, no prefix caching",
     measures="decode TPOT p50/p99 over the gaps between a decode's tokens that overlap a long prompt's "
              "prefill; the long prompts' TTFT",
     run=run, plot=plot, check=check)

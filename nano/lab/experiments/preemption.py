@@ -22,7 +22,7 @@ SWAP_SPACE = 512 * 2**20
 
 
 def lengths(size: Size) -> tuple[int, ...]:
-    return (64, 256, 1024, 2048) if size.quick else (128, 512, 1536)
+    return (64, 256, 1024, 2048) if size.quick else (128, 512, 1024)
 
 
 def cost_rows(size: Size) -> list[dict]:
@@ -34,7 +34,7 @@ def cost_rows(size: Size) -> list[dict]:
     for n in lengths(size):
         blocks = -(-n // BLOCK)
         recompute, swap = [], []
-        for _ in range(2):  # the lesser of two: the cost, less the machine's noise
+        for _ in range(2 if size.quick else 1):  # quick: the lesser of two, less the machine's noise
             eng.reset_metrics()
             serve(eng, [(rng.integers(3, eng.model_config.vocab_size, n).tolist(), SamplingParams(max_tokens=1))])
             start, end, _, _ = eng.metrics.step_log[0]
@@ -57,13 +57,14 @@ def forced_rows(size: Size) -> list[dict]:
     """Four sequences that outgrow a pool of 3/4 of their final size, each mode forced."""
     rows, outputs = [], {}
     invariant = select_device(size.device) == "cpu"
+    prompt, output = (32, 64) if size.quick else (16, 32)
     for mode in ("swap", "recompute", "auto"):
-        eng = engine(size, num_blocks=4 * (32 + 64) * 3 // 4 // BLOCK, preemption=mode, watermark=0.0,
+        eng = engine(size, num_blocks=4 * (prompt + output) * 3 // 4 // BLOCK, preemption=mode, watermark=0.0,
                      enable_prefix_caching=False, swap_space=SWAP_SPACE, batch_invariant=invariant)
         rng = np.random.default_rng(size.seed)
         start = eng.clock.now()
-        seqs = serve(eng, [(rng.integers(3, eng.model_config.vocab_size, 32).tolist(),
-                            SamplingParams(temperature=0, ignore_eos=True, max_tokens=64)) for _ in range(4)])
+        seqs = serve(eng, [(rng.integers(3, eng.model_config.vocab_size, prompt).tolist(),
+                            SamplingParams(temperature=0, ignore_eos=True, max_tokens=output)) for _ in range(4)])
         outputs[mode] = [s.output_token_ids for s in seqs]
         m = eng.metrics
         rows.append({"kind": "forced", "mode": mode, "preemptions": sum(m.preemptions.values()),
@@ -121,7 +122,7 @@ EXPERIMENT = Experiment(
           "cheaper depends on length and device; the cost model picks one, and either way the "
           "tokens come out the same.",
     varies="sequence length; the preemption mode (swap / recompute / auto, forced by config)",
-    fixed="block size, the model; the forced runs: 4 greedy sequences of 32 + 64 tokens in a pool of "
+    fixed="block size, the model; the forced runs: 4 greedy sequences of 32 + 64 tokens (full size: 16 + 32) in a pool of "
           "3/4 of that, watermark 0, no prefix caching",
     measures="the measured swap (out and back) and recompute (prefill) time per length, the cost "
              "model's predictions and pick; per forced mode: preemptions, swapped bytes, run time, "

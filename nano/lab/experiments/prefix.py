@@ -12,21 +12,23 @@ from nano.lab.experiment import Experiment, Size, engine, serve
 from nano.sequence import SamplingParams
 
 BLOCK = EngineConfig().block_size
-REQUESTS, SUFFIX, OUTPUT = 12, 32, 4
-DISTINCT = (1, 3, 6)
+SUFFIX, OUTPUT = 32, 4
 
 
-def prefix_lengths(size: Size) -> tuple[int, ...]:
-    return (64, 256) if size.quick else (128, 256)
+def scale(size: Size) -> dict:
+    if size.quick:
+        return dict(prefixes=(64, 256), requests=12, distinct=(1, 3, 6))
+    return dict(prefixes=(192,), requests=8, distinct=(1, 2, 4))
 
 
 def measure(size: Size, prefix: int, distinct: int, caching: bool) -> dict:
+    requests = scale(size)["requests"]
     resident = 3 * -(-(prefix + SUFFIX + OUTPUT) // BLOCK)  # blocks for three requests at once
     eng = engine(size, num_blocks=resident, enable_prefix_caching=caching, watermark=0.0)
     vocab = eng.model_config.vocab_size
     rng = np.random.default_rng(size.seed)
     prefixes = [rng.integers(3, vocab, prefix).tolist() for _ in range(distinct)]
-    which = rng.integers(0, distinct, REQUESTS)
+    which = rng.integers(0, distinct, requests)
     seqs = serve(eng, [(prefixes[k] + rng.integers(3, vocab, SUFFIX).tolist(),
                         SamplingParams(temperature=0, ignore_eos=True, max_tokens=OUTPUT)) for k in which])
     computed = sum(s.num_prompt_tokens - s.num_cached_tokens for s in seqs)
@@ -36,7 +38,7 @@ def measure(size: Size, prefix: int, distinct: int, caching: bool) -> dict:
     missed = sum(shareable - min(s.num_cached_tokens // BLOCK, shareable)
                  for i, s in enumerate(seqs) if which[i] in which[:i])
     m = eng.metrics
-    return {"prefix": prefix, "distinct": distinct, "caching": "on" if caching else "off",
+    return {"prefix": prefix, "distinct": distinct, "requests": requests, "caching": "on" if caching else "off",
             "pool_blocks": resident, "working_set_blocks": distinct * shareable,
             "prefill_tokens": computed, "prompt_tokens": sum(s.num_prompt_tokens for s in seqs),
             "hit_rate": round(m.prefix_hits / m.prefix_queried, 3) if m.prefix_queried else 0.0,
@@ -46,9 +48,10 @@ def measure(size: Size, prefix: int, distinct: int, caching: bool) -> dict:
 
 def run(size: Size) -> list[dict]:
     rows = []
-    for prefix in prefix_lengths(size):
-        rows.append(measure(size, prefix, max(DISTINCT), False))
-        rows += [measure(size, prefix, k, True) for k in DISTINCT]
+    s = scale(size)
+    for prefix in s["prefixes"]:
+        rows.append(measure(size, prefix, max(s["distinct"]), False))
+        rows += [measure(size, prefix, k, True) for k in s["distinct"]]
     for r in rows:
         r["saved_pct"] = round(100 * (1 - r["prefill_tokens"] / r["prompt_tokens"]), 1)
     return rows
@@ -70,8 +73,8 @@ def plot(rows: list[dict], fig) -> None:
     titles = ("prefill tokens computed (pool: 3 requests' blocks)", "TTFT mean (ms)",
               "hit rate (%); prefix blocks computed again")
     for ax, title in zip((a, b, c), titles):
-        ax.set_xticks(DISTINCT)
-        ax.set_xlabel(f"distinct prefixes among {REQUESTS} requests")
+        ax.set_xticks(k)
+        ax.set_xlabel(f"distinct prefixes among {rows[0]['requests']} requests")
         ax.set_title(title, fontsize=10)
         ax.legend(fontsize=7)
     c.set_ylim(0, 1.5 * c.get_ylim()[1])  # room for the legend above the lines
@@ -80,7 +83,7 @@ def plot(rows: list[dict], fig) -> None:
 def check(rows: list[dict]) -> str | None:
     for prefix in {r["prefix"] for r in rows}:
         off = next(r for r in rows if r["prefix"] == prefix and r["caching"] == "off")
-        for r in (r for r in rows if r["prefix"] == prefix and r["caching"] == "on" and r["distinct"] < REQUESTS):
+        for r in (r for r in rows if r["prefix"] == prefix and r["caching"] == "on" and r["distinct"] < r["requests"]):
             if not r["prefill_tokens"] < off["prefill_tokens"]:
                 return (f"{prefix}-token prefix, {r['distinct']} distinct: {r['prefill_tokens']} prefill "
                         f"tokens with caching, not fewer than {off['prefill_tokens']} without")
@@ -92,9 +95,9 @@ EXPERIMENT = Experiment(
     claim="Prefix caching computes fewer prefill tokens and cuts TTFT when prompts share prefixes; "
           "with a pool smaller than the prefixes' working set, evictions eat the saving as the "
           "distinct prefixes grow.",
-    varies=f"shared-prefix length; distinct prefixes ({', '.join(map(str, DISTINCT))}) among the "
-           "requests; prefix caching on / off",
-    fixed=f"{REQUESTS} requests: a prefix drawn at random + a {SUFFIX}-token unique suffix, {OUTPUT} "
+    varies="shared-prefix length (64, 256 quick; 192 full); distinct prefixes (1, 3, 6 quick; 1, 2, 4 "
+           "full) among the requests; prefix caching on / off",
+    fixed=f"12 (quick) or 8 requests: a prefix drawn at random + a {SUFFIX}-token unique suffix, {OUTPUT} "
           "greedy output tokens; a pool of three requests' blocks, watermark 0, all arriving at once",
     measures="prefill tokens computed (and saved), hit rate, prefix blocks computed again though "
              "computed before (evicted, or in flight), TTFT mean",

@@ -14,31 +14,38 @@ from nano.config import EngineConfig
 from nano.lab.experiment import Experiment, Size, engine, serve
 from nano.sequence import SamplingParams
 
-NUM_BLOCKS, BLOCK = 48, EngineConfig().block_size
+BLOCK = EngineConfig().block_size
 WATERMARKS = (0.0, 0.1, 0.2, 0.3)
 
 
-def workload(size: Size, vocab: int):
-    rng = np.random.default_rng(size.seed)
+def scale(size: Size) -> dict:
+    if size.quick:
+        return dict(blocks=48, requests=16, prompt=(32, 64), output=(32, 96), watermarks=WATERMARKS)
+    return dict(blocks=16, requests=10, prompt=(16, 32), output=(16, 48), watermarks=WATERMARKS[::3])
 
-    return [(rng.integers(3, vocab, int(rng.integers(32, 65))).tolist(),
-             SamplingParams(temperature=0, ignore_eos=True, max_tokens=int(rng.integers(32, 97))))
-            for _ in range(16)]
+
+def workload(size: Size, vocab: int):
+    s, rng = scale(size), np.random.default_rng(size.seed)
+    return [(rng.integers(3, vocab, int(rng.integers(s["prompt"][0], s["prompt"][1] + 1))).tolist(),
+             SamplingParams(temperature=0, ignore_eos=True,
+                            max_tokens=int(rng.integers(s["output"][0], s["output"][1] + 1))))
+            for _ in range(s["requests"])]
 
 
 def measure(size: Size, watermark: float, never_fit: bool) -> dict:
-    eng = engine(size, num_blocks=NUM_BLOCKS, watermark=watermark, enable_prefix_caching=False)
+    blocks = scale(size)["blocks"]
+    eng = engine(size, num_blocks=blocks, watermark=watermark, enable_prefix_caching=False)
     vocab = eng.model_config.vocab_size
     requests = workload(size, vocab)
     if never_fit:  # first in line: more tokens than the whole pool holds, though within the context
-        requests.insert(0, (np.random.default_rng(size.seed + 1).integers(3, vocab, NUM_BLOCKS * BLOCK + 1).tolist(),
+        requests.insert(0, (np.random.default_rng(size.seed + 1).integers(3, vocab, blocks * BLOCK + 1).tolist(),
                             SamplingParams(max_tokens=1)))
     start = eng.clock.now()
     seqs = serve(eng, requests)
     seconds = eng.clock.now() - start
     others = seqs[1:] if never_fit else seqs
     m = eng.metrics
-    return {"watermark": watermark, "never_fit": "present" if never_fit else "absent",
+    return {"watermark": watermark, "never_fit": "present" if never_fit else "absent", "pool_blocks": blocks,
             "rejected": m.rejected, "finished": sum(s.finish_reason == "length" for s in others),
             "preemptions": sum(m.preemptions.values()), "peak_running": m.peak_running,
             "tokens_per_s": round(m.generated_tokens / seconds, 1),
@@ -47,13 +54,13 @@ def measure(size: Size, watermark: float, never_fit: bool) -> dict:
 
 
 def run(size: Size) -> list[dict]:
-    rows = [measure(size, w, False) for w in WATERMARKS]
-    return rows + [measure(size, WATERMARKS[0], True)]  # against the first row: the same, less it
+    rows = [measure(size, w, False) for w in scale(size)["watermarks"]]
+    return rows + [measure(size, rows[0]["watermark"], True)]  # against the first row: the same, less it
 
 
 def plot(rows: list[dict], fig) -> None:
     a, b, c = fig.subplots(1, 3)
-    sweep = rows[:len(WATERMARKS)]
+    sweep = rows[:-1]
     w = [100 * r["watermark"] for r in sweep]
     a.plot(w, [r["preemptions"] for r in sweep], "o-", label="preemptions")
     a.plot(w, [r["peak_running"] for r in sweep], "s-", label="peak running")
@@ -66,7 +73,7 @@ def plot(rows: list[dict], fig) -> None:
     b.set_title("throughput and waiting", fontsize=10)
     a.legend(fontsize=8)
     for ax in (a, b):
-        ax.set_xlabel(f"watermark, % of {NUM_BLOCKS} blocks")
+        ax.set_xlabel(f"watermark, % of {rows[0]['pool_blocks']} blocks")
     pair = [rows[0], rows[-1]]
     c.bar([f"never-fit {r['never_fit']}\n(rejected: {r['rejected']})" for r in pair],
           [r["others_ttft_mean_ms"] for r in pair], color=["C0", "C1"])
@@ -75,7 +82,7 @@ def plot(rows: list[dict], fig) -> None:
 
 
 def check(rows: list[dict]) -> str | None:
-    sweep, absent, present = rows[:len(WATERMARKS)], rows[0], rows[-1]
+    sweep, absent, present = rows[:-1], rows[0], rows[-1]
     if present["rejected"] != 1 or present["finished"] != absent["finished"]:
         return (f"the never-fit request: {present['rejected']} rejected, {present['finished']} others "
                 f"finished (without it: {absent['finished']})")
@@ -89,9 +96,9 @@ EXPERIMENT = Experiment(
     name="watermark",
     claim="A larger admission watermark trades sequences at once for fewer preemptions; a request "
           "that can never fit is rejected at once and costs the others nothing.",
-    varies=f"the watermark ({', '.join(f'{w:.0%}' for w in WATERMARKS)} of the pool); a never-fit "
+    varies=f"the watermark ({', '.join(f'{w:.0%}' for w in WATERMARKS)} of the pool; full size: the ends); a never-fit "
            "request first in line, present or absent",
-    fixed=f"a pool of {NUM_BLOCKS} blocks of {BLOCK} tokens; 16 requests (32-64-token prompts, 32-96 output tokens: "
-          "outputs that outgrow the pool together), greedy, EOS ignored, preemption auto",
+    fixed=f"a pool of 48 (quick) or 16 blocks of {BLOCK} tokens; 16 requests (32-64-token prompts, 32-96 "
+          "output tokens) or 10 (16-32, 16-48) that outgrow it together; greedy, EOS ignored, preemption auto",
     measures="preemptions, peak sequences running, output tokens/s, the other requests' TTFT",
     run=run, plot=plot, check=check)
