@@ -69,10 +69,11 @@ def test_the_core_stays_small():
 
 def test_the_engine_imports_without_the_add_ons_dependencies():
     """As on a GPU machine that has only numpy, cupy, mpi4py, tokenizers and safetensors: the
-    engine loads no fetch/convert-only, server-only or export-only package."""
+    engine loads no fetch/convert-only, server-only, export-only or plotting (the lab) package."""
     probe = ("import sys, nano.engine, nano.worker, nano.llm; "
              "print(sorted({m.split('.')[0] for m in sys.modules} & "
-             "{'gguf', 'fastapi', 'uvicorn', 'pydantic', 'jinja2', 'prometheus_client', 'starlette'}))")
+             "{'gguf', 'fastapi', 'uvicorn', 'pydantic', 'jinja2', 'prometheus_client', 'starlette', "
+             "'matplotlib'}))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          cwd=NANO.parent, check=True).stdout.strip()
     assert out == "[]", f"the engine imported {out}"
