@@ -141,6 +141,8 @@ class Scheduler:
             self.waiting.remove(seq)
             self.bm.admit(seq, hits)
             seq.num_cached_tokens = len(hits) * self.bm.block_size
+            if seq.num_cached_prompt_tokens is None:  # not after recompute: its own blocks are no hit
+                seq.num_cached_prompt_tokens = seq.num_cached_tokens
             out.admitted.append(seq)
             self._start_running(seq)
             n = min(seq.num_uncomputed_tokens, budget)
