@@ -67,5 +67,5 @@ class Tokenizer:
                 ids += (self._plain if plain else self._tok).encode(text, add_special_tokens=False).ids
         return ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
