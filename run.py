@@ -98,7 +98,7 @@ def build_parser() -> Parser:
     h.add_argument("--max-queued-requests", type=int, default=256,
                    help="requests in flight beyond this are answered 503")
     import os
-    from nano.server.limits import SHUTDOWN_TIMEOUT, Limits
+    from nano.server.limits import LOG_LEVELS, SHUTDOWN_TIMEOUT, Limits
     limits = Limits()
     h.add_argument("--api-key", default=os.environ.get("NANO_API_KEY"),
                    help="requests to /v1/* need the header Authorization: Bearer KEY (default: $NANO_API_KEY; "
@@ -117,6 +117,9 @@ def build_parser() -> Parser:
                    help="chunks a stream may leave unread before its choices are aborted")
     h.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT,
                    help="seconds open requests get after SIGTERM or Ctrl-C; then they end with an error")
+    h.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                   help="the server's log on stderr: one line per request (4xx at warning, 5xx at error) "
+                        "and uvicorn's own lines")
     m = p.add_argument_group("metrics and planning")
     m.add_argument("--metrics-file", help="append a JSON metrics snapshot per step to this file")
     m.add_argument("--metrics-prom", help="keep this file rewritten with the latest snapshot in Prometheus text format")

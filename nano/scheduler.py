@@ -145,8 +145,9 @@ class Scheduler:
             self.waiting.remove(seq)
             self.bm.admit(seq, hits)
             seq.num_cached_tokens = len(hits) * self.bm.block_size
-            if seq.scheduled_time is None:  # readmitted after a preemption: it queued only once
-                seq.scheduled_time = self.now
+            if seq.scheduled_time is None:  # first admitted (not readmitted after a preemption, when
+                # it queued once already and the hit is its own blocks found again)
+                seq.scheduled_time, seq.num_cached_prompt_tokens = self.now, seq.num_cached_tokens
             out.admitted.append(seq)
             self._start_running(seq)
             n = min(seq.num_uncomputed_tokens, budget)

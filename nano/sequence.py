@@ -66,6 +66,7 @@ class Sequence:
         self.block_hashes: list[int] = []            # prefix-cache hash of each full computed block
         self.num_computed_tokens = 0                 # tokens whose KV is in the cache
         self.num_cached_tokens = 0                   # of those, found in the prefix cache at admission
+        self.num_cached_prompt_tokens: int | None = None  # the same at the first admission (the request's hit)
         self.arrival_time = arrival_time
         self.scheduled_time: float | None = None     # first admitted to run (the end of its queueing)
         self.first_token_time: float | None = None

@@ -1,4 +1,5 @@
 """run.py end to end: the real model's answer, JSONL output, and one-line errors for bad input."""
+import io
 import json
 import subprocess
 import sys
@@ -119,3 +120,22 @@ def test_broken_model_folder_and_output_path(tmp_path, default_model):
                           "tokenizer.json")
     assert_one_line_error(run_cli("--prompt-file", tmp_path / "p.txt", "--output", tmp_path / "no" / "o.jsonl"),
                           "cannot write")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("stderr", [_Terminal, io.StringIO])
+def test_progress_is_a_tqdm_bar_on_a_terminal_and_nothing_elsewhere(monkeypatch, stderr):
+    from nano.cli.output import Progress
+    monkeypatch.setattr(sys, "stderr", stderr())
+    progress = Progress(3)
+    for finished, generated in ((0, 0), (1, 10), (2, 30)):
+        progress.update(finished, generated)
+    shown = sys.stderr.getvalue()
+    if stderr is _Terminal:
+        assert "3/3" in shown and "req" in shown and "tok/s" in shown and shown.endswith("\n"), shown
+    else:
+        assert shown == ""

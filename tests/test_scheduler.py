@@ -177,6 +177,36 @@ def test_recompute_victim_gives_its_blocks_up_and_goes_back_ahead_of_the_queue()
     kv.check(sched.running)
 
 
+def test_a_requests_prefix_hit_is_its_first_admissions_not_its_own_blocks_after_recompute():
+    """num_cached_prompt_tokens (the server's usage.prompt_tokens_details.cached_tokens): b is
+    preempted by recompute once its first block is computed and cached; re-admitted, it finds
+    that block (num_cached_tokens), which is its own work, not a hit of its prompt."""
+    config = EngineConfig(block_size=BLOCK, preemption="recompute", watermark=0.0)
+    bm = BlockManager(3, BLOCK, 0, enable_prefix_caching=True)
+    sched = Scheduler(config, bm, max_model_len=4096, kv_bytes_per_token=KV_BYTES_PER_TOKEN,
+                      cost_model=CostModel(COEF, 1e9))
+    a = Sequence(next(seq_ids), "", [1] * BLOCK, SamplingParams(temperature=0), 0.0, seed=0)
+    b = Sequence(next(seq_ids), "", [2] * (BLOCK + 1), SamplingParams(temperature=0), 0.0, seed=0)
+    for seq in (a, b):
+        sched.add(seq)
+
+    def run_step():
+        out = step(sched)
+        for seq, _ in out.scheduled:
+            bm.register_full_blocks(seq)
+        return out
+    run_step()
+    assert (a.num_cached_prompt_tokens, b.num_cached_prompt_tokens) == (0, 0)
+    assert [p.seq for p in run_step().preempted] == [b]
+    sched.finish(a, "stop")
+    assert run_step().admitted == [b]
+    assert b.num_cached_tokens == BLOCK and b.num_cached_prompt_tokens == 0
+    c = Sequence(next(seq_ids), "", [2] * (BLOCK + 3), SamplingParams(temperature=0), 0.0, seed=0)
+    sched.add(c)  # a new request with b's first block as its prefix: a hit of its prompt
+    run_step()
+    assert c.num_cached_prompt_tokens == BLOCK
+
+
 def test_chunked_prefill_fills_the_token_budget_and_never_exceeds_it():
     sched = make_scheduler(num_blocks=100, watermark=0.0, max_num_batched_tokens=10)
     kv = FakeKV()

@@ -59,7 +59,8 @@ class Running:
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
         listener.bind(("127.0.0.1", 0))
         self.port = listener.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(create_app(self.engine, max_queued, **app), log_level="warning"))
+        self.app = create_app(self.engine, max_queued, **app)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [listener]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60

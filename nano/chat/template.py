@@ -12,9 +12,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from nano.errors import NanoError
 
 
-def render(tokenizer, messages: str | list[dict]) -> str:
+def render(tokenizer, messages: str | list[dict], add_generation_prompt: bool = True) -> str:
     """Render a conversation (a list of {"role", "content"}; a string is one user message)
-    the way HF transformers' apply_chat_template does, ready for the assistant's turn."""
+    the way HF transformers' apply_chat_template does, ready for the assistant's turn (unless
+    add_generation_prompt is False: the server's /tokenize takes it)."""
     if tokenizer.chat_template is None:
         raise NanoError("this model has no chat template")
     if isinstance(messages, str):
@@ -22,7 +23,7 @@ def render(tokenizer, messages: str | list[dict]) -> str:
     try:
         return _compile_template(tokenizer.chat_template).render(
             messages=messages,
-            add_generation_prompt=True,
+            add_generation_prompt=add_generation_prompt,
             bos_token=tokenizer.bos_token or "",
             eos_token=tokenizer.eos_token or "",
         )
@@ -35,7 +36,7 @@ def render(tokenizer, messages: str | list[dict]) -> str:
 _PLACEHOLDERS = (0xD800, 0xE000)
 
 
-def encode(tokenizer, messages: list[dict]) -> list[int]:
+def encode(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
     """render(), tokenized with the template's own special tokens special and the messages'
     text plain: "<|im_end|><|im_start|>system" typed in a message is text, not a new turn.
     Special-token text in a message is swapped for a placeholder before rendering (so the
@@ -54,7 +55,7 @@ def encode(tokenizer, messages: list[dict]) -> list[int]:
 
     if tokenizer.special_tokens is not None:
         messages = [{**m, "content": tokenizer.special_tokens.sub(hide, m["content"])} for m in messages]
-    pieces = re.split("([\ud800-\udfff])", render(tokenizer, messages))  # odd indexes: placeholders
+    pieces = re.split("([\ud800-\udfff])", render(tokenizer, messages, add_generation_prompt))  # odd indexes: placeholders
     return tokenizer.encode_parts([(spelled[p], True) if i % 2 else (p, False) for i, p in enumerate(pieces)])
 
 

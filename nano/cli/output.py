@@ -6,6 +6,8 @@ import os
 import sys
 import time
 
+from tqdm import tqdm
+
 from nano import kv_cache
 from nano.errors import NanoError, writing
 from nano.telemetry.export import MetricsWriter
@@ -92,22 +94,20 @@ def write_summary(path: str | None, summary: dict) -> None:
 
 
 class Progress:
-    """A one-line progress bar on stderr."""
+    """Requests finished and the rate of generated tokens, as a tqdm bar on stderr; off when
+    stderr is not a terminal (tqdm's disable=None), so that logs and pipes get no bar."""
 
     def __init__(self, total: int):
-        self.total, self.done, self.start = total, 0, time.perf_counter()
-        self.tty = sys.stderr.isatty()
+        self.bar = tqdm(total=total, unit="req", file=sys.stderr, disable=None, dynamic_ncols=True)
+        self.start = time.perf_counter()
 
     def update(self, finished: int, generated: int) -> None:
-        self.done += finished
-        if not self.tty and self.done < self.total:
-            return
-        width = 30
-        fill = width * self.done // max(self.total, 1)
-        rate = generated / max(time.perf_counter() - self.start, 1e-9)  # of finished requests
-        end = "\n" if self.done == self.total else ""
-        print(f"\r[{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} requests, "
-              f"{rate:.1f} tok/s", end=end, file=sys.stderr, flush=True)
+        if finished:
+            rate = generated / max(time.perf_counter() - self.start, 1e-9)  # of finished requests
+            self.bar.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
+            self.bar.update(finished)
+        if self.bar.n >= self.bar.total:
+            self.bar.close()
 
 
 class OutputFile:

@@ -34,7 +34,7 @@ def serve(args, engine) -> int:
     try:
         serve_http(engine, args.host, args.port, args.max_queued_requests, metrics_writer(args, engine), limits(args),
                    args.api_key, allowed_hosts(args.host, args.allowed_hosts), args.shutdown_timeout,
-                   args.stall_timeout)
+                   args.stall_timeout, args.log_level)
     finally:
         engine.stop_workers()
     return 0

@@ -186,7 +186,8 @@ class EngineThread(threading.Thread):
                 job.put({"text": prompt_text + job.text[job.sent:end], "logprobs": logprobs, "prompt_logprobs": vllm_lp,
                          "finish_reason": reason if seq.is_finished else None,
                          "error": seq.error if reason == "rejected" else None,
-                         "prompt_tokens": seq.num_prompt_tokens, "completion_tokens": seq.num_output_tokens})
+                         "completion_tokens": seq.num_output_tokens,
+                         "cached_tokens": seq.num_cached_prompt_tokens or 0})  # None: not admitted yet
                 job.sent = end
             if seq.is_finished:
                 self.jobs.remove(job)

@@ -17,3 +17,4 @@ class Limits:
 
 
 SHUTDOWN_TIMEOUT = 5.0  # seconds open requests get to finish after SIGTERM or Ctrl-C
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # --log-level: Python's logging levels
