@@ -7,9 +7,11 @@
     mpirun -n 2 python run.py --tp 2 --prompt-file prompts.txt   (tensor parallel)
     mpirun -n 2 python run.py --disagg 1:1 --prompt-file prompts.txt   (prefill and decode apart)
     python run.py --serve --port 8000                           (OpenAI-compatible HTTP server)
+    python run.py --lab list                                     (the lab: each concept's claim measured)
 
 This file is the flags and the dispatch; each mode's code lives with its package: nano/cli
-(prompts in, completions out), nano/bench (benchmarks, capacity), nano/disagg, nano/server.
+(prompts in, completions out), nano/bench (benchmarks, capacity), nano/disagg, nano/server,
+nano/lab (experiments).
 """
 import argparse
 import math
@@ -29,6 +31,8 @@ from nano.telemetry.watchdog import DEFAULT_STALL_TIMEOUT
 ENGINE = EngineConfig()      # the engine's defaults, which the flags show
 SAMPLING = SamplingParams()  # the API's sampling defaults
 CLI_MAX_TOKENS = 256         # the API's 16 (vLLM's) cuts a chat answer short
+LAB_OUT = "lab"              # --lab-out's default (git-ignored; docs/lab holds the documented runs)
+LAB_FLAGS = {"lab", "lab_quick", "lab_out", "model", "device", "seed"}  # what --lab reads
 
 
 class Parser(argparse.ArgumentParser):
@@ -133,6 +137,11 @@ def build_parser() -> Parser:
     b.add_argument("--disagg-compare", metavar="P:D",
                    help="the same requests and arrivals served colocated (one engine, all cores), then "
                         "disaggregated (mpirun -n P+D, a core each) (nano/disagg/compare.py)")
+    lab = p.add_argument_group("the lab (nano/lab): one serving concept's claim measured per experiment")
+    lab.add_argument("--lab", metavar="NAME", help="run experiment NAME (a table, NAME.png and NAME.json); "
+                     "list: the experiments and their claims; all: every one. Takes --model, --device, --seed")
+    lab.add_argument("--lab-quick", action="store_true", help="the CI size: a tiny random model, seconds each")
+    lab.add_argument("--lab-out", default=LAB_OUT, help="folder for NAME.png and NAME.json")
     return p
 
 
@@ -187,7 +196,11 @@ def main(argv=None) -> int:
         args, config, params, requests = parse(argv, group.rank)
         if not args.capacity and not args.disagg:  # a report for --tp N is computed in one process
             group.require(config.tp)
-        default_model.ensure(config.model)  # fetched and converted on first use
+        if not args.lab:  # the lab fetches the default model only for a full-size run
+            default_model.ensure(config.model)  # fetched and converted on first use
+    if args.lab:
+        from nano.lab.cli import run_lab
+        return run_lab(args)
     if args.capacity:
         from nano.bench.cli import show_capacity
         show_capacity(config)
@@ -241,11 +254,30 @@ def check_distinct_files(args) -> None:
             seen[real] = flag
 
 
+def check_lab_args(args) -> None:
+    """--lab sets each experiment's engine knobs and workload itself: any other flag given
+    would be ignored, so it is refused."""
+    from nano.lab.cli import check_name, check_out
+    check_name(args.lab)
+    defaults = vars(build_parser().parse_args([]))
+    given = [k for k, v in vars(args).items() if k not in LAB_FLAGS and v != defaults[k]]
+    if given:
+        raise NanoError(f"--lab takes only --model, --device, --seed, --lab-quick and --lab-out: drop "
+                        f"--{given[0].replace('_', '-')}")
+    FIELD_RULES["seed"]("--seed", args.seed)
+    check_out(args.lab_out)
+
+
 def parse(argv, rank: int):
     """Flags, checked; the prompt file, read (on rank 0) before the model loads."""
     args = build_parser().parse_args(argv)
     config = engine_config(args)
     config.validate()
+    if args.lab is not None:
+        check_lab_args(args)
+        return args, config, None, None
+    if args.lab_quick or args.lab_out != LAB_OUT:
+        raise NanoError("--lab-quick and --lab-out go with --lab NAME")
     check_writable("--metrics-file", args.metrics_file)
     check_writable("--metrics-prom", args.metrics_prom)
     checks.integer("--metrics-interval", args.metrics_interval, low=1)
@@ -258,7 +290,7 @@ def parse(argv, rank: int):
                            (args.request_rate is not None and not estimate_disagg)):
         raise NanoError("--policy-compare, --request-rate and --disagg-compare are --bench modes: add --bench")
     if not (args.prompt_file or args.bench or args.capacity or args.serve):
-        raise NanoError("give --prompt-file FILE (or --bench, --capacity or --serve)")
+        raise NanoError("give --prompt-file FILE (or --bench, --capacity, --serve or --lab NAME)")
     if args.serve:
         checks.integer("--port", args.port, 0, 65535)
         checks.integer("--max-queued-requests", args.max_queued_requests, low=1)
