@@ -60,7 +60,6 @@ def plot(rows: list[dict], fig) -> None:
         ax_top1.annotate(f"{100 * r['top1']:.2f}%", (i, 100 * r["top1"]), ha="center", va="bottom", fontsize=8)
     ax_blocks.bar(["full precision", "int8"], [rows[0]["blocks"], int8[0]["blocks"]], color=["grey", "tab:green"])
     ax_blocks.set_title(f"KV blocks in the same pool ({int8[0]['blocks_gained']:.2f}x)")
-    fig.suptitle("int8 KV: accuracy cost per key scheme, capacity gained")
 
 
 def check(rows: list[dict]) -> str | None:
