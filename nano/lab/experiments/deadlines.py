@@ -2,13 +2,13 @@
 seeded arrivals, at loads below, near and above the workload's measured capacity, for a
 workload whose requests share one target and one that mixes urgent interactive requests
 with loose batch ones: the matrix of nano/bench/slo_matrix.py (run.py --bench
---policy-compare). Quick size: the tiny model on the simulated clock (nano/bench/simulated.py),
-so the comparison is exact and machine-independent; full size: the real clock."""
+--policy-compare). Quick size: the tiny model on the simulated clock, full size: the real clock
+(nano/lab/timing.py)."""
 import numpy as np
 
-from nano.bench import simulated, slo_matrix
-from nano.config import EngineConfig
-from nano.lab.experiment import Experiment, Size, engine, model_of
+from nano.bench import slo_matrix
+from nano.lab.experiment import Experiment, Size, model_of
+from nano.lab.timing import clocked_engine
 from nano.telemetry.summary import percentile
 from nano.weights import open_model
 
@@ -16,15 +16,10 @@ WORKLOADS = ("uniform", "mixed")
 POLICIES = ("fcfs", "deadline")
 
 
-def make_engine(size: Size):
-    if size.quick:
-        return lambda policy: simulated.simulated_engine(
-            EngineConfig(model=model_of(size), device=size.device, seed=size.seed, policy=policy))
-    return lambda policy: engine(size, policy=policy)
-
-
 def run(size: Size) -> list[dict]:
-    make = make_engine(size)
+    def make(policy):
+        return clocked_engine(size, policy=policy)
+
     vocab = open_model(model_of(size), tokenizer=False).config.vocab_size
     capacity = {}
 
