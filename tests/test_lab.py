@@ -13,7 +13,7 @@ from nano.lab.experiment import Experiment, Size
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICK = Size(quick=True, model=None, device="cpu", seed=0)
-LAB_A = ("batching",)
+LAB_A = ("batching", "ceiling", "chunking", "paging", "watermark", "preemption", "prefix")
 
 
 def run_quick(name: str, tmp_path) -> tuple[list[dict], dict]:

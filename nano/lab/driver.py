@@ -76,14 +76,18 @@ def run_experiment(name: str, size: Size, out_dir) -> list[dict]:
               "machine": machine(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "seconds": round(seconds, 1), "check": failed if exp.check else "none", "rows": rows}
     (out / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
-    fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
-    exp.plot(rows, fig)
-    fig.suptitle(f"{name}: {model_label(size)}, {size.device} device, seed {size.seed}", fontsize=10)
-    fig.savefig(out / f"{name}.png")
+    write_figure(exp, rows, size, out / f"{name}.png")
     if exp.check:
         print(f"check: {'holds' if failed is None else 'FAILED: ' + failed}")
     print(f"wrote {out / (name + '.json')} and {out / (name + '.png')} ({seconds:.1f} s)", flush=True)
     return rows
+
+
+def write_figure(exp: Experiment, rows: list[dict], size: Size, path: Path) -> None:
+    fig = Figure(figsize=FIGSIZE, dpi=DPI, layout="constrained")
+    exp.plot(rows, fig)
+    fig.suptitle(f"{exp.name}: {model_label(size)}, {size.device} device, seed {size.seed}", fontsize=10)
+    fig.savefig(path)
 
 
 def table(rows: list[dict]) -> str:

@@ -48,11 +48,11 @@ def plot(rows: list[dict], fig) -> None:
     budgets = [r["budget"] for r in rows]
     left.plot(budgets, [r["tpot_p50_ms"] for r in rows], "o-", label="decode TPOT p50")
     left.plot(budgets, [r["tpot_p99_ms"] for r in rows], "s-", label="decode TPOT p99")
-    left.set_ylabel("ms between a decode's tokens, while a long prompt prefills")
+    left.set_ylabel("ms between a decode's tokens")
     right.plot(budgets, [r["long_ttft_mean_ms"] for r in rows], "o-", color="C2", label="long prompt TTFT mean")
     right.plot(budgets, [r["long_ttft_max_ms"] for r in rows], "s--", color="C2", label="long prompt TTFT max")
     right.set_ylabel("ms")
-    for ax, title in ((left, "decodes: time per output token"), (right, f"{rows[0]['long_prompt']}-token prompts: TTFT")):
+    for ax, title in ((left, "decode TPOT while a long prompt prefills"), (right, f"{rows[0]['long_prompt']}-token prompts: TTFT")):
         ax.set_xscale("log", base=2)
         ax.set_xticks(budgets, [str(b) for b in budgets])
         ax.set_xlabel("token budget per step (max_num_batched_tokens)")

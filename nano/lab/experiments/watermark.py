@@ -61,16 +61,19 @@ def plot(rows: list[dict], fig) -> None:
     a.plot(w, [r["peak_running"] for r in sweep], "s-", label="peak running")
     a.set_title("preemptions vs sequences at once", fontsize=10)
     b.plot(w, [r["tokens_per_s"] for r in sweep], "o-", color="C2", label="output tokens/s")
-    b.plot(w, [r["others_ttft_mean_ms"] / 10 for r in sweep], "s--", color="C3", label="TTFT mean (10 ms)")
+    b.set_ylabel("output tokens/s", color="C2")
+    twin = b.twinx()
+    twin.plot(w, [r["others_ttft_mean_ms"] for r in sweep], "s--", color="C3", label="TTFT mean")
+    twin.set_ylabel("TTFT mean, ms", color="C3")
     b.set_title("throughput and waiting", fontsize=10)
+    a.legend(fontsize=8)
     for ax in (a, b):
-        ax.set_xlabel(f"watermark (% of the {NUM_BLOCKS} blocks kept free at admission)")
-        ax.legend(fontsize=8)
+        ax.set_xlabel(f"watermark, % of {NUM_BLOCKS} blocks")
     pair = rows[len(WATERMARKS):]
     c.bar([f"never-fit {r['never_fit']}\n(rejected: {r['rejected']})" for r in pair],
           [r["others_ttft_mean_ms"] for r in pair], color=["C0", "C1"])
     c.set_ylabel("the others' TTFT mean, ms")
-    c.set_title(f"a never-fit request, watermark {pair[0]['watermark']}", fontsize=10)
+    c.set_title(f"never-fit request first in line, watermark {pair[0]['watermark']}", fontsize=9)
 
 
 def check(rows: list[dict]) -> str | None:
