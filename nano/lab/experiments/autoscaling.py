@@ -115,6 +115,7 @@ def plot(rows: list[dict], fig) -> None:
         rate = ax.twinx()
         rate.plot(t, [r["offered_x_capacity"] for r in rows], color="grey", alpha=0.4)
         rate.tick_params(labelsize=7, colors="grey")
+    rate.set_ylabel("offered rate, x capacity", color="grey", fontsize=8)
 
 
 def check(rows: list[dict]) -> str | None:

@@ -18,7 +18,7 @@ POLICIES = ("fcfs", "deadline")
 
 def run(size: Size) -> list[dict]:
     def make(policy):
-        return clocked_engine(size, policy=policy)
+        return clocked_engine(size, policy=policy, kv_cache_memory=256 * 2**20)
 
     vocab = open_model(model_of(size), tokenizer=False).config.vocab_size
     capacity = {}
@@ -26,7 +26,7 @@ def run(size: Size) -> list[dict]:
     def note_capacity(name, load, seed, policy, outcome, cap):
         capacity[name] = cap
 
-    results = slo_matrix.run_matrix(make, vocab, 40 if size.quick else 20, (size.seed,), WORKLOADS,
+    results = slo_matrix.run_matrix(make, vocab, 40 if size.quick else 16, (size.seed,), WORKLOADS,
                                     on_result=note_capacity)
     rows = []
     for (name, load, seed, policy), o in results.items():

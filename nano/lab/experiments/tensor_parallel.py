@@ -22,7 +22,7 @@ def bench_args(size: Size) -> list[str]:
             ["--num-seqs", "8", "--input-len", "64:128", "--output-len", "32"])
     model = model_of(size)
     return ["--bench", *(["--model", model] if model else []), "--device", size.device, "--seed", str(size.seed),
-            "--kv-cache-memory", "64MB" if size.quick else "512MB", *work]
+            "--kv-cache-memory", "64MB" if size.quick else "256MB", *work]
 
 
 def shard_bytes(size: Size, world: int) -> list[dict]:
