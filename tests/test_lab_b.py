@@ -42,7 +42,7 @@ def test_deadline_policy_beats_fcfs_on_mixed_urgency(tmp_path):
 
 def test_queue_depth_leads_ttft_and_cpu_busy_reads_full_below_capacity(tmp_path):
     rows = run_quick("autoscaling", tmp_path)
-    assert len(rows) == autoscaling.WINDOWS and max(r["queue_tokens"] for r in rows) > 0
+    assert len(rows) == autoscaling.settings(QUICK)["windows"] and max(r["queue_tokens"] for r in rows) > 0
     holds("autoscaling", rows)
 
 
@@ -59,15 +59,16 @@ def test_alarms_are_when_a_signal_first_reaches_half_its_peak():
     assert "queue depth alarmed at 4.0 s, TTFT at 4.0 s" in autoscaling.check(rows)
 
 
-def test_gqa_one_kv_head_model_is_its_averaged_copy(tmp_path):
-    """On a random model the keys-vs-values direction is not the trained model's; what holds
-    on any model is that averaging every KV head in K and V is exactly one KV head."""
+def test_gqa_sharing_costs_and_one_kv_head_is_its_averaged_copy(tmp_path):
+    """Averaging every KV head in K and V is exactly a model with one KV head; sharing both
+    halves costs more than either alone."""
     rows = run_quick("gqa", tmp_path)
     merged = next(r for r in rows if r["model"] == "one KV head")
     averaged = next(r for r in rows if r["model"] == "heads averaged" and r["shared"] == "both")
     assert merged["kld"] == pytest.approx(averaged["kld"], rel=1e-3) and merged["top1"] == averaged["top1"]
     assert merged["kv_bytes_per_token"] == averaged["kv_bytes_per_token"]  # the bytes arithmetic, measured
     assert all(r["kld"] > 0 for r in rows)
+    holds("gqa", rows)
 
 
 def test_gqa_groups_are_contiguous():

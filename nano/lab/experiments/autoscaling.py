@@ -14,15 +14,16 @@ from nano.lab.timing import clocked_engine
 from nano.telemetry.summary import percentile
 
 RAMP = (0.25, 2.0)                  # offered rate at the start and the end, x capacity
-WINDOWS = 24
 SIGNALS = ("queue_tokens", "kv_occupancy", "cpu_busy", "ttft_p90_ms")
 ALARM = 0.5                         # a signal alarms at this fraction of its peak
 
 
 def settings(size: Size) -> dict:
-    # A pool of about a dozen sequences of the workload: occupancy moves as load does.
-    return dict(requests=80 if size.quick else 48, calibration=24 if size.quick else 12,
-                input_len=(32, 256), output_len=(16, 64), num_blocks=160)
+    # A pool of about a dozen sequences of the workload, so that occupancy moves as load does.
+    if size.quick:
+        return dict(requests=80, calibration=24, input_len=(32, 256), output_len=(16, 64), num_blocks=160,
+                    windows=24)
+    return dict(requests=32, calibration=8, input_len=(16, 128), output_len=(8, 32), num_blocks=64, windows=16)
 
 
 def requests(eng, n: int, s: dict, seed: int) -> list:
@@ -67,7 +68,7 @@ def run(size: Size) -> list[dict]:
         samples.append((now - start, eng.queue_state(now).queue_tokens,
                         1 - eng.block_manager.num_free_blocks / num_blocks))
     end = samples[-1][0]
-    edges = np.linspace(0, end, WINDOWS + 1)
+    edges = np.linspace(0, end, s["windows"] + 1)
     steps = np.array([(a - start, b - start) for a, b, _, _ in eng.metrics.step_log])
     samples = np.array(samples)
     first = np.array([q.first_token_time - start for q in seqs])
@@ -134,7 +135,8 @@ EXPERIMENT = Experiment(
           "while CPU busy reads nearly full even below capacity: scale on the queue (and KV occupancy), "
           "not on utilisation or latency.",
     varies=f"offered request rate, ramped from {RAMP[0]}x to {RAMP[1]}x the measured capacity over the run",
-    fixed="seeded random requests (prompts 32-256, outputs 16-64 tokens), a KV pool of 160 blocks, FCFS",
+    fixed="seeded random requests (quick: prompts 32-256, outputs 16-64 tokens, a KV pool of 160 blocks; "
+          "full: 16-128, 8-32, 64 blocks), FCFS",
     measures="per time window: queue depth in tokens, KV occupancy, CPU busy, TTFT p90; when each first "
              "reaches half its peak",
     run=run, plot=plot, check=check)

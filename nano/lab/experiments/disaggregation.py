@@ -21,7 +21,7 @@ SPLIT = "1:1"
 def settings(size: Size) -> dict:
     if size.quick:
         return dict(num=12, input_len=(32, 160), output_len=(8, 24), rate=20.0, memory=64 * 2**20)
-    return dict(num=12, input_len=(128, 512), output_len=(16, 48), rate=0.5, memory=512 * 2**20)
+    return dict(num=8, input_len=(64, 256), output_len=(8, 24), rate=0.5, memory=256 * 2**20)
 
 
 def bench_argv(size: Size, s: dict) -> list[str]:
