@@ -48,7 +48,8 @@ def plot(rows: list[dict], fig) -> None:
     names = [r["keys"] for r in int8]
     ax_kld, ax_top1, ax_blocks = fig.subplots(1, 3)
     ax_kld.bar(names, [r["kld"] for r in int8], color="tab:red")
-    ax_kld.set_yscale("log")
+    for i, r in enumerate(int8):
+        ax_kld.annotate(f"{r['kld']:.2e}", (i, r["kld"]), ha="center", va="bottom", fontsize=8)
     ax_kld.set_title("mean KLD vs full precision (nats)")
     ax_kld.set_xlabel("int8 key scheme")
     ax_top1.bar(names, [100 * r["top1"] for r in int8], color="tab:blue")
