@@ -8,7 +8,7 @@ RoPE rotates channel c into c + d/2 and back as positions advance, so a pair's m
 is what stays put: both channels get the pair's scale. K / s lifts the small channels
 towards the outliers' range before the per-token int8 step is chosen. The square root
 (SmoothQuant's migration strength 0.5) lifts them half way (in log scale): on the default
-model it gave a mean KLD of 5.5e-4 where s = a gave 7.1e-4 (tests/kv_accuracy.py's
+model it gave a mean KLD of 5.5e-4 where s = a gave 7.1e-4 (nano/lab/scoring.py's
 texts, docs/perf_notes.md), since a channel the calibration text saw small but the
 served text drives large would otherwise set a huge step for its whole token. MIN_SCALE
 bounds the lift, and keeps q * s out of float16's subnormals.

@@ -1,12 +1,12 @@
-"""Deadline-aware scheduling on a simulated clock, metrics snapshots, and capacity planning."""
+"""Deadline-aware scheduling on a simulated clock (nano/bench/simulated.py), metrics snapshots,
+and capacity planning."""
 import json
 
 import numpy as np
 import pytest
 
-from nano.bench import slo_matrix
+from nano.bench import simulated, slo_matrix
 from nano.bench.capacity import capacity_report
-from nano.clock import Clock
 from nano.config import EngineConfig
 from nano.engine import LLMEngine
 from nano.sequence import SamplingParams
@@ -16,36 +16,8 @@ from nano.telemetry.prometheus import EngineExport
 text_string_to_metric_families = pytest.importorskip("prometheus_client.parser").text_string_to_metric_families
 
 
-class SimulatedClock(Clock):
-    """Advances only when told: by the engine's sleeps, or by a fixed step-time model."""
-
-    def __init__(self, start: float = 0.0):
-        self.t = start
-
-    def now(self) -> float:
-        return self.t
-
-    def sleep(self, seconds: float) -> None:
-        self.t += max(seconds, 0.0)
-
-
-# A fixed step-time model: what every step costs on the simulated clock.
-STEP_BASE, PER_PREFILL_TOKEN, PER_DECODE = 0.010, 0.001, 0.002
-
-
 def simulated_engine(model_dir, **config_args) -> LLMEngine:
-    clock = SimulatedClock()
-    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", **config_args), clock=clock)
-    forward = engine.runner.forward
-
-    def timed_forward(batch):  # the step takes exactly what the fixed model says
-        decodes = batch.num_decodes
-        clock.sleep(STEP_BASE + PER_PREFILL_TOKEN * (len(batch.input_ids) - decodes) + PER_DECODE * decodes)
-        return forward(batch)
-
-    engine.runner.forward = timed_forward
-    engine.cost.coef[:] = engine.cost.prior[:] = (STEP_BASE, PER_PREFILL_TOKEN, PER_DECODE, 0.0)
-    return engine
+    return simulated.simulated_engine(EngineConfig(model=str(model_dir), device="cpu", **config_args))
 
 
 def mixed_workload():

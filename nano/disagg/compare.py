@@ -35,22 +35,34 @@ def colocated_summary(engine, seqs, wall: float) -> dict:
 def run_disaggregated(argv: list[str], split: str) -> dict:
     """The same command under mpirun, --disagg-compare turned into --disagg; its summary."""
     ranks = sum(int(x) for x in split.split(":"))
+    return run_summary([*without(argv, "--disagg-compare"), "--disagg", split], "the disaggregated run",
+                       mpirun_command(ranks, "--disagg-compare"))
+
+
+def mpirun_command(ranks: int, what: str) -> list[str]:
+    """mpirun -n RANKS with what this machine needs: as root, --allow-run-as-root; with more
+    ranks than the cores this process may use, --oversubscribe."""
     mpirun = Path(sys.executable).parent / "mpirun"
     mpirun = str(mpirun) if mpirun.exists() else shutil.which("mpirun")
     if mpirun is None:
-        raise NanoError("--disagg-compare needs mpirun (Open MPI's, installed with requirements.txt)")
+        raise NanoError(f"{what} needs mpirun (Open MPI's, installed with requirements.txt)")
+    cmd = [mpirun, "-n", str(ranks)]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    if ranks > len(os.sched_getaffinity(0)):
+        cmd.append("--oversubscribe")
+    return cmd
+
+
+def run_summary(args: list[str], what: str, launcher: list[str] = (), env: dict | None = None) -> dict:
+    """python run.py ARGS --summary-json FILE, behind `launcher` (mpirun_command), its output
+    passed through; the summary it wrote."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "summary.json"
-        cmd = [mpirun, "-n", str(ranks)]
-        if hasattr(os, "geteuid") and os.geteuid() == 0:
-            cmd.append("--allow-run-as-root")
-        if ranks > (os.cpu_count() or 1):
-            cmd.append("--oversubscribe")
-        cmd += [sys.executable, str(ROOT / "run.py"), *without(argv, "--disagg-compare"),
-                "--disagg", split, "--summary-json", str(out)]
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+        cmd = [*launcher, sys.executable, str(ROOT / "run.py"), *args, "--summary-json", str(out)]
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)
         if proc.returncode != 0 or not out.exists():
-            raise NanoError(f"the disaggregated run failed (exit {proc.returncode}): see its error above")
+            raise NanoError(f"{what} failed (exit {proc.returncode}): see its error above")
         print(proc.stdout, end="")
         return json.loads(out.read_text())
 

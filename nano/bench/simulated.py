@@ -1,0 +1,42 @@
+"""The engine on a simulated clock: time advances only by the engine's own sleeps (waiting
+for an arrival) and by a fixed step-time model charged for every forward pass. The real
+forward pass still runs, so the schedule, the tokens and every metric are the engine's;
+only time is exact and machine-independent, which lets a schedule be replayed and a
+policy's effect be told from timing noise (tests/test_deadline.py, the lab's quick runs).
+"""
+from nano.clock import Clock
+from nano.config import EngineConfig
+from nano.engine import LLMEngine
+
+# What every step costs on the simulated clock: a base, plus each prompt token and each decode.
+STEP_BASE, PER_PREFILL_TOKEN, PER_DECODE = 0.010, 0.001, 0.002
+
+
+class SimulatedClock(Clock):
+    """Advances only when told: by the engine's sleeps, or by the fixed step-time model."""
+
+    def __init__(self, start: float = 0.0):
+        self.t = start
+
+    def now(self) -> float:
+        return self.t
+
+    def sleep(self, seconds: float) -> None:
+        self.t += max(seconds, 0.0)
+
+
+def simulated_engine(config: EngineConfig) -> LLMEngine:
+    """An LLMEngine whose every step takes exactly what the fixed model says, and whose
+    step-time model (cost_model.py) starts from that model's coefficients."""
+    clock = SimulatedClock()
+    engine = LLMEngine(config, clock=clock)
+    forward = engine.runner.forward
+
+    def timed_forward(batch):
+        decodes = batch.num_decodes
+        clock.sleep(STEP_BASE + PER_PREFILL_TOKEN * (len(batch.input_ids) - decodes) + PER_DECODE * decodes)
+        return forward(batch)
+
+    engine.runner.forward = timed_forward
+    engine.cost.coef[:] = engine.cost.prior[:] = (STEP_BASE, PER_PREFILL_TOKEN, PER_DECODE, 0.0)
+    return engine
