@@ -5,6 +5,7 @@ import json
 
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from test_prompt_logprobs import reference
 from test_server import Running, httpx
@@ -63,6 +64,10 @@ def test_max_tokens_zero_with_echo_scores_the_prompt_only(srv):
         assert own["decoded_token"] == choice.logprobs.tokens[i]
     echo_only = srv.client.completions.create(model=srv.model, prompt=PROMPT, max_tokens=0, echo=True)
     assert echo_only.choices[0].text == PROMPT and echo_only.choices[0].logprobs is None
+    # a request with no token has no latencies, but it is a served request of its lengths
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(srv.url + "/metrics").text)}
+    generated = [s for s in families["vllm:request_generation_tokens"].samples if s.name.endswith("_bucket")]
+    assert next(s.value for s in generated if s.labels["le"] == "1.0") >= 2  # both max_tokens 0 requests
 
 
 @pytest.mark.parametrize("body,message", [

@@ -133,6 +133,11 @@ class EngineExport(Export):
         if seq.finish_reason not in SERVED:
             return  # rejected: no latencies; counted by nano_requests_rejected
         self.success[seq.finish_reason].inc()
+        self.prompt_len.observe(seq.num_prompt_tokens)
+        self.generation_len.observe(seq.num_output_tokens)
+        self.max_tokens.observe(seq.params.max_tokens)
+        if not seq.token_times:
+            return  # a prompt scored only (max_tokens 0): no token, so no latencies to observe
         first, last = seq.first_token_time, seq.token_times[-1]
         self.ttft.observe(seq.ttft)
         for before, after in zip(seq.token_times, seq.token_times[1:]):
@@ -144,9 +149,6 @@ class EngineExport(Export):
         self.inference.observe(last - seq.scheduled_time)
         self.prefill.observe(first - seq.scheduled_time)
         self.decode.observe(last - first)
-        self.prompt_len.observe(seq.num_prompt_tokens)
-        self.generation_len.observe(seq.num_output_tokens)
-        self.max_tokens.observe(seq.params.max_tokens)
 
     def update(self, snap: dict) -> None:
         """Gauges from the engine's snapshot (export.snapshot); counters up to the engine's sums."""
