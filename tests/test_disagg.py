@@ -12,7 +12,8 @@ from nano.config import EngineConfig
 from nano.disagg import kv_transfer
 from nano.disagg.links import LocalLinks
 from nano.disagg.metrics import summary
-from nano.disagg.serving import DecodeInstance, Node, PrefillInstance, Router, parse_split, run_local
+from nano.disagg.ranks import Node, run_local
+from nano.disagg.serving import DecodeInstance, PrefillInstance, Router, parse_split
 from nano.engine import LLMEngine
 from nano.errors import NanoError
 from nano.sequence import SamplingParams, Sequence
