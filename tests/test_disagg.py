@@ -474,8 +474,8 @@ def test_plan_disagg_prints_the_estimate(tiny_model):
 
 @pytest.mark.parametrize("args,message", [
     (["--disagg"], "--disagg needs P:D, e.g. --disagg 1:1 (only --capacity --disagg estimates it)"),
-    (["--disagg-compare", "1:1"], "--policy-compare, --request-rate and --disagg-compare are --bench modes: "
-                                  "add --bench"),
+    (["--disagg-compare", "1:1"], "--policy-compare, --request-rate, --tenants, --dp-compare and "
+                                  "--disagg-compare are --bench modes: add --bench"),
     (["--bench", "--disagg-compare", "1:1", "--output", "x.jsonl"],
      "--disagg-compare writes a table (and --summary-json), no completions or metrics files: drop --output, "
      "--metrics-file and --metrics-prom"),

@@ -170,10 +170,11 @@ def test_a_stale_index_costs_a_miss_never_a_wrong_token(tiny_model):
     router = nodes[0].router
     for p in prompts:
         router.index.apply(1, [(True, h) for h in prompt_hashes(p, config.block_size)])
-    results = serve(nodes, prompts, params)
+    results = serve(nodes, prompts, params, gap=0.1)
     expected = LLMEngine(config).generate(prompts, params)
     assert [r.output_token_ids for r in results] == [e.output_token_ids for e in expected]
     assert router.policy.routed[1] > router.policy.routed[0]
+    assert router.expected_hits[1] * config.block_size > sum(r.num_cached_tokens for r in results)  # misses
 
 
 def test_replica_snapshots_are_labelled_by_engine(tiny_model, tmp_path):
@@ -243,8 +244,9 @@ def test_dp_without_mpirun_and_bad_flags_are_one_line(tenant_file):
 @needs_mpi
 @pytest.mark.parametrize("how", ["SIGSTOP", "SIGKILL"])
 def test_a_failed_replica_ends_the_job_with_one_line_and_keeps_finished_outputs(tiny_model, tmp_path, how):
-    """Replica 1 stopped (a wedged host) or killed: the router ends the job within the stall
-    timeout plus a few seconds, with one error line; what had finished is in --output."""
+    """Replica 1 stopped (a wedged host): the router hears nothing and ends the job after the
+    stall timeout, with one error line. Killed: mpirun sees it exit and ends the job at
+    once, with its own notice naming the rank. Either way, what had finished is in --output."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"prompt number {i}", "max_tokens": 20 if i < 4 else 4000})
                                + "\n" for i in range(8)))
@@ -275,8 +277,11 @@ def test_a_failed_replica_ends_the_job_with_one_line_and_keeps_finished_outputs(
         if job.poll() is None:
             job.kill()
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
-    assert job.returncode != 0 and len(errors) == 1, stderr[-3000:]
-    assert "replica 1 (rank 1) has sent nothing for 6 s" in errors[0] or how == "SIGKILL", errors
-    assert "Traceback" not in stderr
-    records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert sorted(r["index"] for r in records) == [0, 1, 2, 3]
+    if how == "SIGSTOP":
+        assert len(errors) == 1 and errors[0].endswith("replica 1 (rank 1) has sent nothing for 6 s "
+                                                       "(--stall-timeout): it stopped making progress"), stderr[-3000:]
+    else:
+        assert not errors and "process rank 1 with PID" in stderr and "signal 9" in stderr, stderr[-3000:]
+    assert job.returncode != 0 and "Traceback" not in stderr
+    done = {json.loads(line)["index"] for line in out.read_text().splitlines()}
+    assert {0, 1, 2, 3} <= done and len(done) < 8  # replica 1's long ones never finished
