@@ -35,6 +35,8 @@ def check_bench_args(args, config: EngineConfig) -> None:
     checks.integer("--prefix-len", args.prefix_len, low=1, optional=True)
     if (args.tenants is None) != (args.prefix_len is None):
         raise NanoError("--tenants and --prefix-len go together: N tenants, each with a system prompt of LEN tokens")
+    if args.tenants and args.policy_compare:
+        raise NanoError("--policy-compare runs its own workloads: drop --tenants and --prefix-len")
     if (args.request_rate is not None or args.policy_compare) and config.tp > 1:
         raise NanoError("--request-rate and --policy-compare compare two policies in one process: "
                         "run them without --tp")
