@@ -227,7 +227,7 @@ def test_mpirun_dp2_gives_one_engines_tokens_whatever_the_policy(tiny_model, ten
 
 def test_dp_without_mpirun_and_bad_flags_are_one_line(tenant_file):
     proc = launch(["run.py", "--dp", "2", "--prompt-file", str(tenant_file)])
-    assert_one_line_error(proc, "--dp 2 needs 2 MPI ranks, got 1: run mpirun -n 2 python run.py --dp 2 ...")
+    assert_one_line_error(proc, "--dp 2 runs under mpirun: run mpirun -n 2 python run.py --dp 2 ...")
     for flags, message in [
         (["--dp", "2", "--tp", "2"], "--dp runs each replica on one rank: drop --tp (replicas of several TP "
                                      "ranks are not built)"),
@@ -285,3 +285,44 @@ def test_a_failed_replica_ends_the_job_with_one_line_and_keeps_finished_outputs(
     assert job.returncode != 0 and "Traceback" not in stderr
     done = {json.loads(line)["index"] for line in out.read_text().splitlines()}
     assert {0, 1, 2, 3} <= done and len(done) < 8  # replica 1's long ones never finished
+
+
+@needs_mpi
+def test_serve_dp2_routes_and_streams_one_engines_tokens(tiny_model, tmp_path):
+    """--serve --dp 2: requests over HTTP on rank 0 go to the replicas; each completion,
+    streamed or not, is one engine's; /metrics has a series per replica; Ctrl-C ends both
+    ranks cleanly."""
+    pytest.importorskip("fastapi")
+    from test_server import free_port, httpx, wait_healthy
+    config = tiny_config(tiny_model)
+    prompts, params = tenants(6)
+    from nano.server.engine_thread import Detokenizer
+    engine = LLMEngine(config)
+    expected = []  # the text a server gives, token by token (an incomplete last character held back)
+    for seq in engine.generate(prompts, params):
+        detok = Detokenizer(engine.tokenizer)
+        expected.append("".join(detok.add([t]) for t in seq.output_token_ids))
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    job = subprocess.Popen([mpirun(), "-n", "2", "--allow-run-as-root", "--oversubscribe", sys.executable, "run.py",
+                            "--serve", "--dp", "2", "--port", str(port), "--model", str(tiny_model),
+                            "--num-blocks", "64", "--block-size", "8"],
+                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = wait_healthy(job, port, TIMEOUT)
+        for i, (prompt, p, e) in enumerate(zip(prompts, params, expected)):
+            body = {"prompt": prompt, "max_tokens": p.max_tokens, "temperature": 0, "ignore_eos": True,
+                    "stream": bool(i % 2)}
+            r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+            text = (r.json()["choices"][0]["text"] if not i % 2 else
+                    "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.text.splitlines()
+                            if line.startswith("data: {") and json.loads(line[6:])["choices"]))
+            assert text == e, i
+        metrics = httpx.get(url + "/metrics").text
+        assert 'nano_requests_routed_total{engine="0"}' in metrics and 'engine="1"' in metrics
+        os.kill(rank_pid(job.pid, 0), signal.SIGINT)  # Ctrl-C to the serving rank: both end cleanly
+        _, stderr = job.communicate(timeout=60)
+        assert job.returncode == 0 and "error:" not in stderr, stderr[-3000:]
+    finally:
+        if job.poll() is None:
+            job.kill()

@@ -124,6 +124,7 @@ class Router:
         self.reports: dict[int, Report] = {}
         self.on_result = on_result
         self.stopped = False
+        self.accepting = False  # more requests may come (a server's router): not finished when idle
         self.stall_timeout = stall_timeout
         self.last_heard = {r: time.monotonic() for r in ranks}  # any message, per rank
 
@@ -133,7 +134,7 @@ class Router:
 
     @property
     def finished(self) -> bool:
-        return len(self.results) == self.expected
+        return not self.accepting and len(self.results) == self.expected
 
     @property
     def done(self) -> bool:
@@ -249,24 +250,25 @@ class Node:
         return 0.05 if arrival is None else min(0.05, arrival - self.instance.engine.clock.now())
 
 
-def launch(config, num_ranks: int, wrong_size: str, make_requests, make_instance, make_router,
-           warm_up: bool = False):
-    """This rank's part of a run under mpirun -n num_ranks (wrong_size(ranks): the error when
-    it is not). make_requests(engine) -> sequences (engine.make_sequence, arrival times in seconds
-    after the start) runs on rank 0; make_instance(engine, link, rank) -> this rank's
-    Instance; make_router(link, engine) -> rank 0's Router. Rank 0 returns (router, its
-    engine, wall seconds) at the end; the other ranks return None."""
+def start(config, num_ranks: int, wrong_size, make_instance, make_router, make_requests=None,
+          warm_up: bool = False):
+    """This rank's engine, instance and (rank 0) router under mpirun -n num_ranks
+    (wrong_size(ranks): the error when it is not). make_requests(engine) -> sequences runs
+    on rank 0 with the others waiting (a failure on any rank, loading or reading requests,
+    ends them all); make_instance(engine, link, rank) -> this rank's Instance;
+    make_router(link, engine) -> rank 0's Router. Returns (node, world group, rank 0's
+    sequences) once every rank is ready."""
     from nano import parallel
     from nano.bench import workload
     from nano.disagg.links import MpiLink
     from nano.engine import LLMEngine
 
     world = parallel.separate_ranks()
-    with world.together():  # a failure on any rank, loading or reading requests, ends them all
+    with world.together():
         if world.world != num_ranks:
             raise NanoError(wrong_size(world.world))
         engine = LLMEngine(config)
-        seqs = make_requests(engine) if world.rank == ROUTER else []
+        seqs = make_requests(engine) if make_requests and world.rank == ROUTER else []
     if warm_up:
         workload.warm_up(engine)
     link = MpiLink(world.comm)
@@ -274,13 +276,23 @@ def launch(config, num_ranks: int, wrong_size: str, make_requests, make_instance
     if world.rank == ROUTER:
         node.router = make_router(link, engine)
     world.comm.Barrier()  # everyone loaded and warmed up: the arrival trace starts now
-    start = engine.clock.now()
+    return node, world, seqs
+
+
+def launch(config, num_ranks: int, wrong_size, make_requests, make_instance, make_router,
+           warm_up: bool = False):
+    """A whole run (start(), then every rank's loop to the end): make_requests(engine) ->
+    sequences (engine.make_sequence, arrival times in seconds after the start). Rank 0
+    returns (router, its engine, wall seconds) at the end; the other ranks return None."""
+    node, world, seqs = start(config, num_ranks, wrong_size, make_instance, make_router, make_requests, warm_up)
+    engine = node.instance.engine
+    begin = engine.clock.now()
     if node.router:
         for seq in seqs:
-            seq.arrival_time += start
+            seq.arrival_time += begin
         node.router.add(seqs)
     run_node(node, world)
-    return (node.router, engine, engine.clock.now() - start) if node.router else None
+    return (node.router, engine, engine.clock.now() - begin) if node.router else None
 
 
 def run_node(node: Node, world) -> None:

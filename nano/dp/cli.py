@@ -3,6 +3,7 @@
 import gc
 import sys
 
+from nano import parallel
 from nano.bench import workload
 from nano.bench.cli import bench_requests
 from nano.cli.output import OutputFile, Progress, describe, metrics_writer, print_completions, write_summary
@@ -21,7 +22,7 @@ def check_args(args, config: EngineConfig) -> None:
     serving.check_replicas(args.dp, config.tp)
     if args.dp_policy not in POLICIES:
         raise NanoError(f"--dp-policy must be one of {', '.join(POLICIES)}, got {args.dp_policy!r}")
-    clash = [flag for flag, on in (("--disagg", args.disagg is not None), ("--serve", args.serve),
+    clash = [flag for flag, on in (("--disagg", args.disagg is not None),
                                    ("--capacity", args.capacity), ("--policy-compare", args.policy_compare),
                                    ("--disagg-compare", args.disagg_compare)) if on]
     if clash:
@@ -29,12 +30,16 @@ def check_args(args, config: EngineConfig) -> None:
     if args.dp_compare and (args.output or args.metrics_file or args.metrics_prom):
         raise NanoError("--dp-compare writes a table (and --summary-json), no completions or metrics files: "
                         "drop --output, --metrics-file and --metrics-prom")
+    if not parallel.launched_by_mpirun():
+        raise NanoError(f"--dp {args.dp} runs under mpirun: run mpirun -n {args.dp} python run.py --dp {args.dp} ...")
 
 
 def run_dp(args, config: EngineConfig, params: SamplingParams, requests) -> int:
     """--dp DP under mpirun: every rank a replica (serving.py); rank 0 routes and reports."""
     if args.dp_compare:
         return dp_compare(args, config, params)
+    if args.serve:
+        return serve_dp(args, config)
     run = {"generated": 0}  # rank 0's: filled in by make_requests
 
     def on_result(seq, replica):
@@ -69,6 +74,19 @@ def run_dp(args, config: EngineConfig, params: SamplingParams, requests) -> int:
     print(dp_metrics.format_replicas(summary))
     write_summary(args.summary_json, summary)
     return 0
+
+
+def serve_dp(args, config: EngineConfig) -> int:
+    """--serve --dp N: the HTTP server on rank 0, in front of the router (front.py)."""
+    from nano.dp.front import start_front
+    from nano.server.cli import serve
+    front = start_front(config, args.dp, args.dp_policy, metrics_writer(args, dp_metrics.replica_prometheus_text),
+                        args.stall_timeout)
+    if front is None:
+        return 0  # a replica, until the server ends
+    print(f"data parallel: {args.dp} replicas, one rank each, policy {args.dp_policy}; each {describe(front.local)}",
+          file=sys.stderr)
+    return serve(args, front, engine_metrics=False)
 
 
 def sequences(args, engine, params: SamplingParams, requests):

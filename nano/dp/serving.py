@@ -37,10 +37,11 @@ def check_replicas(dp: int, tp: int) -> None:
 class Replica(Instance):
     """One engine serving whole requests; it reports its prefix cache's changes."""
 
-    def __init__(self, engine, link):
+    def __init__(self, engine, link, stream: bool = False):
         super().__init__(engine, link)
         engine.block_manager.cache_events = []
         self.received = 0
+        self.streamed: dict[int, int] | None = {} if stream else None  # seq_id -> output tokens sent
 
     def receive(self, source: int, message: tuple) -> None:
         kind = message[0]
@@ -54,12 +55,18 @@ class Replica(Instance):
             seq = self.seqs[message[1]]
             self.engine.abort(seq)
             self.end(seq)
+        elif kind == "finish" and message[1] in self.seqs:  # the server found a stop string
+            seq = self.seqs[message[1]]
+            self.engine.finish(seq, message[2])
+            self.end(seq)
         elif kind == "stop":
             self.stopping = True
 
     def work(self) -> bool:
         queue = self.queue_tokens()
         busy = self.step()
+        if self.streamed is not None:
+            self.stream()
         bm = self.engine.block_manager
         if bm.cache_events:
             self.tell_router(("cache", bm.cache_events))
@@ -71,6 +78,25 @@ class Replica(Instance):
 
     def queue_tokens(self) -> int:
         return self.engine.queue_state(self.engine.clock.now()).queue_tokens
+
+    def stream(self) -> None:
+        """Each unfinished request's new tokens (and their logits rows, if it asked for them)
+        to the router, after a step: a server streams them to its client. A finished one's
+        last tokens go with its result."""
+        news = []
+        for seq in self.seqs.values():
+            sent = self.streamed.get(seq.seq_id, 0)
+            if seq.num_output_tokens > sent:
+                news.append((seq.seq_id, seq.output_token_ids[sent:], seq.logits))
+                seq.logits = []
+                self.streamed[seq.seq_id] = seq.num_output_tokens
+        if news:
+            self.tell_router(("tokens", news))
+
+    def end(self, seq) -> None:
+        if self.streamed is not None:
+            self.streamed.pop(seq.seq_id, None)
+        super().end(seq)
 
 
 class Router(RouterBase):
@@ -89,6 +115,7 @@ class Router(RouterBase):
         self.expected_hits = Counter()            # prompt blocks the index showed cached, per replica
         self.samples: dict[int, list] = {r: [] for r in self.ranks}  # (queue tokens, KV occupancy) per report
         self.on_snapshot = on_snapshot
+        self.on_tokens = None                     # a server's: [(seq_id, new tokens, logits rows)] per message
 
     def route(self) -> bool:
         arrived = self.arrived()
@@ -106,14 +133,17 @@ class Router(RouterBase):
         s = self.status.get(r)
         return s.used_blocks / s.num_blocks if s else 0.0
 
-    def abort(self, seq_id: int) -> None:
+    def abort(self, seq_id: int, reason: str = "aborted") -> None:
+        """End a request wherever it is; reason "stop": a stop string, found by the server."""
         if not self.abort_pending(seq_id) and seq_id in self.where:
-            self.link.send(self.where[seq_id], ("abort", seq_id))
+            self.link.send(self.where[seq_id], ("abort", seq_id) if reason == "aborted" else ("finish", seq_id, reason))
 
     def receive(self, source: int, message: tuple) -> bool:
         if message[0] == "cache":
             self.index.apply(source, message[1])
-        return super().receive(source, message) or message[0] == "cache"
+        elif message[0] == "tokens" and self.on_tokens:
+            self.on_tokens(message[1])
+        return super().receive(source, message) or message[0] in ("cache", "tokens")
 
     def on_result_message(self, source: int, message: tuple) -> None:
         self.where.pop(message[1].seq_id, None)
@@ -135,15 +165,17 @@ class Router(RouterBase):
         return f"replica {rank} (rank {rank})"
 
 
+def wrong_size(num_replicas: int):
+    return lambda got: (f"--dp {num_replicas} needs {num_replicas} MPI ranks, got {got}: run mpirun -n "
+                        f"{num_replicas} python run.py --dp {num_replicas} ...")
+
+
 def launch(config, num_replicas: int, policy: str, make_requests, warm_up: bool = False, on_result=None,
            metrics=None, stall_timeout=None):
     """This rank's part of a run under mpirun -n DP (ranks.launch): rank 0 returns (router,
     its engine, wall seconds), the others None."""
     return launch_ranks(
-        config, num_replicas,
-        lambda got: f"--dp {num_replicas} needs {num_replicas} MPI ranks, got {got}: run mpirun -n "
-                    f"{num_replicas} python run.py --dp {num_replicas} ...",
-        make_requests, lambda engine, link, rank: Replica(engine, link),
+        config, num_replicas, wrong_size(num_replicas), make_requests, lambda engine, link, rank: Replica(engine, link),
         lambda link, engine: Router(link, num_replicas, policy, config.block_size, engine.clock, on_result,
                                     metrics and metrics.tick, stall_timeout),
         warm_up)

@@ -5,14 +5,16 @@ its inbox between steps, runs a step, and turns each job's new tokens into text
 import asyncio
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
+from nano import parallel
 from nano.errors import NanoError
 from nano.sequence import SamplingParams, Sequence
 from nano.telemetry.export import prometheus_text, snapshot
-from nano.telemetry.watchdog import Watchdog
+from nano.telemetry.watchdog import GRACE, Watchdog
 
 
 class Detokenizer:
@@ -90,8 +92,11 @@ class EngineThread(threading.Thread):
                     self._publish()
                     if self.metrics:
                         self.metrics.after_step(self.engine)
-        except Exception as e:  # a bug: every waiting client gets an error, /health says so
-            self._fail(f"{type(e).__name__}: {e}")
+        except Exception as e:  # a bug, or a rank that stopped: every waiting client gets an error,
+            self._fail(str(e) if isinstance(e, NanoError) else f"{type(e).__name__}: {e}")  # /health says so
+            if not parallel.alone():  # then the job ends: the other ranks would wait for this one forever
+                time.sleep(GRACE)
+                parallel.exit_on_error(e, 1)
 
     def _fail(self, error: str) -> None:
         self.error = error
@@ -112,9 +117,9 @@ class EngineThread(threading.Thread):
             elif kind == "abort" and value in self.jobs:
                 self.engine.abort(value.seq)
                 self.jobs.remove(value)
-            elif kind == "metrics":
-                now = self.engine.clock.now()
-                value(prometheus_text(snapshot(self.engine, now)))
+            elif kind == "metrics":  # a front over several engines (nano/dp) has its own series
+                own = getattr(self.engine, "prometheus", None)
+                value(own() if own else prometheus_text(snapshot(self.engine, self.engine.clock.now())))
         return True
 
     def _add(self, job: Job) -> None:
