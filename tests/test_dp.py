@@ -141,9 +141,9 @@ def test_kv_aware_weighs_the_cached_prefix_against_the_queue(tiny_model):
     hashes = prompt_hashes(seq.token_ids, 8)
     router.index.apply(0, [(True, h) for h in hashes])  # 5 blocks = 40 tokens cached on replica 0
     assert router.policy.choose(seq, hashes) == 0
-    router.in_flight[0].append(39)  # 39 tokens queued on 0 (cost 1 + 39) vs 41 uncached on 1
+    router.in_flight[0].append((0, 39))  # 39 tokens to compute on 0 (cost 1 + 39) vs 41 uncached on 1
     assert router.policy.choose(seq, hashes) == 0
-    router.in_flight[0].append(2)
+    router.in_flight[0].append((0, 2))
     assert router.policy.choose(seq, hashes) == 1
 
 
@@ -151,10 +151,10 @@ def test_least_loaded_and_round_robin(tiny_model):
     nodes = cluster(tiny_config(tiny_model), 3, "least-loaded")
     router = nodes[0].router
     seq = nodes[0].instance.engine.make_sequence([5, 6, 7], SamplingParams(max_tokens=4), 0.0)
-    router.in_flight[0].append(10)
-    router.in_flight[2].append(5)
+    router.in_flight[0].append((10, 0))
+    router.in_flight[2].append((5, 0))
     assert router.policy.choose(seq, []) == 1
-    router.in_flight[1].append(5)  # 1 and 2 tie on queue: the lower KV occupancy wins
+    router.in_flight[1].append((5, 0))  # 1 and 2 tie on queue: the lower KV occupancy wins
     router.status[1] = type("S", (), {"used_blocks": 3, "num_blocks": 64, "queue_tokens": 0})()
     assert router.policy.choose(seq, []) == 2
     rr = cluster(tiny_config(tiny_model), 3, "round-robin")[0].router
@@ -324,5 +324,40 @@ def test_serve_dp2_routes_and_streams_one_engines_tokens(tiny_model, tmp_path):
         _, stderr = job.communicate(timeout=60)
         assert job.returncode == 0 and "error:" not in stderr, stderr[-3000:]
     finally:
+        if job.poll() is None:
+            job.kill()
+
+
+@needs_mpi
+def test_a_stopped_replica_under_serve_fails_open_requests_and_ends_the_job(tiny_model):
+    """--serve --dp 2, replica 1 stopped, then a request routed to it (round-robin: the
+    second one): within the stall timeout the request gets the error, /health answers 503,
+    and the job ends with one error line."""
+    pytest.importorskip("fastapi")
+    from test_server import free_port, httpx, wait_healthy
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    job = subprocess.Popen([mpirun(), "-n", "2", "--allow-run-as-root", "--oversubscribe", sys.executable, "run.py",
+                            "--serve", "--dp", "2", "--dp-policy", "round-robin", "--port", str(port),
+                            "--model", str(tiny_model), "--num-blocks", "256", "--stall-timeout", "6"],
+                           cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pid = None
+    try:
+        url = wait_healthy(job, port, TIMEOUT)
+        body = {"prompt": [5, 6, 7], "max_tokens": 8, "ignore_eos": True}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200  # replica 0
+        pid = rank_pid(job.pid, 1)
+        os.kill(pid, signal.SIGSTOP)
+        start = time.monotonic()
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)  # replica 1: never answers
+        assert r.status_code == 500 and "replica 1 (rank 1) has sent nothing for 6 s" in r.text, r.text
+        assert time.monotonic() - start < 6 + 5
+        assert httpx.get(url + "/health", timeout=5).status_code == 503
+        _, stderr = job.communicate(timeout=20)
+        errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+        assert job.returncode != 0 and len(errors) == 1 and "replica 1 (rank 1) has sent nothing" in errors[0], stderr
+    finally:
+        if pid:
+            os.kill(pid, signal.SIGCONT)
         if job.poll() is None:
             job.kill()

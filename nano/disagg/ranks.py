@@ -38,6 +38,7 @@ class InstanceStatus:
     used_blocks: int
     num_blocks: int
     received: int = 0       # requests received so far (the router counts those in flight)
+    work_tokens: int = 0    # a replica: tokens still to compute, prompt tokens its prefix cache holds left out
     adopted: list[int] = field(default_factory=list)  # decode: sequences taken since the last report
 
 
@@ -120,7 +121,8 @@ class Router:
         self.expected = 0
         self.results: dict[int, Sequence] = {}
         self.status: dict[int, InstanceStatus] = {}
-        self.in_flight: dict[int, deque[int]] = {r: deque() for r in ranks}  # queue tokens sent, not yet reported
+        # per request sent and not yet in a report: (its queue tokens, ...)
+        self.in_flight: dict[int, deque[tuple]] = {r: deque() for r in ranks}
         self.reports: dict[int, Report] = {}
         self.on_result = on_result
         self.stopped = False
@@ -192,7 +194,7 @@ class Router:
     def queued_tokens(self, rank: int) -> int:
         """The instance's queue in tokens: its last report plus what was sent to it since."""
         reported = self.status[rank].queue_tokens if rank in self.status else 0
-        return reported + sum(self.in_flight[rank])
+        return reported + sum(queue for queue, *_ in self.in_flight[rank])
 
     def describe(self, rank: int) -> str:
         """An instance, as the user knows it (in the error that ends the run)."""

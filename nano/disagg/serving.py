@@ -303,7 +303,7 @@ class Router(RouterBase):
         for seq in arrived:
             p = min(self.prefill, key=self.queued_tokens)
             d = max(self.decode, key=self.free_blocks)
-            self.in_flight[p].append(seq.num_prompt_tokens)  # a prefill instance's queue: prompt tokens
+            self.in_flight[p].append((seq.num_prompt_tokens,))  # a prefill instance's queue: prompt tokens
             self.promised[d][seq.seq_id] = -(-(seq.num_prompt_tokens + 1) // self.block_size)
             self.where[seq.seq_id] = (p, d)
             self.link.send(p, ("request", seq, d))

@@ -5,7 +5,9 @@
                    still to come), then the lowest KV occupancy: the signals every replica
                    reports after each step
     kv-aware       the lowest cost = prompt tokens the replica would compute (after the
-                   prefix it is thought to hold) + its queued tokens; on a tie, the replica
+                   prefix it is thought to hold) + the tokens it has still to compute for
+                   the requests it holds (counted the same way: a queue of requests whose
+                   prefix is cached there is short); on a tie, the replica
                    whose cache holds the fewest blocks (SGLang's choice when no replica has
                    the prefix: a new tenant's prefix goes where it evicts least)
 
@@ -64,13 +66,13 @@ class CacheIndex:
 
 class Policy:
     """choose(seq, hashes) -> replica. The router gives it its load view (queued(r),
-    occupancy(r)) and the cache index."""
+    occupancy(r), work(r): tokens r has still to compute) and the cache index."""
 
-    def __init__(self, name: str, replicas: list[int], block_size: int, queued, occupancy, index: CacheIndex):
+    def __init__(self, name: str, replicas: list[int], block_size: int, queued, occupancy, work, index: CacheIndex):
         if name not in POLICIES:
             raise NanoError(f"--dp-policy must be one of {', '.join(POLICIES)}, got {name!r}")
         self.name, self.replicas, self.block_size = name, replicas, block_size
-        self.queued, self.occupancy, self.index = queued, occupancy, index
+        self.queued, self.occupancy, self.work, self.index = queued, occupancy, work, index
         self.routed = {r: 0 for r in replicas}  # requests chosen for each replica so far
 
     def choose(self, seq, hashes: list[int]) -> int:
@@ -86,4 +88,4 @@ class Policy:
 
     def cost(self, seq, hashes: list[int], replica: int) -> int:
         uncached = seq.num_prompt_tokens - self.block_size * self.index.overlap(replica, hashes)
-        return uncached + self.queued(replica)
+        return uncached + self.work(replica)

@@ -71,13 +71,23 @@ class Replica(Instance):
         if bm.cache_events:
             self.tell_router(("cache", bm.cache_events))
             bm.cache_events = []
-        self.status(queue if busy else self.queue_tokens(), busy, received=self.received)
+        self.status(queue if busy else self.queue_tokens(), busy, received=self.received,
+                    work_tokens=self.work_tokens())
         if self.stopping and not self.engine.has_unfinished():
             self.finish_stop()
         return busy
 
     def queue_tokens(self) -> int:
         return self.engine.queue_state(self.engine.clock.now()).queue_tokens
+
+    def work_tokens(self) -> int:
+        """Tokens still to compute here: waiting prompts less the blocks this replica's prefix
+        cache holds of them, the rest of admitted ones, every output token to come. kv-aware's
+        load term: a queue of one tenant's requests whose prefix is cached is short."""
+        s, bm = self.engine.scheduler, self.engine.block_manager
+        prompts = (sum(q.num_tokens - bm.block_size * len(bm.match_prefix(q.token_ids)) for q in s.waiting)
+                   + sum(q.num_uncomputed_tokens for q in (*s.running, *s.swapped)))
+        return prompts + sum(q.params.max_tokens - q.num_output_tokens for q in (*s.waiting, *s.running, *s.swapped))
 
     def stream(self) -> None:
         """Each unfinished request's new tokens (and their logits rows, if it asked for them)
@@ -109,7 +119,8 @@ class Router(RouterBase):
                          on_result and (lambda seq: on_result(seq, self.replica_of.get(seq.seq_id))), stall_timeout)
         self.block_size = block_size
         self.index = CacheIndex(self.ranks)
-        self.policy = Policy(policy, self.ranks, block_size, self.queued_tokens, self.occupancy, self.index)
+        self.policy = Policy(policy, self.ranks, block_size, self.queued_tokens, self.occupancy, self.work_tokens,
+                             self.index)
         self.where: dict[int, int] = {}           # seq_id -> replica, until its result
         self.replica_of: dict[int, int] = {}      # seq_id -> replica, kept (the --output file)
         self.expected_hits = Counter()            # prompt blocks the index showed cached, per replica
@@ -122,12 +133,20 @@ class Router(RouterBase):
         for seq in arrived:
             hashes = prompt_hashes(seq.token_ids, self.block_size)
             r = self.policy.choose(seq, hashes)
-            self.expected_hits[r] += self.index.overlap(r, hashes)
+            cached = self.index.overlap(r, hashes)
+            self.expected_hits[r] += cached
             self.index.apply(r, [(True, h) for h in hashes])  # about to be computed there
-            self.in_flight[r].append(seq.num_prompt_tokens + seq.params.max_tokens)
+            self.in_flight[r].append((seq.num_prompt_tokens + seq.params.max_tokens,
+                                      seq.num_prompt_tokens - self.block_size * cached + seq.params.max_tokens))
             self.where[seq.seq_id] = self.replica_of[seq.seq_id] = r
             self.link.send(r, ("request", seq, self.clock.now()))
         return bool(arrived)
+
+    def work_tokens(self, r: int) -> int:
+        """Tokens replica r has still to compute: its last report plus, for each request sent
+        since, the prompt tokens the index does not show cached and its output tokens."""
+        reported = self.status[r].work_tokens if r in self.status else 0
+        return reported + sum(work for _, work in self.in_flight[r])
 
     def occupancy(self, r: int) -> float:
         s = self.status.get(r)
