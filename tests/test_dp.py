@@ -358,6 +358,9 @@ def test_a_stopped_replica_under_serve_fails_open_requests_and_ends_the_job(tiny
         assert job.returncode != 0 and len(errors) == 1 and "replica 1 (rank 1) has sent nothing" in errors[0], stderr
     finally:
         if pid:
-            os.kill(pid, signal.SIGCONT)
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:  # ended with the job
+                pass
         if job.poll() is None:
             job.kill()
