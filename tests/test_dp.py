@@ -62,6 +62,16 @@ def test_cache_index_overlap_is_the_leading_run():
     assert index.overlap(0, [10, 11]) == 0
 
 
+def test_a_replica_takes_a_requests_arrival_onto_its_own_clock(tiny_model):
+    """The router's clock may be another host's: the replica keeps the time the request
+    waited at the router (2 s here), not the router's reading of the clock."""
+    links = LocalLinks(2)
+    replica = Replica(LLMEngine(tiny_config(tiny_model)), links.link(1))
+    seq = replica.engine.make_sequence([5, 6, 7], SamplingParams(max_tokens=2), 1e6)  # a far-off clock
+    replica.receive(0, ("request", seq, 1e6 + 2.0))
+    assert abs(seq.arrival_time - (replica.engine.clock.now() - 2.0)) < 0.5
+
+
 # ---- clusters in one process ----------------------------------------------------------------
 def cluster(config, n: int, policy: str) -> list[Node]:
     links = LocalLinks(n)
@@ -154,9 +164,9 @@ def test_least_loaded_and_round_robin(tiny_model):
     router.in_flight[0].append((10, 0))
     router.in_flight[2].append((5, 0))
     assert router.policy.choose(seq, []) == 1
-    router.in_flight[1].append((5, 0))  # 1 and 2 tie on queue: the lower KV occupancy wins
-    router.status[1] = type("S", (), {"used_blocks": 3, "num_blocks": 64, "queue_tokens": 0})()
-    assert router.policy.choose(seq, []) == 2
+    router.in_flight[1].append((5, 0))  # 1 and 2 tie on queue: the lower KV occupancy wins, though
+    router.status[2] = type("S", (), {"used_blocks": 3, "num_blocks": 64, "queue_tokens": 0})()
+    assert router.policy.choose(seq, []) == 1  # 1 was sent more requests so far
     rr = cluster(tiny_config(tiny_model), 3, "round-robin")[0].router
     assert [rr.policy.choose(seq, []) for _ in range(4)] == [0, 1, 2, 0]
 
