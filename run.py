@@ -6,11 +6,12 @@
     python run.py --capacity --kv-cache-memory 2GB               (capacity planning)
     mpirun -n 2 python run.py --tp 2 --prompt-file prompts.txt   (tensor parallel)
     mpirun -n 2 python run.py --disagg 1:1 --prompt-file prompts.txt   (prefill and decode apart)
+    mpirun -n 2 python run.py --dp 2 --prompt-file prompts.txt   (replicas behind a KV-aware router)
     python run.py --serve --port 8000                           (OpenAI-compatible HTTP server)
     python run.py --lab list                                     (the lab: each concept's claim measured)
 
 This file is the flags and the dispatch; each mode's code lives with its package: nano/cli
-(prompts in, completions out), nano/bench (benchmarks, capacity), nano/disagg, nano/server,
+(prompts in, completions out), nano/bench (benchmarks, capacity), nano/disagg, nano/dp, nano/server,
 nano/lab (experiments).
 """
 import argparse
@@ -81,6 +82,12 @@ def build_parser() -> Parser:
     e.add_argument("--disagg", metavar="P:D", nargs="?", const="",
                    help="disaggregated serving: P prefill and D decode instances, one rank each: run "
                         "under mpirun -n P+D (nano/disagg); with --capacity, P:D is optional")
+    e.add_argument("--dp", type=int, default=None,
+                   help="data parallel: DP replicas, one rank each, behind a router on rank 0: run under "
+                        "mpirun -n DP (nano/dp)")
+    e.add_argument("--dp-policy", default="kv-aware",
+                   help="--dp routing: round-robin | least-loaded (queued tokens, then KV occupancy) | "
+                        "kv-aware (prompt tokens left after the replica's cached prefix + queued tokens)")
     e.add_argument("--enforce-eager", action="store_true", help="GPU: run decode steps eagerly, no CUDA graphs")
     e.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=ENGINE.batch_invariant,
                    help="CPU: each token's result bitwise independent of the batch and schedule (slower); "
@@ -138,6 +145,13 @@ def build_parser() -> Parser:
                    help="FCFS vs deadline over three workloads x three loads x --seeds seeds, "
                         "--num-seqs requests each (nano/bench/slo_matrix.py)")
     b.add_argument("--seeds", type=int, default=3, help="--policy-compare: seeds per workload and load")
+    b.add_argument("--tenants", type=int, default=None,
+                   help="prompts of N tenants: each starts with its tenant's system prompt (--prefix-len "
+                        "tokens), then --input-len tokens of its own")
+    b.add_argument("--prefix-len", type=int, default=None, help="--tenants: tokens of each tenant's system prompt")
+    b.add_argument("--dp-compare", action="store_true",
+                   help="with --dp: the same requests and arrivals under each --dp-policy, one table "
+                        "(nano/dp/cli.py)")
     b.add_argument("--disagg-compare", metavar="P:D",
                    help="the same requests and arrivals served colocated (one engine, all cores), then "
                         "disaggregated (mpirun -n P+D, a core each) (nano/disagg/compare.py)")
@@ -198,7 +212,7 @@ def main(argv=None) -> int:
     group = parallel.tp_group()  # under mpirun every rank runs main; rank 0 alone talks to the user,
     with group.together():       # so a bad argument stops every rank, and is printed once
         args, config, params, requests = parse(argv, group.rank)
-        if not args.capacity and not args.disagg:  # a report for --tp N is computed in one process
+        if not args.capacity and not args.disagg and not args.dp:  # a report for --tp N is computed in one process
             group.require(config.tp)
         if not args.lab:  # the lab fetches the default model only for a full-size run
             default_model.ensure(config.model)  # fetched and converted on first use
@@ -215,6 +229,9 @@ def main(argv=None) -> int:
     if args.bench and args.policy_compare:
         from nano.bench.cli import policy_compare
         return policy_compare(args, config)
+    if args.dp:
+        from nano.dp.cli import run_dp
+        return run_dp(args, config, params, requests)
     if args.disagg:
         from nano.disagg.cli import run_disagg
         return run_disagg(args, config, params, requests)
@@ -290,9 +307,11 @@ def parse(argv, rank: int):
     estimate_disagg = args.capacity and args.disagg is not None
     if args.bench or estimate_disagg:  # --capacity --disagg sizes the pools for the bench flags' workload
         check_bench_args(args, config)
-    if not args.bench and (args.policy_compare or args.disagg_compare or
+    if not args.bench and (args.policy_compare or args.disagg_compare or args.dp_compare or
+                           args.tenants is not None or args.prefix_len is not None or
                            (args.request_rate is not None and not estimate_disagg)):
-        raise NanoError("--policy-compare, --request-rate and --disagg-compare are --bench modes: add --bench")
+        raise NanoError("--policy-compare, --request-rate, --tenants, --dp-compare and --disagg-compare are "
+                        "--bench modes: add --bench")
     if not (args.prompt_file or args.bench or args.capacity or args.serve):
         raise NanoError("give --prompt-file FILE (or --bench, --capacity, --serve or --lab NAME)")
     if args.serve:
@@ -320,6 +339,11 @@ def parse(argv, rank: int):
         if args.output or args.metrics_file or args.metrics_prom:
             raise NanoError("--disagg-compare writes a table (and --summary-json), no completions or "
                             "metrics files: drop --output, --metrics-file and --metrics-prom")
+    if args.dp is not None:
+        from nano.dp.cli import check_args as check_dp_args
+        check_dp_args(args, config)
+    elif args.dp_compare or args.dp_policy != "kv-aware":
+        raise NanoError("--dp-policy and --dp-compare route between replicas: add --dp N (under mpirun -n N)")
     if args.summary_json and args.policy_compare:
         raise NanoError("--policy-compare prints its matrix: drop --summary-json")
     requests = (read_requests(args.prompt_file, params)

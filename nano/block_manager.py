@@ -13,6 +13,9 @@ recomputing. A hit is verified against the stored tokens, so a hash
 collision costs a miss, never a wrong answer. A block whose ref count drops
 to 0 keeps its contents and hash in the free queue and can still be hit
 until it is reused for something else, least recently freed first.
+Whoever sets cache_events to a list gets (True, hash) for each block registered and
+(False, hash) for each evicted, to drain between steps (a data-parallel router's picture
+of which replica holds which prefixes, nano/dp).
 
 Swap space: a second, host-side pool of blocks (its own free list) that a
 preempted sequence's KV is copied into; the copies themselves are done by
@@ -49,6 +52,7 @@ class BlockManager:
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
         self.free_host_blocks: list[int] = list(range(num_swap_blocks - 1, -1, -1))
+        self.cache_events: list[tuple[bool, int]] | None = None  # None: nobody listens
 
     # ---- sizes -------------------------------------------------------------------------
     @property
@@ -87,6 +91,8 @@ class BlockManager:
             if self.enable_prefix_caching and block.hash is None and h not in self.hash_to_block:
                 block.hash, block.token_ids = h, tokens
                 self.hash_to_block[h] = block.block_id
+                if self.cache_events is not None:
+                    self.cache_events.append((True, h))
 
     # ---- allocation --------------------------------------------------------------------
     def _take_free(self) -> int:
@@ -94,6 +100,8 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash is not None:  # evict: its old contents are about to be overwritten
             del self.hash_to_block[block.hash]
+            if self.cache_events is not None:
+                self.cache_events.append((False, block.hash))
             block.hash, block.token_ids = None, ()
         block.ref_count = 1
         return block_id

@@ -147,7 +147,7 @@ def separate_ranks() -> Group:
     on. Returns the group of all ranks, which the engines talk over and which an error
     anywhere ends."""
     global _group, _world
-    _world = tp_group()
+    _world = _world or tp_group()  # a second run in the same processes (nano/dp's --dp-compare)
     _group = Group(None)
     return _world
 

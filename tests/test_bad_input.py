@@ -95,8 +95,11 @@ def test_no_output_over_the_prompts_or_another_output(tmp_path, monkeypatch, fla
 def test_bad_bench_flags():
     assert main_error("--bench", "--request-rate", "inf") == "--request-rate must be a number > 0, got inf"
     assert main_error("--bench", "--policy-compare", "--seeds", "0") == "--seeds must be an integer >= 1, got 0"
-    assert main_error("--policy-compare") == ("--policy-compare, --request-rate and --disagg-compare are --bench "
-                                              "modes: add --bench")
+    assert main_error("--policy-compare") == ("--policy-compare, --request-rate, --tenants, --dp-compare and "
+                                              "--disagg-compare are --bench modes: add --bench")
+    assert main_error("--prefix-len", "64") == main_error("--policy-compare")
+    assert main_error("--bench", "--tenants", "4") == ("--tenants and --prefix-len go together: N tenants, each with "
+                                                       "a system prompt of LEN tokens")
     assert main_error("--bench", "--num-seqs", "0") == "--num-seqs must be an integer >= 1, got 0"
 
 

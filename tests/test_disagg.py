@@ -12,7 +12,8 @@ from nano.config import EngineConfig
 from nano.disagg import kv_transfer
 from nano.disagg.links import LocalLinks
 from nano.disagg.metrics import summary
-from nano.disagg.serving import DecodeInstance, Node, PrefillInstance, Router, parse_split, run_local
+from nano.disagg.ranks import Node, run_local
+from nano.disagg.serving import DecodeInstance, PrefillInstance, Router, parse_split
 from nano.engine import LLMEngine
 from nano.errors import NanoError
 from nano.sequence import SamplingParams, Sequence
@@ -494,8 +495,8 @@ def test_plan_disagg_prints_the_estimate(tiny_model):
 
 @pytest.mark.parametrize("args,message", [
     (["--disagg"], "--disagg needs P:D, e.g. --disagg 1:1 (only --capacity --disagg estimates it)"),
-    (["--disagg-compare", "1:1"], "--policy-compare, --request-rate and --disagg-compare are --bench modes: "
-                                  "add --bench"),
+    (["--disagg-compare", "1:1"], "--policy-compare, --request-rate, --tenants, --dp-compare and "
+                                  "--disagg-compare are --bench modes: add --bench"),
     (["--bench", "--disagg-compare", "1:1", "--output", "x.jsonl"],
      "--disagg-compare writes a table (and --summary-json), no completions or metrics files: drop --output, "
      "--metrics-file and --metrics-prom"),

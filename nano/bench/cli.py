@@ -31,6 +31,12 @@ def check_bench_args(args, config: EngineConfig) -> None:
     parse_range(args.output_len, "--output-len")
     checks.number("--request-rate", args.request_rate, low=0, open_low=True, optional=True)
     checks.integer("--seeds", args.seeds, low=1)
+    checks.integer("--tenants", args.tenants, low=1, optional=True)
+    checks.integer("--prefix-len", args.prefix_len, low=1, optional=True)
+    if (args.tenants is None) != (args.prefix_len is None):
+        raise NanoError("--tenants and --prefix-len go together: N tenants, each with a system prompt of LEN tokens")
+    if args.tenants and args.policy_compare:
+        raise NanoError("--policy-compare runs its own workloads: drop --tenants and --prefix-len")
     if (args.request_rate is not None or args.policy_compare) and config.tp > 1:
         raise NanoError("--request-rate and --policy-compare compare two policies in one process: "
                         "run them without --tp")
@@ -42,8 +48,14 @@ def bench_requests(args, engine, params: SamplingParams):
     if input_len[1] >= engine.max_model_len:
         raise NanoError(f"--input-len {args.input_len}: prompts must be shorter than the model "
                         f"context of {engine.max_model_len} tokens")
-    return workload.random_requests(args.num_seqs, input_len, parse_range(args.output_len, "--output-len"),
-                                    engine.model_config.vocab_size, params.ttft_slo, params.tpot_slo)
+    output_len, vocab = parse_range(args.output_len, "--output-len"), engine.model_config.vocab_size
+    if args.tenants:
+        if args.prefix_len + input_len[1] >= engine.max_model_len:
+            raise NanoError(f"--prefix-len {args.prefix_len} + --input-len {args.input_len}: prompts must be "
+                            f"shorter than the model context of {engine.max_model_len} tokens")
+        return workload.tenant_requests(args.num_seqs, args.tenants, args.prefix_len, input_len, output_len, vocab,
+                                        params.ttft_slo, params.tpot_slo)
+    return workload.random_requests(args.num_seqs, input_len, output_len, vocab, params.ttft_slo, params.tpot_slo)
 
 
 def show_capacity(config: EngineConfig) -> None:

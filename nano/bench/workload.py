@@ -22,6 +22,20 @@ def random_requests(num_seqs: int, input_len: tuple[int, int], output_len: tuple
     return prompts, params
 
 
+def tenant_requests(num_seqs: int, num_tenants: int, prefix_len: int, input_len: tuple[int, int],
+                    output_len: tuple[int, int], vocab_size: int, ttft_slo: float | None = None,
+                    tpot_slo: float | None = None, seed: int = 0):
+    """Several tenants, each with a long system prompt of its own (prefix_len random tokens)
+    that every one of its requests starts with, then input_len tokens of the request's own;
+    each request's tenant drawn uniformly. Where the replicas' pools cannot each hold every
+    tenant's prefix, where a request goes decides whether its prefix is computed again."""
+    rng = np.random.default_rng(seed)
+    prefixes = [rng.integers(0, vocab_size, prefix_len).tolist() for _ in range(num_tenants)]
+    tenants = rng.integers(0, num_tenants, num_seqs)
+    own, params = random_requests(num_seqs, input_len, output_len, vocab_size, ttft_slo, tpot_slo, seed + 1)
+    return [prefixes[t] + p for t, p in zip(tenants, own)], params
+
+
 def warm_up(engine) -> None:
     """First-use costs kept out of the figures: the whole KV pool written once (first-touch
     page faults, see ModelRunner.touch_kv_cache), then one short request (kernel compilation

@@ -122,10 +122,11 @@ class OutputFile:
         self.records: dict[int, str] = {}  # index -> JSON line
         self.file = None
 
-    def write(self, index: int, seq) -> None:
+    def write(self, index: int, seq, **extra) -> None:
+        """extra: more fields of the record (a data-parallel run's replica)."""
         record = {"index": index, "prompt": self.prompts[index], "text": self.decode(seq),
                   "token_ids": seq.output_token_ids, "finish_reason": seq.finish_reason,
-                  "num_prompt_tokens": seq.num_prompt_tokens}
+                  "num_prompt_tokens": seq.num_prompt_tokens, **extra}
         if seq.error:
             record["error"] = seq.error
         self.records[index] = json.dumps(record, ensure_ascii=False) + "\n"

@@ -22,7 +22,7 @@ LLMEngine (tp=1) with its own KV pool; rank 0 also routes. A request's life:
 Routing, at arrival: to the prefill instance with the least queued prompt tokens, and to
 the decode instance with the most free blocks (its last report, less the blocks of
 requests already routed to it and not yet taken), each among those that could ever hold
-the request. Every instance tells the router its capacity (scheduler.Capacity: context,
+the request. Every instance tells the router its capacity (config.Capacity: context,
 pool, watermark) once at the start, and the router routes nothing before it has them all:
 a request no prefill or no decode instance could hold is rejected there, as one engine of
 that pool size rejects it, before any prefill is spent on it. Every instance reports its queue depth
@@ -36,31 +36,20 @@ received and dropped, then acknowledged, so p frees the blocks); an abort for a 
 never got is ignored,
 since p dealt with it. Exactly one instance reports each request's end.
 
-Liveness: an instance that has told the router nothing for HEARTBEAT seconds says it is
-alive; one silent past --stall-timeout has stopped (SIGSTOP, a lost host), and the router
-ends the run with one line rather than wait for it forever. (A stalled router is seen by no
-one: its /health, where it serves, no longer answers.)
-
-Times are each process's time.perf_counter(): CLOCK_MONOTONIC, one clock for all ranks
-on one host (the arrival trace, TTFT and TPOT mix ranks' times).
+Liveness (heartbeats, --stall-timeout), the loop every rank runs and the launch: ranks.py.
 """
-import signal
-import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from nano.config import Capacity
 from nano.disagg import kv_transfer
+from nano.disagg.ranks import Instance, InstanceStatus, Router as RouterBase, launch as launch_ranks
 from nano.errors import NanoError
 from nano.sequence import Sequence, Status
-from nano.telemetry.summary import summarize
 
-ROUTER = 0
 STALL_FRACTION = 0.1  # of a decode step's time, given to receiving handoffs between two steps
 TAG_SPAN = 1 << 14   # payload tags cycle through this many (MPI guarantees 32767 tags)
-HEARTBEAT = 1.0      # seconds of silence after which an instance tells the router it is alive
 
 
 def parse_split(text: str) -> tuple[int, int]:
@@ -76,89 +65,6 @@ def parse_split(text: str) -> tuple[int, int]:
 
 def payload_tag(seq_id: int) -> int:
     return 2 + seq_id % TAG_SPAN
-
-
-@dataclass
-class InstanceStatus:
-    """An instance's report after each step (and once when it goes idle)."""
-    rank: int
-    time: float
-    queue_tokens: int       # at the start of its last step: prefill, prompt tokens not yet computed;
-                            # decode, output tokens still to come
-    used_blocks: int
-    num_blocks: int
-    received: int = 0       # prefill: requests received so far (the router counts those in flight)
-    adopted: list[int] = field(default_factory=list)  # decode: sequences taken since the last report
-
-
-@dataclass
-class Report:
-    """An instance's figures at the end of a run."""
-    rank: int
-    summary: dict                     # its engine's Metrics.summary
-    steps: list                       # its engine's Metrics.step_log
-    stalls: list                      # decode: (start, end) of each KV handoff received between steps
-    used_blocks: int                  # device blocks still in use: 0 unless leaked
-    used_swap_blocks: int
-
-
-# ---- instances ----------------------------------------------------------------------------
-class Instance:
-    """One engine and its side of the protocol."""
-
-    def __init__(self, engine, link):
-        self.engine, self.link = engine, link
-        self.rank = link.rank
-        self.seqs: dict[int, Sequence] = {}   # in this engine's scheduler, by id
-        self.stopping = self.stopped = False
-        self.start = engine.clock.now()
-        self.stalls: list[tuple[float, float]] = []  # decode: (start, end) of each payload received
-        self.reported = None                          # (queue tokens, used blocks) last sent
-        self.handoffs: dict[int, dict] = {}           # decode: seq_id -> its KV handoff's figures
-        self.last_told = time.monotonic()             # when this instance last sent the router anything
-        self.tell_router(("capacity", engine.scheduler.capacity))
-
-    def step(self) -> bool:
-        """One engine step if there is work; returns whether it ran one (a prefill instance
-        whose pool is full of parked blocks has work but cannot run it)."""
-        if not self.engine.has_unfinished():
-            return False
-        steps = self.engine.metrics.steps
-        finished = self.engine.step()
-        for seq in finished:
-            self.end(seq)
-        return bool(finished) or self.engine.metrics.steps > steps
-
-    def end(self, seq: Sequence) -> None:
-        self.seqs.pop(seq.seq_id, None)
-        self.tell_router(("result", kv_transfer.wire_copy(seq), self.handoffs.pop(seq.seq_id, None)))
-
-    def tell_router(self, message: tuple) -> None:
-        self.link.send(ROUTER, message)
-        self.last_told = time.monotonic()
-
-    def keep_alive(self) -> None:
-        if not self.stopped and time.monotonic() - self.last_told > HEARTBEAT:
-            self.tell_router(("alive",))
-
-    def status(self, queue_tokens: int, busy: bool, **extra) -> None:
-        """Report to the router after a step, or when idle and something changed since (so
-        an instance that has gone quiet does not keep showing its last busy queue)."""
-        bm = self.engine.block_manager
-        used = bm.num_blocks - bm.num_free_blocks
-        if not busy and (queue_tokens, used) == self.reported:
-            return
-        self.reported = (queue_tokens, used)
-        self.tell_router(("status", InstanceStatus(self.rank, self.engine.clock.now(), queue_tokens,
-                                                   used, bm.num_blocks, **extra)))
-
-    def finish_stop(self) -> None:
-        bm, m = self.engine.block_manager, self.engine.metrics
-        report = Report(self.rank, summarize(m, self.engine.clock.now() - self.start), list(m.step_log),
-                        self.stalls, bm.num_blocks - bm.num_free_blocks,
-                        bm.num_swap_blocks - len(bm.free_host_blocks))
-        self.tell_router(("final", report))
-        self.stopped = True
 
 
 class PrefillInstance(Instance):
@@ -379,53 +285,26 @@ class DecodeInstance(Instance):
 
 
 # ---- the router ---------------------------------------------------------------------------
-class Router:
+class Router(RouterBase):
     """Rank 0: sends each request, once it has arrived, to a prefill instance and names its
     decode instance; collects results, status reports and, at the end, every instance's report."""
 
     def __init__(self, link, num_prefill: int, num_decode: int, block_size: int, clock,
                  on_result=None, on_snapshot=None, stall_timeout=None):
-        self.link, self.clock, self.block_size = link, clock, block_size
         self.prefill = list(range(num_prefill))
         self.decode = list(range(num_prefill, num_prefill + num_decode))
-        self.pending: deque[Sequence] = deque()       # not yet arrived, in arrival order
-        self.expected = 0
-        self.results: dict[int, Sequence] = {}
+        super().__init__(link, self.prefill + self.decode, clock, on_result, stall_timeout)
+        self.block_size = block_size
         self.handoffs: dict[int, dict] = {}           # seq_id -> its KV handoff's figures (decode side)
         self.where: dict[int, tuple[int, int]] = {}   # seq_id -> (prefill rank, decode rank), until its result
-        self.status: dict[int, InstanceStatus] = {}
-        self.capacity: dict[int, Capacity] = {}       # each instance's, from its first message
-        self.in_flight: dict[int, deque[int]] = {p: deque() for p in self.prefill}  # prompt tokens sent, not yet received
         self.promised: dict[int, dict[int, int]] = {d: {} for d in self.decode}  # seq_id -> blocks, not yet taken
-        self.reports: dict[int, Report] = {}
         self.pool_samples = {"prefill": [], "decode": []}  # (queue tokens, KV occupancy) per report
-        self.on_result, self.on_snapshot = on_result, on_snapshot
-        self.stopped = False
-        self.stall_timeout = stall_timeout
-        self.last_heard = {r: time.monotonic() for r in self.prefill + self.decode}  # any message, per rank
-
-    def add(self, seqs: list[Sequence]) -> None:
-        self.pending.extend(sorted(seqs, key=lambda s: s.arrival_time))
-        self.expected += len(seqs)
-
-    @property
-    def finished(self) -> bool:
-        return len(self.results) == self.expected
-
-    @property
-    def done(self) -> bool:
-        return len(self.reports) == len(self.prefill) + len(self.decode)
-
-    def next_arrival(self) -> float | None:
-        return self.pending[0].arrival_time if self.pending else None
+        self.on_snapshot = on_snapshot
 
     # ---- routing ----------------------------------------------------------------------
     def route(self) -> bool:
-        now, routed = self.clock.now(), False
-        if len(self.capacity) < len(self.prefill) + len(self.decode):
-            return False
-        while self.pending and self.pending[0].arrival_time <= now:
-            seq = self.pending.popleft()
+        arrived = self.arrived()
+        for seq in arrived:
             prefill, error = self.fitting(seq, self.prefill)
             decode, decode_error = self.fitting(seq, self.decode)
             if error or decode_error:
@@ -433,24 +312,11 @@ class Router:
                 continue
             p = min(prefill, key=self.queued_tokens)
             d = max(decode, key=self.free_blocks)
-            self.in_flight[p].append(seq.num_prompt_tokens)
+            self.in_flight[p].append((seq.num_prompt_tokens,))  # a prefill instance's queue: prompt tokens
             self.promised[d][seq.seq_id] = -(-(seq.num_prompt_tokens + 1) // self.block_size)
             self.where[seq.seq_id] = (p, d)
             self.link.send(p, ("request", seq, d))
-            routed = True
-        return routed
-
-    def fitting(self, seq: Sequence, ranks: list[int]) -> tuple[list[int], str | None]:
-        """The instances among ranks that could ever hold seq; if none, why not, in the words
-        of the largest pool's engine."""
-        errors = {r: self.capacity[r].never_fits(seq) for r in ranks}
-        fit = [r for r in ranks if errors[r] is None]
-        largest = max(ranks, key=lambda r: self.capacity[r].usable_blocks)
-        return fit, None if fit else errors[largest]
-
-    def queued_tokens(self, p: int) -> int:
-        reported = self.status[p].queue_tokens if p in self.status else 0
-        return reported + sum(self.in_flight[p])
+        return bool(arrived)
 
     def free_blocks(self, d: int) -> int:
         used = self.status[d].used_blocks if d in self.status else 0
@@ -458,56 +324,23 @@ class Router:
 
     def abort(self, seq_id: int) -> None:
         """Abort a request wherever it is (a pending one never leaves the router)."""
-        pending = next((s for s in self.pending if s.seq_id == seq_id), None)
-        if pending is not None:
-            self.pending.remove(pending)
-            self.end(pending, "aborted")
-        elif seq_id in self.where:
+        if not self.abort_pending(seq_id) and seq_id in self.where:
             for rank in self.where[seq_id]:
                 self.link.send(rank, ("abort", seq_id))
 
-    def end(self, seq: Sequence, reason: str, error: str | None = None) -> None:
-        """A request ended here, never sent to an instance."""
-        seq.status, seq.finish_reason, seq.error = Status.FINISHED, reason, error
-        self.results[seq.seq_id] = seq
-        if self.on_result:
-            self.on_result(seq)
-
     # ---- messages ---------------------------------------------------------------------
-    def receive(self, source: int, message: tuple) -> bool:
-        """Take a message meant for the router; False if it is for the instance on this rank."""
-        kind = message[0]
-        self.last_heard[source] = time.monotonic()
-        if kind == "alive":
-            pass
-        elif kind == "capacity":
-            self.capacity[source] = message[1]
-        elif kind == "result":
-            _, seq, handoff = message
-            self.results[seq.seq_id] = seq
-            if handoff:
-                self.handoffs[seq.seq_id] = handoff
-            _, d = self.where.pop(seq.seq_id)
-            self.promised[d].pop(seq.seq_id, None)
-            if self.on_result:
-                self.on_result(seq)
-        elif kind == "status":
-            self.on_status(message[1])
-        elif kind == "final":
-            self.reports[source] = message[1]
-        else:
-            return False
-        return True
+    def on_result_message(self, source: int, message: tuple) -> None:
+        _, seq, handoff = message
+        if handoff:
+            self.handoffs[seq.seq_id] = handoff
+        _, d = self.where.pop(seq.seq_id)
+        self.promised[d].pop(seq.seq_id, None)
+        self.result(seq)
 
     def on_status(self, s: InstanceStatus) -> None:
-        if s.rank in self.in_flight:  # prefill: requests it has received are in its report
-            previous = self.status[s.rank].received if s.rank in self.status else 0
-            for _ in range(s.received - previous):
-                self.in_flight[s.rank].popleft()
-        else:
-            for seq_id in s.adopted:
-                self.promised[s.rank].pop(seq_id, None)
-        self.status[s.rank] = s
+        for seq_id in s.adopted:  # decode: these no longer need the blocks promised
+            self.promised[s.rank].pop(seq_id, None)
+        super().on_status(s)
         pools = self.pools()
         for name, pool in pools.items():
             self.pool_samples[name].append((pool["queue_depth_tokens"], pool["kv_occupancy"]))
@@ -526,116 +359,26 @@ class Router:
                          "kv_occupancy": sum(r.used_blocks for r in reports) / blocks if blocks else 0.0}
         return out
 
-    def check_alive(self) -> None:
-        """End the run if an instance (not this rank's own, not one that has ended) has been
-        silent past the stall timeout."""
-        if not self.stall_timeout:
-            return
-        now = time.monotonic()
-        silent = [r for r, t in self.last_heard.items()
-                  if r != ROUTER and r not in self.reports and now - t > self.stall_timeout]
-        if silent:
-            kind = "prefill" if silent[0] in self.prefill else "decode"
-            raise NanoError(f"the {kind} instance on rank {silent[0]} has sent nothing for "
-                            f"{self.stall_timeout:g} s (--stall-timeout): it stopped making progress")
-
-    def stop(self) -> None:
-        for rank in self.prefill + self.decode:
-            self.link.send(rank, ("stop",))
-        self.stopped = True
-
-
-# ---- one rank's loop ------------------------------------------------------------------------
-class Node:
-    """What runs on one rank: its instance, and on rank 0 the router too."""
-
-    def __init__(self, instance: Instance, router: Router | None = None):
-        self.instance, self.router = instance, router
-
-    @property
-    def done(self) -> bool:
-        return self.router.done if self.router else self.instance.stopped
-
-    def tick(self) -> bool:
-        """Deliver what has arrived, route, take one step; returns whether anything happened."""
-        messages = self.instance.link.poll()
-        for source, message in messages:
-            if not (self.router and self.router.receive(source, message)):
-                self.instance.receive(source, message)
-        busy = bool(messages)
-        if self.router:
-            self.router.check_alive()
-            busy = self.router.route() or busy
-            if self.router.finished and not self.router.stopped:
-                self.router.stop()
-        if not self.instance.stopped:
-            busy = self.instance.work() or busy
-        self.instance.keep_alive()
-        return busy
-
-    def idle_time(self) -> float:
-        """How long to wait for a message when nothing happened."""
-        arrival = self.router.next_arrival() if self.router else None
-        return 0.05 if arrival is None else min(0.05, arrival - self.instance.engine.clock.now())
+    def describe(self, rank: int) -> str:
+        return f"the {'prefill' if rank in self.prefill else 'decode'} instance on rank {rank}"
 
 
 def launch(config, num_prefill: int, num_decode: int, make_requests, warm_up: bool = False,
            on_result=None, make_metrics=None, stall_timeout=None):
-    """This rank's part of a run under mpirun -n P+D. make_requests(engine) -> sequences
-    (engine.make_sequence, arrival times in seconds after the start) runs on rank 0, which
-    returns (router, its engine, wall seconds) at the end; the other ranks return None.
-    make_metrics(engine): rank 0's MetricsWriter for the pools' snapshots (metrics.PoolExport), or None;
-    stall_timeout: seconds of an instance's silence after which the run is ended."""
-    from nano import parallel
-    from nano.bench import workload
-    from nano.disagg.links import MpiLink
-    from nano.engine import LLMEngine
+    """This rank's part of a run under mpirun -n P+D (ranks.launch): rank 0 returns (router,
+    its engine, wall seconds), the others None. make_metrics(engine): rank 0's MetricsWriter
+    for the pools' snapshots (metrics.PoolExport), or None; stall_timeout: seconds of an
+    instance's silence after which the run is ended."""
+    n = num_prefill + num_decode
+    split = f"{num_prefill}:{num_decode}"
 
-    world = parallel.separate_ranks()
-    with world.together():  # a failure on any rank, loading or reading requests, ends them all
-        if world.world != num_prefill + num_decode:
-            raise NanoError(f"--disagg {num_prefill}:{num_decode} needs {num_prefill + num_decode} MPI ranks, "
-                            f"got {world.world}: run mpirun -n {num_prefill + num_decode} python run.py "
-                            f"--disagg {num_prefill}:{num_decode} ...")
-        engine = LLMEngine(config)
-        seqs = make_requests(engine) if world.rank == ROUTER else []
-        metrics = make_metrics(engine) if make_metrics and world.rank == ROUTER else None
-    if warm_up:
-        workload.warm_up(engine)
-    link = MpiLink(world.comm)
-    kind = PrefillInstance if world.rank < num_prefill else DecodeInstance
-    node = Node(kind(engine, link))
-    if world.rank == ROUTER:
-        node.router = Router(link, num_prefill, num_decode, config.block_size, engine.clock, on_result,
-                             metrics and metrics.tick, stall_timeout)
-    world.comm.Barrier()  # everyone loaded and warmed up: the arrival trace starts now
-    start = engine.clock.now()
-    if node.router:
-        for seq in seqs:
-            seq.arrival_time += start
-        node.router.add(seqs)
-    run_node(node, world)
-    return (node.router, engine, engine.clock.now() - start) if node.router else None
+    def make_router(link, engine):
+        metrics = make_metrics(engine) if make_metrics else None
+        return Router(link, num_prefill, num_decode, config.block_size, engine.clock, on_result,
+                      metrics and metrics.tick, stall_timeout)
 
-
-def run_node(node: Node, world) -> None:
-    """One rank of an MPI run, to the end. A SIGINT on an instance's rank is passed on to
-    the router's, which ends the run (its finished outputs written in order)."""
-    if not node.router:
-        signal.signal(signal.SIGINT, lambda *_: world.tell_interrupted())
-    while not node.done:
-        if node.router:
-            world.check_interrupted()
-        if not node.tick():
-            node.instance.link.wait(node.idle_time())
-    node.instance.link.close()
-
-
-def run_local(nodes: list[Node], on_tick=None) -> None:
-    """Every instance in this process, in turn (tests): on_tick(nodes) after each round."""
-    while not nodes[0].done:
-        for node in nodes:
-            if not node.done:
-                node.tick()
-        if on_tick:
-            on_tick(nodes)
+    return launch_ranks(
+        config, n, lambda got: f"--disagg {split} needs {n} MPI ranks, got {got}: run mpirun -n {n} python run.py "
+                               f"--disagg {split} ...", make_requests,
+        lambda engine, link, rank: (PrefillInstance if rank < num_prefill else DecodeInstance)(engine, link),
+        make_router, warm_up)

@@ -25,14 +25,17 @@ def limits(args) -> Limits:
                   request_tokens=args.max_request_tokens, stream_backlog=args.max_stream_backlog)
 
 
-def serve(args, engine) -> int:
+def serve(args, engine, engine_metrics: bool = True) -> int:
+    """engine_metrics: --metrics-file gets the engine's snapshot after each step (False: the
+    engine is a front over replicas, nano/dp, whose router writes its own)."""
     try:
         from nano.server.app import allowed_hosts, serve as serve_http
     except ImportError as e:
         raise NanoError(f"--serve needs FastAPI and uvicorn (pip install -r requirements.txt): {e}") from None
     print(f"serving {engine.shard.model_dir.name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     try:
-        serve_http(engine, args.host, args.port, args.max_queued_requests, metrics_writer(args, engine), limits(args),
+        serve_http(engine, args.host, args.port, args.max_queued_requests,
+                   metrics_writer(args, engine) if engine_metrics else None, limits(args),
                    args.api_key, allowed_hosts(args.host, args.allowed_hosts), args.shutdown_timeout,
                    args.stall_timeout, args.log_level)
     finally:

@@ -6,15 +6,17 @@ import asyncio
 import queue
 import re
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
+from nano import parallel
 from nano.errors import NanoError
 from nano.sequence import SamplingParams, Sequence
 from nano.telemetry.export import snapshot
 from nano.telemetry.prometheus import EngineExport
-from nano.telemetry.watchdog import Watchdog
+from nano.telemetry.watchdog import GRACE, Watchdog
 
 
 class Detokenizer:
@@ -109,7 +111,8 @@ class EngineThread(threading.Thread):
     def __init__(self, engine, metrics=None, stall_timeout=None):
         super().__init__(name="nano-engine", daemon=True)
         self.engine, self.metrics = engine, metrics  # metrics: a MetricsWriter (--metrics-file)
-        self.export = metrics.export if metrics else EngineExport(engine)  # GET /metrics: --metrics-prom's registry
+        # GET /metrics: --metrics-prom's registry; a front over several engines (nano/dp) has its own
+        self.export = None if hasattr(engine, "prometheus") else metrics.export if metrics else EngineExport(engine)
         self.inbox: queue.Queue = queue.Queue()  # ("add", job) | ("abort", job) | ("metrics", fn) | None
         self.jobs: list[Job] = []
         self.error: str | None = None
@@ -124,8 +127,11 @@ class EngineThread(threading.Thread):
                     self._publish()
                     if self.metrics:
                         self.metrics.after_step(self.engine)
-        except Exception as e:  # a bug: every waiting client gets an error, /health says so
-            self._fail(f"{type(e).__name__}: {e}")
+        except Exception as e:  # a bug, or a rank that stopped: every waiting client gets an error,
+            self._fail(str(e) if isinstance(e, NanoError) else f"{type(e).__name__}: {e}")  # /health says so
+            if not parallel.alone():  # then the job ends: the other ranks would wait for this one forever
+                time.sleep(GRACE)
+                parallel.exit_on_error(e, 1)
 
     def _fail(self, error: str) -> None:
         self.error = error
@@ -147,8 +153,11 @@ class EngineThread(threading.Thread):
                 self.engine.abort(value.seq)
                 self.jobs.remove(value)
             elif kind == "metrics":  # read here, between steps: counts and gauges of one instant
-                self.export.update(snapshot(self.engine, self.engine.clock.now()))
-                value(self.export.text())
+                if self.export is None:
+                    value(self.engine.prometheus())
+                else:
+                    self.export.update(snapshot(self.engine, self.engine.clock.now()))
+                    value(self.export.text())
         return True
 
     def _add(self, job: Job) -> None:

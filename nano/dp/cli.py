@@ -1,0 +1,131 @@
+"""run.py's data-parallel modes under mpirun -n DP: --dp DP with --prompt-file or --bench, and
+--bench --dp-compare (every policy on the same requests and arrivals, one table)."""
+import gc
+import sys
+
+from nano import parallel
+from nano.bench import workload
+from nano.bench.cli import bench_requests
+from nano.cli.output import OutputFile, Progress, describe, metrics_writer, print_completions, write_summary
+from nano.cli.prompts import model_inputs
+from nano.config import EngineConfig
+from nano.dp import metrics as dp_metrics
+from nano.dp import serving
+from nano.dp.policy import POLICIES
+from nano.errors import NanoError
+from nano.sequence import SamplingParams
+from nano.telemetry.summary import format_summary
+
+
+def check_args(args, config: EngineConfig) -> None:
+    """--dp's flags, before the model loads."""
+    serving.check_replicas(args.dp, config.tp)
+    if args.dp_policy not in POLICIES:
+        raise NanoError(f"--dp-policy must be one of {', '.join(POLICIES)}, got {args.dp_policy!r}")
+    clash = [flag for flag, on in (("--disagg", args.disagg is not None),
+                                   ("--capacity", args.capacity), ("--policy-compare", args.policy_compare),
+                                   ("--disagg-compare", args.disagg_compare)) if on]
+    if clash:
+        raise NanoError(f"--dp runs replicas of one engine: drop {', '.join(clash)}")
+    if args.dp_compare and (args.output or args.metrics_file or args.metrics_prom):
+        raise NanoError("--dp-compare writes a table (and --summary-json), no completions or metrics files: "
+                        "drop --output, --metrics-file and --metrics-prom")
+    if not parallel.launched_by_mpirun():
+        raise NanoError(f"--dp {args.dp} runs under mpirun: run mpirun -n {args.dp} python run.py --dp {args.dp} ...")
+
+
+def run_dp(args, config: EngineConfig, params: SamplingParams, requests) -> int:
+    """--dp DP under mpirun: every rank a replica (serving.py); rank 0 routes and reports."""
+    if args.dp_compare:
+        return dp_compare(args, config, params)
+    if args.serve:
+        return serve_dp(args, config)
+    run = {"generated": 0}  # rank 0's: filled in by make_requests
+
+    def on_result(seq, replica):
+        run["generated"] += seq.num_output_tokens
+        run["progress"].update(1, run["generated"])
+        if run["output"]:
+            run["output"].write(run["index"][seq.seq_id], seq, replica=replica)
+
+    def make_requests(engine):
+        seqs, prompts = sequences(args, engine, params, requests)
+        run.update(prompts=prompts, index={seq.seq_id: i for i, seq in enumerate(seqs)},
+                   progress=Progress(len(seqs)),
+                   output=OutputFile(args.output, prompts, engine.detokenize) if args.output else None)
+        print(f"data parallel: {args.dp} replicas, one rank each, policy {args.dp_policy}; each {describe(engine)}",
+              file=sys.stderr)
+        return seqs
+
+    try:
+        ran = serving.launch(config, args.dp, args.dp_policy, make_requests, args.bench, on_result,
+                             lambda engine: metrics_writer(args, export=dp_metrics.ReplicaExport(
+                                 engine.shard.model_dir.name)), args.stall_timeout)
+    finally:
+        if run.get("output"):
+            run["output"].close()
+    if ran is None:
+        return 0
+    router, engine, wall = ran
+    if not args.bench:
+        seqs = sorted(router.results.values(), key=lambda q: run["index"][q.seq_id])
+        print_completions(run["prompts"], seqs, engine.detokenize)
+    summary = dp_metrics.summary(router, wall)
+    print(format_summary(summary))
+    print(dp_metrics.format_replicas(summary))
+    write_summary(args.summary_json, summary)
+    return 0
+
+
+def serve_dp(args, config: EngineConfig) -> int:
+    """--serve --dp N: the HTTP server on rank 0, in front of the router (front.py)."""
+    from nano.dp.front import start_front
+    from nano.server.cli import serve
+    front = start_front(config, args.dp, args.dp_policy, lambda engine, export: metrics_writer(args, export=export),
+                        args.stall_timeout)
+    if front is None:
+        return 0  # a replica, until the server ends
+    print(f"data parallel: {args.dp} replicas, one rank each, policy {args.dp_policy}; each {describe(front.local)}",
+          file=sys.stderr)
+    return serve(args, front, engine_metrics=False)
+
+
+def sequences(args, engine, params: SamplingParams, requests):
+    """The run's requests as sequences (arrival times in seconds after the start), and their
+    prompts' text for the output."""
+    if args.bench:
+        inputs, per_request = bench_requests(args, engine, params)
+        arrivals = (workload.poisson_arrivals(len(inputs), args.request_rate) if args.request_rate
+                    else [0.0] * len(inputs))
+        prompts = [""] * len(inputs)
+    else:
+        prompts = [p for p, _ in requests]
+        inputs = model_inputs(engine.tokenizer, prompts, chat=not args.no_chat)
+        per_request, arrivals = [sp for _, sp in requests], [0.0] * len(inputs)
+    return [engine.make_sequence(p, sp, t) for p, sp, t in zip(inputs, per_request, arrivals)], prompts
+
+
+def dp_compare(args, config: EngineConfig, params: SamplingParams) -> int:
+    """--bench --dp-compare: every policy in turn on the same requests and arrivals, fresh
+    engines each time (no policy inherits another's prefix cache); with --dp 1, the one run."""
+    results = {}
+    for policy in POLICIES if args.dp > 1 else ("kv-aware",):
+        gc.collect()  # the previous run's KV pools freed before this one sizes its own
+        ran = serving.launch(config, args.dp, policy, lambda engine: sequences(args, engine, params, None)[0],
+                             True, stall_timeout=args.stall_timeout)
+        if ran:
+            router, _, wall = ran
+            name = f"dp={args.dp} {policy}" if args.dp > 1 else "dp=1"
+            results[name] = dp_metrics.summary(router, wall)
+            print(f"--- {name}\n{format_summary(results[name])}\n{dp_metrics.format_replicas(results[name])}",
+                  flush=True)
+        del ran
+    if not results:
+        return 0
+    print(f"\n{args.num_seqs} requests, {args.tenants} tenants x {args.prefix_len}-token system prompts + "
+          f"--input-len {args.input_len}, --output-len {args.output_len}, {args.request_rate or 'all at once'} "
+          f"req/s (Poisson, seeded), --num-blocks {config.num_blocks} per replica, TTFT target {args.ttft_slo} ms, "
+          f"TPOT target {args.tpot_slo} ms")
+    print(dp_metrics.compare_table(results))
+    write_summary(args.summary_json, results)
+    return 0

@@ -1,0 +1,104 @@
+"""--serve --dp N: the HTTP server on rank 0 drives the router instead of an engine.
+
+The server's engine thread (nano/server/engine_thread.py) calls add_request, step, abort,
+finish and reads each request's Sequence as it grows; Front answers those calls as the
+router: a request goes to the replica the policy picks, every replica sends its requests'
+new tokens after each of its steps ("tokens", Replica.stream), and they are appended to
+the server's Sequence, which the thread turns into text as with one engine. Rank 0's own
+replica steps inside Front.step, as in the command line's loop (ranks.Node.tick).
+"""
+from nano.disagg.ranks import run_node, start
+from nano.dp import metrics as dp_metrics
+from nano.dp.serving import Replica, Router, wrong_size
+from nano.sequence import Sequence, Status
+
+IDLE_WAIT = 0.005  # seconds a step waits for a message when nothing happened: a new request's extra latency
+
+
+class Front:
+    def __init__(self, node, world, export):
+        self.node, self.world, self.router = node, world, node.router
+        self.export = export  # dp_metrics.ReplicaExport: /metrics, and --metrics-prom's file
+        engine = node.instance.engine
+        self.local = engine  # rank 0's: it makes the sequences (checks, tokenizer, ids, seeds)
+        self.tokenizer, self.clock, self.shard = engine.tokenizer, engine.clock, engine.shard
+        self.max_model_len, self.model_config = engine.max_model_len, engine.model_config
+        self.live: dict[int, Sequence] = {}  # the server's sequences, by id, until their result
+        self.router.accepting = True
+        self.router.on_tokens = self.on_tokens
+        self.router.on_result = self.on_result
+
+    # ---- what the server's engine thread calls -------------------------------------------
+    def add_request(self, prompt, params, arrival_time=None) -> Sequence:
+        seq = self.local.make_sequence(prompt, params, arrival_time)
+        self.live[seq.seq_id] = seq
+        self.router.add([seq])  # the router sends a copy: this one is the server's
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return True  # the router always has work: replicas' messages, heartbeats, the stall check
+
+    def step(self) -> list[Sequence]:
+        if not self.node.tick():
+            self.node.instance.link.wait(IDLE_WAIT)
+        return []
+
+    def abort(self, seq: Sequence) -> None:
+        self.end_here(seq, "aborted")
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        self.end_here(seq, reason)
+
+    def end_here(self, seq: Sequence, reason: str) -> None:
+        """The server is done with seq now; its replica is told, and its result, when it
+        comes, is dropped."""
+        if seq.is_finished:
+            return
+        self.live.pop(seq.seq_id, None)
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        self.router.abort(seq.seq_id, reason)
+
+    def prometheus(self) -> bytes:
+        self.export.update({"replicas": self.router.replicas(), "finished": len(self.router.results)})
+        return self.export.text()
+
+    def stop_workers(self) -> None:
+        """The server has ended: the replicas are stopped and give their final reports."""
+        self.router.accepting = False
+        self.router.stop()
+        run_node(self.node, self.world)
+
+    # ---- what the replicas send ------------------------------------------------------------
+    def on_tokens(self, news) -> None:
+        for seq_id, tokens, logits in news:
+            seq = self.live.get(seq_id)
+            if seq is not None:
+                seq.token_ids.extend(tokens)
+                seq.logits.extend(logits)
+
+    def on_result(self, result: Sequence) -> None:
+        seq = self.live.pop(result.seq_id, None)
+        if seq is not None:  # its last tokens and how it ended
+            logits = seq.logits + result.logits
+            seq.__dict__.update(result.__dict__, logits=logits)
+
+
+def start_front(config, num_replicas: int, policy: str, make_metrics=None, stall_timeout=None) -> Front | None:
+    """Under mpirun -n DP: rank 0 returns the Front the server drives; the other ranks run
+    their replica until the router stops them, and return None. make_metrics(engine, export):
+    rank 0's MetricsWriter of that export, or None."""
+    exports = []
+
+    def make_router(link, engine):
+        exports.append(dp_metrics.ReplicaExport(engine.shard.model_dir.name))
+        metrics = make_metrics(engine, exports[0]) if make_metrics else None
+        return Router(link, num_replicas, policy, config.block_size, engine.clock, None,
+                      metrics and metrics.tick, stall_timeout)
+
+    node, world, _ = start(
+        config, num_replicas, wrong_size(num_replicas), lambda engine, link, rank: Replica(engine, link, stream=True),
+        make_router, warm_up=True)
+    if node.router is None:
+        run_node(node, world)
+        return None
+    return Front(node, world, exports[0])
