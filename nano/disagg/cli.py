@@ -23,16 +23,7 @@ def run_disagg(args, config: EngineConfig, params: SamplingParams, requests) -> 
     run = {"generated": 0}  # rank 0's: filled in by make_requests
 
     def make_requests(engine):
-        if args.bench:
-            inputs, per_request = bench_requests(args, engine, params)
-            arrivals = (workload.poisson_arrivals(len(inputs), args.request_rate) if args.request_rate
-                        else [0.0] * len(inputs))
-            prompts = [""] * len(inputs)
-        else:
-            prompts = [p for p, _ in requests]
-            inputs = model_inputs(engine.tokenizer, prompts, chat=not args.no_chat)
-            per_request, arrivals = [sp for _, sp in requests], [0.0] * len(inputs)
-        seqs = [engine.make_sequence(p, sp, t) for p, sp, t in zip(inputs, per_request, arrivals)]
+        seqs, prompts = sequences(args, engine, params, requests)
         run.update(prompts=prompts, index={seq.seq_id: i for i, seq in enumerate(seqs)},
                    progress=Progress(len(seqs)),
                    output=OutputFile(args.output, prompts, engine.detokenize) if args.output else None)
@@ -65,6 +56,21 @@ def run_disagg(args, config: EngineConfig, params: SamplingParams, requests) -> 
     write_summary(args.summary_json, summary)
     return 0
 
+
+
+def sequences(args, engine, params: SamplingParams, requests):
+    """The run's requests as sequences (arrival times in seconds after the start), and their
+    prompts' text for the output."""
+    if args.bench:
+        inputs, per_request = bench_requests(args, engine, params)
+        arrivals = (workload.poisson_arrivals(len(inputs), args.request_rate) if args.request_rate
+                    else [0.0] * len(inputs))
+        prompts = [""] * len(inputs)
+    else:
+        prompts = [p for p, _ in requests]
+        inputs = model_inputs(engine.tokenizer, prompts, chat=not args.no_chat)
+        per_request, arrivals = [sp for _, sp in requests], [0.0] * len(inputs)
+    return [engine.make_sequence(p, sp, t) for p, sp, t in zip(inputs, per_request, arrivals)], prompts
 
 def disagg_compare(args, argv: list[str], config: EngineConfig, params: SamplingParams) -> int:
     """--bench --disagg-compare P:D: colocated here, then disaggregated under mpirun."""

@@ -4,11 +4,9 @@ import gc
 import sys
 
 from nano import parallel
-from nano.bench import workload
-from nano.bench.cli import bench_requests
 from nano.cli.output import OutputFile, Progress, describe, metrics_writer, print_completions, write_summary
-from nano.cli.prompts import model_inputs
 from nano.config import EngineConfig
+from nano.disagg.cli import sequences
 from nano.dp import metrics as dp_metrics
 from nano.dp import serving
 from nano.dp.policy import POLICIES
@@ -88,21 +86,6 @@ def serve_dp(args, config: EngineConfig) -> int:
     print(f"data parallel: {args.dp} replicas, one rank each, policy {args.dp_policy}; each {describe(front.local)}",
           file=sys.stderr)
     return serve(args, front, engine_metrics=False)
-
-
-def sequences(args, engine, params: SamplingParams, requests):
-    """The run's requests as sequences (arrival times in seconds after the start), and their
-    prompts' text for the output."""
-    if args.bench:
-        inputs, per_request = bench_requests(args, engine, params)
-        arrivals = (workload.poisson_arrivals(len(inputs), args.request_rate) if args.request_rate
-                    else [0.0] * len(inputs))
-        prompts = [""] * len(inputs)
-    else:
-        prompts = [p for p, _ in requests]
-        inputs = model_inputs(engine.tokenizer, prompts, chat=not args.no_chat)
-        per_request, arrivals = [sp for _, sp in requests], [0.0] * len(inputs)
-    return [engine.make_sequence(p, sp, t) for p, sp, t in zip(inputs, per_request, arrivals)], prompts
 
 
 def dp_compare(args, config: EngineConfig, params: SamplingParams) -> int:
