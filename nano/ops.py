@@ -45,7 +45,8 @@ def rms_norm(x, weight, eps):
     """x: (T, H), weight: (H,) -> (T, H); x * rsqrt(mean(x^2) + eps) * weight."""
     if on_gpu(x):
         return _kernels().rms_norm(x, weight, eps)
-    var = np.mean(x * x, axis=-1, keepdims=True)
+    var = np.add.reduce(x * x, axis=-1, keepdims=True)
+    var /= np.intp(x.shape[-1])  # np.mean's own two steps, bit for bit, without its Python layers
     return x / np.sqrt(var + eps) * weight
 
 
@@ -112,34 +113,35 @@ def rope_store_kvcache(q, k, v, positions, cos_sin, cache: LayerKV, slot_mapping
     int32, slot = block * block_size + offset, -1 for a token whose KV is already cached
     (skipped). With a key channel scale s, K is stored as k / s and q is returned as q * s;
     with k_rotate, K is stored as k H and q returned as q H (H = hadamard(d)).
-    Returns the rotated q: (T, nq, d), contiguous."""
+    Returns the rotated q: (T, nq, d), on the CPU possibly a strided view."""
     if on_gpu(q):
         return _kernels().rope_store_kvcache(q, k, v, positions, cos_sin, cache, slot_mapping)
-    half = q.shape[-1] // 2
+    half, nq = q.shape[-1] // 2, q.shape[1]
     cos = cos_sin[positions, None, :half]  # (T, 1, d/2)
     sin = cos_sin[positions, None, half:]
-
-    def rotate(x, cos, sin):
-        x1, x2 = x[..., :half], x[..., half:]
-        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-
-    block_size = cache.k.shape[2]
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    blocks, offsets = slots // block_size, slots % block_size
-    keys = rotate(k[keep], cos[keep], sin[keep])  # the kept tokens' own angles
-    q = rotate(q, cos, sin)
+    qk = np.concatenate([q, k], axis=1)  # q and k rotated together: one set of small ops, not two
+    rotated = np.empty_like(qk)
+    x1, x2 = qk[..., :half], qk[..., half:]
+    np.multiply(x1, cos, out=rotated[..., :half])
+    rotated[..., :half] -= x2 * sin
+    np.multiply(x2, cos, out=rotated[..., half:])
+    rotated[..., half:] += x1 * sin
+    q, keys, values, slots = rotated[:, :nq], rotated[:, nq:], v, slot_mapping
+    if (slot_mapping < 0).any():  # a prefix-cached token or a padding row: written by no one
+        keep = slot_mapping >= 0
+        keys, values, slots = keys[keep], v[keep], slot_mapping[keep]
+    blocks, offsets = np.divmod(slots, cache.k.shape[2])
     if cache.k_channel_scale is not None:
         keys = keys / cache.k_channel_scale
         q = q * np.repeat(cache.k_channel_scale, q.shape[1] // k.shape[1], axis=0)  # per query head
     if cache.k_rotate:
         h = hadamard(q.shape[-1])
         keys, q = keys @ h, q @ h
-    for values, data, scales in ((keys, cache.k, cache.k_scale), (v[keep], cache.v, cache.v_scale)):
+    for rows, data, scales in ((keys, cache.k, cache.k_scale), (values, cache.v, cache.v_scale)):
         if scales is None:
-            data[blocks, :, offsets] = values
+            data[blocks, :, offsets] = rows
         else:
-            data[blocks, :, offsets], scales[blocks, :, offsets] = quantize(values)
+            data[blocks, :, offsets], scales[blocks, :, offsets] = quantize(rows)
     return q
 
 
@@ -246,9 +248,9 @@ def _decode_group(q, cache: LayerKV, block_tables, context_lens, scale):
     scores = np.matvec(rows(cache.k), qg)                             # (s, nkv, group, length)
     scores *= scale if cache.k_scale is None else scale * gather(cache.k_scale)[:, :, None].astype(np.float32)
     valid = np.arange(length)[None, :] < context_lens[:, None]      # (s, length)
-    scores = np.where(valid[:, None, None, :], scores, -np.inf)
+    np.copyto(scores, -np.inf, where=~valid[:, None, None, :])  # in place, as below: no more temporaries
     scores -= scores.max(axis=-1, keepdims=True)
-    probs = np.exp(scores)
+    probs = np.exp(scores, out=scores)
     probs /= probs.sum(axis=-1, keepdims=True)
     if cache.v_scale is not None:
         probs *= gather(cache.v_scale)[:, :, None].astype(np.float32)
@@ -355,6 +357,8 @@ def sample(logits, temperature, top_k, top_p, seeds, counters):
     if on_gpu(logits):
         return _kernels().sample(logits, temperature, top_k, top_p, seeds, counters)
     logits = np.asarray(logits, np.float32)
+    if not np.any(temperature):  # all greedy: one argmax for the step, not one per row
+        return np.argmax(logits, axis=-1).astype(np.int32)
     seeds = np.asarray(seeds, np.uint64)
     return np.array([_sample_row(x, np.float32(t), int(k), np.float32(p), int(seed), int(c))
                      for x, t, k, p, seed, c in zip(logits, temperature, top_k, top_p, seeds, counters)],

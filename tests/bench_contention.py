@@ -23,14 +23,15 @@ import sys, time, torch
 from transformers import AutoModelForCausalLM
 torch.set_num_threads(int(sys.argv[2]))
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
-batch = int(sys.argv[3])
+batch, new = int(sys.argv[3]), int(sys.argv[4])
 ids = torch.randint(10, 40000, (batch, 64), generator=torch.Generator().manual_seed(0))
 with torch.no_grad():
     model.generate(ids[:, :8], max_new_tokens=4, do_sample=False)  # warm-up
-    start = time.perf_counter()
-    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, min_new_tokens=32,
+    start, cpu = time.perf_counter(), time.process_time()
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                    do_sample=False)
-print(f"bench: {batch * 32 / (time.perf_counter() - start):.1f} output tokens/s")
+print(f"bench: {batch * new / (time.perf_counter() - start):.1f} output tokens/s, "
+      f"{batch * new / (time.process_time() - cpu):.1f} per CPU-second")
 """
 
 
@@ -42,16 +43,29 @@ def tokens_per_second(cmd: list[str], env: dict) -> float:
     return float(found.group(1))
 
 
+def nano_command(batch: int, output_len: int) -> list[str]:
+    """run.py --bench as a user runs it: 64 prompt tokens, greedy, all sequences in one batch."""
+    return [sys.executable, "run.py", "--bench", "--device", "cpu", "--num-seqs", str(batch), "--max-num-seqs",
+            str(batch), "--input-len", "64:64", "--output-len", f"{output_len}:{output_len}", "--temperature", "0"]
+
+
+def hf_command(hf_python: str, batch: int, output_len: int) -> list[str]:
+    """Hugging Face generate on the same workload, on a thread per core."""
+    model = str(ROOT / "weights" / "SmolLM2-135M-Instruct")
+    return [hf_python, "-c", HF_GENERATE, model, str(CORES), str(batch), str(output_len)]
+
+
+def user_env() -> dict:
+    """This environment without BLAS thread settings: nano chooses its own (nano/cpu_setup.py)."""
+    return {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
+
+
 def runs(batch: int, hf_python: str | None) -> dict:
-    nano = [sys.executable, "run.py", "--bench", "--device", "cpu", "--num-seqs", str(batch),
-            "--max-num-seqs", str(batch), "--input-len", "64:64", "--output-len", "32:32", "--temperature", "0"]
-    base = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
+    nano, base = nano_command(batch, 32), user_env()
     out = {"nano (threads by contention)": (nano, base),
            f"nano (OPENBLAS_NUM_THREADS={CORES})": (nano, dict(base, OPENBLAS_NUM_THREADS=str(CORES)))}
     if hf_python:
-        model = str(ROOT / "weights" / "SmolLM2-135M-Instruct")
-        out[f"transformers generate ({CORES} threads)"] = (
-            [hf_python, "-c", HF_GENERATE, model, str(CORES), str(batch)], base)
+        out[f"transformers generate ({CORES} threads)"] = (hf_command(hf_python, batch, 32), base)
     return out
 
 

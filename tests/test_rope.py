@@ -51,10 +51,14 @@ def test_rope_store_skips_slot_minus_one_and_rotates_each_token_by_its_own_posit
     slots = np.array([-1, 3, 17, -1, 8, 0, -1], np.int32)
     cos_sin = rope_cos_sin(config(head_dim=d, rope_theta=10000.0), 20)
     caches = [rng.standard_normal((num_blocks, nkv, block_size, d)).astype(np.float32) for _ in range(2)]
-    expected = [c.copy() for c in caches]
+    expected, before = [c.copy() for c in caches], [c.copy() for c in caches]
     rows = [ops.rope_store_kvcache(q[i:i + 1], k[i:i + 1], v[i:i + 1], positions[i:i + 1], cos_sin,
                                    LayerKV(*expected), slots[i:i + 1]) for i in range(t)]
     got = ops.rope_store_kvcache(q, k, v, positions, cos_sin, LayerKV(*caches), slots)
     np.testing.assert_array_equal(got, np.concatenate(rows))
     np.testing.assert_array_equal(caches[0], expected[0])
     np.testing.assert_array_equal(caches[1], expected[1])
+    written = np.zeros(num_blocks * block_size, bool)
+    written[slots[slots >= 0]] = True
+    for cache, original in zip(caches, before):  # the slots >= 0 changed, no other
+        np.testing.assert_array_equal((cache != original).any(axis=(1, 3)).reshape(-1), written)
