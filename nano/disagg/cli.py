@@ -20,42 +20,55 @@ def run_disagg(args, config: EngineConfig, params: SamplingParams, requests) -> 
     """--disagg P:D under mpirun: every rank an instance (serving.py); rank 0 routes and
     reports."""
     num_prefill, num_decode = serving.parse_split(args.disagg)
-    run = {"generated": 0}  # rank 0's: filled in by make_requests
-
-    def make_requests(engine):
-        seqs, prompts = sequences(args, engine, params, requests)
-        run.update(prompts=prompts, index={seq.seq_id: i for i, seq in enumerate(seqs)},
-                   progress=Progress(len(seqs)),
-                   output=OutputFile(args.output, prompts, engine.detokenize) if args.output else None)
-        print(f"disaggregated: {num_prefill} prefill + {num_decode} decode instances, one rank each; "
-              f"each {describe(engine)}", file=sys.stderr)
-        return seqs
-
-    def on_result(seq):
-        run["generated"] += seq.num_output_tokens
-        run["progress"].update(1, run["generated"])
-        if run["output"]:
-            run["output"].write(run["index"][seq.seq_id], seq)
-
+    run = RankRun(args, params, requests, f"disaggregated: {num_prefill} prefill + {num_decode} decode instances, "
+                                          "one rank each")
     try:
-        ran = serving.launch(config, num_prefill, num_decode, make_requests, args.bench, on_result,
+        ran = serving.launch(config, num_prefill, num_decode, run.make_requests, args.bench, run.on_result,
                              lambda engine: metrics_writer(args, export=disagg_metrics.PoolExport(
                                  engine.shard.model_dir.name)), args.stall_timeout)
     finally:
-        if run.get("output"):
-            run["output"].close()
+        run.close()
     if ran is None:
         return 0
     router, engine, wall = ran
-    seqs = sorted(router.results.values(), key=lambda q: run["index"][q.seq_id])
+    seqs = sorted(router.results.values(), key=lambda q: run.index[q.seq_id])
     if not args.bench:
-        print_completions(run["prompts"], seqs, engine.detokenize)
+        print_completions(run.prompts, seqs, engine.detokenize)
     summary = disagg_metrics.summary(router, wall)
     print(format_summary(summary))
     print(disagg_metrics.format_disagg(summary))
     write_summary(args.summary_json, summary)
     return 0
 
+
+
+class RankRun:
+    """Rank 0's side of a run over several ranks (--disagg, --dp) on the command line: the
+    requests as sequences, the progress bar, the --output file in input order."""
+
+    def __init__(self, args, params: SamplingParams, requests, banner: str):
+        self.args, self.params, self.requests, self.banner = args, params, requests, banner
+        self.generated, self.output = 0, None
+
+    def make_requests(self, engine) -> list:
+        seqs, self.prompts = sequences(self.args, engine, self.params, self.requests)
+        self.index = {seq.seq_id: i for i, seq in enumerate(seqs)}
+        self.progress = Progress(len(seqs))
+        if self.args.output:
+            self.output = OutputFile(self.args.output, self.prompts, engine.detokenize)
+        print(f"{self.banner}; each {describe(engine)}", file=sys.stderr)
+        return seqs
+
+    def on_result(self, seq, **where) -> None:
+        """A request's end; where: what the --output line says of where it ran (replica=...)."""
+        self.generated += seq.num_output_tokens
+        self.progress.update(1, self.generated)
+        if self.output:
+            self.output.write(self.index[seq.seq_id], seq, **where)
+
+    def close(self) -> None:
+        if self.output:
+            self.output.close()
 
 
 def sequences(args, engine, params: SamplingParams, requests):

@@ -4,9 +4,9 @@ import gc
 import sys
 
 from nano import parallel
-from nano.cli.output import OutputFile, Progress, describe, metrics_writer, print_completions, write_summary
+from nano.cli.output import describe, metrics_writer, print_completions, write_summary
 from nano.config import EngineConfig
-from nano.disagg.cli import sequences
+from nano.disagg.cli import RankRun, sequences
 from nano.dp import metrics as dp_metrics
 from nano.dp import serving
 from nano.dp.policy import POLICIES
@@ -38,36 +38,21 @@ def run_dp(args, config: EngineConfig, params: SamplingParams, requests) -> int:
         return dp_compare(args, config, params)
     if args.serve:
         return serve_dp(args, config)
-    run = {"generated": 0}  # rank 0's: filled in by make_requests
-
-    def on_result(seq, replica):
-        run["generated"] += seq.num_output_tokens
-        run["progress"].update(1, run["generated"])
-        if run["output"]:
-            run["output"].write(run["index"][seq.seq_id], seq, replica=replica)
-
-    def make_requests(engine):
-        seqs, prompts = sequences(args, engine, params, requests)
-        run.update(prompts=prompts, index={seq.seq_id: i for i, seq in enumerate(seqs)},
-                   progress=Progress(len(seqs)),
-                   output=OutputFile(args.output, prompts, engine.detokenize) if args.output else None)
-        print(f"data parallel: {args.dp} replicas, one rank each, policy {args.dp_policy}; each {describe(engine)}",
-              file=sys.stderr)
-        return seqs
-
+    run = RankRun(args, params, requests, f"data parallel: {args.dp} replicas, one rank each, policy "
+                                          f"{args.dp_policy}")
     try:
-        ran = serving.launch(config, args.dp, args.dp_policy, make_requests, args.bench, on_result,
+        ran = serving.launch(config, args.dp, args.dp_policy, run.make_requests, args.bench,
+                             lambda seq, replica: run.on_result(seq, replica=replica),
                              lambda engine: metrics_writer(args, export=dp_metrics.ReplicaExport(
                                  engine.shard.model_dir.name)), args.stall_timeout)
     finally:
-        if run.get("output"):
-            run["output"].close()
+        run.close()
     if ran is None:
         return 0
     router, engine, wall = ran
     if not args.bench:
-        seqs = sorted(router.results.values(), key=lambda q: run["index"][q.seq_id])
-        print_completions(run["prompts"], seqs, engine.detokenize)
+        seqs = sorted(router.results.values(), key=lambda q: run.index[q.seq_id])
+        print_completions(run.prompts, seqs, engine.detokenize)
     summary = dp_metrics.summary(router, wall)
     print(format_summary(summary))
     print(dp_metrics.format_replicas(summary))
