@@ -41,7 +41,6 @@ def run_disagg(args, config: EngineConfig, params: SamplingParams, requests) -> 
     return 0
 
 
-
 class RankRun:
     """Rank 0's side of a run over several ranks (--disagg, --dp) on the command line: the
     requests as sequences, the progress bar, the --output file in input order."""
