@@ -72,8 +72,8 @@ class Metrics:
         for p in plan.preempted:
             self.preemptions[p.mode] += 1
             self.preemption_reasons[f"{p.mode}:{p.reason}"] += 1
+        self.prefix_queried += plan.prefix_queried
         for seq in plan.admitted:
-            self.prefix_queried += seq.num_tokens
             self.prefix_hits += seq.num_cached_tokens
 
     def on_finish(self, seq: Sequence) -> None:

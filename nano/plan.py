@@ -55,6 +55,7 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host, device)
     preempted: list[Preemption] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)  # newly given blocks from the waiting queue
+    prefix_queried: int = 0  # their tokens looked up in the prefix cache (before this step samples)
     finished: list[Sequence] = field(default_factory=list)  # ended by the scheduler (rejected, or out of KV)
 
     def rows(self) -> list[tuple[Sequence, int]]:

@@ -149,6 +149,7 @@ class Scheduler:
                 # it queued once already and the hit is its own blocks found again)
                 seq.scheduled_time, seq.num_cached_prompt_tokens = self.now, seq.num_cached_tokens
             out.admitted.append(seq)
+            out.prefix_queried += seq.num_tokens
             self._start_running(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             out.scheduled.append((seq, n))

@@ -161,3 +161,17 @@ def test_metrics_writer_appends_snapshots(tiny_model, tmp_path):
     snaps = [json.loads(line) for line in jsonl.read_text().splitlines()]
     assert [s["step"] for s in snaps] == [2, 4]
     assert snaps[-1]["ttft_histogram"][-1] == 0 and snaps[-1]["running"] == 1
+
+
+def test_prefix_cache_queries_are_the_prompt_tokens_looked_up(tiny_model):
+    """A request's query is the tokens it had at admission, not one more for the token its
+    first step samples; a second run of the same prompt finds its full blocks cached."""
+    engine, export = engine_with_export(tiny_model, block_size=4)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    engine.generate([[5, 6, 7, 8, 9], [5, 6, 7]], params)
+    engine.generate([[5, 6, 7, 8, 9]], params)
+    assert (engine.metrics.prefix_queried, engine.metrics.prefix_hits) == (5 + 3 + 5, 4)
+    export.update(snapshot(engine, engine.clock.now()))
+    _, samples = parse(export.text().decode(), tiny_model.name)
+    assert samples[("vllm:prefix_cache_queries_total", ())] == 13
+    assert samples[("vllm:prefix_cache_hits_total", ())] == 4
