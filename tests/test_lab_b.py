@@ -1,6 +1,6 @@
-"""The lab's tensor-parallel, deadlines, disaggregation, kv-quant, autoscaling and gqa
-experiments at their quick size (the tiny random model): each writes its PNG and JSON, and
-where its claim's direction is robust on the tiny model, its check holds."""
+"""The lab's tensor-parallel, data-parallel, deadlines, disaggregation, kv-quant, autoscaling
+and gqa experiments at their quick size (the tiny random model): each writes its PNG and
+JSON, and where its claim's direction is robust on the tiny model, its check holds."""
 import json
 
 import pytest
@@ -82,6 +82,17 @@ def test_tensor_parallel_halves_what_each_rank_holds(tmp_path):
     assert [r["tp"] for r in rows] == [1, 2]
     assert rows[1]["q_heads_per_rank"] == [2, 2] and rows[1]["kv_heads_per_rank"] == [1, 1]
     holds("tensor-parallel", rows)
+
+
+@needs_mpi
+def test_data_parallel_kv_aware_computes_fewer_prompt_tokens(tmp_path):
+    """Quick size checks the counts (prompt tokens computed, hit rate, requests per replica);
+    its TTFTs are a few ms on the tiny model, mostly the loop's overhead, so not checked."""
+    rows = run_quick("data-parallel", tmp_path)
+    assert [r["run"] for r in rows] == ["dp=2 round-robin", "dp=2 least-loaded", "dp=2 kv-aware", "dp=1"]
+    assert all(sum(r["requests_per_replica"]) == 24 and r["prompt_tokens"] == rows[0]["prompt_tokens"]
+               for r in rows)  # every run served the same requests
+    holds("data-parallel", rows)
 
 
 @needs_mpi
