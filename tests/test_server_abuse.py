@@ -18,7 +18,7 @@ import pytest
 from test_server import PROMPT, Running, free_port, httpx  # (it skips without the server's packages)
 
 from nano.chat import template  # noqa: E402
-from nano.server.app import allowed_hosts  # noqa: E402
+from nano.server.middleware import allowed_hosts  # noqa: E402
 from nano.server.engine_thread import StopStrings  # noqa: E402
 from nano.server.limits import Limits  # noqa: E402
 

@@ -12,7 +12,7 @@ from test_server import PROMPT, Running, httpx, openai  # (it skips without the 
 from test_server_abuse import assert_openai_error, post_text, start_server
 
 from nano.chat import template  # noqa: E402
-from nano.server.app import allowed_hosts  # noqa: E402
+from nano.server.middleware import allowed_hosts  # noqa: E402
 from nano.server.limits import Limits  # noqa: E402
 
 KEY = "sesame"

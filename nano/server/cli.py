@@ -29,7 +29,8 @@ def serve(args, engine, engine_metrics: bool = True) -> int:
     """engine_metrics: --metrics-file gets the engine's snapshot after each step (False: the
     engine is a front over replicas, nano/dp, whose router writes its own)."""
     try:
-        from nano.server.app import allowed_hosts, serve as serve_http
+        from nano.server.app import serve as serve_http
+        from nano.server.middleware import allowed_hosts
     except ImportError as e:
         raise NanoError(f"--serve needs FastAPI and uvicorn (pip install -r requirements.txt): {e}") from None
     print(f"serving {engine.shard.model_dir.name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)

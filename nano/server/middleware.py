@@ -1,0 +1,121 @@
+"""What every request passes before a route: the body's size (BodyLimit), the Host header
+(HostCheck: DNS rebinding), and one log line per request (AccessLog)."""
+import json
+import logging
+import time
+
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+
+from nano.server.schemas import error_response
+
+log = logging.getLogger("nano.server")
+
+
+class BodyLimit:
+    """A request body over `limit` bytes gets 413 before it is parsed: one whose Content-Length
+    says so at once, a chunked one once its bytes pass the limit. (FastAPI's max_body_size
+    answers plain text, not OpenAI's error shape.)"""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.limit:
+            return await error_response(self.message, 413)(scope, receive, send)
+        read = 0
+
+        async def counted():
+            nonlocal read
+            message = await receive()
+            read += len(message.get("body", b""))
+            if read > self.limit:  # raised while FastAPI reads the body: answered by the HTTPException handler
+                raise HTTPException(413, self.message)
+            return message
+        await self.app(scope, counted, send)
+
+    @property
+    def message(self) -> str:
+        return f"the request body is larger than this server's {self.limit} bytes"
+
+
+class HostCheck:
+    """Starlette's Host header check (TrustedHostMiddleware), its refusal in OpenAI's error
+    shape instead of Starlette's plain text."""
+
+    def __init__(self, app, allowed_hosts: list[str]):
+        self.app, self.allowed_hosts = app, allowed_hosts
+
+    async def __call__(self, scope, receive, send):
+        allowed = False
+
+        async def passed(*_):
+            nonlocal allowed
+            allowed = True
+
+        async def refused(_):  # Starlette's plain-text answer: not sent, ours is
+            pass
+        await TrustedHostMiddleware(passed, self.allowed_hosts, www_redirect=False)(scope, receive, refused)
+        if allowed:
+            return await self.app(scope, receive, send)
+        await error_response("the Host header names a host this server does not answer for (--allowed-hosts)",
+                             400)(scope, receive, send)
+
+
+class AccessLog:
+    """One line per request on the "nano.server" logger: method, path, status, milliseconds
+    until the response's last byte (a stream's [DONE]) and, for an error, its message. Under
+    2xx at INFO, 4xx at WARNING, 5xx at ERROR (--log-level picks what shows)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status, body, failure = time.perf_counter(), 500, b"", None
+
+        async def sending(message):
+            nonlocal status, body
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif status >= 400 and len(body) < 2**16:  # an error's body: small JSON
+                body += message.get("body", b"")
+            await send(message)
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as e:  # a bug: answered 500 by Starlette's outermost middleware, after this
+            failure = f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            line = f"{scope['method']} {scope['path']} {status} {1e3 * (time.perf_counter() - start):.1f} ms"
+            if failure or status >= 400:
+                line += ": " + (failure or _reason(body))
+            log.log(logging.ERROR if failure or status >= 500 else logging.WARNING if status >= 400
+                    else logging.INFO, line)
+
+
+def _reason(body: bytes) -> str:
+    """An error response's message (OpenAI's shape), else its text."""
+    try:
+        return json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return body.decode("utf-8", "replace")
+
+
+def allowed_hosts(host: str, hosts: str | None) -> list[str]:
+    """--allowed-hosts (comma-separated; '*': any). By default a server bound to one address
+    answers only the names of that address and of loopback, so a web page whose name an attacker
+    points at 127.0.0.1 (DNS rebinding) cannot reach it; one bound to every address takes any."""
+    if hosts is not None:
+        return [h.strip() for h in hosts.split(",") if h.strip()]
+    if host in ("", "0.0.0.0", "::"):
+        return ["*"]
+    named = f"[{host}]" if ":" in host else host  # an IPv6 address, as a Host header writes it
+    return list(dict.fromkeys(["localhost", "127.0.0.1", "[::1]", named]))
+
+

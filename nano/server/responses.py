@@ -1,0 +1,164 @@
+"""What the server answers: a request's jobs gathered into one OpenAI response, or streamed
+as server-sent events; usage and logprobs in OpenAI's shapes."""
+import asyncio
+import json
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+from fastapi.sse import EventSourceResponse, format_sse_event
+
+from nano.server.engine_thread import Job
+from nano.server.schemas import BadRequest, Sampling, StreamOptions, error_body, error_response
+
+if TYPE_CHECKING:  # only for annotations: app.py imports this module
+    from nano.server.app import Server
+
+
+async def respond(server: "Server", request: Request, body: Sampling, jobs: list[Job], kind: str, prefix: str):
+    rid, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
+    head = {"id": rid, "object": kind, "created": created, "model": server.model_name}
+    if body.stream:
+        options = body.stream_options or StreamOptions()
+        return EventSourceResponse(stream(server, request, jobs, body.n, head, kind, options))
+    try:
+        results = await asyncio.gather(*(collect(job, request) for job in jobs))
+    finally:
+        server.release(jobs)
+    if any(r is None for r in results):
+        return error_response("client disconnected", 499)
+    failed = [r for r in results if r["error"]]
+    if failed:  # rejected by the engine (400), or the engine failed (500)
+        status = failed[0]["status"]
+        raise BadRequest(failed[0]["error"], status, "server_error" if status >= 500 else "invalid_request_error")
+    choices = []
+    for i, r in enumerate(results):
+        if kind == "chat.completion":
+            choice = {"index": i, "message": {"role": "assistant", "content": r["text"]},
+                      "logprobs": chat_logprobs(r["logprobs"]) if jobs[i].top_logprobs is not None else None,
+                      "finish_reason": r["finish_reason"]}
+        else:
+            choice = {"index": i, "text": r["text"], "finish_reason": r["finish_reason"],
+                      "logprobs": completion_logprobs(r["logprobs"]) if jobs[i].top_logprobs is not None else None}
+        if jobs[i].prompt_logprobs is not None:
+            choice["prompt_logprobs"] = r["prompt_logprobs"]
+        choices.append(choice)
+    counts = {i: (r["completion_tokens"], r["cached_tokens"]) for i, r in enumerate(results)}
+    return {**head, "choices": choices, "usage": usage_of(jobs, body.n, counts)}
+
+
+async def collect(job: Job, request: Request) -> dict | None:
+    """A job's events gathered into one result; None if the client went away first."""
+    out = {"text": "", "logprobs": [], "finish_reason": None, "error": None, "prompt_logprobs": None}
+    while out["finish_reason"] is None and out["error"] is None:
+        try:
+            event = await asyncio.wait_for(job.events.get(), timeout=0.5)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                return None
+            continue
+        out["text"] += event.get("text", "")
+        out["logprobs"] += event.get("logprobs") or []
+        out["prompt_logprobs"] = out["prompt_logprobs"] or event.get("prompt_logprobs")
+        out["error"], out["status"] = event.get("error"), event.get("status", 400)
+        out["finish_reason"] = event.get("finish_reason")
+        out["completion_tokens"], out["cached_tokens"] = event.get("completion_tokens", 0), event.get("cached_tokens", 0)
+    return out
+
+
+async def stream(server: "Server", request: Request, jobs: list[Job], n: int, head: dict, kind: str,
+                 options: StreamOptions):
+    """SSE chunks in OpenAI's format as the engine produces text, then usage (include_usage),
+    then [DONE]; with continuous_usage_stats every chunk carries the request's usage so far.
+    The client going away cancels this generator: its jobs are aborted in the finally."""
+    chunk_kind = kind + ".chunk" if kind == "chat.completion" else kind
+    events = asyncio.Queue()
+
+    async def forward(i, job):
+        while True:
+            event = await job.events.get()
+            if events.qsize() >= server.limits.stream_backlog:  # the client stopped reading: stop generating
+                server.abort(job)
+                event = {"error": f"the client left more than {server.limits.stream_backlog} chunks unread: "
+                                  "the choice was aborted"}
+            events.put_nowait((i, event))
+            if event.get("finish_reason") or event.get("error"):
+                return
+
+    tasks = [asyncio.create_task(forward(i, job)) for i, job in enumerate(jobs)]
+    counts, live = {}, len(jobs)  # counts: as usage_of takes them
+
+    def chunk(choices: list[dict]) -> bytes:
+        usage = {"usage": usage_of(jobs, n, counts)} if options.continuous_usage_stats else {}
+        return sse({**head, "object": chunk_kind, "choices": choices, **usage})
+    try:
+        if kind == "chat.completion":
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for i in range(len(jobs))])
+        while live:
+            i, event = await events.get()
+            if event.get("error"):
+                yield sse(error_body(event["error"], "server_error" if event.get("status", 400) >= 500
+                                     else "invalid_request_error"))
+                live -= 1
+                continue
+            counts[i] = (event["completion_tokens"], event["cached_tokens"])
+            lp = event.get("logprobs")
+            if kind == "chat.completion":
+                choice = {"index": i, "delta": {"content": event["text"]} if event["text"] else {},
+                          "logprobs": chat_logprobs(lp) if lp else None, "finish_reason": event["finish_reason"]}
+            else:
+                choice = {"index": i, "text": event["text"], "logprobs": completion_logprobs(lp) if lp else None,
+                          "finish_reason": event["finish_reason"]}
+            if event.get("prompt_logprobs"):  # the first chunk of a choice, as vLLM sends it
+                choice["prompt_logprobs"] = event["prompt_logprobs"]
+            yield chunk([choice])
+            live -= event["finish_reason"] is not None
+        if options.include_usage:
+            yield sse({**head, "object": chunk_kind, "choices": [], "usage": usage_of(jobs, n, counts)})
+        yield format_sse_event(data_str="[DONE]")
+    finally:
+        for task in tasks:
+            task.cancel()
+        server.release(jobs)
+
+
+def sse(payload: dict) -> bytes:
+    return format_sse_event(data_str=json.dumps(payload, ensure_ascii=False))
+
+
+def usage_of(jobs: list[Job], n: int, counts: dict[int, tuple[int, int]]) -> dict:
+    """A request's usage (so far): each prompt's tokens once, and of those the ones its first
+    choice found in the prefix cache; every choice's generated tokens. counts: choice index ->
+    (tokens generated, cached prompt tokens), for the choices heard from."""
+    prompt = sum(len(jobs[i].prompt) for i in range(0, len(jobs), n))
+    cached = sum(counts.get(i, (0, 0))[1] for i in range(0, len(jobs), n))
+    completion = sum(c for c, _ in counts.values())
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def completion_logprobs(entries: list[dict]) -> dict:
+    """OpenAI's legacy shape from engine_thread's entries (an echoed prompt's first: its first
+    token has no logprob and no top ones)."""
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [None if e["top"] is None else top_by_token(e["top"]) for e in entries],
+            "text_offset": [e["offset"] for e in entries]}
+
+
+def top_by_token(top: list[dict]) -> dict[str, float]:
+    """The top logprobs keyed by token text, as the legacy shape wants: one key each, should
+    two tokens show the same text (the second is keyed by its id, as vLLM's token_id:N)."""
+    out = {}
+    for e in top:
+        out[f"token_id:{e['id']}" if e["token"] in out else e["token"]] = e["logprob"]
+    return out
+
+
+def chat_logprobs(entries: list[dict]) -> dict:
+    def item(e):
+        return {"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"]}
+    return {"content": [{**item(e), "top_logprobs": [item(t) for t in e["top"]]} for e in entries]}
+
+

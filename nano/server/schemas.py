@@ -1,0 +1,153 @@
+"""What the server takes: OpenAI's request bodies (pydantic models; top_k and ignore_eos are
+extensions, as in vLLM), every text field through the command line's text check, and
+errors in OpenAI's shape."""
+from typing import Annotated, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
+
+from nano import checks
+from nano.errors import NanoError
+
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+ROLES = ("system", "developer", "user", "assistant", "tool")  # the chat roles OpenAI takes
+
+
+def _checked_text(value: str) -> str:
+    """The check the command line's prompts get (nano/checks.py): JSON's \\ud800 escape can
+    make a lone surrogate, which the tokenizer (and UTF-8) cannot take."""
+    try:
+        return checks.text("the text", value)
+    except NanoError as e:
+        raise PydanticCustomError("text", str(e)) from None
+
+
+Text = Annotated[str, AfterValidator(_checked_text)]
+
+
+def _is_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _prompts(value) -> list[str | list[int]]:
+    """A completion's prompt as OpenAI takes it: a string, a list of token ids, or a batch (a
+    list of strings, or of token-id lists); returned as the batch (one prompt: a batch of one)."""
+    single = isinstance(value, str) or (isinstance(value, list) and bool(value) and all(map(_is_id, value)))
+    prompts = [value] if single else value
+    if not isinstance(prompts, list) or not prompts:
+        raise PydanticCustomError("prompt", "must be a string, a list of token ids, a list of strings or a list "
+                                  "of token-id lists, and not empty")
+    for i, p in enumerate(prompts):
+        where = "" if single else f"prompt {i}: "
+        if not (isinstance(p, str) or (isinstance(p, list) and all(map(_is_id, p)))):
+            raise PydanticCustomError("prompt", f"{where}must be a string or a list of token ids")
+        if not p:
+            raise PydanticCustomError("prompt", f"{where}is empty")
+        if isinstance(p, str):
+            _checked_text(p)
+    return prompts
+
+
+def _content(value, info: ValidationInfo) -> str | None:
+    """A message's content as OpenAI takes it: a string, a list of text parts (joined with
+    newlines, as vLLM does), or null in an assistant's message (which may hold tool calls
+    instead; as in vLLM it need not); other parts (images, audio, files) are a 400."""
+    if value is None:
+        if info.data.get("role") == "assistant":
+            return None
+        raise PydanticCustomError("content", "is required (it may be null only in an assistant's message)")
+    if isinstance(value, str):
+        return _checked_text(value)
+    if not isinstance(value, list):
+        raise PydanticCustomError("content", "must be a string or a list of content parts")
+    texts = []
+    for i, part in enumerate(value):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise PydanticCustomError("content", f"part {i} is of type {kind!r}: this server takes text only "
+                                      "({'type': 'text', 'text': ...})")
+        if not isinstance(part.get("text"), str):
+            raise PydanticCustomError("content", f"part {i}: 'text' must be a string")
+        texts.append(_checked_text(part["text"]))
+    return "\n".join(texts)
+
+
+# ---- requests (what OpenAI's API takes; top_k and ignore_eos are extensions, as in vLLM) ----
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
+
+
+class Sampling(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)  # unknown fields: tolerated
+    model: Text | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)
+    seed: int | None = None
+    stop: Text | list[Text] | None = None
+    n: int = Field(1, ge=1, le=128)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # vLLM's: the prompt's, scored
+
+
+class CompletionRequest(Sampling):
+    prompt: Annotated[list[str | list[int]], PlainValidator(_prompts)]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False  # the text and logprobs start with the prompt's (scored by the engine)
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: the prompt scored, nothing generated
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal[ROLES]
+    content: str | None = Field(None, validate_default=True)  # absent: as null
+
+    validate_content = field_validator("content", mode="plain")(_content)
+
+
+class ChatRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a completion's prompt, or a chat's messages in the model's template."""
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[Message] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: Text | None = None
+    tokens: list[int]
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.code, self.param = status, kind, code, param
+
+
+def error_body(message: str, kind: str = "invalid_request_error", code: str | None = None,
+               param: str | None = None) -> dict:
+    """OpenAI's error shape (a response's body, or a stream's last event)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(message: str, status: int = 400, kind: str = "invalid_request_error",
+                   code: str | None = None, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, kind, code, param), status_code=status)
+
