@@ -28,17 +28,7 @@ def run_disagg(args, config: EngineConfig, params: SamplingParams, requests) -> 
                                  engine.shard.model_dir.name)), args.stall_timeout)
     finally:
         run.close()
-    if ran is None:
-        return 0
-    router, engine, wall = ran
-    seqs = sorted(router.results.values(), key=lambda q: run.index[q.seq_id])
-    if not args.bench:
-        print_completions(run.prompts, seqs, engine.detokenize)
-    summary = disagg_metrics.summary(router, wall)
-    print(format_summary(summary))
-    print(disagg_metrics.format_disagg(summary))
-    write_summary(args.summary_json, summary)
-    return 0
+    return run.report(ran, disagg_metrics.summary, disagg_metrics.format_disagg)
 
 
 class RankRun:
@@ -68,6 +58,21 @@ class RankRun:
     def close(self) -> None:
         if self.output:
             self.output.close()
+
+    def report(self, ran, summarize, format_add_on) -> int:
+        """Rank 0 at the end (ran: launch's (router, engine, wall seconds); None on the other
+        ranks): the completions in input order, the summary, the add-on's own lines."""
+        if ran is None:
+            return 0
+        router, engine, wall = ran
+        if not self.args.bench:
+            seqs = sorted(router.results.values(), key=lambda q: self.index[q.seq_id])
+            print_completions(self.prompts, seqs, engine.detokenize)
+        summary = summarize(router, wall)
+        print(format_summary(summary))
+        print(format_add_on(summary))
+        write_summary(self.args.summary_json, summary)
+        return 0
 
 
 def sequences(args, engine, params: SamplingParams, requests):

@@ -4,7 +4,7 @@ import gc
 import sys
 
 from nano import parallel
-from nano.cli.output import describe, metrics_writer, print_completions, write_summary
+from nano.cli.output import describe, metrics_writer, write_summary
 from nano.config import EngineConfig
 from nano.disagg.cli import RankRun, sequences
 from nano.dp import metrics as dp_metrics
@@ -47,17 +47,7 @@ def run_dp(args, config: EngineConfig, params: SamplingParams, requests) -> int:
                                  engine.shard.model_dir.name)), args.stall_timeout)
     finally:
         run.close()
-    if ran is None:
-        return 0
-    router, engine, wall = ran
-    if not args.bench:
-        seqs = sorted(router.results.values(), key=lambda q: run.index[q.seq_id])
-        print_completions(run.prompts, seqs, engine.detokenize)
-    summary = dp_metrics.summary(router, wall)
-    print(format_summary(summary))
-    print(dp_metrics.format_replicas(summary))
-    write_summary(args.summary_json, summary)
-    return 0
+    return run.report(ran, dp_metrics.summary, dp_metrics.format_replicas)
 
 
 def serve_dp(args, config: EngineConfig) -> int:
