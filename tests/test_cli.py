@@ -57,6 +57,27 @@ def test_bench_small(default_model):
     assert "bench:" in r.stdout and "output tokens/s" in r.stdout
 
 
+@pytest.mark.parametrize("tenants", [0, 2])
+def test_bench_workload_is_drawn_from_seed(tenants):
+    """--seed picks --bench's prompts, their sampling seeds and their arrival times: the same
+    seed gives the same workload, another seed another one."""
+    from argparse import Namespace
+    from types import SimpleNamespace
+
+    from nano.bench.cli import bench_arrivals, bench_requests
+    from nano.sequence import SamplingParams
+    engine = SimpleNamespace(max_model_len=256, model_config=SimpleNamespace(vocab_size=1000))
+
+    def draw(seed):
+        args = Namespace(seed=seed, num_seqs=6, input_len="4:32", output_len="2:9", tenants=tenants,
+                         prefix_len=16, request_rate=3.0)
+        prompts, params = bench_requests(args, engine, SamplingParams())
+        return prompts, [(p.seed, p.max_tokens) for p in params], bench_arrivals(args, 6).tolist()
+
+    assert draw(None) == draw(0) == draw(0)
+    assert all(a != b for a, b in zip(draw(0), draw(1)))
+
+
 @pytest.mark.parametrize("args,fragment", [
     (["--prompt-file", "/nonexistent/prompts.txt"], "cannot read prompt file"),
     (["--prompt-file", "EMPTY"], "has no prompts"),

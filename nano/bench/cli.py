@@ -42,6 +42,18 @@ def check_bench_args(args, config: EngineConfig) -> None:
                         "run them without --tp")
 
 
+def bench_seed(args) -> int:
+    """What --bench's workload (prompts, per-request sampling seeds, arrival times) is drawn
+    from: --seed, so that runs on several seeds see several workloads."""
+    return 0 if args.seed is None else args.seed
+
+
+def bench_arrivals(args, num: int):
+    """Seconds after the start at which each of num requests arrives (--request-rate,
+    Poisson, seeded as the prompts are), or None: all at once."""
+    return workload.poisson_arrivals(num, args.request_rate, bench_seed(args)) if args.request_rate else None
+
+
 def bench_requests(args, engine, params: SamplingParams):
     """The benchmark's random prompts, each of which must fit the model's context."""
     input_len = parse_range(args.input_len, "--input-len")
@@ -54,8 +66,9 @@ def bench_requests(args, engine, params: SamplingParams):
             raise NanoError(f"--prefix-len {args.prefix_len} + --input-len {args.input_len}: prompts must be "
                             f"shorter than the model context of {engine.max_model_len} tokens")
         return workload.tenant_requests(args.num_seqs, args.tenants, args.prefix_len, input_len, output_len, vocab,
-                                        params.ttft_slo, params.tpot_slo)
-    return workload.random_requests(args.num_seqs, input_len, output_len, vocab, params.ttft_slo, params.tpot_slo)
+                                        params.ttft_slo, params.tpot_slo, bench_seed(args))
+    return workload.random_requests(args.num_seqs, input_len, output_len, vocab, params.ttft_slo, params.tpot_slo,
+                                    bench_seed(args))
 
 
 def show_capacity(config: EngineConfig) -> None:
@@ -81,7 +94,7 @@ def run_bench(args, engine, params: SamplingParams) -> int:
 def rate_bench(args, config: EngineConfig, params: SamplingParams) -> int:
     """The same Poisson arrival trace served under FCFS and under the deadline policy."""
     from nano.engine import LLMEngine
-    arrivals = workload.poisson_arrivals(args.num_seqs, args.request_rate)
+    arrivals = bench_arrivals(args, args.num_seqs)
     results = {}
     for policy in ("fcfs", "deadline"):
         engine = LLMEngine(dataclasses.replace(config, policy=policy))

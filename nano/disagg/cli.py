@@ -5,7 +5,7 @@ import os
 import sys
 
 from nano.bench import workload
-from nano.bench.cli import bench_requests, parse_range
+from nano.bench.cli import bench_arrivals, bench_requests, parse_range
 from nano.cli.offline import run_all
 from nano.cli.output import OutputFile, Progress, describe, metrics_writer, print_completions, write_summary
 from nano.cli.prompts import model_inputs
@@ -80,8 +80,8 @@ def sequences(args, engine, params: SamplingParams, requests):
     prompts' text for the output."""
     if args.bench:
         inputs, per_request = bench_requests(args, engine, params)
-        arrivals = (workload.poisson_arrivals(len(inputs), args.request_rate) if args.request_rate
-                    else [0.0] * len(inputs))
+        arrivals = bench_arrivals(args, len(inputs))
+        arrivals = [0.0] * len(inputs) if arrivals is None else arrivals
         prompts = [""] * len(inputs)
     else:
         prompts = [p for p, _ in requests]
@@ -96,8 +96,7 @@ def disagg_compare(args, argv: list[str], config: EngineConfig, params: Sampling
     print(describe(engine), file=sys.stderr)
     inputs, per_request = bench_requests(args, engine, params)
     workload.warm_up(engine)
-    arrivals = workload.poisson_arrivals(len(inputs), args.request_rate) if args.request_rate else None
-    seqs, wall = run_all(engine, inputs, per_request, arrivals)
+    seqs, wall = run_all(engine, inputs, per_request, bench_arrivals(args, len(inputs)))
     colocated = compare.colocated_summary(engine, seqs, wall)
     print(f"--- colocated\n{format_summary(colocated)}\n--- disaggregated {args.disagg_compare}", flush=True)
     del engine, seqs
