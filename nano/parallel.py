@@ -138,23 +138,35 @@ class Group:
 
 
 _group: Group | None = None
-_world: Group | None = None  # after separate_ranks(): every rank, each its own TP group
+_world: Group | None = None  # after split_replicas(): every rank, of every replica
 
 
-def separate_ranks() -> Group:
-    """Every rank runs an engine of its own (several engines side by side, such as
-    disaggregated prefill and decode instances): this process is its own TP group from now
-    on. Returns the group of all ranks, which the engines talk over and which an error
-    anywhere ends."""
+def split_replicas(tp: int) -> Group | None:
+    """Every replica of `tp` ranks runs an engine of its own (data-parallel replicas; with tp
+    1 also disaggregated prefill and decode instances): world rank w is TP rank w % tp of
+    replica w // tp, and from now on this process's TP group is its replica's ranks. Returns
+    the group of replica leaders (TP rank 0 of each, ranked by replica), which the engines
+    talk over; None on the other ranks. world() is every rank, which an error anywhere ends."""
     global _group, _world
-    _world = _world or tp_group()  # a second run in the same processes (nano/dp's --dp-compare)
-    _group = Group(None)
-    return _world
+    _world = world()  # split again for a second run in the same processes (nano/dp's --dp-compare)
+    if _world.comm is None:
+        _group = Group(None)
+        return _world
+    from mpi4py import MPI
+    replica, tp_rank = divmod(_world.rank, tp)
+    _group = Group(_world.comm.Split(replica, tp_rank))
+    leaders = _world.comm.Split(0 if tp_rank == 0 else MPI.UNDEFINED, replica)
+    return Group(leaders) if tp_rank == 0 else None
+
+
+def world() -> Group:
+    """Every rank of the run: the TP group, unless split_replicas() has split it."""
+    return _world or tp_group()
 
 
 def alone() -> bool:
     """Whether this process is the whole run (no other MPI rank to end on an error)."""
-    return (_world or tp_group()).world == 1
+    return world().world == 1
 
 
 def launched_by_mpirun() -> bool:
