@@ -142,25 +142,18 @@ _world: Group | None = None  # after split_replicas(): every rank, of every repl
 
 
 def split_replicas(tp: int) -> Group | None:
-    """Every replica of `tp` ranks runs an engine of its own (data-parallel replicas; with tp
-    1 also disaggregated prefill and decode instances): world rank w is TP rank w % tp of
-    replica w // tp, and from now on this process's TP group is its replica's ranks. Returns
-    the group of replica leaders (TP rank 0 of each, ranked by replica), which the engines
-    talk over; None on the other ranks. world() is every rank, which an error anywhere ends."""
+    """Replicas of `tp` ranks, each an engine of its own (data parallel; tp 1: also disaggregated
+    instances): world rank w is TP rank w % tp of replica w // tp, this process's TP group from
+    now on. Returns the group of replica leaders (TP rank 0 of each) the engines talk over, else None."""
     global _group, _world
     _world = world()  # split again for a second run in the same processes (nano/dp's --dp-compare)
-    if _world.comm is None:
-        _group = Group(None)
-        return _world
     from mpi4py import MPI
-    replica, tp_rank = divmod(_world.rank, tp)
-    _group = Group(_world.comm.Split(replica, tp_rank))
-    leaders = _world.comm.Split(0 if tp_rank == 0 else MPI.UNDEFINED, replica)
-    return Group(leaders) if tp_rank == 0 else None
+    _group = Group(_world.comm.Split(_world.rank // tp))  # ranked as in the world: TP rank w % tp
+    leaders = _world.comm.Split(0 if _group.rank == 0 else MPI.UNDEFINED)  # ranked by replica
+    return Group(leaders) if _group.rank == 0 else None
 
 
-def world() -> Group:
-    """Every rank of the run: the TP group, unless split_replicas() has split it."""
+def world() -> Group:  # every rank of the run (an error anywhere ends them): the TP group unless split
     return _world or tp_group()
 
 

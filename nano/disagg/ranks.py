@@ -288,10 +288,11 @@ def start(config, num_instances: int, wrong_size, make_instance, make_router, ma
     from nano.engine import LLMEngine
     from nano.worker import Worker
 
-    leaders, world = parallel.split_replicas(config.tp), parallel.world()
+    world = parallel.world()
+    if world.world != num_instances * config.tp:  # every rank sees it: each raises the same error
+        raise parallel.SharedError(wrong_size(world.world))
+    leaders = parallel.split_replicas(config.tp)
     with world.together():
-        if world.world != num_instances * config.tp:
-            raise NanoError(wrong_size(world.world))
         if leaders is None:
             worker = Worker(config)
         else:
