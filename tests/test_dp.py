@@ -370,10 +370,11 @@ def fail_one_rank(tmp_path, tiny_model, rank: int, how: str, flags: list[str], r
 
 
 @needs_mpi
-def test_serve_dp2_routes_and_streams_one_engines_tokens(tiny_model, tmp_path):
-    """--serve --dp 2: requests over HTTP on rank 0 go to the replicas; each completion,
-    streamed or not, is one engine's; /metrics has a series per replica; Ctrl-C ends both
-    ranks cleanly."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_serve_dp2_routes_and_streams_one_engines_tokens(tiny_model, tmp_path, tp):
+    """--serve --dp 2 (--tp 2: replicas of two ranks): requests over HTTP on rank 0 go to the
+    replicas; each completion, streamed or not, is one engine's; /metrics has a series per
+    replica; Ctrl-C ends every rank cleanly (each replica's leader stops its TP rank)."""
     pytest.importorskip("fastapi")
     from test_server import free_port, httpx, wait_healthy
     config = tiny_config(tiny_model)
@@ -386,9 +387,9 @@ def test_serve_dp2_routes_and_streams_one_engines_tokens(tiny_model, tmp_path):
         expected.append("".join(detok.add([t]) for t in seq.output_token_ids))
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    job = subprocess.Popen([mpirun(), "-n", "2", "--allow-run-as-root", "--oversubscribe", sys.executable, "run.py",
-                            "--serve", "--dp", "2", "--port", str(port), "--model", str(tiny_model),
-                            "--num-blocks", "64", "--block-size", "8"],
+    job = subprocess.Popen([mpirun(), "-n", str(2 * tp), "--allow-run-as-root", "--oversubscribe", sys.executable,
+                            "run.py", "--serve", "--dp", "2", "--tp", str(tp), "--port", str(port),
+                            "--model", str(tiny_model), "--num-blocks", "64", "--block-size", "8"],
                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = wait_healthy(job, port, TIMEOUT)
