@@ -85,8 +85,8 @@ class Front:
 
 def start_front(config, num_replicas: int, policy: str, make_metrics=None, stall_timeout=None) -> Front | None:
     """Under mpirun -n DP x TP: rank 0 returns the Front the server drives; the other ranks
-    run their replica (or their share of it) until the router stops them, and return None. make_metrics(engine, export):
-    rank 0's MetricsWriter of that export, or None."""
+    run their replica (or their share of it) until the router stops them, and return None.
+    make_metrics(engine, export): rank 0's MetricsWriter of that export, or None."""
     exports = []
 
     def make_router(link, engine):

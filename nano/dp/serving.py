@@ -194,6 +194,7 @@ def wrong_size(num_replicas: int, tp: int):
 
 
 def flags(num_replicas: int, tp: int) -> str:
+    """The flags that ask for this many replicas of this many ranks, as the user types them."""
     return f"--dp {num_replicas}" + (f" --tp {tp}" if tp > 1 else "")
 
 
@@ -210,8 +211,8 @@ def banner(num_replicas: int, tp: int, policy: str) -> str:
 def launch(config, num_replicas: int, policy: str, make_requests, warm_up: bool = False, on_result=None,
            make_metrics=None, stall_timeout=None):
     """This rank's part of a run under mpirun -n DP x TP (ranks.launch): rank 0 returns
-    (router, its engine, wall seconds), the others None. make_metrics(engine): rank 0's MetricsWriter
-    for the replicas' snapshots (metrics.ReplicaExport), or None."""
+    (router, its engine, wall seconds), the others None. make_metrics(engine): rank 0's
+    MetricsWriter for the replicas' snapshots (metrics.ReplicaExport), or None."""
 
     def make_router(link, engine):
         metrics = make_metrics(engine) if make_metrics else None
