@@ -83,8 +83,8 @@ def build_parser() -> Parser:
                    help="disaggregated serving: P prefill and D decode instances, one rank each: run "
                         "under mpirun -n P+D (nano/disagg); with --capacity, P:D is optional")
     e.add_argument("--dp", type=int, default=None,
-                   help="data parallel: DP replicas, one rank each, behind a router on rank 0: run under "
-                        "mpirun -n DP (nano/dp)")
+                   help="data parallel: DP replicas, each of --tp ranks, behind a router on rank 0: run "
+                        "under mpirun -n DP x TP (nano/dp)")
     e.add_argument("--dp-policy", default="kv-aware",
                    help="--dp routing: round-robin | least-loaded (queued tokens, then KV occupancy) | "
                         "kv-aware (prompt tokens left after the replica's cached prefix + queued tokens)")

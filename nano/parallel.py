@@ -138,23 +138,28 @@ class Group:
 
 
 _group: Group | None = None
-_world: Group | None = None  # after separate_ranks(): every rank, each its own TP group
+_world: Group | None = None  # after split_replicas(): every rank, of every replica
 
 
-def separate_ranks() -> Group:
-    """Every rank runs an engine of its own (several engines side by side, such as
-    disaggregated prefill and decode instances): this process is its own TP group from now
-    on. Returns the group of all ranks, which the engines talk over and which an error
-    anywhere ends."""
+def split_replicas(tp: int) -> Group | None:
+    """Replicas of `tp` ranks, each an engine of its own (data parallel; tp 1: also disaggregated
+    instances): world rank w is TP rank w % tp of replica w // tp, this process's TP group from
+    now on. Returns the group of replica leaders (TP rank 0 of each) the engines talk over, else None."""
     global _group, _world
-    _world = _world or tp_group()  # a second run in the same processes (nano/dp's --dp-compare)
-    _group = Group(None)
-    return _world
+    _world = world()  # split again for a second run in the same processes (nano/dp's --dp-compare)
+    from mpi4py import MPI
+    _group = Group(_world.comm.Split(_world.rank // tp))  # ranked as in the world: TP rank w % tp
+    leaders = _world.comm.Split(0 if _group.rank == 0 else MPI.UNDEFINED)  # ranked by replica
+    return Group(leaders) if _group.rank == 0 else None
+
+
+def world() -> Group:  # every rank of the run (an error anywhere ends them): the TP group unless split
+    return _world or tp_group()
 
 
 def alone() -> bool:
     """Whether this process is the whole run (no other MPI rank to end on an error)."""
-    return (_world or tp_group()).world == 1
+    return world().world == 1
 
 
 def launched_by_mpirun() -> bool:

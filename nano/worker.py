@@ -18,9 +18,9 @@ class Worker:
 
     def run(self) -> None:
         """Replay each step rank 0 broadcasts on this rank's shard, until it says stop. A
-        SIGINT here is passed on to rank 0, which ends the run (a rank leaving mid-step
-        would leave the others waiting in a collective)."""
-        signal.signal(signal.SIGINT, lambda *_: self.group.tell_interrupted())
+        SIGINT here is passed on to world rank 0 (rank 0 here, or nano/dp's router), which ends
+        the run (a rank leaving mid-step would leave the others waiting in a collective)."""
+        signal.signal(signal.SIGINT, lambda *_: parallel.world().tell_interrupted())
         while (packed := self.group.broadcast(None)) is not None:
             swaps = unpack_step(packed, step_sizes(packed))
             self.runner.swap(swaps["blocks_to_swap_out"], swaps["blocks_to_swap_in"])

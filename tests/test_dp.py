@@ -3,6 +3,7 @@ index of them and its policies; whole clusters of replicas in one process over L
 (tiny model, invariants checked after every round); then real runs under mpirun."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from nano.engine import LLMEngine
 from nano.sequence import SamplingParams, Sequence
 from test_disagg import tiny_config, workload
 from test_stress import check_invariants
-from test_tp import ROOT, TIMEOUT, assert_one_line_error, launch, mpirun, needs_mpi, rank_pid
+from test_tp import ROOT, TIMEOUT, assert_one_line_error, interrupt_one_rank, launch, mpirun, needs_mpi, rank_pid
 
 
 # ---- the seam: the prefix cache's events ---------------------------------------------------
@@ -216,32 +217,72 @@ def tenant_file(tmp_path_factory):
 
 
 def outputs(tmp_path, name, tiny_model, tenant_file, ranks, *flags):
+    """The --output records of one run, and the run itself."""
     out = tmp_path / name
     proc = launch(["run.py", "--prompt-file", str(tenant_file), "--model", str(tiny_model), "--no-chat",
                    "--temperature", "0", "--num-blocks", "48", "--block-size", "8", "--output", str(out), *flags],
                   ranks)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads(line) for line in out.read_text().splitlines()], proc.stdout
+    return [json.loads(line) for line in out.read_text().splitlines()], proc
+
+
+@pytest.fixture(scope="module")
+def one_engine(tiny_model, tenant_file, tmp_path_factory):
+    """The token ids of one engine's run, which every data-parallel run must give."""
+    records, _ = outputs(tmp_path_factory.mktemp("one"), "one.jsonl", tiny_model, tenant_file, None)
+    return [r["token_ids"] for r in records]
 
 
 @needs_mpi
-def test_mpirun_dp2_gives_one_engines_tokens_whatever_the_policy(tiny_model, tenant_file, tmp_path):
-    one, _ = outputs(tmp_path, "one.jsonl", tiny_model, tenant_file, None)
+def test_mpirun_dp2_gives_one_engines_tokens_whatever_the_policy(tiny_model, tenant_file, tmp_path, one_engine):
     for policy in POLICIES:
-        records, stdout = outputs(tmp_path, f"{policy}.jsonl", tiny_model, tenant_file, 2, "--dp", "2",
-                                  "--dp-policy", policy)
-        assert [r["token_ids"] for r in records] == [r["token_ids"] for r in one], policy
+        records, proc = outputs(tmp_path, f"{policy}.jsonl", tiny_model, tenant_file, 2, "--dp", "2",
+                                "--dp-policy", policy)
+        assert [r["token_ids"] for r in records] == one_engine, policy
         assert {r["replica"] for r in records} == {0, 1}, policy
-        assert "blocks in use at end none (no leaks)" in stdout and f"policy {policy}" in stdout
-        assert "  replica 1 " in stdout
+        assert "blocks in use at end none (no leaks)" in proc.stdout and f"policy {policy}" in proc.stdout
+        assert "  replica 1 " in proc.stdout
+
+
+@needs_mpi
+def test_mpirun_dp2_tp2_gives_one_engines_tokens(tiny_model, tenant_file, tmp_path, one_engine):
+    """--dp 2 --tp 2 under mpirun -n 4: two replicas of two TP ranks each (world ranks 0-1 and
+    2-3), each leader's steps replayed by its TP rank: one engine's tokens, both replicas
+    serving, every rank ending when its replica stops."""
+    records, proc = outputs(tmp_path, "dp2tp2.jsonl", tiny_model, tenant_file, 4, "--dp", "2", "--tp", "2")
+    assert [r["token_ids"] for r in records] == one_engine
+    assert {r["replica"] for r in records} == {0, 1}
+    assert "data parallel: 2 replicas of 2 TP ranks each, policy kv-aware" in proc.stderr
+    assert "tensor parallel over 2 ranks" in proc.stderr
+    assert "blocks in use at end none (no leaks)" in proc.stdout
+
+
+@needs_mpi
+def test_dp_tp_with_the_wrong_number_of_ranks_is_one_error(tenant_file):
+    proc = launch(["run.py", "--dp", "2", "--tp", "2", "--prompt-file", str(tenant_file)], 3)
+    assert_one_line_error(proc, "--dp 2 --tp 2 needs 4 MPI ranks, got 3: run mpirun -n 4 python run.py "
+                                "--dp 2 --tp 2 ...")
+    assert proc.returncode == 2
+
+
+@needs_mpi
+def test_dp2_tp2_bench_dp_compare_runs_every_policy(tiny_model):
+    """--bench --dp-compare under --dp 2 --tp 2: three runs in the same processes, each
+    splitting the ranks into replicas afresh and stopping them at its end."""
+    proc = launch(["run.py", "--dp", "2", "--tp", "2", "--bench", "--dp-compare", "--model", str(tiny_model),
+                   "--num-seqs", "6", "--tenants", "2", "--prefix-len", "16", "--input-len", "8",
+                   "--output-len", "4", "--num-blocks", "48", "--block-size", "8"], 4)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert all(f"| dp=2 {policy} |" in proc.stdout for policy in POLICIES), proc.stdout
+    assert proc.stdout.count("blocks in use at end none (no leaks)") == len(POLICIES)
 
 
 def test_dp_without_mpirun_and_bad_flags_are_one_line(tenant_file):
     proc = launch(["run.py", "--dp", "2", "--prompt-file", str(tenant_file)])
     assert_one_line_error(proc, "--dp 2 runs under mpirun: run mpirun -n 2 python run.py --dp 2 ...")
     for flags, message in [
-        (["--dp", "2", "--tp", "2"], "--dp runs each replica on one rank: drop --tp (replicas of several TP "
-                                     "ranks are not built)"),
+        (["--dp", "2", "--tp", "2"], "--dp 2 --tp 2 runs under mpirun: run mpirun -n 4 python run.py --dp 2 "
+                                     "--tp 2 ..."),
         (["--dp", "2", "--dp-policy", "random"], "--dp-policy must be one of round-robin, least-loaded, kv-aware, "
                                                  "got 'random'"),
         (["--dp-policy", "round-robin"], "--dp-policy and --dp-compare route between replicas: add --dp N "
@@ -252,19 +293,57 @@ def test_dp_without_mpirun_and_bad_flags_are_one_line(tenant_file):
         assert_one_line_error(launch(["run.py", "--prompt-file", str(tenant_file), *flags]), message)
 
 
+STALL = "has sent nothing for 6 s (--stall-timeout): it stopped making progress"
+
+
 @needs_mpi
 @pytest.mark.parametrize("how", ["SIGSTOP", "SIGKILL"])
 def test_a_failed_replica_ends_the_job_with_one_line_and_keeps_finished_outputs(tiny_model, tmp_path, how):
     """Replica 1 stopped (a wedged host): the router hears nothing and ends the job after the
     stall timeout, with one error line. Killed: mpirun sees it exit and ends the job at
     once, with its own notice naming the rank. Either way, what had finished is in --output."""
+    stderr, done = fail_one_rank(tmp_path, tiny_model, 1, how, ["--dp", "2"])
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    if how == "SIGSTOP":
+        assert len(errors) == 1 and errors[0].endswith("replica 1 (rank 1) " + STALL), stderr[-3000:]
+    else:
+        assert not errors and "process rank 1 with PID" in stderr and "signal 9" in stderr, stderr[-3000:]
+    assert {0, 1, 2, 3} <= done and len(done) < 8  # replica 1's long ones never finished
+
+
+@needs_mpi
+@pytest.mark.parametrize("rank, error", [
+    (3, "error: rank 0: replica 1 (rank 2) " + STALL),  # its leader waits in a collective, silent
+    (1, "error: a step has run for over 6 s (--stall-timeout): a rank or the engine stopped making progress"),
+], ids=["replica 1", "replica 0"])
+def test_a_stopped_tp_rank_of_a_replica_ends_the_job_with_one_line(tiny_model, tmp_path, rank, error):
+    """--dp 2 --tp 2, one replica's second TP rank stopped: its leader waits for it in the
+    step's all-reduce. Replica 1's (world rank 3): the router hears nothing from that leader
+    (world rank 2). Replica 0's (world rank 1): the router waits in the same step, and the
+    watchdog on its steps ends the job. One error line either way."""
+    stderr, done = fail_one_rank(tmp_path, tiny_model, rank, "SIGSTOP", ["--dp", "2", "--tp", "2"], ranks=4)
+    assert [line for line in stderr.splitlines() if line.startswith("error:")] == [error], stderr[-3000:]
+    assert {0, 1, 2, 3} <= done and len(done) < 8
+
+
+@needs_mpi
+def test_ctrl_c_on_a_tp_rank_of_a_replica_ends_every_rank(tmp_path, tiny_model):
+    """SIGINT to replica 1's second TP rank (world rank 3) is passed to the router on world
+    rank 0, not to its leader: every rank ends, the finished outputs kept."""
+    interrupt_one_rank(tmp_path, tiny_model, 3, ["--dp", "2", "--tp", "2"], ranks=4)
+
+
+def fail_one_rank(tmp_path, tiny_model, rank: int, how: str, flags: list[str], ranks: int = 2):
+    """Eight requests routed round-robin, the first four short; once those are done, signal
+    `how` to world rank `rank`: the job must end within the stall timeout (6 s) and a few
+    seconds. Returns its stderr and the indices --output holds."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"prompt number {i}", "max_tokens": 20 if i < 4 else 4000})
                                + "\n" for i in range(8)))
     out = tmp_path / "out.jsonl"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    job = subprocess.Popen([mpirun(), "-n", "2", "--allow-run-as-root", "--oversubscribe", sys.executable, "run.py",
-                            "--dp", "2", "--dp-policy", "round-robin", "--stall-timeout", "6",
+    job = subprocess.Popen([mpirun(), "-n", str(ranks), "--allow-run-as-root", "--oversubscribe", sys.executable,
+                            "run.py", *flags, "--dp-policy", "round-robin", "--stall-timeout", "6",
                             "--prompt-file", str(prompts), "--model", str(tiny_model), "--no-chat",
                             "--num-blocks", "1024", "--output", str(out), "--temperature", "0", "--ignore-eos"],
                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -274,7 +353,7 @@ def test_a_failed_replica_ends_the_job_with_one_line_and_keeps_finished_outputs(
         while not (out.exists() and out.read_text().count("\n") >= 4):  # the four short ones are done
             assert job.poll() is None and time.monotonic() < deadline, job.communicate()
             time.sleep(0.1)
-        pid = rank_pid(job.pid, 1)
+        pid = rank_pid(job.pid, rank)
         os.kill(pid, getattr(signal, how))
         start = time.monotonic()
         _, stderr = job.communicate(timeout=30)
@@ -287,22 +366,16 @@ def test_a_failed_replica_ends_the_job_with_one_line_and_keeps_finished_outputs(
                 pass
         if job.poll() is None:
             job.kill()
-    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
-    if how == "SIGSTOP":
-        assert len(errors) == 1 and errors[0].endswith("replica 1 (rank 1) has sent nothing for 6 s "
-                                                       "(--stall-timeout): it stopped making progress"), stderr[-3000:]
-    else:
-        assert not errors and "process rank 1 with PID" in stderr and "signal 9" in stderr, stderr[-3000:]
     assert job.returncode != 0 and "Traceback" not in stderr
-    done = {json.loads(line)["index"] for line in out.read_text().splitlines()}
-    assert {0, 1, 2, 3} <= done and len(done) < 8  # replica 1's long ones never finished
+    return stderr, {json.loads(line)["index"] for line in out.read_text().splitlines()}
 
 
 @needs_mpi
-def test_serve_dp2_routes_and_streams_one_engines_tokens(tiny_model, tmp_path):
-    """--serve --dp 2: requests over HTTP on rank 0 go to the replicas; each completion,
-    streamed or not, is one engine's; /metrics has a series per replica; Ctrl-C ends both
-    ranks cleanly."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_serve_dp2_routes_and_streams_one_engines_tokens(tiny_model, tmp_path, tp):
+    """--serve --dp 2 (--tp 2: replicas of two ranks): requests over HTTP on rank 0 go to the
+    replicas; each completion, streamed or not, is one engine's; /metrics has a series per
+    replica; Ctrl-C ends every rank cleanly (each replica's leader stops its TP rank)."""
     pytest.importorskip("fastapi")
     from test_server import free_port, httpx, wait_healthy
     config = tiny_config(tiny_model)
@@ -315,9 +388,9 @@ def test_serve_dp2_routes_and_streams_one_engines_tokens(tiny_model, tmp_path):
         expected.append("".join(detok.add([t]) for t in seq.output_token_ids))
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    job = subprocess.Popen([mpirun(), "-n", "2", "--allow-run-as-root", "--oversubscribe", sys.executable, "run.py",
-                            "--serve", "--dp", "2", "--port", str(port), "--model", str(tiny_model),
-                            "--num-blocks", "64", "--block-size", "8"],
+    job = subprocess.Popen([mpirun(), "-n", str(2 * tp), "--allow-run-as-root", "--oversubscribe", sys.executable,
+                            "run.py", "--serve", "--dp", "2", "--tp", str(tp), "--port", str(port),
+                            "--model", str(tiny_model), "--num-blocks", "64", "--block-size", "8"],
                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = wait_healthy(job, port, TIMEOUT)
@@ -375,3 +448,72 @@ def test_a_stopped_replica_under_serve_fails_open_requests_and_ends_the_job(tiny
                 pass
         if job.poll() is None:
             job.kill()
+
+
+# ---- two hosts: network namespaces ----------------------------------------------------------
+SUBNET = "10.211.0.0/24"  # inside the namespaces only
+
+
+@pytest.fixture
+def two_hosts(tmp_path):
+    """Two hosts stood in for by network namespaces of this machine, each with a hostname of
+    its own (a UTS namespace per process started there), joined by a veth pair: TCP is the only
+    way between them. Yields (the command that runs what follows on the first host with mpirun
+    able to start ranks on the second, through an ssh stand-in; the bytes sent between them
+    so far). Needs root and `ip netns`."""
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("unshare"):
+        pytest.skip("needs root, ip and unshare")
+    hosts = [f"nano{os.getpid()}{side}" for side in "ab"]  # namespace, hostname and veth names
+    setup = [["netns", "add", hosts[0]], ["netns", "add", hosts[1]],
+             ["link", "add", hosts[0], "netns", hosts[0], "type", "veth", "peer", hosts[1], "netns", hosts[1]]]
+    for i, host in enumerate(hosts):
+        setup += [["-n", host, "addr", "add", f"10.211.0.{i + 1}/24", "dev", host],
+                  ["-n", host, "link", "set", host, "up"], ["-n", host, "link", "set", "lo", "up"]]
+    try:
+        for command in setup:
+            proc = subprocess.run(["ip", *command], capture_output=True, text=True)
+            if proc.returncode:
+                pytest.skip(f"ip {' '.join(command)}: {proc.stderr.strip()}")
+        agent = tmp_path / "ssh"  # ssh HOST COMMAND, as mpirun calls it: HOST is a namespace here
+        agent.write_text('#!/bin/sh\nwhile [ "${1#-}" != "$1" ]; do shift; done\nhost=$1; shift\n'
+                         'exec ip netns exec "$host" unshare --uts sh -c "hostname $host; $*"\n')
+        agent.chmod(0o755)
+        on_first = ["ip", "netns", "exec", hosts[0], "unshare", "--uts", "sh", "-c",
+                    f'hostname {hosts[0]}; exec "$@"', "sh", mpirun(), "--allow-run-as-root", "--oversubscribe",
+                    "--bind-to", "none", "--host", f"{hosts[0]}:2,{hosts[1]}:2", "--mca", "plm_rsh_agent", str(agent),
+                    "--mca", "btl", "tcp,sm,self", "--mca", "btl_tcp_if_include", SUBNET,
+                    "--mca", "oob_tcp_if_include", SUBNET]
+
+        def sent() -> int:
+            return sum(int(subprocess.run(["ip", "netns", "exec", host, "cat", f"/sys/class/net/{host}/statistics/"
+                                           "tx_bytes"], capture_output=True, text=True, check=True).stdout)
+                       for host in hosts)
+
+        yield on_first, sent
+    finally:
+        for host in hosts:
+            subprocess.run(["ip", "netns", "del", host], capture_output=True)
+
+
+@needs_mpi
+def test_dp2_tp2_on_two_hosts_keeps_each_replicas_all_reduces_on_its_host(two_hosts, tiny_model, tenant_file,
+                                                                           tmp_path, one_engine):
+    """mpirun -n 4 over two hosts of two slots: ranks 0-1 (replica 0) on the first, 2-3
+    (replica 1) on the second, over TCP. One engine's tokens; what crosses between the hosts
+    is MPI's start-up and the router's protocol, not a replica's all-reduces (measured: 0.1
+    MB, against 5.6 MB with each replica split across the hosts by mpirun --map-by node)."""
+    on_first, sent = two_hosts
+    out = tmp_path / "out.jsonl"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    before = sent()
+    proc = subprocess.run([*on_first, "-n", "4", sys.executable, "run.py", "--dp", "2", "--tp", "2",
+                           "--prompt-file", str(tenant_file), "--model", str(tiny_model), "--no-chat",
+                           "--temperature", "0", "--num-blocks", "48", "--block-size", "8", "--output", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["token_ids"] for r in records] == one_engine and {r["replica"] for r in records} == {0, 1}
+    cfg = json.loads((tiny_model / "config.json").read_text())
+    per_token = 2 * cfg["num_hidden_layers"] * cfg["hidden_size"] * 4  # a split replica's all-reduces
+    tokens = sum(len(r["token_ids"]) + r["num_prompt_tokens"] for r in records)
+    assert sent() - before < per_token * tokens / 4, (sent() - before, tokens)

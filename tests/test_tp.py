@@ -232,16 +232,16 @@ def test_ctrl_c_on_one_rank_ends_every_rank_and_keeps_finished_work(tmp_path, ti
     interrupt_one_rank(tmp_path, tiny_model, rank, ["--tp", "2"])
 
 
-def interrupt_one_rank(tmp_path, tiny_model, rank: int, flags: list[str]) -> None:
-    """Two ranks generating 40 completions two at a time, the first long, the rest short (so
-    they finish out of input order); once the first has finished, SIGINT to `rank`: both end
-    within 10 s with one error line, the finished ones kept, in input order."""
+def interrupt_one_rank(tmp_path, tiny_model, rank: int, flags: list[str], ranks: int = 2) -> None:
+    """`ranks` ranks generating 40 completions two at a time, the first long, the rest short
+    (so they finish out of input order); once the first has finished, SIGINT to `rank`: all
+    end within 10 s with one error line, the finished ones kept, in input order."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"prompt number {i}", "max_tokens": 40 if i else 400}) + "\n"
                                for i in range(40)))
     out = tmp_path / "out.jsonl"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
-    job = subprocess.Popen([mpirun(), "-n", "2", "--allow-run-as-root", "--oversubscribe", sys.executable,
+    job = subprocess.Popen([mpirun(), "-n", str(ranks), "--allow-run-as-root", "--oversubscribe", sys.executable,
                             "run.py", *flags, "--prompt-file", str(prompts), "--model", str(tiny_model),
                             "--no-chat", "--num-blocks", "256", "--output", str(out), "--temperature", "0",
                             "--ignore-eos", "--max-num-seqs", "2"],

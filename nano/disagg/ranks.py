@@ -1,10 +1,11 @@
 """Engines side by side on MPI ranks behind a router on rank 0: what disaggregated serving
 (serving.py) and data-parallel replicas (nano/dp) share.
 
-Every rank runs a whole LLMEngine (tp=1) as an Instance; rank 0 also runs the Router, in the
-same loop (Node.tick): deliver what has arrived, route, take one step. The router never
-waits on another rank: links are non-blocking (links.py), so a slow instance delays only its
-own requests.
+Every instance runs a whole LLMEngine; rank 0 also runs the Router, in the same loop
+(Node.tick): deliver what has arrived, route, take one step. The router never waits on
+another rank: links are non-blocking (links.py), so a slow instance delays only its own
+requests. Under --tp T an instance is T ranks (parallel.split_replicas): its leader runs the
+engine and talks to the router, the others replay its steps (worker.Worker).
 
 Liveness: an instance that has told the router nothing for HEARTBEAT seconds says it is
 alive; one silent past --stall-timeout has stopped (SIGSTOP, a lost host, kill -9), and the
@@ -24,6 +25,7 @@ from nano.disagg import kv_transfer
 from nano.errors import NanoError
 from nano.sequence import Sequence, Status
 from nano.telemetry.summary import summarize
+from nano.telemetry.watchdog import Watchdog
 
 ROUTER = 0
 HEARTBEAT = 1.0      # seconds of silence after which an instance tells the router it is alive
@@ -109,6 +111,7 @@ class Instance:
                         self.stalls, bm.num_blocks - bm.num_free_blocks,
                         bm.num_swap_blocks - len(bm.free_host_blocks))
         self.tell_router(("final", report))
+        self.engine.stop_workers()  # its TP ranks' Worker.run returns
         self.stopped = True
 
 
@@ -270,41 +273,55 @@ class Node:
         return 0.05 if arrival is None else min(0.05, arrival - self.instance.engine.clock.now())
 
 
-def start(config, num_ranks: int, wrong_size, make_instance, make_router, make_requests=None,
+def start(config, num_instances: int, wrong_size, make_instance, make_router, make_requests=None,
           warm_up: bool = False):
-    """This rank's engine, instance and (rank 0) router under mpirun -n num_ranks
-    (wrong_size(ranks): the error when it is not). make_requests(engine) -> sequences runs
-    on rank 0 with the others waiting (a failure on any rank, loading or reading requests,
-    ends them all); make_instance(engine, link, rank) -> this rank's Instance;
-    make_router(link, engine) -> rank 0's Router. Returns (node, world group, rank 0's
-    sequences) once every rank is ready."""
+    """This rank's engine, instance and (rank 0) router under mpirun -n num_instances x
+    config.tp (wrong_size(ranks): the error when it is not). make_requests(engine) ->
+    sequences runs on rank 0 with the others waiting (a failure on any rank, loading or
+    reading requests, ends them all); make_instance(engine, link, instance) -> this rank's
+    Instance; make_router(link, engine) -> rank 0's Router. Returns (node, world group, rank
+    0's sequences) once every instance is ready; an instance's TP ranks other than its
+    leader replay its steps until it stops, then return None."""
     from nano import parallel
     from nano.bench import workload
     from nano.disagg.links import MpiLink
     from nano.engine import LLMEngine
+    from nano.worker import Worker
 
-    world = parallel.separate_ranks()
+    world = parallel.world()
+    if world.world != num_instances * config.tp:  # every rank sees it: each raises the same error
+        raise parallel.SharedError(wrong_size(world.world))
+    leaders = parallel.split_replicas(config.tp)
     with world.together():
-        if world.world != num_ranks:
-            raise NanoError(wrong_size(world.world))
-        engine = LLMEngine(config)
-        seqs = make_requests(engine) if make_requests and world.rank == ROUTER else []
+        if leaders is None:
+            worker = Worker(config)
+        else:
+            engine = LLMEngine(config)
+            seqs = make_requests(engine) if make_requests and leaders.rank == ROUTER else []
+    if leaders is None:
+        if warm_up:  # as the leader's warm-up does: page faults stay out of the figures
+            worker.runner.touch_kv_cache()
+        worker.run()
+        return None
     if warm_up:
         workload.warm_up(engine)
-    link = MpiLink(world.comm)
-    node = Node(make_instance(engine, link, world.rank))
-    if world.rank == ROUTER:
+    link = MpiLink(leaders.comm)
+    node = Node(make_instance(engine, link, leaders.rank))
+    if leaders.rank == ROUTER:
         node.router = make_router(link, engine)
-    world.comm.Barrier()  # everyone loaded and warmed up: the arrival trace starts now
+    leaders.comm.Barrier()  # every instance loaded and warmed up: the arrival trace starts now
     return node, world, seqs
 
 
-def launch(config, num_ranks: int, wrong_size, make_requests, make_instance, make_router,
+def launch(config, num_instances: int, wrong_size, make_requests, make_instance, make_router,
            warm_up: bool = False):
     """A whole run (start(), then every rank's loop to the end): make_requests(engine) ->
     sequences (engine.make_sequence, arrival times in seconds after the start). Rank 0
     returns (router, its engine, wall seconds) at the end; the other ranks return None."""
-    node, world, seqs = start(config, num_ranks, wrong_size, make_instance, make_router, make_requests, warm_up)
+    started = start(config, num_instances, wrong_size, make_instance, make_router, make_requests, warm_up)
+    if started is None:
+        return None
+    node, world, seqs = started
     engine = node.instance.engine
     begin = engine.clock.now()
     if node.router:
@@ -316,14 +333,20 @@ def launch(config, num_ranks: int, wrong_size, make_requests, make_instance, mak
 
 
 def run_node(node: Node, world) -> None:
-    """One rank of an MPI run, to the end. A SIGINT on an instance's rank is passed on to
-    the router's, which ends the run (its finished outputs written in order)."""
+    """One instance's leader in an MPI run, to the end. A SIGINT on another rank is passed
+    on to the router's, which ends the run (its finished outputs written in order). The
+    router's own instance, under --tp, waits in its collectives for a rank that has stopped,
+    and the router in the same loop with it: its ticks are timed (telemetry/watchdog.py)."""
     if not node.router:
         signal.signal(signal.SIGINT, lambda *_: world.tell_interrupted())
+    timed = node.router and node.instance.engine.group.world > 1
+    watchdog = Watchdog(node.router.stall_timeout if timed else None)
     while not node.done:
         if node.router:
             world.check_interrupted()
-        if not node.tick():
+        with watchdog.step():
+            busy = node.tick()
+        if not busy:
             node.instance.link.wait(node.idle_time())
     node.instance.link.close()
 

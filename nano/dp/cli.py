@@ -1,5 +1,6 @@
-"""run.py's data-parallel modes under mpirun -n DP: --dp DP with --prompt-file or --bench, and
---bench --dp-compare (every policy on the same requests and arrivals, one table)."""
+"""run.py's data-parallel modes under mpirun -n DP x TP: --dp DP [--tp TP] with --prompt-file,
+--bench or --serve, and --bench --dp-compare (every policy on the same requests and arrivals,
+one table)."""
 import gc
 import sys
 
@@ -17,7 +18,7 @@ from nano.telemetry.summary import format_summary
 
 def check_args(args, config: EngineConfig) -> None:
     """--dp's flags, before the model loads."""
-    serving.check_replicas(args.dp, config.tp)
+    serving.check_replicas(args.dp)
     if args.dp_policy not in POLICIES:
         raise NanoError(f"--dp-policy must be one of {', '.join(POLICIES)}, got {args.dp_policy!r}")
     clash = [flag for flag, on in (("--disagg", args.disagg is not None),
@@ -29,17 +30,17 @@ def check_args(args, config: EngineConfig) -> None:
         raise NanoError("--dp-compare writes a table (and --summary-json), no completions or metrics files: "
                         "drop --output, --metrics-file and --metrics-prom")
     if not parallel.launched_by_mpirun():
-        raise NanoError(f"--dp {args.dp} runs under mpirun: run mpirun -n {args.dp} python run.py --dp {args.dp} ...")
+        raise NanoError(f"{serving.flags(args.dp, config.tp)} runs under mpirun: "
+                        + serving.how_to_run(args.dp, config.tp))
 
 
 def run_dp(args, config: EngineConfig, params: SamplingParams, requests) -> int:
-    """--dp DP under mpirun: every rank a replica (serving.py); rank 0 routes and reports."""
+    """--dp DP under mpirun: every replica an engine (serving.py); rank 0 routes and reports."""
     if args.dp_compare:
         return dp_compare(args, config, params)
     if args.serve:
         return serve_dp(args, config)
-    run = RankRun(args, params, requests, f"data parallel: {args.dp} replicas, one rank each, policy "
-                                          f"{args.dp_policy}")
+    run = RankRun(args, params, requests, serving.banner(args.dp, config.tp, args.dp_policy))
     try:
         ran = serving.launch(config, args.dp, args.dp_policy, run.make_requests, args.bench,
                              lambda seq, replica: run.on_result(seq, replica=replica),
@@ -58,8 +59,7 @@ def serve_dp(args, config: EngineConfig) -> int:
                         args.stall_timeout)
     if front is None:
         return 0  # a replica, until the server ends
-    print(f"data parallel: {args.dp} replicas, one rank each, policy {args.dp_policy}; each {describe(front.local)}",
-          file=sys.stderr)
+    print(f"{serving.banner(args.dp, config.tp, args.dp_policy)}; each {describe(front.local)}", file=sys.stderr)
     return serve(args, front, engine_metrics=False)
 
 

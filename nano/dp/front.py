@@ -84,20 +84,22 @@ class Front:
 
 
 def start_front(config, num_replicas: int, policy: str, make_metrics=None, stall_timeout=None) -> Front | None:
-    """Under mpirun -n DP: rank 0 returns the Front the server drives; the other ranks run
-    their replica until the router stops them, and return None. make_metrics(engine, export):
-    rank 0's MetricsWriter of that export, or None."""
+    """Under mpirun -n DP x TP: rank 0 returns the Front the server drives; the other ranks
+    run their replica (or their share of it) until the router stops them, and return None.
+    make_metrics(engine, export): rank 0's MetricsWriter of that export, or None."""
     exports = []
 
     def make_router(link, engine):
         exports.append(dp_metrics.ReplicaExport(engine.shard.model_dir.name))
         metrics = make_metrics(engine, exports[0]) if make_metrics else None
         return Router(link, num_replicas, policy, config.block_size, engine.clock, None,
-                      metrics and metrics.tick, stall_timeout)
+                      metrics and metrics.tick, stall_timeout, config.tp)
 
-    node, world, _ = start(
-        config, num_replicas, wrong_size(num_replicas), lambda engine, link, rank: Replica(engine, link, stream=True),
-        make_router, warm_up=True)
+    started = start(config, num_replicas, wrong_size(num_replicas, config.tp),
+                    lambda engine, link, rank: Replica(engine, link, stream=True), make_router, warm_up=True)
+    if started is None:
+        return None
+    node, world, _ = started
     if node.router is None:
         run_node(node, world)
         return None

@@ -1,6 +1,7 @@
-"""Data-parallel replicas behind a router: every MPI rank a whole engine, rank 0 also routes.
+"""Data-parallel replicas behind a router: every replica a whole engine, rank 0 also routes.
 
     mpirun -n 2 python run.py --dp 2 --prompt-file prompts.txt
+    mpirun -n 4 python run.py --dp 2 --tp 2 --prompt-file prompts.txt   (replicas of 2 TP ranks)
 
 A request's life:
 
@@ -9,6 +10,10 @@ A request's life:
     r        --cache-->    router      after each step: the block hashes stored and evicted
     r        --status-->   router      after each step: queued tokens, blocks in use
     r        --result-->   router      the finished sequence
+
+Under --tp T, world rank w is TP rank w % T of replica w // T (parallel.split_replicas): the
+router talks to each replica's leader (its TP rank 0) only, and the leader's TP ranks
+replay its steps as under --tp alone.
 
 Rank 0 is router and replica 0 in one loop (ranks.Node.tick): the router's own replica
 delays routing by at most one of its steps, and it never waits on another rank (every
@@ -27,11 +32,9 @@ from nano.dp.policy import CacheIndex, Policy, prompt_hashes
 from nano.errors import NanoError
 
 
-def check_replicas(dp: int, tp: int) -> None:
+def check_replicas(dp: int) -> None:
     if dp < 1:
         raise NanoError(f"--dp must be at least 1, got {dp}")
-    if tp > 1:
-        raise NanoError("--dp runs each replica on one rank: drop --tp (replicas of several TP ranks are not built)")
 
 
 class Replica(Instance):
@@ -113,8 +116,9 @@ class Router(RouterBase):
     """Rank 0: each request, once it has arrived, to the replica the policy picks."""
 
     def __init__(self, link, num_replicas: int, policy: str, block_size: int, clock, on_result=None,
-                 on_snapshot=None, stall_timeout=None):
+                 on_snapshot=None, stall_timeout=None, tp: int = 1):
         # on_result(seq, replica): the replica that served it (None: ended before routing)
+        self.tp = tp  # ranks per replica: replica r's leader is world rank r x tp
         super().__init__(link, list(range(num_replicas)), clock,
                          on_result and (lambda seq: on_result(seq, self.replica_of.get(seq.seq_id))), stall_timeout)
         self.block_size = block_size
@@ -181,24 +185,39 @@ class Router(RouterBase):
                     "routed": self.policy.routed[r]} for r, s in sorted(self.status.items())}
 
     def describe(self, rank: int) -> str:
-        return f"replica {rank} (rank {rank})"
+        return f"replica {rank} (rank {rank * self.tp})"
 
 
-def wrong_size(num_replicas: int):
-    return lambda got: (f"--dp {num_replicas} needs {num_replicas} MPI ranks, got {got}: run mpirun -n "
-                        f"{num_replicas} python run.py --dp {num_replicas} ...")
+def wrong_size(num_replicas: int, tp: int):
+    return lambda got: (f"{flags(num_replicas, tp)} needs {num_replicas * tp} MPI ranks, got {got}: "
+                        + how_to_run(num_replicas, tp))
+
+
+def flags(num_replicas: int, tp: int) -> str:
+    """The flags that ask for this many replicas of this many ranks, as the user types them."""
+    return f"--dp {num_replicas}" + (f" --tp {tp}" if tp > 1 else "")
+
+
+def how_to_run(num_replicas: int, tp: int) -> str:
+    return f"run mpirun -n {num_replicas * tp} python run.py {flags(num_replicas, tp)} ..."
+
+
+def banner(num_replicas: int, tp: int, policy: str) -> str:
+    """The run's first line, before each replica's engine is described."""
+    ranks = f" of {tp} TP ranks each" if tp > 1 else ", one rank each"
+    return f"data parallel: {num_replicas} replicas{ranks}, policy {policy}"
 
 
 def launch(config, num_replicas: int, policy: str, make_requests, warm_up: bool = False, on_result=None,
            make_metrics=None, stall_timeout=None):
-    """This rank's part of a run under mpirun -n DP (ranks.launch): rank 0 returns (router,
-    its engine, wall seconds), the others None. make_metrics(engine): rank 0's MetricsWriter
-    for the replicas' snapshots (metrics.ReplicaExport), or None."""
+    """This rank's part of a run under mpirun -n DP x TP (ranks.launch): rank 0 returns
+    (router, its engine, wall seconds), the others None. make_metrics(engine): rank 0's
+    MetricsWriter for the replicas' snapshots (metrics.ReplicaExport), or None."""
 
     def make_router(link, engine):
         metrics = make_metrics(engine) if make_metrics else None
         return Router(link, num_replicas, policy, config.block_size, engine.clock, on_result,
-                      metrics and metrics.tick, stall_timeout)
+                      metrics and metrics.tick, stall_timeout, config.tp)
 
-    return launch_ranks(config, num_replicas, wrong_size(num_replicas), make_requests,
+    return launch_ranks(config, num_replicas, wrong_size(num_replicas, config.tp), make_requests,
                         lambda engine, link, rank: Replica(engine, link), make_router, warm_up)
