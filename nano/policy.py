@@ -37,10 +37,8 @@ it asks its policy the questions FCFS's methods below answer, through a Schedule
             decodes on pace.
     both  - under memory pressure the victim is a sequence that has already missed a
             target (preempting it costs no goodput), else the one with the most slack.
-Measured on nano/bench/slo_matrix.py's matrix, on the real clock and the simulated one
-(docs/deadline-policy.md): never behind FCFS where targets are the same for everyone.
-
-Where it trades throughput for deadlines: docs/deadline-policy.md.
+Measured on nano/bench/slo_matrix.py's matrix (docs/results.md), and what it trades for
+deadlines: docs/deadline-policy.md.
 """
 import math
 from collections import deque
