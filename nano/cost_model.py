@@ -22,6 +22,9 @@ class StepCoefficients(NamedTuple):
     per_context_token: float   # per cached token a decode attends to
 
 
+SUBSETS = np.array(list(itertools.product((0.0, 1.0), repeat=4)))  # (16, 4): the terms each fit keeps
+
+
 class CostModel:
     def __init__(self, prior: StepCoefficients, swap_bandwidth: float, window: int = 256):
         self.prior = np.array(prior, dtype=np.float64)   # StepCoefficients' order
@@ -46,17 +49,15 @@ class CostModel:
             self.coef = self._fit(np.stack([f for f, _ in self.samples]), np.array([t for _, t in self.samples]))
 
     def _fit(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
-        """Ridge towards the prior (similar steps cannot pin all four terms), every term >= 0: the best
-        fit on a subset of the terms, the rest 0, with none negative (not one free fit clipped: perf_notes.md)."""
+        """Ridge towards the prior (similar steps cannot pin all four terms), every term >= 0: the best of the
+        fits on each subset of the terms (the others pinned to 0; all 16 at once) with none negative (perf_notes)."""
         scale = np.maximum(np.abs(x).max(axis=0), 1.0)
-        xs, lam, prior = x / scale, 1e-3 * len(y), self.prior * scale
-
-        def fit(on: np.ndarray) -> tuple[float, np.ndarray]:  # (loss, terms): those `on` fitted, the rest 0
-            w, a = np.zeros(4), xs[:, on]
-            w[on] = np.linalg.solve(a.T @ a + lam * np.eye(on.sum()), a.T @ y + lam * prior[on])
-            return np.sum((xs @ w - y) ** 2) + lam * np.sum((w - prior) ** 2), w
-        fits = [fit(np.array(on)) for on in itertools.product((False, True), repeat=4)]
-        return min((f for f in fits if f[1].min() >= 0), key=lambda f: f[0])[1] / scale
+        xs, lam = x / scale, 1e-3 * len(y)
+        gram, moment = xs.T @ xs + lam * np.eye(4), xs.T @ y + lam * self.prior * scale  # normal equations
+        systems = SUBSETS[:, :, None] * gram * SUBSETS[:, None, :] + np.eye(4) * (1 - SUBSETS[:, None, :])  # (16, 4, 4)
+        w = np.linalg.solve(systems, (SUBSETS * moment)[..., None])[..., 0]               # (16, 4)
+        loss = np.einsum("si,ij,sj->s", w, gram, w) - 2 * w @ moment  # the ridge loss less a constant
+        return w[np.where((w >= 0).all(axis=1), loss, np.inf).argmin()] / scale
 
     def observe_swap(self, num_bytes: int, seconds: float) -> None:
         if seconds > 0 and num_bytes > 0:
@@ -65,6 +66,5 @@ class CostModel:
     def swap_cost(self, kv_bytes: int) -> float:
         return 2.0 * kv_bytes / self.swap_bandwidth  # out to host now and back later
 
-    def recompute_cost(self, num_tokens: int) -> float:
-        """Prefill of the whole sequence again, as extra tokens in later steps."""
+    def recompute_cost(self, num_tokens: int) -> float:  # its tokens prefilled again in later steps
         return num_tokens * self.coefficients.per_prefill_token
