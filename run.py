@@ -54,7 +54,8 @@ def build_parser() -> Parser:
     s.add_argument("--temperature", type=float, default=SAMPLING.temperature, help="0 = greedy")
     s.add_argument("--top-p", type=float, default=SAMPLING.top_p)
     s.add_argument("--top-k", type=int, default=SAMPLING.top_k)
-    s.add_argument("--seed", type=int, default=SAMPLING.seed, help="per-request seed (same seed, same output); --bench: its random prompts' and arrival times' seed")
+    s.add_argument("--seed", type=int, default=SAMPLING.seed,
+                   help="per-request seed (same seed, same output); --bench: its prompts' and arrival times' seed")
     s.add_argument("--ignore-eos", action="store_true")
     s.add_argument("--ttft-slo", type=float, default=None, help="time-to-first-token target, ms")
     s.add_argument("--tpot-slo", type=float, default=None, help="time-per-output-token target, ms")
