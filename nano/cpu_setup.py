@@ -10,20 +10,23 @@ import time
 USER_THREADS = "OPENBLAS_NUM_THREADS" in os.environ  # the user's own choice: kept as it is
 
 
-def _cpu_flags() -> tuple[str, set[str]]:
-    vendor, flags = "", set()
+def _cpu_flags() -> tuple[str, str, set[str]]:
+    """(vendor, family, flags) of the first CPU in /proc/cpuinfo."""
+    vendor, family, flags = "", "", set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 key, _, value = line.partition(":")
                 if key.strip() == "vendor_id":
                     vendor = value.strip()
+                elif key.strip() == "cpu family":
+                    family = value.strip()
                 elif key.strip() == "flags":
                     flags = set(value.split())
                     break
     except OSError:
         pass
-    return vendor, flags
+    return vendor, family, flags
 
 
 def configure() -> None:
@@ -33,10 +36,12 @@ def configure() -> None:
         share = str(max(1, (os.cpu_count() or 1) // int(os.environ["OMPI_COMM_WORLD_LOCAL_SIZE"])))
         for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
             os.environ.setdefault(var, share)
-    # On an AMD CPU with AVX-512, OpenBLAS picks its SkylakeX kernels; its Zen (AVX2) ones are
-    # faster for the model's GEMMs there (measured in docs/perf_notes.md).
-    vendor, flags = _cpu_flags()
-    if vendor == "AuthenticAMD" and "avx512f" in flags:
+    # On Zen 4 (AMD family 25), which runs each 512-bit operation as two 256-bit halves,
+    # OpenBLAS picks its SkylakeX (AVX-512) kernels, and its Zen (AVX2) ones are faster for the
+    # model's GEMMs there. Zen 5 (family 26) has full-width AVX-512 units: SkylakeX's, which
+    # OpenBLAS picks, run up to 2x faster than Zen's (both in docs/perf_notes.md).
+    vendor, family, flags = _cpu_flags()
+    if vendor == "AuthenticAMD" and family == "25" and "avx512f" in flags:
         os.environ.setdefault("OPENBLAS_CORETYPE", "Zen")
     _keep_freed_memory()
 
