@@ -4,6 +4,8 @@ forward pass still runs, so the schedule, the tokens and every metric are the en
 only time is exact and machine-independent, which lets a schedule be replayed and a
 policy's effect be told from timing noise (tests/test_deadline.py, the lab's quick runs).
 """
+import numpy as np
+
 from nano.clock import Clock
 from nano.config import EngineConfig
 from nano.engine import LLMEngine
@@ -25,18 +27,23 @@ class SimulatedClock(Clock):
         self.t += max(seconds, 0.0)
 
 
-def simulated_engine(config: EngineConfig) -> LLMEngine:
-    """An LLMEngine whose every step takes exactly what the fixed model says, and whose
+def simulated_engine(config: EngineConfig, step: tuple[float, float, float] = (STEP_BASE, PER_PREFILL_TOKEN, PER_DECODE),
+                     jitter: float = 0.0, seed: int = 0) -> LLMEngine:
+    """An LLMEngine whose every step takes what the fixed model `step` (seconds: per step, per
+    prompt token, per decode) says, times a lognormal factor of sigma `jitter` drawn from
+    `seed` (0: exact; > 0: steps vary as on a real clock, but reproducibly), and whose
     step-time model (cost_model.py) starts from that model's coefficients."""
     clock = SimulatedClock()
     engine = LLMEngine(config, clock=clock)
-    forward = engine.runner.forward
+    forward, (base, per_token, per_decode) = engine.runner.forward, step
+    rng = np.random.default_rng(seed)
 
     def timed_forward(batch):
         decodes = batch.num_decodes
-        clock.sleep(STEP_BASE + PER_PREFILL_TOKEN * (len(batch.input_ids) - decodes) + PER_DECODE * decodes)
+        seconds = base + per_token * (len(batch.input_ids) - decodes) + per_decode * decodes
+        clock.sleep(seconds * (rng.lognormal(0.0, jitter) if jitter else 1.0))
         return forward(batch)
 
     engine.runner.forward = timed_forward
-    engine.cost.coef[:] = engine.cost.prior[:] = (STEP_BASE, PER_PREFILL_TOKEN, PER_DECODE, 0.0)
+    engine.cost.coef[:] = engine.cost.prior[:] = (base, per_token, per_decode, 0.0)
     return engine
