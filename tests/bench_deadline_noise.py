@@ -3,8 +3,8 @@
     python tests/bench_deadline_noise.py [--jitter SIGMA] [--seeds N] [--requests N] [WORKLOAD ...]
 
 nano/bench/slo_matrix.py's matrix (`run.py --bench --policy-compare`) on a tiny random model,
-every step priced like the default model's on a 2-core CPU (the step-time fit of a real
-run: 33 ms a step, 2.7 ms a prompt token, 3.4 ms a decode) and multiplied by a seeded
+every step priced like the default model's on a 2-core CPU (simulated.CPU_STEP: 33 ms a
+step, 2.7 ms a prompt token, 3.4 ms a decode) and multiplied by a seeded
 lognormal factor (--jitter; 0: exact). FCFS and deadline of one run draw the same noise
 stream. A real clock's run-to-run spread hides whether a policy decision costs requests;
 here the same run replays exactly, so a decision can be changed and its effect counted.
@@ -21,9 +21,6 @@ from reference import make_random_model  # noqa: E402  (tests/reference.py)
 from nano.bench import simulated, slo_matrix  # noqa: E402
 from nano.config import EngineConfig  # noqa: E402
 
-CPU_STEP = (0.033, 0.0027, 0.0034)  # seconds: per step, per prompt token, per decode
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("workloads", nargs="*", help=f"of {', '.join(slo_matrix.WORKLOADS)} (default: all)")
@@ -38,7 +35,7 @@ def main() -> None:
 
     def make_engine(policy: str):
         runs.append(policy)
-        return simulated.simulated_engine(EngineConfig(model=model, device="cpu", policy=policy), CPU_STEP,
+        return simulated.simulated_engine(EngineConfig(model=model, device="cpu", policy=policy), simulated.CPU_STEP,
                                           args.jitter, seed=len(runs) // 2)
 
     results = slo_matrix.run_matrix(make_engine, 512, args.requests, range(args.seeds), workloads=tuple(args.workloads or slo_matrix.WORKLOADS))
