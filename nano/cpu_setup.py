@@ -10,23 +10,14 @@ import time
 USER_THREADS = "OPENBLAS_NUM_THREADS" in os.environ  # the user's own choice: kept as it is
 
 
-def _cpu_flags() -> tuple[str, str, set[str]]:
-    """(vendor, family, flags) of the first CPU in /proc/cpuinfo."""
-    vendor, family, flags = "", "", set()
+def _cpu_info() -> dict[str, str]:
+    """The first CPU's fields in /proc/cpuinfo ("vendor_id", "cpu family", "flags", ...)."""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "vendor_id":
-                    vendor = value.strip()
-                elif key.strip() == "cpu family":
-                    family = value.strip()
-                elif key.strip() == "flags":
-                    flags = set(value.split())
-                    break
+            first = f.read().split("\n\n", 1)[0]
     except OSError:
-        pass
-    return vendor, family, flags
+        return {}
+    return {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in first.splitlines())}
 
 
 def configure() -> None:
@@ -40,8 +31,9 @@ def configure() -> None:
     # OpenBLAS picks its SkylakeX (AVX-512) kernels, and its Zen (AVX2) ones are faster for the
     # model's GEMMs there. Zen 5 (family 26) has full-width AVX-512 units: SkylakeX's, which
     # OpenBLAS picks, run up to 2x faster than Zen's (both in docs/perf_notes.md).
-    vendor, family, flags = _cpu_flags()
-    if vendor == "AuthenticAMD" and family == "25" and "avx512f" in flags:
+    cpu = _cpu_info()
+    zen4 = cpu.get("vendor_id") == "AuthenticAMD" and cpu.get("cpu family") == "25"
+    if zen4 and "avx512f" in cpu.get("flags", "").split():
         os.environ.setdefault("OPENBLAS_CORETYPE", "Zen")
     _keep_freed_memory()
 

@@ -16,13 +16,13 @@ from nano import cpu_setup
 ])
 def test_kernels_by_cpu(monkeypatch, vendor, family, flags, kernels):
     monkeypatch.delenv("OPENBLAS_CORETYPE", raising=False)  # restored after the test
-    monkeypatch.setattr(cpu_setup, "_cpu_flags", lambda: (vendor, family, flags))
+    monkeypatch.setattr(cpu_setup, "_cpu_info", lambda: {"vendor_id": vendor, "cpu family": family, "flags": " ".join(flags)})
     cpu_setup.configure()
     assert os.environ.get("OPENBLAS_CORETYPE") == kernels
 
 
 def test_the_users_kernels_are_kept(monkeypatch):
     monkeypatch.setenv("OPENBLAS_CORETYPE", "SkylakeX")
-    monkeypatch.setattr(cpu_setup, "_cpu_flags", lambda: ("AuthenticAMD", "25", {"avx512f"}))
+    monkeypatch.setattr(cpu_setup, "_cpu_info", lambda: {"vendor_id": "AuthenticAMD", "cpu family": "25", "flags": "avx512f"})
     cpu_setup.configure()
     assert os.environ["OPENBLAS_CORETYPE"] == "SkylakeX"

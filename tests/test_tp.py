@@ -233,12 +233,13 @@ def test_ctrl_c_on_one_rank_ends_every_rank_and_keeps_finished_work(tmp_path, ti
 
 
 def interrupt_one_rank(tmp_path, tiny_model, rank: int, flags: list[str], ranks: int = 2) -> None:
-    """`ranks` ranks generating 40 completions two at a time, the first long, the rest short
-    (so they finish out of input order); once the first has finished, SIGINT to `rank`: all
-    end within 10 s with one error line, the finished ones kept, in input order."""
+    """`ranks` ranks generating 120 completions two at a time, the first long, the rest short
+    (so they finish out of input order) and enough that the job is far from done when the
+    first finishes, however many replicas share them; then SIGINT to `rank`: all end within
+    10 s with one error line, the finished ones kept, in input order."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"prompt number {i}", "max_tokens": 40 if i else 400}) + "\n"
-                               for i in range(40)))
+                               for i in range(120)))
     out = tmp_path / "out.jsonl"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     job = subprocess.Popen([mpirun(), "-n", str(ranks), "--allow-run-as-root", "--oversubscribe", sys.executable,
