@@ -31,14 +31,16 @@ def main() -> None:
     if set(args.workloads) - set(slo_matrix.WORKLOADS):
         p.error(f"workloads are {', '.join(slo_matrix.WORKLOADS)}")
     model = str(make_random_model(Path(tempfile.mkdtemp())))
-    runs = []  # engines made so far: run k's FCFS and deadline engines share noise seed k // 2
+    fcfs_engines = 0  # the noise seed: a run's deadline engine shares its FCFS engine's (made just before)
 
     def make_engine(policy: str):
-        runs.append(policy)
+        nonlocal fcfs_engines
+        fcfs_engines += policy == "fcfs"  # run_matrix's calibration makes FCFS engines too
         return simulated.simulated_engine(EngineConfig(model=model, device="cpu", policy=policy), simulated.CPU_STEP,
-                                          args.jitter, seed=len(runs) // 2)
+                                          args.jitter, seed=fcfs_engines)
 
-    results = slo_matrix.run_matrix(make_engine, 512, args.requests, range(args.seeds), workloads=tuple(args.workloads or slo_matrix.WORKLOADS))
+    results = slo_matrix.run_matrix(make_engine, 512, args.requests, range(args.seeds),
+                                    workloads=tuple(args.workloads or slo_matrix.WORKLOADS))
     behind, totals = [], {"fcfs": 0, "deadline": 0}
     for (name, load, seed, policy), outcome in sorted(results.items()):
         totals[policy] += outcome.met

@@ -13,7 +13,7 @@ from nano.engine import LLMEngine
 # What every step costs on the simulated clock: a base, plus each prompt token and each decode.
 STEP_BASE, PER_PREFILL_TOKEN, PER_DECODE = 0.010, 0.001, 0.002
 # The default model's step on a 2-core CPU (the step-time fit of a real run, docs/perf_notes.md):
-# a longer base and prompt tokens 2.7x dearer against decodes than above.
+# the base 3.3x, a prompt token 2.7x and a decode 1.7x the ones above.
 CPU_STEP = (0.033, 0.0027, 0.0034)
 
 
