@@ -3,9 +3,8 @@
     python tests/bench_deadline_noise.py [--jitter SIGMA] [--seeds N] [--requests N] [WORKLOAD ...]
 
 nano/bench/slo_matrix.py's matrix (`run.py --bench --policy-compare`) on a tiny random model,
-every step priced like the default model's on a 2-core CPU (simulated.CPU_STEP: 33 ms a
-step, 2.7 ms a prompt token, 3.4 ms a decode) and multiplied by a seeded
-lognormal factor (--jitter; 0: exact). FCFS and deadline of one run draw the same noise
+every step priced like the default model's on a 2-core CPU (simulated.CPU_STEP) and
+multiplied by a seeded lognormal factor (--jitter; 0: exact). FCFS and deadline of one run draw the same noise
 stream. A real clock's run-to-run spread hides whether a policy decision costs requests;
 here the same run replays exactly, so a decision can be changed and its effect counted.
 Prints each run's SLO-met counts, then the totals and the runs where deadline is behind.
@@ -20,6 +19,7 @@ from reference import make_random_model  # noqa: E402  (tests/reference.py)
 
 from nano.bench import simulated, slo_matrix  # noqa: E402
 from nano.config import EngineConfig  # noqa: E402
+
 
 def main() -> None:
     p = argparse.ArgumentParser()

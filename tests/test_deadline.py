@@ -89,8 +89,8 @@ def test_deadline_goodput_is_1_3x_fcfs_where_urgency_differs(policy_matrix, name
 
 @pytest.fixture(scope="module")
 def cpu_shaped_matrix(tiny_model):
-    """The uniform- and loose-target rows with the CPU's step shape (simulated.CPU_STEP: a
-    base 3x, prompt tokens 2.7x and decodes 1.7x the matrix's above), 24 requests, 3 seeds."""
+    """The uniform- and loose-target rows with the CPU's step shape (simulated.CPU_STEP),
+    24 requests, 3 seeds."""
     config = EngineConfig(model=str(tiny_model), device="cpu")
     return slo_matrix.run_matrix(
         lambda policy: simulated.simulated_engine(dataclasses.replace(config, policy=policy), simulated.CPU_STEP),
