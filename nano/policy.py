@@ -9,34 +9,10 @@ it asks its policy the questions FCFS's methods below answer, through a Schedule
             (blocks freed, its tokens prefilled again), whichever the cost model prices
             lower for its length, unless --preemption forces one or swap space is full.
   Deadline  maximises goodput: requests that meet both their time-to-first-token (TTFT)
-            and time-per-output-token (TPOT) targets. Which rule serves which target:
-    TTFT  - admission and prefill chunks in earliest-deadline-first order (deadline =
-            arrival + TTFT target). EDF is the order that meets every deadline whenever
-            any order can; and with the same target for everyone it is arrival order, so
-            on uniform targets it is FCFS (ordering by least slack instead starts long
-            prompts first, because their prefill eats their slack, and costs the many
-            short requests their TTFT).
-          - admission control: walking the queue in EDF order, each request's first token
-            is predicted (now + the prefill work ahead of it and its own, priced by the
-            step-time model of cost_model.py). One that cannot make its deadline even so is
-            a lost cause that must not make others late: its work no longer counts against
-            those after it, and it moves behind them when that saves one (only then: a wrong
-            prediction would cost it its target for nothing). --drop-late rejects it.
-          - EDF across the line between admitted and waiting: arrivals whose deadline comes
-            before every running prompt's get their tokens of the step first.
-          - short steps where they buy something: a request arriving mid-step waits for the
-            step to end, so when requests like recent ones would be served before a prompt
-            the step carries (an earlier deadline), the step is kept to a third of their
-            TTFT target. With one target for everyone EDF puts each arrival behind the
-            prompts already there, which it waits for however they are cut: no cap.
-    TPOT  - decodes go first in every step (both policies); the step carries all the
-            prefill it can unless that would make a decoding sequence miss its TPOT target,
-            its later tokens priced at the recent pace of steps (TPOT is an average: a long
-            step its slack absorbs costs it nothing); then it is kept to what that allows,
-            unless the cut would make as many prompts miss their first token as it keeps
-            decodes on pace.
-    both  - under memory pressure the victim is a sequence that has already missed a
-            target (preempting it costs no goodput), else the one with the most slack.
+            and time-per-output-token (TPOT) targets, by earliest-deadline-first admission
+            and prefill, admission control priced by the step-time model (cost_model.py),
+            a step cut short only where that buys a target, and late sequences preempted
+            first. Which rule serves which target, and why each: docs/deadline-policy.md.
 Measured on nano/bench/slo_matrix.py's matrix (docs/results.md), and what it trades for
 deadlines: docs/deadline-policy.md.
 """
