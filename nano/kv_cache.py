@@ -10,23 +10,12 @@ attention reads whole 16-byte runs (8 halfs, or 16 int8 values); its scales sit 
 (layer, k/v, block) index of `scales`, so whatever moves a block (swap, prefix-cache reuse,
 hand-off) moves data[:, :, b] and scales[:, :, b] together.
 
-int8 scheme: symmetric, one scale per (token, KV head), for K and for V alike:
-  scale = float16(max |x| / 127),  q = clamp(rint(x / scale), -127, 127),  x ~ q * scale
-computed once, when the token's K/V are written (ops.rope_store_kvcache). Attention never
-builds a dequantized copy: q.k = scale_k * (q . k_int8) and sum_t p_t v_t = sum_t
-(p_t scale_v) v_int8, so a score or a probability takes the scale.
-
-Keys have outlier channels (a few of the d dims far larger than the rest, the same ones for
-every token); with one scale per token those channels set the step for all the others.
-Two key schemes change the basis K is quantized in, and give q the same change, so that
-q.k is unchanged and no kernel dequantizes anything more:
-  channel: K / s per channel, q * s (q.k = (q * s).(k / s)); s calibrated once at load
-           from the keys of a short shipped English text (kv_calibration.py)
-  rotate:  K and q times H, the d x d orthonormal Hadamard matrix (q.k = (qH).(kH), as
-           H H^T = I): every rotated channel mixes all d, so an outlier's energy is spread
-           evenly and max |kH| sits near the typical magnitude. No calibration.
-The per-(token, head) scale and the bytes per token are the same in every scheme. Which
-scheme is the default, and the measurement that decided it, are in docs/int8-kv.md.
+int8: symmetric, one float16 scale per (token, KV head), computed once when the token's K/V
+are written (ops.rope_store_kvcache); attention folds the scales into scores and
+probabilities and never dequantizes the cache. Keys may first change basis, q with them so
+that q.k is unchanged: "channel" (per-channel pre-scales calibrated at load,
+kv_calibration.py) or "rotate" (the d x d Hadamard matrix). The scheme, the key schemes and
+the measurement that chose the default: docs/int8-kv.md.
 """
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
