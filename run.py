@@ -23,7 +23,7 @@ from nano import checks, default_model, parallel
 from nano.bench.cli import check_bench_args
 from nano.cli.output import check_writable
 from nano.cli.prompts import ms, read_requests
-from nano.config import EngineConfig
+from nano.config import STEP_TARGET, TOKEN_BUDGET, EngineConfig
 from nano.errors import NanoError
 from nano.kv_cache import DEFAULT_KEY_SCHEME
 from nano.sequence import FIELD_RULES, SamplingParams
@@ -68,7 +68,9 @@ def build_parser() -> Parser:
     e.add_argument("--num-blocks", type=int, default=ENGINE.num_blocks,
                    help="KV pool size in blocks (overrides --kv-cache-memory)")
     e.add_argument("--swap-space", type=parse_bytes, default=ENGINE.swap_space, help="host bytes for swapped-out KV")
-    e.add_argument("--max-num-batched-tokens", type=int, default=ENGINE.max_num_batched_tokens)
+    e.add_argument("--max-num-batched-tokens", type=int, default=ENGINE.max_num_batched_tokens,
+                   help=f"tokens in one step (default: up to {TOKEN_BUDGET}, fewer where the step-time model "
+                        f"says a step would take over {STEP_TARGET:g} s: every stream's longest pause)")
     e.add_argument("--max-num-seqs", type=int, default=ENGINE.max_num_seqs)
     e.add_argument("--max-model-len", type=int, default=ENGINE.max_model_len)
     e.add_argument("--watermark", type=float, default=ENGINE.watermark)

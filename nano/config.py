@@ -113,6 +113,10 @@ def _rope_scaling(scaling) -> dict | None:
     return scaling
 
 
+TOKEN_BUDGET = 2048  # a step's tokens when --max-num-batched-tokens is not given, and then
+STEP_TARGET = 1.0    # seconds a step is kept near (by the step-time model): every stream's longest gap
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None                 # HF folder; None = the default model
@@ -121,7 +125,8 @@ class EngineConfig:
     kv_cache_memory: int | None = None       # bytes for the KV pool (None: num_blocks or a default)
     num_blocks: int | None = None            # overrides kv_cache_memory
     swap_space: int = 4 * 2**30              # bytes of host memory for swapped-out KV blocks
-    max_num_batched_tokens: int = 2048       # token budget of one step
+    max_num_batched_tokens: int | None = None  # token budget of one step; None: up to TOKEN_BUDGET,
+                                             # fewer where a step would pass STEP_TARGET (policy.py)
     max_num_seqs: int = 256                  # sequences in one step
     max_model_len: int | None = None         # default: the model's max_position_embeddings
     watermark: float = 0.01                  # fraction of blocks kept free at admission
@@ -138,6 +143,10 @@ class EngineConfig:
                                              # (ops.py); None: on for an int8 KV cache on the CPU (shard.py)
 
     @property
+    def token_budget(self) -> int:
+        return self.max_num_batched_tokens or TOKEN_BUDGET
+
+    @property
     def key_scheme(self) -> str | None:
         """How an int8 pool quantizes keys (kv_cache.py); None for a full-precision pool."""
         if self.kv_cache_dtype != "int8":
@@ -151,7 +160,7 @@ class EngineConfig:
         checks.integer("--kv-cache-memory", self.kv_cache_memory, low=1, optional=True)
         checks.integer("--num-blocks", self.num_blocks, low=1, optional=True)
         checks.integer("--swap-space", self.swap_space, low=0)
-        checks.integer("--max-num-batched-tokens", self.max_num_batched_tokens, low=1)
+        checks.integer("--max-num-batched-tokens", self.max_num_batched_tokens, low=1, optional=True)
         checks.integer("--max-num-seqs", self.max_num_seqs, low=1)
         checks.integer("--max-model-len", self.max_model_len, low=2, optional=True)
         checks.number("--watermark", self.watermark, 0, 1, open_high=True)

@@ -20,7 +20,7 @@ import math
 from collections import deque
 from typing import TYPE_CHECKING
 
-from nano.config import EngineConfig
+from nano.config import STEP_TARGET, TOKEN_BUDGET, EngineConfig
 from nano.cost_model import CostModel
 from nano.plan import decode_context, is_decode
 from nano.sequence import Sequence
@@ -80,7 +80,24 @@ class FCFS:
     def prefill_budget(self, budget: int, decoding: list[Sequence], prompts: list[Sequence]) -> int:
         """What the rest of the step (prefill chunks, swap-ins, admissions) may take of the
         budget its decodes left, the prompts it could carry being `prompts`."""
-        return budget
+        return min(budget, self.step_tokens(self.cost.step_time(0, len(decoding), decode_context(decoding))))
+
+    def step_tokens(self, decode_time: float) -> int:
+        """The prefill tokens one step carries beside decodes taking `decode_time`: the token
+        budget, or by default what keeps the step near STEP_TARGET, priced by the step-time
+        model: a step's length is every running stream's gap between two tokens, and on a busy
+        machine the model learns the slower steps and the steps get fewer tokens."""
+        if self.config.max_num_batched_tokens:
+            return self.config.max_num_batched_tokens
+        return min(TOKEN_BUDGET, self._tokens_within(STEP_TARGET, decode_time))
+
+    def _tokens_within(self, limit: float, decode_time: float) -> int:
+        """The prefill tokens a step can carry beside its decodes and stay within `limit`
+        seconds; at least one block's worth, so that prompts always make progress."""
+        per_token = self.cost.coefficients.per_prefill_token
+        if limit == math.inf or per_token <= 0:
+            return 1 << 30
+        return max(int((limit - decode_time) / per_token), self.block_size)
 
     def held_for_waiting(self, budget: int, prefills: list[Sequence], arrived: list[Sequence]) -> int:
         """Tokens of that budget that admissions get before the running prompts' chunks."""
@@ -171,7 +188,7 @@ class Deadline(FCFS):
     def _prefill_time(self, tokens: int, step: float, per_step: int | None = None) -> float:
         """Seconds to prefill `tokens` in steps of at most per_step tokens (the token budget),
         each also taking `step` seconds for the decodes running now."""
-        steps = max(-(-tokens // (per_step or self.config.max_num_batched_tokens)), 1)
+        steps = max(-(-tokens // (per_step or self.step_tokens(step))), 1)
         return steps * step + tokens * self.cost.coefficients.per_prefill_token
 
     def prefill_budget(self, budget: int, decoding: list[Sequence], prompts: list[Sequence]) -> int:
@@ -180,6 +197,7 @@ class Deadline(FCFS):
         step-time model for this step and by the recent pace of steps for the ones after it."""
         self._note_pace(decoding)
         self._note_arrivals(prompts)
+        budget = super().prefill_budget(budget, decoding, prompts)
         if self.cost.coefficients.per_prefill_token <= 0:
             return budget
         step = self.cost.step_time(0, len(decoding), decode_context(decoding))
@@ -200,13 +218,6 @@ class Deadline(FCFS):
                     self._first_tokens_lost(cap, budget, step, prompts)
                 best, gain = (cap, g) if g > gain else (best, gain)
         return best
-
-    def _tokens_within(self, limit: float, decode_time: float) -> int:
-        """The prefill tokens a step can carry beside its decodes and stay within `limit`
-        seconds; at least one block's worth, so that prompts always make progress."""
-        if limit == math.inf:
-            return 1 << 30
-        return max(int((limit - decode_time) / self.cost.coefficients.per_prefill_token), self.block_size)
 
     def _first_tokens_lost(self, capped: int, budget: int, step: float, prompts: list[Sequence]) -> int:
         """How many prompts steps of `capped` prefill tokens instead of `budget` would make

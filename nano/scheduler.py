@@ -9,7 +9,8 @@ The batch is re-decided before every step (iteration-level batching):
      allocation stay above the watermark. A request that could never fit (longer
      than the model context, or than the whole pool) is rejected at once instead
      of blocking the queue behind it.
-Every step respects one token budget (max_num_batched_tokens) and one sequence cap.
+Every step respects one token budget (max_num_batched_tokens; by default also kept to
+what the step-time model says fits STEP_TARGET, policy.py) and one sequence cap.
 A request is only considered once it has arrived (its arrival time has passed).
 
 This file is the mechanism; the choices it leaves open (admission and prefill order, how
@@ -57,7 +58,7 @@ class Scheduler:
     def schedule(self, now: float) -> SchedulerOutput:
         self.now = now
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self.config.token_budget
         budget = self._schedule_running(out, budget)
         if not out.preempted:  # a step that had to preempt has no room to bring anyone back
             budget = self._schedule_swapped(out, budget)

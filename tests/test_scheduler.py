@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from nano.block_manager import BlockManager
-from nano.config import EngineConfig
+from nano.config import STEP_TARGET, EngineConfig
 from nano.cost_model import CostModel
 from nano.plan import SchedulerOutput
 from nano.scheduler import Scheduler
@@ -62,7 +62,7 @@ def step(sched, now=0.0, kv=None):
     """Schedule one step and do what the engine would: compute the scheduled tokens and
     sample one more token for every sequence whose prompt is now all computed."""
     out = sched.schedule(now)
-    assert sum(n for _, n in out.scheduled) <= sched.config.max_num_batched_tokens
+    assert sum(n for _, n in out.scheduled) <= sched.config.token_budget
     assert len(out.scheduled) <= sched.config.max_num_seqs
     if kv is not None:
         kv.run(out)
@@ -266,7 +266,7 @@ def test_alone_and_out_of_blocks_finishes_with_length():
 
 @pytest.mark.parametrize("policy,chunk", [("fcfs", 1000), ("deadline", 28)])
 def test_deadline_caps_prefill_where_a_decode_would_miss_its_tpot(policy, chunk):
-    sched = make_scheduler(num_blocks=1000, policy=policy, watermark=0.0)
+    sched = make_scheduler(num_blocks=1000, policy=policy, watermark=0.0, max_num_batched_tokens=2048)
     request(sched, BLOCK, max_tokens=10, tpot_slo=0.1)  # "decoding" below
     step(sched, now=0.0)                     # first token at t=0
     request(sched, 1000, arrival=0.5)        # a long prompt arrives while it decodes
@@ -283,7 +283,7 @@ def test_deadline_takes_no_tpot_cap_for_a_decode_that_pays_for_the_prefill_anywa
     """199 tokens to go, due in 3.38 s: the whole prompt now and 198 decode steps take
     3.388 s, a miss; cut to a block (4 tokens) a step, the decode pays for it in each of
     its 199 steps (3.18 s, over 90% of 3.38 s): no cut saves it, so none is made."""
-    sched = make_scheduler(num_blocks=1000, policy="deadline", watermark=0.0)
+    sched = make_scheduler(num_blocks=1000, policy="deadline", watermark=0.0, max_num_batched_tokens=2048)
     request(sched, BLOCK, max_tokens=200, tpot_slo=0.0195)
     step(sched, now=0.0)
     request(sched, 1000, arrival=0.5)
@@ -296,7 +296,7 @@ def test_deadline_takes_no_tpot_cap_that_costs_a_first_token(ttft_slo, chunk):
     0.5 + 1.012 s; cut to 28 tokens a step, at 0.5 + 36 x 0.012 + 1.0 = 1.932 s. A 2 s target
     affords the cap; a 1.03 s one does not, and one request's TTFT for another's TPOT buys
     nothing: no cap."""
-    sched = make_scheduler(num_blocks=1000, policy="deadline", watermark=0.0)
+    sched = make_scheduler(num_blocks=1000, policy="deadline", watermark=0.0, max_num_batched_tokens=2048)
     request(sched, BLOCK, max_tokens=10, tpot_slo=0.1)
     step(sched, now=0.0)
     request(sched, 1000, arrival=0.5, ttft_slo=ttft_slo)
@@ -307,7 +307,7 @@ def test_deadline_takes_no_tpot_cap_that_costs_a_first_token(ttft_slo, chunk):
 def test_deadline_takes_no_tpot_cap_that_buys_nothing(policy):
     """The decode's slack absorbs one long step (its TPOT target is an average): the prompt
     runs whole, as under FCFS, instead of being cut to the decode's per-token pace."""
-    sched = make_scheduler(num_blocks=1000, policy=policy, watermark=0.0)
+    sched = make_scheduler(num_blocks=1000, policy=policy, watermark=0.0, max_num_batched_tokens=2048)
     request(sched, BLOCK, max_tokens=10, tpot_slo=0.2)  # last token due at 1.8 s
     step(sched, now=0.0)
     request(sched, 1000, arrival=0.5)
@@ -321,7 +321,7 @@ def test_deadline_ttft_cap_only_for_arrivals_served_first(urgent, chunk):
     deadline is cut to a third of that target (0.15 s / 3 = 0.05 s, less the 0.010 s base:
     40 prefill tokens, 3 for the short prompt and 37 of the long one); with the same target
     for both, an arrival would wait for the long prompt however its prefill is cut: no cap."""
-    sched = make_scheduler(num_blocks=1000, policy="deadline", watermark=0.0)
+    sched = make_scheduler(num_blocks=1000, policy="deadline", watermark=0.0, max_num_batched_tokens=2048)
     request(sched, 1000, ttft_slo=0.15 if not urgent else 100.0)  # its deadline
     request(sched, 3, ttft_slo=0.15)                              # a recent tight target
     out = step(sched, now=0.0)
@@ -334,7 +334,7 @@ def test_deadline_moves_a_late_request_back_only_to_save_another(later_target, o
     """A's first token cannot make its 0.05 s target (0.010 s step + 100 x 0.001 s). B behind
     it makes a 1 s target even after A's prefill (0.12 s): A keeps its place, in case the
     prediction is wrong. B's 0.1 s target it makes only if it goes first (0.02 s): A moves."""
-    sched = make_scheduler(num_blocks=1000, policy="deadline", watermark=0.0)
+    sched = make_scheduler(num_blocks=1000, policy="deadline", watermark=0.0, max_num_batched_tokens=2048)
     a = request(sched, 100, ttft_slo=0.05)
     b = request(sched, 10, ttft_slo=later_target)
     sched.now = 0.0
@@ -343,7 +343,7 @@ def test_deadline_moves_a_late_request_back_only_to_save_another(later_target, o
 
 
 def test_deadline_prefill_cap_ignores_decodes_already_late():
-    sched = make_scheduler(num_blocks=1000, policy="deadline", watermark=0.0)
+    sched = make_scheduler(num_blocks=1000, policy="deadline", watermark=0.0, max_num_batched_tokens=2048)
     request(sched, BLOCK, max_tokens=10, tpot_slo=0.01)   # due at 0.09 s: late by t=0.5
     step(sched, now=0.0)
     request(sched, 1000, arrival=0.5)
@@ -414,3 +414,20 @@ def test_drop_late_never_rejects_a_sequence_that_has_output_already():
     for t in (2.0, 3.0, 4.0):
         step(sched, now=t)
         assert victim.finish_reason != "rejected", victim.error
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "deadline"])
+def test_the_default_budget_keeps_a_step_near_the_step_target(policy):
+    """Without --max-num-batched-tokens a step carries what the step-time model says fits
+    STEP_TARGET (1 s): 0.010 + 4 decodes x 0.002 + n x 0.001 s -> 982 prompt tokens, the rest
+    in later steps, so no running stream waits much longer than that for its next token. Given
+    a budget, the step takes all of it, as vLLM does."""
+    for budget, chunk in ((None, 982), (2048, 2000)):
+        sched = make_scheduler(num_blocks=1000, policy=policy, watermark=0.0, max_num_batched_tokens=budget)
+        for _ in range(4):
+            request(sched, BLOCK, max_tokens=50)
+        step(sched)                           # the four decode from now on
+        request(sched, 2000)
+        out = step(sched)
+        assert [n for _, n in out.scheduled] == [1, 1, 1, 1, chunk]
+        assert (sched.policy.cost.step_time(chunk, 4, 0) <= STEP_TARGET) == (budget is None)

@@ -67,7 +67,7 @@ def test_stress_invariants(tiny_model, tiny_dense, preemption, seed):
 
     def checked_schedule(now):
         out = schedule(now)
-        assert sum(n for _, n in out.scheduled) <= config.max_num_batched_tokens
+        assert sum(n for _, n in out.scheduled) <= config.token_budget
         assert len(out.scheduled) <= config.max_num_seqs
         assert all(n >= 1 for _, n in out.scheduled)
         if out.admitted:  # admissions come last in a step, each checked against the watermark

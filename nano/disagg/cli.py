@@ -125,7 +125,7 @@ def show_estimate(args, config: EngineConfig, params: SamplingParams) -> None:
     print(f"\nfitting the step-time model on this machine ({engine.device.kind}, prompts of "
           f"{prompt_len:.0f} tokens) ...", file=sys.stderr)
     coef = estimate.calibrate(engine, int(prompt_len), int(output_len))
-    split = estimate.estimate(coef, prompt_len, output_len, config.max_num_batched_tokens,
+    split = estimate.estimate(coef, prompt_len, output_len, config.token_budget,
                               engine.block_manager.num_blocks, config.block_size, config.max_num_seqs,
                               params.tpot_slo)
     print("\ndisaggregated serving, one engine per instance on this machine's share of it:")
