@@ -47,7 +47,7 @@ class LLMEngine:
         self.metrics = Metrics(shard.num_blocks)
         self.rng = np.random.default_rng(config.seed % 2**64)  # any int seed, as the sampler's
         self.next_id = 0
-        self.arrival_times: list[float] = []  # of every request added, for the arrived count
+        self.added = 0  # requests queued, ever: less those still to arrive, the arrived count
 
     # ---- start-up -----------------------------------------------------------------------
     def _cost_model(self) -> CostModel:
@@ -65,7 +65,7 @@ class LLMEngine:
         (how the --request-rate bench replays a Poisson arrival trace). Bad input raises
         NanoError here, before anything is queued: once in a step, it would fail the step."""
         seq = self.make_sequence(prompt, params, arrival_time)
-        self.arrival_times.append(seq.arrival_time)
+        self.added += 1
         self.scheduler.add(seq)
         return seq
 
@@ -187,7 +187,7 @@ class LLMEngine:
         waiting = [q for q in s.waiting if q.arrival_time <= now]
         unfinished = waiting + s.running + list(s.swapped)
         return QueueState(
-            arrived=sum(t <= now for t in self.arrival_times), running=len(s.running),
+            arrived=self.added - (len(s.waiting) - len(waiting)), running=len(s.running),
             waiting=len(waiting), swapped=len(s.swapped),
             queue_tokens=sum(q.num_uncomputed_tokens for q in waiting)
             + sum(q.params.max_tokens - q.num_output_tokens for q in unfinished))

@@ -1,13 +1,14 @@
 """Metrics for Prometheus (nano/telemetry/prometheus.py): vLLM's names, labels and buckets,
 read back by Prometheus's own parser; the snapshot files a run writes."""
 import json
+import timeit
 
 import pytest
 
 from nano.config import EngineConfig
 from nano.engine import LLMEngine
 from nano.sequence import SamplingParams
-from nano.telemetry.export import MetricsWriter, snapshot
+from nano.telemetry.export import MetricsWriter, gauges, snapshot
 
 text_string_to_metric_families = pytest.importorskip(  # the export's requirement
     "prometheus_client.parser").text_string_to_metric_families
@@ -147,6 +148,19 @@ def test_an_abort_is_counted_and_the_arrival_stays_counted(tiny_model):
     assert samples[("nano_requests_arrived_total", ())] == samples[("nano_requests_aborted_total", ())] == 1
     assert samples[("vllm:e2e_request_latency_seconds_count", ())] == 0
     assert samples[("vllm:num_requests_running", ())] == 0
+
+
+def test_the_gauges_cost_the_same_however_many_requests_were_served(tiny_model):
+    """The server sets its export from export.gauges after every step: that must cost what the
+    requests in flight cost, not what a long-lived server has served (millions)."""
+    engine, export = engine_with_export(tiny_model)
+
+    def cost() -> float:
+        return min(timeit.repeat(lambda: export.update(gauges(engine, engine.clock.now())), number=50, repeat=5))
+    idle = cost()
+    engine.generate([[1]] * 10_000, SamplingParams(max_tokens=1, ignore_eos=True))
+    assert gauges(engine, engine.clock.now())["arrived"] == 10_000
+    assert cost() < 3 * idle
 
 
 def test_metrics_writer_appends_snapshots(tiny_model, tmp_path):

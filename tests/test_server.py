@@ -226,10 +226,10 @@ def test_unknown_fields_are_tolerated_and_the_client_raises_on_errors(srv):
     assert r.status_code == 400 and "error" in r.json()
 
 
-def scrape(url: str, model: str) -> tuple[dict, dict]:
+def scrape(url: str, model: str, timeout: float = 10) -> tuple[dict, dict]:
     """GET /metrics, parsed by Prometheus's own parser (test_metrics.parse)."""
     from test_metrics import parse
-    r = httpx.get(url + "/metrics", timeout=10)
+    r = httpx.get(url + "/metrics", timeout=timeout)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     return parse(r.text, model)
 
@@ -264,6 +264,34 @@ def test_metrics_use_vllms_names_and_count_what_clients_were_told(srv):
     assert moved("vllm:inter_token_latency_seconds_count") == sum(o.usage.completion_tokens - 1 for o in outs)
     assert moved("nano_requests_arrived_total") == len(outs)
     assert after[("vllm:num_requests_running", ())] == after[("nano_queue_depth_tokens", ())] == 0
+
+
+def test_metrics_answer_at_once_while_a_step_runs(srv, monkeypatch):
+    """A step held for as long as the test likes: /metrics answers in milliseconds from the
+    snapshot the engine thread published before the step, which already counts the request."""
+    entered, release, step = threading.Event(), threading.Event(), srv.engine.step
+
+    def held():
+        entered.set()
+        release.wait(60)
+        return step()
+    monkeypatch.setattr(srv.engine, "step", held)
+    assert srv.idle()
+    _, before = scrape(srv.url, srv.model)
+    request = threading.Thread(target=srv.client.completions.create,
+                               kwargs=dict(model=srv.model, prompt=PROMPT, max_tokens=2))
+    request.start()
+    try:
+        assert entered.wait(60)
+        start = time.perf_counter()
+        _, during = scrape(srv.url, srv.model, timeout=5)
+        took = time.perf_counter() - start
+    finally:
+        release.set()
+        request.join(60)
+    assert took < 0.5, took
+    assert during[("nano_requests_arrived_total", ())] == before[("nano_requests_arrived_total", ())] + 1
+    assert during[("vllm:num_requests_waiting", ())] == 1
 
 
 def test_the_metrics_prom_file_is_what_metrics_serves(tmp_path):

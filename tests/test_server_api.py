@@ -2,8 +2,10 @@
 content as parts (or null), prompt batches, usage with prefix-cache hits and on every chunk,
 vLLM's /tokenize and /detokenize, GET /v1/models/{id}, every error status in OpenAI's shape,
 and one log line per request. The real server on a loopback port, the `openai` client."""
+import itertools
 import json
 import logging
+import sys
 import time
 
 import pytest
@@ -11,12 +13,15 @@ import pytest
 from test_server import PROMPT, Running, httpx, openai  # (it skips without the server's packages)
 from test_server_abuse import assert_openai_error, post_text, start_server
 
+from fastapi.routing import iter_route_contexts  # noqa: E402
+
 from nano.chat import template  # noqa: E402
 from nano.server.middleware import allowed_hosts  # noqa: E402
 from nano.server.limits import Limits  # noqa: E402
 
 KEY = "sesame"
 LIMITS = Limits(body_bytes=4096, prompt_chars=600, request_tokens=256)
+FORGED = "2026-12-02 04:40:52,036 INFO nano.server: GET /health 200 0.1 ms"  # a line a client would like to add
 LONG = "In a quiet village by the sea, the fishermen rose before dawn to mend their nets and " * 2
 
 
@@ -243,11 +248,13 @@ def test_each_request_is_one_log_line(srv, caplog):
 
 def test_the_log_level_flag_sets_what_the_server_logs():
     """--log-level warning: the 400 is logged (with its reason), the 200 is not, and uvicorn's
-    own access log is off (no line twice)."""
+    own access log is off (no line twice). A client cannot write a line of its own into the
+    log: a line break, an ANSI escape, a Unicode line separator in the path are written escaped."""
     job, url = start_server("--log-level", "warning")
     try:
         assert httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=60).status_code == 200
         assert httpx.post(url + "/v1/completions", json={"prompt": "hi", "n": 0}, timeout=60).status_code == 400
+        assert httpx.get(url + "/v1/x%0A" + FORGED.replace(" ", "%20") + "%1B[2J%E2%80%A8%C2%85").status_code == 404
         job.terminate()
         _, stderr = job.communicate(timeout=60)
     finally:
@@ -256,3 +263,158 @@ def test_the_log_level_flag_sets_what_the_server_logs():
     logged = [line for line in stderr.splitlines() if "/v1/completions" in line]
     assert len(logged) == 1 and " WARNING nano.server: POST /v1/completions 400 " in logged[0], stderr[-3000:]
     assert logged[0].endswith("ms: n: Input should be greater than or equal to 1"), logged
+    assert not any(c in stderr for c in "\x1b\u2028\x85") and "\n" + FORGED not in stderr, stderr[-3000:]
+    assert f" WARNING nano.server: GET /v1/x\\n{FORGED}\\x1b[2J\\u2028\\x85 404 " in stderr, stderr[-3000:]
+
+
+def test_a_log_record_is_one_line_whatever_a_client_put_in_it():
+    """The server's log formatter (its own lines and uvicorn's): every character that is not
+    printable is escaped, a traceback's line breaks too."""
+    from nano.server.middleware import log_config
+    formatter = log_config("info")["formatters"]["nano.server"]  # as serve() configures it
+    try:
+        raise ValueError("bad\n" + FORGED)
+    except ValueError:
+        record = logging.LogRecord("nano.server", logging.ERROR, __file__, 1, "GET /x\n%s\x1b[31m\u2028\x85\ud800 500",
+                                   (FORGED,), sys.exc_info())
+    line = formatter["()"](formatter["fmt"]).format(record)
+    assert line.isprintable(), line
+    assert f" ERROR nano.server: GET /x\\n{FORGED}\\x1b[31m\\u2028\\x85\\ud800 500\\nTraceback (most " in line
+    assert line.endswith("\\nValueError: bad\\n" + FORGED), line
+
+
+# ---- /openapi.json says what the server does -------------------------------------------------------------
+def spec(srv) -> dict:
+    r = httpx.get(srv.url + "/openapi.json")
+    assert r.status_code == 200
+    return r.json()
+
+
+def operations(doc: dict) -> dict[tuple[str, str], dict]:
+    return {(path, method.upper()): op for path, ops in doc["paths"].items() for method, op in ops.items()}
+
+
+def examples(schema: dict, doc: dict) -> list:
+    """Values the schema describes, the way a schema-driven fuzzer starts: an object's required
+    properties only (and those its `else` requires: the generator never picks the `if` value),
+    one value per alternative of each union on the way, null left out (an optional field's
+    absence), an enum's first value, a number's minimum."""
+    if "$ref" in schema:
+        return examples(doc["components"]["schemas"][schema["$ref"].split("/")[-1]], doc)
+    if "anyOf" in schema:
+        return [v for alternative in schema["anyOf"] if alternative.get("type") != "null"
+                for v in examples(alternative, doc)]
+    if "const" in schema:
+        return [schema["const"]]
+    if "enum" in schema:
+        return [schema["enum"][0]]
+    kind = schema.get("type")
+    if kind in ("integer", "number"):
+        return [int(schema.get("minimum", 1))]
+    if kind == "array":
+        return [[item] for item in examples(schema["items"], doc)]
+    if kind == "object":
+        out = []
+        for alternative in schema.get("oneOf", [{}]):
+            names = schema.get("required", []) + schema.get("else", {}).get("required", []) + \
+                alternative.get("required", [])
+            for values in itertools.product(*(examples(schema["properties"][name], doc) for name in names)):
+                out.append(dict(zip(names, values)))
+        return out
+    return {"string": ["Hello"], "boolean": [False]}[kind]
+
+
+def bodies(doc: dict, path: str) -> list[dict]:
+    """A POST route's example bodies, each asking for 2 tokens where it may ask."""
+    schema = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    fields = doc["components"]["schemas"][schema["$ref"].split("/")[-1]]["properties"]
+    return [dict(body, max_tokens=2) if "max_tokens" in fields else body for body in examples(schema, doc)]
+
+
+def test_every_route_the_server_answers_is_documented_and_405_names_the_methods(srv):
+    """The routes the app answers (but the schema's own pages) are the documented operations; a
+    method a path does not document is a 405 whose Allow names those it does; no 422 anywhere
+    (a body that fails validation is a 400), and the prompt has a schema."""
+    doc, app = spec(srv), srv.app
+    own = {app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url}  # the schema's pages
+    served = {(route.path_format, m) for route in iter_route_contexts(app.routes) if route.path not in own
+              for m in route.methods}
+    documented = operations(doc)
+    assert served == set(documented)
+    for path, ops in doc["paths"].items():
+        allowed = {m.upper() for m in ops}
+        for method in {"GET", "POST", "PUT", "DELETE", "PATCH"} - allowed:
+            r = httpx.request(method, srv.url + path.replace("{model}", srv.model),
+                              headers={"Authorization": f"Bearer {KEY}"})
+            assert_openai_error(r, 405, "Method Not Allowed")
+            assert set(r.headers["allow"].split(", ")) == allowed, (method, path)
+    assert all("422" not in op["responses"] for op in documented.values())
+    prompt = doc["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]
+    assert {"string", "array"} <= {alt["type"] for alt in prompt["anyOf"]}
+
+
+def test_every_status_the_server_sends_is_documented_and_every_documented_one_is_sent(srv, monkeypatch):
+    """Each operation is sent what brings about each error status (as a schema-following client
+    sends it: a body only where one is documented); the statuses it answers are exactly those
+    documented, each in a documented content type, each error in OpenAI's shape (ErrorResponse)."""
+    doc, server = spec(srv), srv.app.state.server
+    error, detail = doc["components"]["schemas"]["ErrorResponse"], doc["components"]["schemas"]["ErrorDetail"]
+    assert error["required"] == ["error"] and error["properties"]["error"]["$ref"].endswith("/ErrorDetail")
+    assert set(detail["required"]) == {"message", "type", "param", "code"}  # as assert_openai_error checks
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    def call(path, method, headers=auth, model=None, **more):
+        """The operation with its first example body (if it takes one), model and more set in it."""
+        body = dict(bodies(doc, path)[0], **({"model": model} if model else {}), **more) \
+            if method == "POST" else None
+        return httpx.request(method, srv.url + path.replace("{model}", model or srv.model), json=body,
+                             headers=headers, timeout=120)
+
+    def planted(target, name, value):
+        def call_planted(path, method):
+            with monkeypatch.context() as m:
+                m.setattr(target, name, value)
+                return call(path, method)
+        return call_planted
+
+    async def broken(*_, **__):
+        raise RuntimeError("planted")
+    triggers = [  # (path, method) -> a response
+        call,
+        lambda path, method: call(path, method, headers={**auth, "Host": "rebound.example"}),  # 400
+        lambda path, method: call(path, method, headers={}),                                    # 401
+        lambda path, method: call(path, method, model="gpt-4"),                                 # 404
+        lambda path, method: call(path, method, padding="x" * 5000),                            # 413
+        planted(server, "submit", broken),                                                      # 500
+        planted(server.thread, "error", "planted"),                                             # 503
+        planted(server, "closing", True),                                                       # 503
+    ]
+    for (path, method), op in operations(doc).items():
+        sent = set()
+        for trigger in triggers:
+            r = trigger(path, method)
+            sent.add(str(r.status_code))
+            documented = op["responses"].get(str(r.status_code), {"content": {}})
+            assert r.headers["content-type"].split(";")[0] in documented["content"], (path, method, r.status_code)
+            if r.status_code >= 400:
+                assert_openai_error(r, r.status_code)
+                assert documented["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+        assert sent == set(op["responses"]), (path, method)
+    invalid = call("/v1/completions", "POST", temperature=-1)
+    assert_openai_error(invalid, 400, "temperature")  # FastAPI's default would be a 422
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+def test_bodies_built_from_the_request_schemas_are_served(srv, path):
+    """What a schema-driven fuzzer sends first reaches generation: every alternative of each
+    union (the prompt's four shapes, a message's content as a string or as parts) answers 200."""
+    doc = spec(srv)
+    made = bodies(doc, path)
+    assert len(made) >= {"/v1/completions": 4, "/v1/chat/completions": 2, "/tokenize": 3}.get(path, 1), made
+    for body in made:
+        r = post(srv, path, body)
+        assert r.status_code == 200, (body, r.text)
+    if path == "/v1/completions":
+        streamed = post(srv, path, dict(made[0], stream=True))
+        media = streamed.headers["content-type"].split(";")[0]
+        assert media in doc["paths"][path]["post"]["responses"]["200"]["content"]

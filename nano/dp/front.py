@@ -58,9 +58,9 @@ class Front:
         seq.status, seq.finish_reason = Status.FINISHED, reason
         self.router.abort(seq.seq_id, reason)
 
-    def prometheus(self) -> bytes:
-        self.export.update({"replicas": self.router.replicas(), "finished": len(self.router.results)})
-        return self.export.text()
+    def snapshot(self) -> dict:
+        """The router's signals now, which the server's engine thread sets self.export from."""
+        return {"replicas": self.router.replicas(), "finished": len(self.router.results)}
 
     def stop_workers(self) -> None:
         """The server has ended: the replicas are stopped and give their final reports."""

@@ -5,23 +5,24 @@
 
     POST /v1/completions, POST /v1/chat/completions (stream or not), GET /v1/models[/{id}],
     POST /tokenize, POST /detokenize (vLLM's), GET /health,
-    GET /metrics (Prometheus text, vLLM's names: the registry --metrics-prom writes)
+    GET /metrics (Prometheus text, vLLM's names: the registry --metrics-prom writes),
+    GET /openapi.json (each route's body, and the statuses it answers, as sent)
 
 Two threads. uvicorn's event loop speaks HTTP: it validates a request (pydantic; unknown
 fields are tolerated, wrong types and ranges are a 400), tokenizes it in a worker thread,
 and hands the engine thread (engine_thread.py) one Job per choice. Nothing the engine does
-blocks the event loop: /health answers while the engine is saturated. A client that goes away has its
-jobs aborted: the engine drops them before its next step, blocks freed.
+blocks the event loop: /health answers while the engine is saturated, and /metrics from the
+snapshot the engine thread publishes between steps. A client that goes away has its jobs
+aborted: the engine drops them before its next step, blocks freed.
 
 What one request may cost the others is bounded (limits.py: the body's bytes before it is
 parsed, the prompt's characters before it is tokenized, stop strings, n x max_tokens, a
 stream's unread chunks); --api-key guards /v1/* and the tokenizer's routes, --allowed-hosts
 the Host header (DNS rebinding); SIGTERM or Ctrl-C ends open requests within
 --shutdown-timeout (_Uvicorn). Every error, whatever its status, is in OpenAI's shape, and
-every request is one line on the "nano.server" logger (AccessLog).
+every request is one line on the "nano.server" logger (AccessLog), escaped (LogFormatter).
 """
 import asyncio
-import logging
 import secrets
 import time
 
@@ -38,10 +39,18 @@ from nano.errors import NanoError
 from nano.sequence import SamplingParams
 from nano.server.engine_thread import EngineThread, Job, StopStrings
 from nano.server.limits import SHUTDOWN_TIMEOUT, Limits
-from nano.server.middleware import AccessLog, BodyLimit, HostCheck, log
+from nano.server.middleware import AccessLog, BodyLimit, HostCheck, log_config
 from nano.server.responses import respond
 from nano.server.schemas import (BadRequest, ChatRequest, CompletionRequest, DetokenizeRequest, Message, Sampling,
-                                 TokenizeRequest, error_response)
+                                 TokenizeRequest, error_response, errors)
+
+# What /openapi.json says the routes answer beyond JSON: a generation, with "stream": true,
+# server-sent events (and the errors it may end in); /metrics, Prometheus's text format.
+GENERATION = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+                    "description": "The completion; with stream: true, server-sent events ending in data: [DONE]."},
+              **errors(400, 404, 413, 500, 503)}
+METRICS = {200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                 "description": "Prometheus's text format: vLLM's series and nano's."}}
 
 
 # ---- the HTTP side ------------------------------------------------------------------------------
@@ -177,8 +186,10 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
                api_key: str | None = None, hosts: list[str] = ("*",), stall_timeout: float | None = None) -> FastAPI:
     """The FastAPI app; its engine thread starts with the app and stops with it."""
     server = Server(engine, max_queued, metrics, limits, stall_timeout)
-    app = FastAPI(title="nano", lifespan=_lifespan(server))
+    # Every route may answer 400 for a Host header not allowed; the routes add what else they answer.
+    app = FastAPI(title="nano", lifespan=_lifespan(server), responses=errors(400) if "*" not in hosts else None)
     app.state.server = server
+    app.openapi = _without_422(app.openapi)
     app.add_middleware(BodyLimit, limit=limits.body_bytes)
     if "*" not in hosts:
         app.add_middleware(HostCheck, allowed_hosts=hosts)
@@ -194,10 +205,10 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
         where = ".".join(str(p) for p in first["loc"] if p != "body" and (isinstance(p, int) or p.isidentifier()))
         return error_response(f"{where}: {first['msg']}" if where else first["msg"], param=where or None)
 
-    @app.exception_handler(HTTPException)  # Starlette's and FastAPI's own: 404, 405, 413, a body not parsed
+    @app.exception_handler(HTTPException)  # Starlette's and FastAPI's: 404, 405 (with Allow), 413, a body not parsed
     async def http_error(_, exc: HTTPException):
         return error_response(str(exc.detail), exc.status_code, "server_error" if exc.status_code >= 500
-                              else "invalid_request_error")
+                              else "invalid_request_error", headers=exc.headers)
 
     @app.exception_handler(BadRequest)
     async def bad(_, exc: BadRequest):
@@ -207,20 +218,19 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
     async def failed(_, exc: Exception):
         return error_response(f"internal error: {type(exc).__name__}: {exc}", 500, "server_error")
 
-    @app.get("/health")
+    @app.get("/health", responses=errors(503))
     async def health():
         return server.stopped() or {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=METRICS)
     async def metrics():
-        if server.stopped():  # no one would answer
-            return server.stopped()
-        loop, done = asyncio.get_running_loop(), asyncio.get_running_loop().create_future()
-        server.thread.inbox.put(("metrics", lambda text: loop.call_soon_threadsafe(done.set_result, text)))
-        return Response(await done, media_type=CONTENT_TYPE_LATEST)
+        # The registry as the engine thread last set it (after its last step, request added or
+        # abort): a step in progress never delays the answer.
+        return Response(server.thread.export.text(), media_type=CONTENT_TYPE_LATEST)
 
-    guard = [Depends(_key_check(api_key))] if api_key else []
-    v1, tokenizer = APIRouter(prefix="/v1", dependencies=guard), APIRouter(dependencies=guard)
+    guard, refused = ([Depends(_key_check(api_key))], errors(401)) if api_key else ([], {})
+    v1 = APIRouter(prefix="/v1", dependencies=guard, responses=refused)
+    tokenizer = APIRouter(dependencies=guard, responses={**refused, **errors(400, 404, 413)})
 
     def model_card() -> dict:
         return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "nano"}
@@ -229,12 +239,12 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
     async def models():
         return {"object": "list", "data": [model_card()]}
 
-    @v1.get("/models/{model:path}")
+    @v1.get("/models/{model:path}", responses=errors(404))
     async def model(model: str):
         server.check_model(model)
         return model_card()
 
-    @v1.post("/completions")
+    @v1.post("/completions", responses=GENERATION)
     async def completions(body: CompletionRequest, request: Request):
         stops = server.check(body)
         if body.max_tokens == 0 and not body.echo:
@@ -246,7 +256,7 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
                                    16 if body.max_tokens is None else body.max_tokens, body.echo)
         return await respond(server, request, body, jobs, "text_completion", "cmpl")
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", responses=GENERATION)
     async def chat(body: ChatRequest, request: Request):
         stops = server.check(body)
         if engine.tokenizer.chat_template is None:
@@ -278,6 +288,20 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
     app.include_router(v1)
     app.include_router(tokenizer)
     return app
+
+
+def _without_422(openapi):
+    """FastAPI's openapi(), less the 422 it documents for every route with a body or a path
+    parameter: this server answers a body it cannot validate with 400 (the handler above)."""
+    def documented() -> dict:
+        schema = openapi()  # built once, then FastAPI's cached copy
+        for operations in schema["paths"].values():
+            for operation in operations.values():
+                operation["responses"].pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema["components"]["schemas"].pop(name, None)
+        return schema
+    return documented
 
 
 def _key_check(api_key: str):
@@ -329,12 +353,9 @@ def serve(engine, host: str, port: int, max_queued: int, metrics=None, limits: L
           api_key: str | None = None, hosts: list[str] = ("*",), shutdown_timeout: float = SHUTDOWN_TIMEOUT,
           stall_timeout: float | None = None, log_level: str = "info") -> None:
     app = create_app(engine, max_queued, metrics, limits, api_key, hosts, stall_timeout)
-    handler = logging.StreamHandler()  # stderr
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    log.addHandler(handler)
-    log.setLevel(log_level.upper())
-    # uvicorn's own lines at the same level; its access log off: AccessLog writes one line a request.
-    # uvicorn's limit on the graceful wait is a backstop: the server ends its requests before it.
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=shutdown_timeout + 5)
+    # uvicorn's own lines at the same level and through the same formatter; its access log off:
+    # AccessLog writes one line a request. uvicorn's limit on the graceful wait is a backstop: the
+    # server ends its requests before it.
+    config = uvicorn.Config(app, host=host, port=port, log_config=log_config(log_level), log_level=log_level,
+                            access_log=False, timeout_graceful_shutdown=shutdown_timeout + 5)
     _Uvicorn(config, app.state.server, shutdown_timeout).run()

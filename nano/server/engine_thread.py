@@ -14,7 +14,7 @@ import numpy as np
 from nano import parallel
 from nano.errors import NanoError
 from nano.sequence import SamplingParams, Sequence
-from nano.telemetry.export import snapshot
+from nano.telemetry.export import gauges
 from nano.telemetry.prometheus import EngineExport
 from nano.telemetry.watchdog import GRACE, Watchdog
 
@@ -111,22 +111,29 @@ class EngineThread(threading.Thread):
     def __init__(self, engine, metrics=None, stall_timeout=None):
         super().__init__(name="nano-engine", daemon=True)
         self.engine, self.metrics = engine, metrics  # metrics: a MetricsWriter (--metrics-file)
-        # GET /metrics: --metrics-prom's registry; a front over several engines (nano/dp) has its own
-        self.export = None if hasattr(engine, "prometheus") else metrics.export if metrics else EngineExport(engine)
-        self.inbox: queue.Queue = queue.Queue()  # ("add", job) | ("abort", job) | ("metrics", fn) | None
+        # GET /metrics renders this registry, which this thread sets from the engine between steps:
+        # --metrics-prom's, or one of its own; a front over several engines (nano/dp) has its own.
+        front = hasattr(engine, "snapshot")
+        self.export = engine.export if front else metrics.export if metrics else EngineExport(engine)
+        self.snapshot = engine.snapshot if front else lambda: gauges(engine, engine.clock.now())
+        self.inbox: queue.Queue = queue.Queue()  # ("add", job) | ("abort", job) | None
         self.jobs: list[Job] = []
         self.error: str | None = None
         self.watchdog = Watchdog(stall_timeout, self._fail)
 
     def run(self) -> None:
         try:
+            self._refresh()
             while self._take(block=not self.engine.has_unfinished()):
                 if self.engine.has_unfinished():
                     with self.watchdog.step():
                         self.engine.step()
-                    self._publish()
+                    events = self._publish()
                     if self.metrics:
                         self.metrics.after_step(self.engine)
+                    self._refresh()  # before the events go out: a client that has its answer finds it counted
+                    for job, event in events:
+                        job.put(event)
         except Exception as e:  # a bug, or a rank that stopped: every waiting client gets an error,
             self._fail(str(e) if isinstance(e, NanoError) else f"{type(e).__name__}: {e}")  # /health says so
             if not parallel.alone():  # then the job ends: the other ranks would wait for this one forever
@@ -152,13 +159,14 @@ class EngineThread(threading.Thread):
             elif kind == "abort" and value in self.jobs:
                 self.engine.abort(value.seq)
                 self.jobs.remove(value)
-            elif kind == "metrics":  # read here, between steps: counts and gauges of one instant
-                if self.export is None:
-                    value(self.engine.prometheus())
-                else:
-                    self.export.update(snapshot(self.engine, self.engine.clock.now()))
-                    value(self.export.text())
+        if items:  # arrivals and freed blocks show before the next step, which may take long
+            self._refresh()
         return True
+
+    def _refresh(self) -> None:
+        """GET /metrics' registry set from the engine as it is now: about 12 us, whatever the
+        requests served so far (docs/server.md, Metrics)."""
+        self.export.update(self.snapshot())
 
     def _add(self, job: Job) -> None:
         try:
@@ -169,7 +177,9 @@ class EngineThread(threading.Thread):
         job.detok = Detokenizer(self.engine.tokenizer)
         self.jobs.append(job)
 
-    def _publish(self) -> None:
+    def _publish(self) -> list[tuple[Job, dict]]:
+        """Each job's news since the last step, as (job, event): sent by the caller."""
+        events = []
         for job in list(self.jobs):
             seq = job.seq
             new = seq.output_token_ids[job.tokens:]
@@ -192,14 +202,16 @@ class EngineThread(threading.Thread):
             if end > job.sent or logprobs or seq.is_finished or first:
                 if prompt_lp and job.top_logprobs is not None:
                     logprobs = prompt_lp + (logprobs or [])
-                job.put({"text": prompt_text + job.text[job.sent:end], "logprobs": logprobs, "prompt_logprobs": vllm_lp,
-                         "finish_reason": reason if seq.is_finished else None,
-                         "error": seq.error if reason == "rejected" else None,
-                         "completion_tokens": seq.num_output_tokens,
-                         "cached_tokens": seq.num_cached_prompt_tokens or 0})  # None: not admitted yet
+                events.append((job, {
+                    "text": prompt_text + job.text[job.sent:end], "logprobs": logprobs, "prompt_logprobs": vllm_lp,
+                    "finish_reason": reason if seq.is_finished else None,
+                    "error": seq.error if reason == "rejected" else None,
+                    "completion_tokens": seq.num_output_tokens,
+                    "cached_tokens": seq.num_cached_prompt_tokens or 0}))  # None: not admitted yet
                 job.sent = end
             if seq.is_finished:
                 self.jobs.remove(job)
+        return events
 
     def _prompt(self, job: Job) -> tuple[str, list[dict], list | None]:
         """Once the prompt is scored (the engine's prompt_logprobs, with the first token or the

@@ -1,5 +1,6 @@
 """What every request passes before a route: the body's size (BodyLimit), the Host header
-(HostCheck: DNS rebinding), and one log line per request (AccessLog)."""
+(HostCheck: DNS rebinding), and one log line per request (AccessLog), which no client can
+forge (LogFormatter)."""
 import json
 import logging
 import time
@@ -11,6 +12,39 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 from nano.server.schemas import error_response
 
 log = logging.getLogger("nano.server")
+
+
+def escape(text: str) -> str:
+    """text with each character that is not printable (line breaks, ANSI escapes, every other
+    control or separator character Unicode has) written as a Python string literal writes it:
+    "\\n", "\\x1b", "\\u2028"."""
+    if text.isprintable():  # the usual case, checked at C speed
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
+class LogFormatter(logging.Formatter):
+    """The server's log lines, its own and uvicorn's. A record holds what clients sent (a path,
+    a model's name, an error message that quotes a field), so the whole record is escaped: no
+    client can end a line and write one that looks like the server's. A traceback is then one
+    line too, its line breaks written "\\n"."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return escape(super().format(record))
+
+
+def log_config(level: str) -> dict:
+    """logging's configuration for uvicorn.Config: the server's logger and uvicorn's, each on
+    stderr through LogFormatter under its own name (uvicorn writes its lines, most of them not
+    errors, to "uvicorn.error": shown as "uvicorn"), at --log-level (uvicorn sets its own)."""
+    names = (log.name, "uvicorn")
+    return {"version": 1, "disable_existing_loggers": False,
+            "formatters": {name: {"()": LogFormatter, "fmt": f"%(asctime)s %(levelname)s {name}: %(message)s"}
+                           for name in names},
+            "handlers": {name: {"class": "logging.StreamHandler", "formatter": name, "stream": "ext://sys.stderr"}
+                         for name in names},
+            "loggers": {log.name: {"handlers": [log.name], "propagate": False, "level": level.upper()},
+                        "uvicorn": {"handlers": ["uvicorn"], "propagate": False}}}
 
 
 class BodyLimit:

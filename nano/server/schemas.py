@@ -1,6 +1,8 @@
 """What the server takes: OpenAI's request bodies (pydantic models; top_k and ignore_eos are
 extensions, as in vLLM), every text field through the command line's text check, and
-errors in OpenAI's shape."""
+errors in OpenAI's shape. The models are also /openapi.json's schemas: a field checked by a
+function of ours names the JSON it takes (json_schema_input_type), so that the schema says
+what the check accepts."""
 from typing import Annotated, Literal
 
 from fastapi.responses import JSONResponse
@@ -25,6 +27,17 @@ def _checked_text(value: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_checked_text)]
+
+# What the prompt's check (_prompts) takes, as its schema says it: a prompt is a string or a list of
+# token ids, neither empty (an id must also be below the model's vocabulary size: a 400 otherwise).
+OnePrompt = Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+PromptInput = OnePrompt | Annotated[list[OnePrompt], Field(min_length=1)]
+
+
+class TextPart(BaseModel):
+    """A chat message's content part of the one kind this server takes (_content)."""
+    type: Literal["text"]
+    text: str
 
 
 def _is_id(value) -> bool:
@@ -98,18 +111,22 @@ class Sampling(BaseModel):
 
 
 class CompletionRequest(Sampling):
-    prompt: Annotated[list[str | list[int]], PlainValidator(_prompts)]
+    prompt: Annotated[list[str | list[int]], PlainValidator(_prompts, json_schema_input_type=PromptInput)]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False  # the text and logprobs start with the prompt's (scored by the engine)
     max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: the prompt scored, nothing generated
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    # The schema: content may be null or absent in an assistant's message only.
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={
+        "if": {"properties": {"role": {"const": "assistant"}}},
+        "else": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}})
     role: Literal[ROLES]
     content: str | None = Field(None, validate_default=True)  # absent: as null
 
-    validate_content = field_validator("content", mode="plain")(_content)
+    validate_content = field_validator("content", mode="plain",
+                                       json_schema_input_type=str | list[TextPart] | None)(_content)
 
 
 class ChatRequest(Sampling):
@@ -121,7 +138,8 @@ class ChatRequest(Sampling):
 
 class TokenizeRequest(BaseModel):
     """vLLM's /tokenize: a completion's prompt, or a chat's messages in the model's template."""
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={"oneOf": [  # one of the two, not null
+        {"required": [name], "properties": {name: {"not": {"type": "null"}}}} for name in ("prompt", "messages")]})
     model: Text | None = None
     prompt: Text | None = None
     messages: list[Message] | None = Field(None, min_length=1)
@@ -134,6 +152,37 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str                    # invalid_request_error (4xx) or server_error (5xx)
+    param: str | None            # the field at fault, if one is
+    code: str | None             # model_not_found, invalid_api_key, server_overloaded
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape: every error the server answers, whatever its status, and a stream's
+    error event."""
+    error: ErrorDetail
+
+
+# What each error status the server sends means (/openapi.json's descriptions).
+ERRORS = {
+    400: "A request the server does not take: a field's type or range (param names it), a limit passed, "
+         "a prompt longer than the context, a Host header not allowed (--allowed-hosts).",
+    401: "No valid API key (--api-key): send Authorization: Bearer KEY.",
+    404: "No such model: this server serves one (GET /v1/models).",
+    413: "The body is larger than --max-request-bytes.",
+    500: "The engine failed while the request ran (or a bug: internal error).",
+    503: "The server is shutting down, its engine stopped, or (code server_overloaded) "
+         "--max-queued-requests are in flight: try again later.",
+}
+
+
+def errors(*statuses: int) -> dict:
+    """OpenAPI's entries for these error statuses (a route's or router's responses=)."""
+    return {status: {"model": ErrorResponse, "description": ERRORS[status]} for status in statuses}
+
+
 class BadRequest(Exception):
     def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error", code: str | None = None,
                  param: str | None = None):
@@ -144,10 +193,10 @@ class BadRequest(Exception):
 def error_body(message: str, kind: str = "invalid_request_error", code: str | None = None,
                param: str | None = None) -> dict:
     """OpenAI's error shape (a response's body, or a stream's last event)."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return ErrorResponse(error=ErrorDetail(message=message, type=kind, param=param, code=code)).model_dump()
 
 
 def error_response(message: str, status: int = 400, kind: str = "invalid_request_error",
-                   code: str | None = None, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, kind, code, param), status_code=status)
+                   code: str | None = None, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, kind, code, param), status_code=status, headers=headers)
 

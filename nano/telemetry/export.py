@@ -20,22 +20,29 @@ def histogram(values: list[float]) -> list[int]:
     return counts + [len(values)]
 
 
-def snapshot(engine, now: float) -> dict:
-    """The engine's metrics and queues as of now: between steps too (an abort frees blocks
-    without a step)."""
+def gauges(engine, now: float) -> dict:
+    """The engine's queues and KV pool as of now (between steps too: an abort frees blocks
+    without a step): what a Prometheus export reads (prometheus.EngineExport.update) and, unlike
+    the history snapshot() adds, cheap enough for the server to take after every step."""
     m, bm, queues = engine.metrics, engine.block_manager, engine.queue_state(now)
-    occupancy = 1 - bm.num_free_blocks / bm.num_blocks
     return {
-        "time": now, "step": m.steps,
-        "arrived": queues.arrived, "finished": m.requests - m.rejected,
+        "time": now, "step": m.steps, "arrived": queues.arrived,
         "running": queues.running, "waiting": queues.waiting, "swapped": queues.swapped,
-        "rejected": m.rejected, "aborted": m.aborted,
         "queue_depth_tokens": queues.queue_tokens,
-        "kv_occupancy": occupancy,
+        "kv_occupancy": 1 - bm.num_free_blocks / bm.num_blocks,
+        "step_time": m.last_step_time,
+    }
+
+
+def snapshot(engine, now: float) -> dict:
+    """The engine's gauges and the run's figures so far, as of now."""
+    m = engine.metrics
+    return {
+        **gauges(engine, now),
+        "finished": m.requests - m.rejected, "rejected": m.rejected, "aborted": m.aborted,
         "ttft_histogram": histogram(m.ttft), "tpot_histogram": histogram(m.tpot),
         "preemptions": {"swap": m.preemptions["swap"], "recompute": m.preemptions["recompute"]},
         "prefix_cache_hit_rate": m.prefix_hits / m.prefix_queried if m.prefix_queried else 0.0,
-        "step_time": m.last_step_time,
         "mean_step_time": m.step_time / m.steps if m.steps else 0.0,
         "ttft_sum": float(sum(m.ttft)), "tpot_sum": float(sum(m.tpot)),
     }

@@ -7,8 +7,9 @@ Each export has a CollectorRegistry of its own: two engines in one process (test
 comparison run) never share a series. GET /metrics (generate_latest) and --metrics-prom
 (write_to_textfile) read the same registry. Per-request histograms are observed as each
 request ends (Metrics.request_observers, once per request); counters follow the sums the
-engine keeps (nano/metrics.py), never going down, and gauges are set from a snapshot
-(export.snapshot) just before the registry is read."""
+engine keeps (nano/metrics.py), never going down, and gauges are set from the engine's
+(export.gauges) by whoever steps it: the server's engine thread after every step, so that
+GET /metrics renders the registry without waiting for one; --metrics-prom with each file."""
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, write_to_textfile
 
 from nano.errors import writing
@@ -151,7 +152,8 @@ class EngineExport(Export):
         self.decode.observe(last - first)
 
     def update(self, snap: dict) -> None:
-        """Gauges from the engine's snapshot (export.snapshot); counters up to the engine's sums."""
+        """Gauges from the engine's (export.gauges, or a snapshot holding them); counters up to
+        the engine's sums. On the thread that steps the engine."""
         self.running.set(snap["running"])
         self.waiting.set(snap["waiting"])
         self.swapped.set(snap["swapped"])
