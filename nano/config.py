@@ -5,6 +5,10 @@ from nano import checks
 from nano.errors import NanoError
 from nano.kv_cache import DEFAULT_KEY_SCHEME, KEY_SCHEMES, KV_CACHE_DTYPES
 
+# The RoPE types the forward pass implements (model.rope_cos_sin), with the numbers each needs.
+ROPE_TYPES = {"default": (), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                        "original_max_position_embeddings")}
+
 
 @dataclass
 class ModelConfig:
@@ -34,11 +38,11 @@ class ModelConfig:
         if missing:
             raise NanoError(f"config.json is not a Llama-family config: no {missing[0]!r}")
 
-        def count(key, default=None):
-            return checks.integer(f"config.json {key}", cfg.get(key, default), low=1)
+        def count(key, default=None, high=None):
+            return checks.integer(f"config.json {key}", cfg.get(key, default), 1, high)
 
-        def positive(key, default):
-            return checks.number(f"config.json {key}", cfg.get(key, default), low=0, open_low=True)
+        def number(key, default, low, high=None):  # bounds no real model comes near
+            return checks.number(f"config.json {key}", cfg.get(key, default), low, high, open_low=True)
 
         heads, hidden = count("num_attention_heads"), count("hidden_size")
         kv_heads = count("num_key_value_heads", heads)
@@ -48,7 +52,7 @@ class ModelConfig:
         head_dim = count("head_dim") if cfg.get("head_dim") is not None else hidden // heads
         if head_dim < 2 or head_dim % 2:
             raise NanoError(f"config.json head dimension must be even (RoPE rotates pairs), got {head_dim}")
-        eos = cfg.get("eos_token_id")
+        eos, vocab = cfg.get("eos_token_id"), count("vocab_size")
         eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
         return cls(
             hidden_size=hidden,
@@ -57,14 +61,14 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            vocab_size=count("vocab_size"),
-            rms_norm_eps=positive("rms_norm_eps", 1e-6),
-            rope_theta=positive("rope_theta", 10000.0),
+            vocab_size=vocab,
+            rms_norm_eps=number("rms_norm_eps", 1e-6, 0, 0.1),
+            rope_theta=number("rope_theta", 10000.0, 1),  # at most 1, frequencies would rise along a head
             rope_scaling=_rope_scaling(cfg.get("rope_scaling")),
-            max_position_embeddings=count("max_position_embeddings", 2048),
+            max_position_embeddings=count("max_position_embeddings", 2048, 2**24),  # 2^24: past any real context
             tie_word_embeddings=checks.flag("config.json tie_word_embeddings",
                                             cfg.get("tie_word_embeddings", False)),
-            eos_token_ids=tuple(checks.integer("config.json eos_token_id", t, low=0) for t in eos),
+            eos_token_ids=tuple(checks.integer("config.json eos_token_id", t, 0, vocab - 1) for t in eos),
         )
 
 
@@ -102,15 +106,18 @@ class Capacity:
 
 
 def _rope_scaling(scaling) -> dict | None:
-    """None, or a dict; Llama 3's kind needs its four numbers (model.rope_cos_sin)."""
+    """None for plain RoPE, or the dict with its type as rope_type and its numbers checked."""
     if scaling is None:
         return None
     if not isinstance(scaling, dict):
         raise NanoError(f"config.json rope_scaling must be an object or null, got {scaling!r:.40}")
-    if scaling.get("rope_type", scaling.get("type")) == "llama3":
-        for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-            checks.number(f"config.json rope_scaling {key}", scaling.get(key), low=0, open_low=True)
-    return scaling
+    kind = checks.choice("config.json rope_scaling type", scaling.get("rope_type", scaling.get("type")), [*ROPE_TYPES])
+    for key in ROPE_TYPES[kind]:
+        checks.number(f"config.json rope_scaling {key}", scaling.get(key), low=0, open_low=True)
+    if kind == "llama3" and scaling["low_freq_factor"] >= scaling["high_freq_factor"]:  # its blend divides by their gap
+        raise NanoError(f"config.json rope_scaling low_freq_factor must be below high_freq_factor, got "
+                        f"{scaling['low_freq_factor']} and {scaling['high_freq_factor']}")
+    return None if kind == "default" else {**scaling, "rope_type": kind}
 
 
 TOKEN_BUDGET = 2048  # a step's tokens when --max-num-batched-tokens is not given, and then

@@ -1,4 +1,6 @@
 import json
+import os
+import stat
 from contextlib import contextmanager
 
 
@@ -8,20 +10,29 @@ class NanoError(Exception):
 
 @contextmanager
 def writing(path):
-    """Writing a file the user named: a failure (a full disk, a folder gone) is theirs to fix,
-    not a bug, so it is one line too."""
+    """Writing a file the user named: a failure (a full disk, a folder gone) is theirs, one line too."""
     try:
         yield
     except OSError as e:
         raise NanoError(f"cannot write {path}: {e.strerror}") from None
 
 
-def read_json(path):
-    """Reading a JSON file the user gave (a model's config, its tokenizer's): unreadable or
-    not JSON is one line."""
+def read_file(path, limit: int) -> bytes:
+    """A whole model file, which must be a regular file (or a link to one: a FIFO would block,
+    a device never end) of at most `limit` bytes. Opened non-blocking: a FIFO's open waits."""
     try:
-        return json.loads(path.read_bytes())
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+            data = f.read(limit + 1) if stat.S_ISREG(os.fstat(f.fileno()).st_mode) else None
     except OSError as e:
         raise NanoError(f"cannot read {path}: {e.strerror}") from None
+    if data is None or len(data) > limit:
+        raise NanoError(f"{path} must be a regular file of at most {limit >> 20} MiB")
+    return data
+
+
+def read_json(path, limit: int = 16 << 20):
+    """A model's JSON file (real ones are at most a few MB): unreadable, too large or not JSON is one line."""
+    try:
+        return json.loads(read_file(path, limit))
     except (ValueError, RecursionError) as e:  # JSONDecodeError and bad UTF-8 are ValueErrors
         raise NanoError(f"{path} is not valid JSON ({e})") from None

@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from nano import ops
-from nano.config import ModelConfig
+from nano.config import ROPE_TYPES, ModelConfig
 from nano.kv_cache import KVCache, LayerKV
 
 
@@ -50,17 +50,15 @@ def rope_cos_sin(cfg: ModelConfig, max_positions: int) -> np.ndarray:
     """(max_positions, d) float32: cos of each position's angles in [:, :d/2], sin in [:, d/2:]."""
     d = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    scaling = cfg.rope_scaling or {}
-    if scaling.get("rope_type", scaling.get("type")) == "llama3":
-        inv_freq = _llama3_scaled(inv_freq, scaling)
+    if (cfg.rope_scaling or {}).get("rope_type") == "llama3":  # the types config.ROPE_TYPES lets through
+        inv_freq = _llama3_scaled(inv_freq, cfg.rope_scaling)
     angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq)
     return np.concatenate([np.cos(angles), np.sin(angles)], axis=-1).astype(np.float32)
 
 
 def _llama3_scaled(inv_freq: np.ndarray, s: dict) -> np.ndarray:
     """Llama 3.1+ long-context RoPE: slow down low frequencies, keep high ones, blend between."""
-    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-    old_len = s["original_max_position_embeddings"]
+    factor, low, high, old_len = (s[key] for key in ROPE_TYPES["llama3"])
     wavelen = 2 * np.pi / inv_freq
     smooth = np.clip((old_len / wavelen - low) / (high - low), 0.0, 1.0)
     scaled = (1 - smooth) * inv_freq / factor + smooth * inv_freq

@@ -8,12 +8,8 @@ from pathlib import Path
 
 import tokenizers
 
-from nano.errors import NanoError, read_json
-
-
-def _token_str(tok) -> str | None:
-    """tokenizer_config stores special tokens as strings or AddedToken dicts."""
-    return tok.get("content") if isinstance(tok, dict) else tok
+from nano import checks
+from nano.errors import NanoError, read_file, read_json
 
 
 class Tokenizer:
@@ -21,26 +17,32 @@ class Tokenizer:
         """eos_token_ids: the model's (config.json's, checked by ModelConfig); the tokenizer's
         own eos_token is one too. Generation stops at any of them."""
         model_dir = Path(model_dir)
-        path = model_dir / "tokenizer.json"
+        path, cfg_path = model_dir / "tokenizer.json", model_dir / "tokenizer_config.json"
+        source = read_file(path, 256 << 20)  # the largest real ones are ~35 MB
         try:
-            self._tok = tokenizers.Tokenizer.from_file(str(path))
-        except Exception as e:  # the library raises a bare Exception for a missing or bad file
+            self._tok = tokenizers.Tokenizer.from_str(source.decode())
+        except Exception as e:  # the library raises a bare Exception for a bad file
             raise NanoError(f"cannot load {path}: {e}") from None
-        cfg_path = model_dir / "tokenizer_config.json"
-        cfg = read_json(cfg_path) if cfg_path.is_file() else {}
+        self.num_ids = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+        cfg = read_json(cfg_path) if cfg_path.exists() else {}
         if not isinstance(cfg, dict):
             raise NanoError(f"{cfg_path} is not a JSON object")
-        self.bos_token = _token_str(cfg.get("bos_token"))
-        self.eos_token = _token_str(cfg.get("eos_token"))
 
+        def token(key):  # a string, or an AddedToken dict
+            value = cfg.get(key)
+            value = value.get("content") if isinstance(value, dict) else value
+            return None if value is None else checks.text(f"{cfg_path} {key}", value)
+
+        self.bos_token, self.eos_token = token("bos_token"), token("eos_token")
         template = cfg.get("chat_template")
-        if isinstance(template, list):  # named templates: HF uses "default"
-            template = next((t["template"] for t in template if t["name"] == "default"), None)
-        self.chat_template: str | None = template
+        if isinstance(template, list) and all(isinstance(t, dict) for t in template):  # named: HF uses "default"
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        self.chat_template = None if template is None else checks.text(f"{cfg_path} chat_template", template)
 
-        self._bos_id = None
-        if cfg.get("add_bos_token") and self.bos_token is not None:
-            self._bos_id = self._tok.token_to_id(self.bos_token)
+        add_bos = checks.flag(f"{cfg_path} add_bos_token", cfg.get("add_bos_token") or False) and self.bos_token
+        self._bos_id = self._tok.token_to_id(self.bos_token) if add_bos else None
+        if add_bos and self._bos_id is None:
+            raise NanoError(f"{cfg_path} bos_token {self.bos_token!r:.40} is not a token of {path}")
 
         # The same tokenizer with special-token matching off (tokenizers' encode_special_tokens),
         # for text a user typed: "<|im_end|>" in it is those ten characters, not the end of a turn.
@@ -50,9 +52,8 @@ class Tokenizer:
                           key=len, reverse=True)  # longest first: the regex takes the first that matches
         self.special_tokens = re.compile("|".join(map(re.escape, specials))) if specials else None
 
-        self.eos_token_ids: set[int] = set(eos_token_ids)
-        if self.eos_token is not None and self._tok.token_to_id(self.eos_token) is not None:
-            self.eos_token_ids.add(self._tok.token_to_id(self.eos_token))
+        eos_id = self._tok.token_to_id(self.eos_token) if self.eos_token is not None else None
+        self.eos_token_ids: set[int] = set(eos_token_ids) | ({eos_id} if eos_id is not None else set())
 
     def encode(self, text: str, plain: bool = False) -> list[int]:
         """plain: user text, in which a special token's text is plain text (never the token)."""

@@ -2,8 +2,7 @@
 
 A model is a Hugging Face style folder (config.json, *.safetensors, tokenizer.json,
 tokenizer_config.json). The default one lives in weights/, made on first use by the
-nano/default_model package (run.py calls it before loading).
-"""
+nano/default_model package (run.py calls it before loading)."""
 
 from __future__ import annotations
 
@@ -37,7 +36,7 @@ def resolve_model(model: str | None) -> Path:
     folder = Path(model)
     if not folder.is_dir():
         raise NanoError(f"model folder not found: {model}")
-    if not (folder / "config.json").is_file():
+    if not (folder / "config.json").exists():  # anything but a regular file is refused as it is read
         raise NanoError(f"no config.json in {model}")
     return folder
 
@@ -52,19 +51,19 @@ class ModelFolder:
 
 def open_model(model: str | None, tokenizer: bool = True) -> ModelFolder:
     """The one place a model folder is opened and checked: config.json, the checkpoint files'
-    structure (every tensor's bytes inside its file), the tokenizer (if asked for). Damage
-    is a NanoError. Tensor shapes are checked as they load (tp.load_model)."""
-    return _open(resolve_model(model), tokenizer)
+    structure (every tensor's bytes inside its file), the tokenizer (if asked for; its ids are
+    embedding rows). Damage is a NanoError. Tensor shapes are checked as they load (tp.load_model)."""
+    folder = resolve_model(model)
+    config, reader = ModelConfig.from_hf(load_config(folder)), CheckpointReader(folder)
+    tok = Tokenizer(folder, config.eos_token_ids) if tokenizer else None
+    if tok and tok.num_ids > config.vocab_size:
+        raise NanoError(f"{folder / 'tokenizer.json'} has token ids up to {tok.num_ids - 1}, past "
+                        f"config.json vocab_size {config.vocab_size}")
+    return ModelFolder(folder, config, reader, tok)
 
 
 def is_complete(folder: Path) -> bool:
     return all((folder / f).is_file() for f in MODEL_FILES)
-
-
-def _open(folder: Path, tokenizer: bool) -> ModelFolder:
-    config = ModelConfig.from_hf(load_config(folder))
-    return ModelFolder(folder, config, CheckpointReader(folder),
-                       Tokenizer(folder, config.eos_token_ids) if tokenizer else None)
 
 
 def load_config(model_dir: Path) -> dict:
@@ -102,12 +101,12 @@ class CheckpointReader:
             return NanoError(f"{path} is damaged or truncated: {why}")
 
         if not path.is_file():
-            raise NanoError(f"missing checkpoint file: {path}")
+            raise NanoError(f"{path} is not a regular file" if path.exists() else f"missing checkpoint file: {path}")
         size = path.stat().st_size
         with open(path, "rb") as f:
             header_len = int.from_bytes(f.read(8), "little")
-            if size < 8 or header_len > size - 8:
-                raise damaged(f"its header says {header_len} bytes but the file has {size}")
+            if size < 8 or header_len > min(size - 8, 10**8):  # the format caps headers at 100 MB
+                raise damaged(f"its header says {header_len} bytes, but the file has {size} and headers are <= 100 MB")
             try:
                 header = json.loads(f.read(header_len))
             except (ValueError, RecursionError):
@@ -121,11 +120,11 @@ class CheckpointReader:
             try:
                 dtype, shape = info["dtype"], tuple(int(n) for n in info["shape"])
                 start, end = (int(n) for n in info["data_offsets"])
-            except (TypeError, KeyError, ValueError):
-                raise damaged(f"bad header entry for {name}") from None
+                itemsize = self._DTYPES[dtype].itemsize if dtype in self._DTYPES else None  # others: get() refuses them
+            except (TypeError, KeyError, ValueError, OverflowError):  # a dtype that is a list, a size of 1e999
+                raise damaged(f"bad header entry for {name}: {info!r:.80}") from None
             if not 0 <= start <= end <= size - base:
                 raise damaged(f"tensor {name} ends at byte {end} of the data, which holds {size - base}")
-            itemsize = self._DTYPES[dtype].itemsize if dtype in self._DTYPES else None  # others: get() refuses them
             if itemsize and (min(shape, default=0) < 0 or end - start != math.prod(shape) * itemsize):
                 raise damaged(f"tensor {name} of shape {shape} has {end - start} bytes")
             self._tensors[name] = (data, dtype, shape, base + start)

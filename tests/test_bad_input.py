@@ -6,18 +6,23 @@ malformed JSONL. Signals under mpirun are in test_tp.py, the default model's rep
 stale downloads in test_weights.py."""
 import json
 import math
+import os
 import random
 import shutil
 import signal
+import stat
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 from test_cli import ROOT, assert_one_line_error, run_cli
+from test_weights import edit_header, never_waiting_on
 
 import run
 from nano import LLM, SamplingParams
+from nano.cli import prompts
 from nano.errors import NanoError
 from test_stress import check_invariants
 
@@ -103,6 +108,43 @@ def test_bad_bench_flags():
     assert main_error("--bench", "--num-seqs", "0") == "--num-seqs must be an integer >= 1, got 0"
 
 
+def test_endless_or_blocking_prompt_files(tmp_path):
+    """/dev/zero is one endless line; a FIFO that nothing writes to would block open() for ever
+    (under mpirun, every rank with it): each is one line, at once."""
+    fifo = tmp_path / "p.txt"
+    os.mkfifo(fifo)
+    assert main_error("--prompt-file", "/dev/zero") == \
+        "/dev/zero line 1: longer than a prompt file's bound of 16 Mi characters"
+    with never_waiting_on(fifo):
+        assert main_error("--prompt-file", fifo) == f"prompt file {fifo} has no prompts"
+
+
+def test_prompt_file_bounds(tmp_path, monkeypatch):
+    """A line, the whole file and the number of prompts are each bounded (here with small bounds)."""
+    monkeypatch.setattr(prompts, "MAX_LINE", 10)
+    monkeypatch.setattr(prompts, "MAX_CHARS", 30)
+    monkeypatch.setattr(prompts, "MAX_PROMPTS", 3)
+    path = tmp_path / "p.txt"
+    for text, message in [("ok\n0123456789a\n", "line 2: longer than"),
+                          ("0123456789\n" * 3, "line 3: the file passes"),
+                          ("a\n\nb\nc\nd\n", "line 5: more than a prompt file's bound of 3 prompts")]:
+        path.write_text(text)
+        assert main_error("--prompt-file", path).startswith(f"{path} {message}")
+    path.write_text("a\n\nb\nc\n")
+    assert len(prompts.read_requests(str(path), SamplingParams())) == 3
+
+
+def test_prompts_from_a_pipe():
+    """--prompt-file <(cmd) and /dev/stdin are pipes, read as any file is."""
+    r, w = os.pipe()
+    os.write(w, b"one\r\n\ntwo\n")
+    os.close(w)
+    try:
+        assert [p for p, _ in prompts.read_requests(f"/dev/fd/{r}", SamplingParams())] == ["one", "two"]
+    finally:
+        os.close(r)
+
+
 def test_cli_prints_one_line_and_exits_2_before_loading_the_model(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text(f'{GOOD}\n{{"prompt": "hi", "max_tokens": 4.5}}\n')
@@ -125,6 +167,10 @@ def damage(folder, name, edit):
 
 @pytest.mark.parametrize("name,edit,message", [
     ("config.json", lambda b: b[:len(b) // 2], "config.json is not valid JSON"),
+    ("model.safetensors", edit_header(lambda h: json.dumps(h).replace('"shape": [512, 64]', '"shape": [1e999, 64]')),
+     "model.safetensors is damaged or truncated: bad header entry for model.embed_tokens.weight"),
+    ("tokenizer_config.json", lambda b: b'{"chat_template": 42}',
+     "tokenizer_config.json chat_template must be a string"),
     ("model.safetensors", lambda b: b[:100], "model.safetensors is damaged or truncated: its header says"),
     ("model.safetensors", lambda b: b[:len(b) - 1000], "model.safetensors is damaged or truncated: tensor"),
     ("tokenizer_config.json", lambda b: b"{", "tokenizer_config.json is not valid JSON"),
@@ -148,7 +194,7 @@ def test_tensor_of_the_wrong_shape(tmp_path, tiny_model):
 @pytest.mark.parametrize("edit,message", [
     ({"num_attention_heads": "4"}, "config.json num_attention_heads must be an integer >= 1, got '4'"),
     ({"num_key_value_heads": 3}, "config.json num_attention_heads (4) must be a multiple of num_key_value_heads (3)"),
-    ({"rms_norm_eps": None}, "config.json rms_norm_eps must be a number > 0, got None"),
+    ({"rms_norm_eps": None}, "config.json rms_norm_eps must be a number in (0, 0.1], got None"),
     ({"rope_scaling": {"rope_type": "llama3"}}, "config.json rope_scaling factor must be a number > 0, got None"),
 ])
 def test_config_fields_of_the_wrong_type_or_value(tmp_path, tiny_model, edit, message):
@@ -169,6 +215,33 @@ def test_unwritable_metrics_and_output_paths_refused_first(tmp_path):
     assert main_error(*args, "--metrics-prom", missing) == \
         f"cannot write --metrics-prom {missing}: no folder {missing.parent}"
     assert main_error(*args, "--output", tmp_path) == f"cannot write --output {tmp_path}: it is a folder"
+
+
+@pytest.mark.parametrize("flag", ["--output", "--metrics-file", "--summary-json"])
+def test_a_full_disk_is_one_line(tmp_path, tiny_model, flag):
+    """A write that fails (/dev/full: no space left) is one error, the closing of --output's
+    file at the end included (a second failure there must not replace the first)."""
+    (tmp_path / "p.txt").write_text("hi\nthere\n")
+    full = tmp_path / "full"
+    full.symlink_to("/dev/full")
+    assert main_error("--prompt-file", tmp_path / "p.txt", "--model", tiny_model, *FAST, "--max-tokens", 2,
+                      flag, full) == f"cannot write {full}: No space left on device"
+
+
+def test_output_to_a_pipe_is_written_in_place(tmp_path, tiny_model):
+    """A pipe or a device (/dev/stdout) gets each record as it finishes, and is never renamed
+    over with a file in input order, as a regular --output file is."""
+    (tmp_path / "p.txt").write_text("hi\nthere\n")
+    fifo = tmp_path / "out.jsonl"
+    os.mkfifo(fifo)
+    received = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_text()))
+    reader.start()
+    assert run.main([str(a) for a in ("--prompt-file", tmp_path / "p.txt", "--model", tiny_model, *FAST,
+                                      "--max-tokens", 2, "--output", fifo)]) == 0
+    reader.join(30)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert sorted(json.loads(line)["index"] for line in received[0].splitlines()) == [0, 1]
 
 
 def test_output_untouched_when_nothing_was_generated(tmp_path):

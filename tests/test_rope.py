@@ -41,6 +41,16 @@ def test_llama3_scaling_matches_the_loop_recipe():
     np.testing.assert_allclose(table[8999, 32:], np.sin(8999 * np.array(expected)), atol=2e-5)
 
 
+def test_rope_scaling_by_its_old_key_and_the_default_type():
+    """Older configs name the type under "type"; "default" is plain RoPE."""
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    llama3 = rope_cos_sin(config(rope_scaling={**scaling, "rope_type": "llama3"}), 200)
+    assert not np.array_equal(llama3, rope_cos_sin(config(), 200))
+    np.testing.assert_array_equal(rope_cos_sin(config(rope_scaling={**scaling, "type": "llama3"}), 200), llama3)
+    np.testing.assert_array_equal(rope_cos_sin(config(rope_scaling={"rope_type": "default"}), 200),
+                                  rope_cos_sin(config(), 200))
+
+
 def test_rope_store_skips_slot_minus_one_and_rotates_each_token_by_its_own_position():
     """Tokens with slot -1 (already cached; CUDA-graph padding rows) write nothing, and the
     others' keys still get their own positions' angles: equal to one call per token."""

@@ -5,6 +5,8 @@ import os
 import shutil
 import subprocess
 import sys
+import time
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import pytest
@@ -18,6 +20,8 @@ from nano.errors import NanoError
 from nano.tokenizer import Tokenizer
 from nano.weights import CheckpointReader, load_config, open_model, resolve_model
 from reference import DenseLlama, make_random_model
+
+NORM = "model.norm.weight"
 
 CHATML_FRANCE = (
     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
@@ -173,6 +177,125 @@ def test_sharded_checkpoint(tmp_path):
         assert np.array_equal(ckpt.get(n), tensors[n])
     w = "model.layers.0.mlp.down_proj.weight"
     assert np.array_equal(ckpt.get(w, rows=slice(10, 20)), tensors[w][10:20])
+
+
+def edit_header(edit):
+    """A safetensors file's damage: its header's JSON text replaced by edit(header as a dict),
+    the tensor bytes kept. Takes and returns the file's bytes."""
+    def apply(data: bytes) -> bytes:
+        n = int.from_bytes(data[:8], "little")
+        text = edit(json.loads(data[8:8 + n])).encode()
+        return len(text).to_bytes(8, "little") + text + data[8 + n:]
+    return apply
+
+
+@pytest.mark.parametrize("key,value", [("shape", "[1e999, 64]"), ("data_offsets", "[0, 1e999]"),
+                                       ("dtype", '["F32"]')])
+def test_damaged_header_entry(tmp_path, tiny_model, key, value):
+    """A size of 1e999 (a float to JSON) or a dtype that is not a string: damage, not a traceback."""
+    path = shutil.copytree(tiny_model, tmp_path / "m") / "model.safetensors"
+
+    def edit(header):
+        header[NORM][key] = "MARK"
+        return json.dumps(header).replace('"MARK"', value)
+
+    path.write_bytes(edit_header(edit)(path.read_bytes()))
+    with pytest.raises(NanoError, match=f"model.safetensors is damaged or truncated: bad header entry for {NORM}: "):
+        CheckpointReader(path.parent)
+
+
+def test_safetensors_header_past_the_formats_cap(tmp_path):
+    """The format caps a header at 100 MB: a larger one is damage, refused before it is read."""
+    path = tmp_path / "model.safetensors"
+    with open(path, "wb") as f:
+        f.write((2 * 10**8).to_bytes(8, "little"))
+        f.truncate(2 * 10**8 + 64)  # sparse: no disk used
+    with pytest.raises(NanoError, match="its header says 200000000 bytes, but the file has 200000064 and headers "
+                                        "are <= 100 MB"):
+        CheckpointReader(tmp_path)
+
+
+@contextmanager
+def never_waiting_on(fifo, seconds: float = 10):
+    """A block that reads `fifo` and must never wait for a writer (opening a FIFO for reading
+    does): past `seconds` a writer process comes and goes, which ends any wait (also one in code
+    that holds the GIL, where no thread or signal handler of ours would run), and the block fails."""
+    writer = subprocess.Popen(["sh", "-c", f'sleep {seconds} && : > "$0"', str(fifo)])
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        writer.kill()
+        writer.wait()
+    assert time.monotonic() - start < seconds, f"waited for a writer to {fifo}"
+
+
+SMALL, LARGE = "must be a regular file of at most 16 MiB", "must be a regular file of at most 256 MiB"
+
+
+@pytest.mark.parametrize("name,kind,message", [
+    ("config.json", "fifo", SMALL), ("tokenizer.json", "fifo", LARGE), ("tokenizer_config.json", "fifo", SMALL),
+    ("model.safetensors", "fifo", "is not a regular file"), ("config.json", "/dev/zero", SMALL),
+    ("tokenizer.json", "/dev/zero", LARGE), ("tokenizer_config.json", "large", SMALL),
+])
+def test_model_files_must_be_regular_files_of_bounded_size(tmp_path, tiny_model, name, kind, message):
+    """A FIFO would block (or, skipped, lose the chat template and EOS), a device never end, a
+    huge file cost its size: each is one line naming the file, before the weights load."""
+    folder = shutil.copytree(tiny_model, tmp_path / "m")
+    (folder / name).unlink()
+    if kind == "fifo":
+        os.mkfifo(folder / name)
+    elif kind == "large":
+        with open(folder / name, "wb") as f:
+            f.truncate(17 * 2**20)  # sparse
+    else:
+        (folder / name).symlink_to(kind)
+    with never_waiting_on(folder / name) if kind == "fifo" else nullcontext(), pytest.raises(NanoError) as e:
+        open_model(str(folder))
+    assert str(e.value) == f"{folder / name} {message}"
+
+
+def test_a_linked_model_file_is_read(tmp_path, tiny_model):
+    folder = shutil.copytree(tiny_model, tmp_path / "m", symlinks=True)
+    (folder / "tokenizer.json").unlink()
+    (folder / "tokenizer.json").symlink_to(tiny_model / "tokenizer.json")
+    assert open_model(str(folder)).tokenizer.num_ids == 512
+
+
+@pytest.mark.parametrize("edit,message", [
+    ({"chat_template": 42}, "chat_template must be a string, got 42"),
+    ({"chat_template": [1, 2]}, "chat_template must be a string, got [1, 2]"),
+    ({"bos_token": 5, "add_bos_token": True}, "bos_token must be a string, got 5"),
+    ({"eos_token": {"content": ["x"]}}, "eos_token must be a string, got ['x']"),
+    ({"add_bos_token": "yes"}, "add_bos_token must be true or false, got 'yes'"),
+    ({"bos_token": "<nope>", "add_bos_token": True}, "bos_token '<nope>' is not a token of"),
+])
+def test_tokenizer_config_fields_of_the_wrong_type(tmp_path, tiny_model, edit, message):
+    folder = shutil.copytree(tiny_model, tmp_path / "m")
+    path = folder / "tokenizer_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **edit}))
+    with pytest.raises(NanoError) as e:
+        Tokenizer(folder)
+    assert str(e.value).startswith(f"{path} {message}")
+
+
+def test_named_chat_templates(tmp_path, tiny_model):
+    folder = shutil.copytree(tiny_model, tmp_path / "m")
+    path = folder / "tokenizer_config.json"
+    templates = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
+    path.write_text(json.dumps({**json.loads(path.read_text()), "chat_template": templates}))
+    assert Tokenizer(folder).chat_template == "D"
+
+
+def test_tokenizer_ids_past_the_embedding_are_refused_at_load(tmp_path, tiny_model):
+    """A tokenizer that makes ids the embedding has no row for would crash a run mid-way (an
+    IndexError in the embedding lookup, the other prompts lost): refused before the weights load."""
+    folder = shutil.copytree(tiny_model, tmp_path / "m")
+    shutil.copy(make_random_model(tmp_path / "big", vocab=600) / "tokenizer.json", folder / "tokenizer.json")
+    with pytest.raises(NanoError) as e:
+        open_model(str(folder))
+    assert str(e.value) == f"{folder / 'tokenizer.json'} has token ids up to 599, past config.json vocab_size 512"
+    assert open_model(str(folder), tokenizer=False).config.vocab_size == 512  # TP ranks > 0 load no tokenizer
 
 
 # ---------------------------------------------------------------- resolve_model

@@ -3,6 +3,7 @@
 run's summary (stdout and --summary-json)."""
 import json
 import os
+import stat
 import sys
 import time
 
@@ -137,11 +138,16 @@ class OutputFile:
             self.file.flush()
 
     def close(self) -> None:
+        """A regular file is then rewritten in input order; a pipe or a device (/dev/stdout)
+        keeps the records in the order they finished, and must never be renamed over."""
         if self.file is None:
             return
-        self.file.close()
-        tmp = self.path + ".tmp"
+        file, self.file = self.file, None  # closed once, even if closing fails (a full disk)
         with writing(self.path):
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.writelines(self.records[i] for i in sorted(self.records))
-            os.replace(tmp, self.path)
+            regular = stat.S_ISREG(os.fstat(file.fileno()).st_mode)
+            file.close()
+            if regular:
+                tmp = self.path + ".tmp"
+                with open(tmp, "w", encoding="utf-8") as f:
+                    f.writelines(self.records[i] for i in sorted(self.records))
+                os.replace(tmp, self.path)

@@ -2,6 +2,7 @@
 sampling overrides; and the chat template applied to them."""
 import dataclasses
 import json
+import os
 
 from nano import checks
 from nano.chat.template import render as render_chat
@@ -20,8 +21,7 @@ def read_requests(path: str, defaults: SamplingParams) -> list[tuple[str, Sampli
     """Prompts and their sampling parameters: plain text, one prompt per line, or JSONL with
     per-request overrides (latency targets in ms)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = [(i, line.rstrip("\n")) for i, line in enumerate(f, 1) if line.strip()]
+        lines = _read_lines(path)
     except OSError as e:
         raise NanoError(f"cannot read prompt file {path}: {e.strerror}") from None
     except UnicodeDecodeError:
@@ -31,6 +31,34 @@ def read_requests(path: str, defaults: SamplingParams) -> list[tuple[str, Sampli
     if not path.endswith(".jsonl"):
         return [(line, defaults) for _, line in lines]
     return [_jsonl_request(path, i, line, defaults) for i, line in lines]
+
+
+# What a prompt file may hold: far more than any real run needs (a line of 16 Mi characters is
+# a prompt of millions of tokens), and reached at once by an endless source such as /dev/zero.
+MAX_LINE, MAX_CHARS, MAX_PROMPTS = 16 << 20, 1 << 30, 10**6
+
+
+def _read_lines(path: str) -> list[tuple[int, str]]:
+    """The file's non-blank lines and their numbers. It may be a pipe (<(cmd), /dev/stdin): it
+    is opened non-blocking, since opening a FIFO would otherwise wait for a writer, then read
+    blocking (a FIFO that nothing has open for writing reads as empty)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    os.set_blocking(fd, True)
+    lines, chars = [], 0
+    with open(fd, encoding="utf-8") as f:
+        for i, line in enumerate(iter(lambda: f.readline(MAX_LINE + 1), ""), 1):
+            chars += len(line)
+            if len(line.rstrip("\n")) > MAX_LINE:
+                raise NanoError(f"{path} line {i}: longer than a prompt file's bound of {MAX_LINE >> 20} Mi "
+                                f"characters")
+            if chars > MAX_CHARS:
+                raise NanoError(f"{path} line {i}: the file passes a prompt file's bound of {MAX_CHARS >> 20} Mi "
+                                f"characters")
+            if line.strip():
+                lines.append((i, line.rstrip("\n")))
+            if len(lines) > MAX_PROMPTS:
+                raise NanoError(f"{path} line {i}: more than a prompt file's bound of {MAX_PROMPTS} prompts")
+    return lines
 
 
 def _jsonl_request(path: str, lineno: int, line: str, defaults: SamplingParams):
