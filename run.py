@@ -303,7 +303,7 @@ def parse(argv, rank: int):
     if args.lab_quick or args.lab_out != LAB_OUT:
         raise NanoError("--lab-quick and --lab-out go with --lab NAME")
     check_writable("--metrics-file", args.metrics_file)
-    check_writable("--metrics-prom", args.metrics_prom)
+    check_writable("--metrics-prom", args.metrics_prom, replaced=True)
     checks.integer("--metrics-interval", args.metrics_interval, low=1)
     checks.number("--stall-timeout", args.stall_timeout, low=0, open_low=True)
     params = sampling_params(args)

@@ -215,6 +215,14 @@ def test_unwritable_metrics_and_output_paths_refused_first(tmp_path):
     assert main_error(*args, "--metrics-prom", missing) == \
         f"cannot write --metrics-prom {missing}: no folder {missing.parent}"
     assert main_error(*args, "--output", tmp_path) == f"cannot write --output {tmp_path}: it is a folder"
+    # --metrics-prom is rewritten by renaming a new file over it: a device there (as root,
+    # /dev/null itself) or a FIFO would be replaced by a regular file
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in (fifo, "/dev/null"):
+        assert main_error(*args, "--metrics-prom", path) == \
+            f"cannot write --metrics-prom {path}: not a regular file (it is replaced whole at every snapshot)"
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
 
 
 @pytest.mark.parametrize("flag", ["--output", "--metrics-file", "--summary-json"])

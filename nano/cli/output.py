@@ -56,14 +56,19 @@ def _ranks(engine) -> str:
     return "\n".join(lines)
 
 
-def check_writable(flag: str, path: str | None) -> None:
+def check_writable(flag: str, path: str | None, replaced: bool = False) -> None:
     """A file this process can create or overwrite, checked without touching it (so that a
-    run refuses a bad path before loading the model, and leaves the old file alone)."""
+    run refuses a bad path before loading the model, and leaves the old file alone). replaced:
+    the file is rewritten by renaming a new one over it, which would put a regular file in the
+    place of a device or a pipe (as root, /dev/null itself), so it must be a regular file."""
     if path is None:
         return
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise NanoError(f"cannot write {flag} {path}: it is a folder")
+    if replaced and os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
+        raise NanoError(f"cannot write {flag} {path}: not a regular file (it is replaced whole at "
+                        f"every snapshot)")
     if not os.path.isdir(folder):
         raise NanoError(f"cannot write {flag} {path}: no folder {folder}")
     if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
