@@ -17,6 +17,7 @@ nano/lab (experiments).
 import argparse
 import math
 import os
+import signal
 import sys
 
 from nano import checks, default_model, parallel
@@ -27,6 +28,7 @@ from nano.config import STEP_TARGET, TOKEN_BUDGET, EngineConfig
 from nano.errors import NanoError
 from nano.kv_cache import DEFAULT_KEY_SCHEME
 from nano.sequence import FIELD_RULES, SamplingParams
+from nano.telemetry import heartbeat
 from nano.telemetry.watchdog import DEFAULT_STALL_TIMEOUT
 
 ENGINE = EngineConfig()      # the engine's defaults, which the flags show
@@ -98,8 +100,8 @@ def build_parser() -> Parser:
     e.add_argument("--policy", default=ENGINE.policy, help="fcfs | deadline (by slack to the latency targets)")
     e.add_argument("--drop-late", action="store_true", help="deadline: reject requests that can no longer make their TTFT")
     e.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT,
-                   help="seconds a step (or, --disagg, a rank's silence) may last before the run is "
-                        "ended as stalled: a stopped rank must not hang the others")
+                   help="seconds a step may go without using CPU (under mpirun: a rank without a heartbeat) "
+                        "before the run is ended as stalled; a slow step that computes is never ended")
     h = p.add_argument_group("HTTP server (OpenAI-compatible, nano/server)")
     h.add_argument("--serve", action="store_true", help="serve /v1/completions, /v1/chat/completions, ... "
                    "(under mpirun --tp N: rank 0 serves)")
@@ -214,7 +216,9 @@ def sampling_params(args) -> SamplingParams:
 def main(argv=None) -> int:
     group = parallel.tp_group()  # under mpirun every rank runs main; rank 0 alone talks to the user,
     with group.together():       # so a bad argument stops every rank, and is printed once
+        heartbeat.start(group)   # every rank watched from here on (--stall-timeout), this collective included
         args, config, params, requests = parse(argv, group.rank)
+        heartbeat.set_timeout(args.stall_timeout)
         if not args.capacity and not args.disagg and not args.dp:  # a report for --tp N is computed in one process
             group.require(config.tp)
         if not args.lab:  # the lab fetches the default model only for a full-size run
@@ -357,11 +361,45 @@ def parse(argv, rank: int):
     return args, config, params, requests
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM on rank 0: the run ends as after a Ctrl-C (its finished outputs written in order)."""
+
+
+def on_sigterm(*_) -> None:
+    """SIGTERM: what Slurm and Kubernetes send, and what mpirun, given SIGTERM or Ctrl-C,
+    sends every rank 0.25 s before it kills them all. Rank 0 says so at once, then ends the
+    run; another rank tells world rank 0, as for a Ctrl-C, and goes on until then."""
+    group = parallel.world()
+    if group.rank > 0:
+        group.tell_interrupted()
+        return
+    if not heartbeat.just_resumed():  # else another rank found this one stopped and said so
+        os.write(launcher_stderr(), b"error: terminated (SIGTERM)\n")
+    raise Terminated
+
+
+def launcher_stderr() -> int:
+    """Where a rank's last line reaches the user: under Open MPI's mpirun, which stops passing
+    on the ranks' output the moment it gets a signal, the stderr of the launcher that started
+    this rank (prterun, which mpirun is, or its daemon prted on another host); else ours."""
+    parent = f"/proc/{os.getppid()}"
+    try:
+        if os.path.basename(os.readlink(parent + "/exe")) in ("prterun", "prted"):
+            return os.open(parent + "/fd/2", os.O_WRONLY | os.O_APPEND)
+    except OSError:  # not Open MPI's launcher, or its stderr out of reach
+        pass
+    return sys.stderr.fileno()
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         sys.exit(main())
     except NanoError as e:
         parallel.exit_on_error(e, 2)
+    except Terminated:  # said already (on_sigterm)
+        sys.stdout.flush()
+        parallel.abort_all(143)
     except KeyboardInterrupt as e:  # here, or on another rank (PeerInterrupted): every rank ends
         parallel.exit_on_error(NanoError("interrupted"), 130, e.args[0] if e.args else None)
     except Exception as e:  # a bug: alone, show the traceback; under MPI, end every rank

@@ -293,36 +293,36 @@ def test_dp_without_mpirun_and_bad_flags_are_one_line(tenant_file):
         assert_one_line_error(launch(["run.py", "--prompt-file", str(tenant_file), *flags]), message)
 
 
-STALL = "has sent nothing for 6 s (--stall-timeout): it stopped making progress"
+STALL = "has sent nothing for 6 s: stopped or wedged (--stall-timeout)"
 
 
 @needs_mpi
 @pytest.mark.parametrize("how", ["SIGSTOP", "SIGKILL"])
 def test_a_failed_replica_ends_the_job_with_one_line_and_keeps_finished_outputs(tiny_model, tmp_path, how):
-    """Replica 1 stopped (a wedged host): the router hears nothing and ends the job after the
-    stall timeout, with one error line. Killed: mpirun sees it exit and ends the job at
-    once, with its own notice naming the rank. Either way, what had finished is in --output."""
+    """Replica 1 stopped (a wedged host): its heartbeat stops, and rank 0 ends the job after
+    the stall timeout, with one error line. Killed: mpirun sees it exit and ends the job at
+    once, with its own notice naming the rank (and, if rank 0 ran Python in the quarter
+    second mpirun gives it, its line that it was terminated). Either way, what had finished
+    is in --output."""
     stderr, done = fail_one_rank(tmp_path, tiny_model, 1, how, ["--dp", "2"])
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     if how == "SIGSTOP":
-        assert len(errors) == 1 and errors[0].endswith("replica 1 (rank 1) " + STALL), stderr[-3000:]
+        assert errors == ["error: rank 1 " + STALL], stderr[-3000:]
     else:
-        assert not errors and "process rank 1 with PID" in stderr and "signal 9" in stderr, stderr[-3000:]
+        assert set(errors) <= {"error: terminated (SIGTERM)"}, stderr[-3000:]
+        assert "process rank 1 with PID" in stderr and "signal 9" in stderr, stderr[-3000:]
     assert {0, 1, 2, 3} <= done and len(done) < 8  # replica 1's long ones never finished
 
 
 @needs_mpi
-@pytest.mark.parametrize("rank, error", [
-    (3, "error: rank 0: replica 1 (rank 2) " + STALL),  # its leader waits in a collective, silent
-    (1, "error: a step has run for over 6 s (--stall-timeout): a rank or the engine stopped making progress"),
-], ids=["replica 1", "replica 0"])
-def test_a_stopped_tp_rank_of_a_replica_ends_the_job_with_one_line(tiny_model, tmp_path, rank, error):
+@pytest.mark.parametrize("rank", [3, 1], ids=["replica 1", "replica 0"])
+def test_a_stopped_tp_rank_of_a_replica_ends_the_job_with_one_line(tiny_model, tmp_path, rank):
     """--dp 2 --tp 2, one replica's second TP rank stopped: its leader waits for it in the
-    step's all-reduce. Replica 1's (world rank 3): the router hears nothing from that leader
-    (world rank 2). Replica 0's (world rank 1): the router waits in the same step, and the
-    watchdog on its steps ends the job. One error line either way."""
+    step's all-reduce, and under replica 0's (world rank 1) the router with it. Every rank's
+    heartbeat names the stopped one itself, whichever replica it serves: one error line."""
     stderr, done = fail_one_rank(tmp_path, tiny_model, rank, "SIGSTOP", ["--dp", "2", "--tp", "2"], ranks=4)
-    assert [line for line in stderr.splitlines() if line.startswith("error:")] == [error], stderr[-3000:]
+    assert [line for line in stderr.splitlines() if line.startswith("error:")] == [f"error: rank {rank} " + STALL], \
+        stderr[-3000:]
     assert {0, 1, 2, 3} <= done and len(done) < 8
 
 
@@ -434,12 +434,12 @@ def test_a_stopped_replica_under_serve_fails_open_requests_and_ends_the_job(tiny
         os.kill(pid, signal.SIGSTOP)
         start = time.monotonic()
         r = httpx.post(url + "/v1/completions", json=body, timeout=60)  # replica 1: never answers
-        assert r.status_code == 500 and "replica 1 (rank 1) has sent nothing for 6 s" in r.text, r.text
+        assert r.status_code == 500 and "rank 1 " + STALL in r.text, r.text
         assert time.monotonic() - start < 6 + 5
         assert httpx.get(url + "/health", timeout=5).status_code == 503
         _, stderr = job.communicate(timeout=20)
         errors = [line for line in stderr.splitlines() if line.startswith("error:")]
-        assert job.returncode != 0 and len(errors) == 1 and "replica 1 (rank 1) has sent nothing" in errors[0], stderr
+        assert job.returncode == 1 and errors == ["error: rank 1 " + STALL], stderr
     finally:
         if pid:
             try:

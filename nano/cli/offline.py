@@ -9,7 +9,7 @@ from nano.telemetry.watchdog import Watchdog
 def run_all(engine, inputs, per_request, arrivals=None, output=None, metrics=None, stall_timeout=None):
     """Generate everything (arrivals: seconds from now at which each request arrives; output:
     an OutputFile that gets each request as it finishes; metrics: a MetricsWriter, given
-    every step; stall_timeout: seconds after which a step still running ends the run).
+    every step; stall_timeout: seconds a step may go without CPU before the run is ended).
     Returns (sequences, wall seconds)."""
     progress, watchdog = Progress(len(inputs)), Watchdog(stall_timeout)
     start = engine.clock.now()

@@ -5,7 +5,7 @@ written in: ModelRunner.read_blocks / write_blocks):
   serving.py      the router and the prefill and decode instances, each a whole LLMEngine
   kv_transfer.py  a sequence's blocks as a checksummed payload, in pieces
   links.py        how instances talk: MPI point-to-point, or in-process queues (tests)
-  ranks.py        engines side by side on ranks: the router's base, heartbeats, stall check, the loop
+  ranks.py        engines side by side on ranks: the router's base, the loop every rank runs, the launch
                   (shared with nano/dp)
   metrics.py      the run's figures: handoffs, each pool's signals, how much prefill slows decodes
   compare.py      colocated vs disaggregated on the same cores and arrivals

@@ -25,7 +25,7 @@ def run_disagg(args, config: EngineConfig, params: SamplingParams, requests) -> 
     try:
         ran = serving.launch(config, num_prefill, num_decode, run.make_requests, args.bench, run.on_result,
                              lambda engine: metrics_writer(args, export=disagg_metrics.PoolExport(
-                                 engine.shard.model_dir.name)), args.stall_timeout)
+                                 engine.shard.model_dir.name)))
     finally:
         run.close()
     return run.report(ran, disagg_metrics.summary, disagg_metrics.format_disagg)

@@ -7,28 +7,23 @@ another rank: links are non-blocking (links.py), so a slow instance delays only 
 requests. Under --tp T an instance is T ranks (parallel.split_replicas): its leader runs the
 engine and talks to the router, the others replay its steps (worker.Worker).
 
-Liveness: an instance that has told the router nothing for HEARTBEAT seconds says it is
-alive; one silent past --stall-timeout has stopped (SIGSTOP, a lost host, kill -9), and the
-router ends the run with one line rather than wait for it forever. (A stalled router is seen
-by no one: its /health, where it serves, no longer answers.)
+Liveness is not the router's to judge: a step, however long, sends the router nothing, yet a
+rank that computes is alive. Every rank's heartbeat thread (telemetry/heartbeat.py) tells a
+stopped rank, the router's included, from a busy one.
 
 Times are each process's time.perf_counter(): CLOCK_MONOTONIC, one clock for all ranks
 on one host (the arrival trace, TTFT and TPOT mix ranks' times).
 """
 import signal
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from nano.config import Capacity
 from nano.disagg import kv_transfer
-from nano.errors import NanoError
 from nano.sequence import Sequence, Status
 from nano.telemetry.summary import summarize
-from nano.telemetry.watchdog import Watchdog
 
 ROUTER = 0
-HEARTBEAT = 1.0      # seconds of silence after which an instance tells the router it is alive
 
 
 @dataclass
@@ -68,7 +63,6 @@ class Instance:
         self.stalls: list[tuple[float, float]] = []  # decode: (start, end) of each payload received
         self.reported = None                          # (queue tokens, used blocks) last sent
         self.handoffs: dict[int, dict] = {}           # decode: seq_id -> its KV handoff's figures
-        self.last_told = time.monotonic()             # when this instance last sent the router anything
         self.tell_router(("capacity", engine.scheduler.capacity))
 
     def step(self) -> bool:
@@ -88,11 +82,6 @@ class Instance:
 
     def tell_router(self, message: tuple) -> None:
         self.link.send(ROUTER, message)
-        self.last_told = time.monotonic()
-
-    def keep_alive(self) -> None:
-        if not self.stopped and time.monotonic() - self.last_told > HEARTBEAT:
-            self.tell_router(("alive",))
 
     def status(self, queue_tokens: int, busy: bool, **extra) -> None:
         """Report to the router after a step, or when idle and something changed since (so
@@ -117,10 +106,10 @@ class Instance:
 
 class Router:
     """Rank 0's side: requests held until they arrive (route() sends them on), results and
-    status reports collected, every instance's final report, and the instances' liveness.
+    status reports collected, every instance's final report.
     Subclasses decide where a request goes (route) and what a status report means."""
 
-    def __init__(self, link, ranks: list[int], clock, on_result=None, stall_timeout=None):
+    def __init__(self, link, ranks: list[int], clock, on_result=None):
         self.link, self.clock, self.ranks = link, clock, ranks
         self.pending: deque[Sequence] = deque()       # not yet arrived, in arrival order
         self.expected = 0
@@ -133,8 +122,6 @@ class Router:
         self.on_result = on_result
         self.stopped = False
         self.accepting = False  # more requests may come (a server's router): not finished when idle
-        self.stall_timeout = stall_timeout
-        self.last_heard = {r: time.monotonic() for r in ranks}  # any message, per rank
 
     def add(self, seqs: list[Sequence]) -> None:
         self.pending.extend(sorted(seqs, key=lambda s: s.arrival_time))
@@ -189,7 +176,6 @@ class Router:
     def receive(self, source: int, message: tuple) -> bool:
         """Take a message meant for the router; False if it is for the instance on this rank."""
         kind = message[0]
-        self.last_heard[source] = time.monotonic()
         if kind == "result":
             self.on_result_message(source, message)
         elif kind == "status":
@@ -198,7 +184,7 @@ class Router:
             self.reports[source] = message[1]
         elif kind == "capacity":
             self.capacity[source] = message[1]
-        elif kind != "alive":
+        else:
             return False
         return True
 
@@ -216,22 +202,6 @@ class Router:
         """The instance's queue in tokens: its last report plus what was sent to it since."""
         reported = self.status[rank].queue_tokens if rank in self.status else 0
         return reported + sum(queue for queue, *_ in self.in_flight[rank])
-
-    def describe(self, rank: int) -> str:
-        """An instance, as the user knows it (in the error that ends the run)."""
-        return f"the instance on rank {rank}"
-
-    def check_alive(self) -> None:
-        """End the run if an instance (not this rank's own, not one that has ended) has been
-        silent past the stall timeout."""
-        if not self.stall_timeout:
-            return
-        now = time.monotonic()
-        silent = [r for r, t in self.last_heard.items()
-                  if r != ROUTER and r not in self.reports and now - t > self.stall_timeout]
-        if silent:
-            raise NanoError(f"{self.describe(silent[0])} has sent nothing for "
-                            f"{self.stall_timeout:g} s (--stall-timeout): it stopped making progress")
 
     def stop(self) -> None:
         for rank in self.ranks:
@@ -258,13 +228,11 @@ class Node:
                 self.instance.receive(source, message)
         busy = bool(messages)
         if self.router:
-            self.router.check_alive()
             busy = self.router.route() or busy
             if self.router.finished and not self.router.stopped:
                 self.router.stop()
         if not self.instance.stopped:
             busy = self.instance.work() or busy
-        self.instance.keep_alive()
         return busy
 
     def idle_time(self) -> float:
@@ -334,18 +302,13 @@ def launch(config, num_instances: int, wrong_size, make_requests, make_instance,
 
 def run_node(node: Node, world) -> None:
     """One instance's leader in an MPI run, to the end. A SIGINT on another rank is passed
-    on to the router's, which ends the run (its finished outputs written in order). The
-    router's own instance, under --tp, waits in its collectives for a rank that has stopped,
-    and the router in the same loop with it: its ticks are timed (telemetry/watchdog.py)."""
+    on to the router's, which ends the run (its finished outputs written in order)."""
     if not node.router:
         signal.signal(signal.SIGINT, lambda *_: world.tell_interrupted())
-    timed = node.router and node.instance.engine.group.world > 1
-    watchdog = Watchdog(node.router.stall_timeout if timed else None)
     while not node.done:
         if node.router:
             world.check_interrupted()
-        with watchdog.step():
-            busy = node.tick()
+        busy = node.tick()
         if not busy:
             node.instance.link.wait(node.idle_time())
     node.instance.link.close()

@@ -36,7 +36,8 @@ received and dropped, then acknowledged, so p frees the blocks); an abort for a 
 never got is ignored,
 since p dealt with it. Exactly one instance reports each request's end.
 
-Liveness (heartbeats, --stall-timeout), the loop every rank runs and the launch: ranks.py.
+The loop every rank runs and the launch: ranks.py; liveness (--stall-timeout): every rank's
+heartbeat (telemetry/heartbeat.py).
 """
 from collections import deque
 from dataclasses import dataclass
@@ -290,10 +291,10 @@ class Router(RouterBase):
     decode instance; collects results, status reports and, at the end, every instance's report."""
 
     def __init__(self, link, num_prefill: int, num_decode: int, block_size: int, clock,
-                 on_result=None, on_snapshot=None, stall_timeout=None):
+                 on_result=None, on_snapshot=None):
         self.prefill = list(range(num_prefill))
         self.decode = list(range(num_prefill, num_prefill + num_decode))
-        super().__init__(link, self.prefill + self.decode, clock, on_result, stall_timeout)
+        super().__init__(link, self.prefill + self.decode, clock, on_result)
         self.block_size = block_size
         self.handoffs: dict[int, dict] = {}           # seq_id -> its KV handoff's figures (decode side)
         self.where: dict[int, tuple[int, int]] = {}   # seq_id -> (prefill rank, decode rank), until its result
@@ -359,23 +360,19 @@ class Router(RouterBase):
                          "kv_occupancy": sum(r.used_blocks for r in reports) / blocks if blocks else 0.0}
         return out
 
-    def describe(self, rank: int) -> str:
-        return f"the {'prefill' if rank in self.prefill else 'decode'} instance on rank {rank}"
-
 
 def launch(config, num_prefill: int, num_decode: int, make_requests, warm_up: bool = False,
-           on_result=None, make_metrics=None, stall_timeout=None):
+           on_result=None, make_metrics=None):
     """This rank's part of a run under mpirun -n P+D (ranks.launch): rank 0 returns (router,
     its engine, wall seconds), the others None. make_metrics(engine): rank 0's MetricsWriter
-    for the pools' snapshots (metrics.PoolExport), or None; stall_timeout: seconds of an
-    instance's silence after which the run is ended."""
+    for the pools' snapshots (metrics.PoolExport), or None."""
     n = num_prefill + num_decode
     split = f"{num_prefill}:{num_decode}"
 
     def make_router(link, engine):
         metrics = make_metrics(engine) if make_metrics else None
         return Router(link, num_prefill, num_decode, config.block_size, engine.clock, on_result,
-                      metrics and metrics.tick, stall_timeout)
+                      metrics and metrics.tick)
 
     return launch_ranks(
         config, n, lambda got: f"--disagg {split} needs {n} MPI ranks, got {got}: run mpirun -n {n} python run.py "

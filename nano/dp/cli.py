@@ -45,7 +45,7 @@ def run_dp(args, config: EngineConfig, params: SamplingParams, requests) -> int:
         ran = serving.launch(config, args.dp, args.dp_policy, run.make_requests, args.bench,
                              lambda seq, replica: run.on_result(seq, replica=replica),
                              lambda engine: metrics_writer(args, export=dp_metrics.ReplicaExport(
-                                 engine.shard.model_dir.name)), args.stall_timeout)
+                                 engine.shard.model_dir.name)))
     finally:
         run.close()
     return run.report(ran, dp_metrics.summary, dp_metrics.format_replicas)
@@ -55,8 +55,7 @@ def serve_dp(args, config: EngineConfig) -> int:
     """--serve --dp N: the HTTP server on rank 0, in front of the router (front.py)."""
     from nano.dp.front import start_front
     from nano.server.cli import serve
-    front = start_front(config, args.dp, args.dp_policy, lambda engine, export: metrics_writer(args, export=export),
-                        args.stall_timeout)
+    front = start_front(config, args.dp, args.dp_policy, lambda engine, export: metrics_writer(args, export=export))
     if front is None:
         return 0  # a replica, until the server ends
     print(f"{serving.banner(args.dp, config.tp, args.dp_policy)}; each {describe(front.local)}", file=sys.stderr)
@@ -70,7 +69,7 @@ def dp_compare(args, config: EngineConfig, params: SamplingParams) -> int:
     for policy in POLICIES if args.dp > 1 else ("kv-aware",):
         gc.collect()  # the previous run's KV pools freed before this one sizes its own
         ran = serving.launch(config, args.dp, policy, lambda engine: sequences(args, engine, params, None)[0],
-                             True, stall_timeout=args.stall_timeout)
+                             True)
         if ran:
             router, _, wall = ran
             name = f"dp={args.dp} {policy}" if args.dp > 1 else "dp=1"

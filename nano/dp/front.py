@@ -36,7 +36,7 @@ class Front:
         return seq
 
     def has_unfinished(self) -> bool:
-        return True  # the router always has work: replicas' messages, heartbeats, the stall check
+        return True  # the router always has work: the replicas' messages
 
     def step(self) -> list[Sequence]:
         if not self.node.tick():
@@ -83,7 +83,7 @@ class Front:
             seq.__dict__.update(result.__dict__, logits=logits)
 
 
-def start_front(config, num_replicas: int, policy: str, make_metrics=None, stall_timeout=None) -> Front | None:
+def start_front(config, num_replicas: int, policy: str, make_metrics=None) -> Front | None:
     """Under mpirun -n DP x TP: rank 0 returns the Front the server drives; the other ranks
     run their replica (or their share of it) until the router stops them, and return None.
     make_metrics(engine, export): rank 0's MetricsWriter of that export, or None."""
@@ -93,7 +93,7 @@ def start_front(config, num_replicas: int, policy: str, make_metrics=None, stall
         exports.append(dp_metrics.ReplicaExport(engine.shard.model_dir.name))
         metrics = make_metrics(engine, exports[0]) if make_metrics else None
         return Router(link, num_replicas, policy, config.block_size, engine.clock, None,
-                      metrics and metrics.tick, stall_timeout, config.tp)
+                      metrics and metrics.tick)
 
     started = start(config, num_replicas, wrong_size(num_replicas, config.tp),
                     lambda engine, link, rank: Replica(engine, link, stream=True), make_router, warm_up=True)

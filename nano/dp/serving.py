@@ -17,9 +17,9 @@ replay its steps as under --tp alone.
 
 Rank 0 is router and replica 0 in one loop (ranks.Node.tick): the router's own replica
 delays routing by at most one of its steps, and it never waits on another rank (every
-send is non-blocking), so a slow replica slows only its own requests. Heartbeats, the
---stall-timeout check that ends the run when a replica goes silent, and the launch are the
-disaggregated add-on's (nano/disagg/ranks.py): one source for both.
+send is non-blocking), so a slow replica slows only its own requests. The launch is the
+disaggregated add-on's (nano/disagg/ranks.py): one source for both; a stopped rank is told
+from a busy one by every rank's heartbeat (nano/telemetry/heartbeat.py).
 
 Clocks: a request's arrival time is rebased onto the replica's clock on receipt (the time it
 waited at the router kept), so TTFT and TPOT are measured on one clock even when replicas
@@ -116,11 +116,10 @@ class Router(RouterBase):
     """Rank 0: each request, once it has arrived, to the replica the policy picks."""
 
     def __init__(self, link, num_replicas: int, policy: str, block_size: int, clock, on_result=None,
-                 on_snapshot=None, stall_timeout=None, tp: int = 1):
+                 on_snapshot=None):
         # on_result(seq, replica): the replica that served it (None: ended before routing)
-        self.tp = tp  # ranks per replica: replica r's leader is world rank r x tp
         super().__init__(link, list(range(num_replicas)), clock,
-                         on_result and (lambda seq: on_result(seq, self.replica_of.get(seq.seq_id))), stall_timeout)
+                         on_result and (lambda seq: on_result(seq, self.replica_of.get(seq.seq_id))))
         self.block_size = block_size
         self.index = CacheIndex(self.ranks)
         self.policy = Policy(policy, self.ranks, block_size, self.queued_tokens, self.occupancy, self.work_tokens,
@@ -184,9 +183,6 @@ class Router(RouterBase):
         return {r: {"queue_depth_tokens": s.queue_tokens, "kv_occupancy": s.used_blocks / s.num_blocks,
                     "routed": self.policy.routed[r]} for r, s in sorted(self.status.items())}
 
-    def describe(self, rank: int) -> str:
-        return f"replica {rank} (rank {rank * self.tp})"
-
 
 def wrong_size(num_replicas: int, tp: int):
     return lambda got: (f"{flags(num_replicas, tp)} needs {num_replicas * tp} MPI ranks, got {got}: "
@@ -209,7 +205,7 @@ def banner(num_replicas: int, tp: int, policy: str) -> str:
 
 
 def launch(config, num_replicas: int, policy: str, make_requests, warm_up: bool = False, on_result=None,
-           make_metrics=None, stall_timeout=None):
+           make_metrics=None):
     """This rank's part of a run under mpirun -n DP x TP (ranks.launch): rank 0 returns
     (router, its engine, wall seconds), the others None. make_metrics(engine): rank 0's
     MetricsWriter for the replicas' snapshots (metrics.ReplicaExport), or None."""
@@ -217,7 +213,7 @@ def launch(config, num_replicas: int, policy: str, make_requests, warm_up: bool 
     def make_router(link, engine):
         metrics = make_metrics(engine) if make_metrics else None
         return Router(link, num_replicas, policy, config.block_size, engine.clock, on_result,
-                      metrics and metrics.tick, stall_timeout, config.tp)
+                      metrics and metrics.tick)
 
     return launch_ranks(config, num_replicas, wrong_size(num_replicas, config.tp), make_requests,
                         lambda engine, link, rank: Replica(engine, link), make_router, warm_up)

@@ -1,10 +1,15 @@
-"""run.py --serve: the HTTP server until SIGTERM or Ctrl-C; then the TP ranks are told to stop."""
+"""run.py --serve: the HTTP server until SIGTERM or Ctrl-C; then the TP ranks are told to stop.
+
+Under mpirun there is no grace period: mpirun, on SIGTERM or Ctrl-C, passes SIGTERM on to
+every rank and kills them all 0.25 s later (Open MPI 5: SIGCONT, then SIGTERM 0.25 s on,
+then SIGKILL 0.25 s after that, however the ranks handle the signals). So open requests end
+at once, a stream with an error event and [DONE], rather than be cut mid-stream."""
 import sys
 
-from nano import checks
+from nano import checks, parallel
 from nano.cli.output import metrics_writer
 from nano.errors import NanoError
-from nano.server.limits import Limits
+from nano.server.limits import SHUTDOWN_TIMEOUT, Limits
 
 
 def check_args(args) -> None:
@@ -15,6 +20,9 @@ def check_args(args) -> None:
                         ("--max-stream-backlog", args.max_stream_backlog)):
         checks.integer(flag, value, low=1)
     checks.number("--shutdown-timeout", args.shutdown_timeout, low=0)
+    if parallel.launched_by_mpirun() and args.shutdown_timeout != SHUTDOWN_TIMEOUT:
+        raise NanoError("--shutdown-timeout: under mpirun open requests end at once on SIGTERM or Ctrl-C "
+                        "(mpirun kills every rank 0.25 s after passing SIGTERM on): drop it")
     if args.api_key is not None and not args.api_key:
         raise NanoError("--api-key is empty (or NANO_API_KEY is set but empty)")
 
@@ -37,7 +45,8 @@ def serve(args, engine, engine_metrics: bool = True) -> int:
     try:
         serve_http(engine, args.host, args.port, args.max_queued_requests,
                    metrics_writer(args, engine) if engine_metrics else None, limits(args),
-                   args.api_key, allowed_hosts(args.host, args.allowed_hosts), args.shutdown_timeout,
+                   args.api_key, allowed_hosts(args.host, args.allowed_hosts),
+                   0.0 if parallel.launched_by_mpirun() else args.shutdown_timeout,
                    args.stall_timeout, args.log_level)
     finally:
         engine.stop_workers()

@@ -106,7 +106,8 @@ class Job:
 
 class EngineThread(threading.Thread):
     """Owns the engine: inbox in, steps, text out. Stops when told (None in the inbox). A step
-    that runs past stall_timeout (a TP rank stopped) fails every job and ends the process."""
+    blocked for stall_timeout seconds, or under MPI a rank silent that long (telemetry/watchdog.py),
+    fails every job, then ends the process."""
 
     def __init__(self, engine, metrics=None, stall_timeout=None):
         super().__init__(name="nano-engine", daemon=True)

@@ -1,16 +1,20 @@
-"""A stalled step ends the run instead of hanging it.
+"""A stalled engine ends the run instead of hanging it; a slow one is left to finish.
 
-A rank that stops (SIGSTOP, a wedged device, a lost host) leaves the others waiting in a
-collective forever, spinning; a thread stepping the engine can wedge too. Whoever drives
-the steps times each one (`with watchdog.step(): engine.step()`); one still running after
---stall-timeout seconds means no progress is possible. Then the driver is told (on_stall:
-the server turns /health to 503 and gives every waiting client an error), and after a
-grace period for those errors to reach the clients one line is printed and every rank
-ends. Between steps (nothing to do) nothing is timed: an idle engine is not a stalled one;
-nor is a driver's first step, which on a GPU compiles kernels (NVRTC) and captures graphs.
+A step is judged by whether it is still computing, never by how long it takes: on a busy
+machine a legitimate 2,048-token prefill can take tens of seconds. In one process, whoever
+drives the steps (`with watchdog.step(): engine.step()`) has its thread's CPU time read
+(time.pthread_getcpuclockid) every quarter of the timeout, at most a second apart: while it
+advances, the step is computing; a thread that has used no CPU for --stall-timeout seconds
+is blocked (a deadlock, a wait for what never comes) and the run is ended. Between steps
+(nothing to do) nothing is judged: an idle engine is not a stalled one; nor is a driver's
+first step, which on a GPU compiles kernels (NVRTC) and captures graphs. A GPU kernel that
+never ends is not caught this way: by default CUDA spins on the CPU while it waits.
 
-Legitimate steps are far shorter than the default bound: a 2,048-token prefill of the
-default model takes ~5 s on a 2-core CPU; raise it for large models on slow machines."""
+Under MPI the CPU says nothing (a rank waiting in a collective for a stopped one spins), so
+there the ranks' heartbeats judge (heartbeat.py) and a driver only hands them its on_stall.
+Either way the driver is told first (on_stall: the server turns /health to 503 and gives
+every waiting client an error), then after a grace period for those errors to reach the
+clients one line is printed and every rank ends, with exit status 1."""
 import sys
 import threading
 import time
@@ -18,40 +22,70 @@ from contextlib import contextmanager
 
 from nano import parallel
 
-DEFAULT_STALL_TIMEOUT = 30.0  # seconds a step may take before the run is ended
-GRACE = 2.0                   # seconds between telling the driver and ending the run
+DEFAULT_STALL_TIMEOUT = 30.0  # seconds a step may go without CPU (MPI: a rank without a heartbeat)
+GRACE = 2.0                   # seconds between telling the drivers and ending the run
+drivers = []                  # under MPI: each driver's on_stall, for the heartbeats to call
+
+
+def end_stalled(message: str, on_stall=()) -> None:
+    """Tell the drivers, give their clients GRACE seconds, then end every rank with one line."""
+    for tell in on_stall:
+        tell(message)
+    if on_stall:
+        time.sleep(GRACE)
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    parallel.abort_all(1)
+
+
+class Stillness:
+    """How long a thread has gone without using CPU, from samples of (wall time, its CPU time
+    or None between steps). A gap between two samples of over half the timeout is time this
+    whole process was stopped (SIGSTOP, a suspended VM) or starved: not the thread's doing."""
+
+    def __init__(self, timeout: float, now: float):
+        self.timeout = timeout
+        self.sampled, self.cpu, self.since = now, None, now  # the last sample; when the CPU time last moved
+
+    def still(self, now: float, cpu: float | None) -> float:
+        """Seconds the thread has been still, after this sample."""
+        if cpu is None or cpu != self.cpu or now - self.sampled > self.timeout / 2:
+            self.since = now
+        self.sampled, self.cpu = now, cpu
+        return now - self.since
 
 
 class Watchdog:
-    """Times the steps of one driver; timeout None: times nothing (a run in one process
-    whose steps nothing else can stall, such as the benchmarks' policy comparisons)."""
+    """Judges the steps of one driver; timeout None: nothing (a run in one process whose
+    steps nothing else can stall, such as the benchmarks' policy comparisons)."""
 
     def __init__(self, timeout: float | None, on_stall=None):
         self.timeout, self.on_stall = timeout, on_stall
-        self.started: float | None = None  # time.monotonic() when the step in flight began
-        self.steps = 0                     # steps finished
-        if timeout:
+        self.clock: int | None = None  # the stepping thread's CPU clock while a timed step runs
+        self.steps = 0                 # steps finished
+        if timeout and parallel.alone():
             threading.Thread(target=self._watch, name="nano-watchdog", daemon=True).start()
+        elif on_stall:
+            drivers.append(on_stall)
 
     @contextmanager
     def step(self):
-        self.started = time.monotonic() if self.steps else None
+        self.clock = time.pthread_getcpuclockid(threading.get_ident()) if self.steps else None
         try:
             yield
         finally:
-            self.started = None
+            self.clock = None
             self.steps += 1
 
+    def _cpu(self) -> float | None:
+        clock = self.clock
+        try:
+            return None if clock is None else time.clock_gettime(clock)
+        except OSError:  # the step ended and its thread with it since clock was read
+            return None
+
     def _watch(self) -> None:
-        while True:
+        stillness = Stillness(self.timeout, time.monotonic())
+        while stillness.still(time.monotonic(), self._cpu()) <= self.timeout:
             time.sleep(min(1.0, self.timeout / 4))
-            started = self.started
-            if started is not None and time.monotonic() - started > self.timeout:
-                break
-        message = (f"a step has run for over {self.timeout:g} s (--stall-timeout): a rank or the "
-                   f"engine stopped making progress")
-        if self.on_stall:
-            self.on_stall(message)
-            time.sleep(GRACE)
-        print(f"error: {message}", file=sys.stderr, flush=True)
-        parallel.abort_all(1)
+        end_stalled(f"a step has used no CPU for {self.timeout:g} s (--stall-timeout): the engine is "
+                    f"blocked, not computing", [self.on_stall] if self.on_stall else [])
