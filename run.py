@@ -397,6 +397,9 @@ if __name__ == "__main__":
         sys.exit(main())
     except NanoError as e:
         parallel.exit_on_error(e, 2)
+    except BrokenPipeError:  # stdout's reader went away (| head): end quietly, as cat does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush into it
+        parallel.abort_all(141)
     except Terminated:  # said already (on_sigterm)
         sys.stdout.flush()
         parallel.abort_all(143)

@@ -160,3 +160,17 @@ def test_progress_is_a_tqdm_bar_on_a_terminal_and_nothing_elsewhere(monkeypatch,
         assert "3/3" in shown and "req" in shown and "tok/s" in shown and shown.endswith("\n"), shown
     else:
         assert shown == ""
+
+
+def test_a_reader_that_leaves_ends_the_run_quietly(tmp_path, tiny_model):
+    """`run.py ... | head -1`: the pipe closes while completions are printed; the run ends at
+    once with SIGPIPE's status (141), as cat would, and no traceback."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n" * 8)
+    job = subprocess.Popen([sys.executable, str(ROOT / "run.py"), "--prompt-file", prompts, "--model", tiny_model,
+                            "--max-tokens", "4", "--no-chat"], cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    job.stdout.readline()
+    job.stdout.close()
+    assert job.wait(timeout=120) == 141
+    assert "Traceback" not in job.stderr.read()
