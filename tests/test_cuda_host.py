@@ -2,7 +2,10 @@
 catches the kernel bugs it claims to. Each injected bug is a one-place edit of a copy of
 cuda/; the same small checks pass on the unchanged sources (test_checks_pass_unchanged), so
 each failure is the bug's doing. tests/test_kernels.py runs the full kernel cases on it."""
+import ctypes
+import gc
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,7 +19,8 @@ pytest.importorskip("cupy")  # nano/kernels.py imports it
 from test_kernels import assert_close, assert_quantized_close, f16, make_cache, rope_table  # noqa: E402
 
 from cuda_host import cupy_stub, emulator  # noqa: E402
-from nano import kernels, ops  # noqa: E402
+from nano import cublas, kernels, ops  # noqa: E402
+from nano.graphs import DecodeGraphs  # noqa: E402
 from nano.kv_cache import LayerKV  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -142,6 +146,278 @@ def test_launch_bounds_are_checked(cp, cache_type):
             + [cache] * 2 + [cp.empty(8, cp.float16)] * 2 + [cp.empty(8, cp.int32)] * 2 \
             + [np.int32(1)] * 3 + [np.float32(1)]
         module.get_function(name)((1, 1, 1), (256,), args)
+
+
+# ---------------------------------------------------------------- floating point as NVRTC does it
+
+MULTIPLY_ADD = textwrap.dedent("""
+    extern "C" __global__ void multiply_add(const float* a, const float* b, const float* c, float* out) {
+        out[threadIdx.x] = a[threadIdx.x] * b[threadIdx.x] + c[threadIdx.x];
+    }""")
+
+
+@pytest.mark.parametrize("options, fused, flushed", [
+    (("-ftz=true",), True, True),     # what CuPy compiles (cp.RawModule adds -ftz=true)
+    ((), True, False),                # NVRTC's defaults: --fmad=true, -ftz=false
+    (("--fmad=false",), False, False),
+])
+def test_multiply_adds_fuse_and_subnormals_flush_as_nvrtc_compiles(cp, options, fused, flushed):
+    """a * b + c in one rounding (an FMA, as NVRTC contracts it by default): (1 + 2^-12)^2 -
+    (1 + 2^-11) is 2^-24 fused, 0 rounded twice. Under -ftz=true a float32 subnormal result
+    (1e-30 * 1e-10) is 0, and so is a subnormal operand (1e-40 * 1e10), as on the GPU."""
+    one = np.float32(1 + 2**-12)
+    a = np.array([one, 1e-30, 1e-40], np.float32)
+    b = np.array([one, 1e-10, 1e10], np.float32)
+    c = np.array([-(1 + 2**-11), 0, 0], np.float32)
+    out = cp.empty(3, cp.float32)
+    module = emulator.Module(MULTIPLY_ADD, (*kernels._options(), *options))
+    module.get_function("multiply_add")((1,), (3,), (cp.asarray(a), cp.asarray(b), cp.asarray(c), out))
+    exact = [2.0**-24, np.float32(1e-30) * np.float32(1e-10), np.float32(1e-40) * np.float32(1e10)]
+    np.testing.assert_array_equal(cp.asnumpy(out), [exact[0] if fused else 0.0, *([0.0] * 2 if flushed else exact[1:])])
+
+
+def test_raw_modules_compile_as_cupy_does(cp):
+    """CuPy adds -ftz=true to every RawModule it compiles; so does the stand-in."""
+    assert cp.RawModule(code=MULTIPLY_ADD, options=kernels._options()).ftz
+
+
+# ---------------------------------------------------------------- CuPy's rules
+
+def test_device_arrays_follow_cupys_rules(cp):
+    """No implicit device-to-host conversion, no host arrays among device operands, NumPy's
+    functions run on the device, `a[...] = host` refused, host arrays refused by kernels."""
+    d = cp.asarray(np.arange(6, dtype=np.float32).reshape(2, 3))
+    host = np.ones(3, np.float32)
+    for implicit in (np.asarray, np.array, lambda x: np.zeros((2, 3), np.float32).__setitem__(Ellipsis, x),
+                     lambda x: np.testing.assert_array_equal(x, 0)):
+        with pytest.raises(TypeError, match="Implicit conversion to a NumPy array is not allowed"):
+            implicit(d)
+    for mixed in (lambda: d + host, lambda: host * d, lambda: np.add(d, host),
+                  lambda: cp.concatenate([d, host[None]]), lambda: np.maximum(d, host, out=d)):
+        with pytest.raises(TypeError, match="Unsupported type"):
+            mixed()
+    for on_device in (np.exp(d), np.concatenate([d, d]), d.max(axis=1), d[cp.asarray(np.array([1, 0]))]):
+        assert isinstance(on_device, cp.ndarray)
+    with pytest.raises(ValueError, match="non-scalar numpy.ndarray cannot be used for fill"):
+        d[...] = np.zeros((2, 3), np.float32)
+    d[np.array([1])] = np.full((1, 3), 7, np.float32)  # advanced indexing copies host values in, as CuPy does
+    np.testing.assert_array_equal(d.get(), [[0, 1, 2], [7, 7, 7]])
+    with pytest.raises(emulator.EmulatorError, match="a NumPy \\(host\\) array"):
+        build(MULTIPLY_ADD).get_function("multiply_add")((1,), (2,), (d, d, host, d))
+
+
+# ---------------------------------------------------------------- CUDA graphs
+
+AXPY = textwrap.dedent("""
+    extern "C" __global__ void axpy(const float* x, float* y, float a) {
+        y[threadIdx.x] = a * x[threadIdx.x] + y[threadIdx.x];
+    }""")
+
+
+def capture(cp, work):
+    """work() captured on a stream of its own, its allocations from a pool: (graph, its result)."""
+    stream, pool = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()
+    with cp.cuda.using_allocator(pool.malloc), stream:
+        stream.begin_capture()
+        result = work()
+        return stream.end_capture(), result, pool
+
+
+def test_graphs_record_launches_and_replay_them_on_the_captured_pointers(cp):
+    """Nothing runs while capturing; each replay runs the kernel and the array operation again
+    on the same memory, so they see what was written there since."""
+    axpy = build(AXPY).get_function("axpy")
+    x, y = cp.asarray(np.arange(4, dtype=np.float32)), cp.zeros(4, cp.float32)
+
+    def work():
+        axpy((1,), (4,), (x, y, np.float32(2)))
+        return y * 10  # a new array from the graph's pool, written by each replay
+    graph, z, _ = capture(cp, work)
+    assert not y.get().any()
+    graph.launch()
+    np.testing.assert_array_equal(y.get(), [0, 2, 4, 6])
+    np.testing.assert_array_equal(z.get(), [0, 20, 40, 60])
+    x.set(np.ones(4, np.float32))
+    graph.launch()
+    np.testing.assert_array_equal(y.get(), [2, 4, 6, 8])
+    np.testing.assert_array_equal(z.get(), [20, 40, 60, 80])
+
+
+def test_a_replay_that_reaches_freed_memory_is_a_stale_pointer(cp):
+    """x is allocated outside the graph's pool and freed after the capture: on a GPU its memory
+    goes back to the default pool and the replay reads whatever is there next."""
+    axpy = build(AXPY).get_function("axpy")
+    x, y = cp.asarray(np.arange(4, dtype=np.float32)), cp.zeros(4, cp.float32)
+    graph, _, _ = capture(cp, lambda: axpy((1,), (4,), (x, y, np.float32(2))))
+    graph.launch()
+    del x
+    gc.collect()
+    with pytest.raises(emulator.EmulatorError, match="reaches 'x', whose memory was freed after the capture"):
+        graph.launch()
+
+
+def allocate_outside_the_pool(cp, d):
+    with cp.cuda.using_allocator():  # the default allocator
+        cp.empty(4)
+
+
+@pytest.mark.parametrize("failure", ["raises", "synchronises"])
+def test_a_failing_capture_is_ended_and_its_own_error_reported(cp, monkeypatch, failure):
+    """DecodeGraphs' capture: the warm-up pass runs, the captured one raises, or reads a value
+    back to the host (which also invalidates the capture, so that ending it raises too); the
+    stream leaves capture mode and the forward pass's own error is the one raised."""
+    monkeypatch.setitem(sys.modules, "cupy", cp)  # graphs.py imports cupy where it captures
+
+    class Model:
+        passes = 0
+
+        def forward(self, batch, kv_cache):
+            self.passes += 1
+            logits = cp.zeros((1, 8), cp.float16)
+            if self.passes == 2 and failure == "raises":
+                raise ValueError("the captured pass failed")
+            if self.passes == 2:
+                logits.get()
+            return logits
+    graphs = DecodeGraphs(Model(), None, max_num_seqs=1, max_blocks=2)
+    one = np.int32([1])
+    error = ValueError if failure == "raises" else cp.cuda.runtime.CUDARuntimeError
+    with pytest.raises(error, match="captured pass failed|cudaErrorStreamCaptureUnsupported"):
+        graphs.prepare(one, one - 1, one - 1, one, np.int32([[0]]))
+    assert not graphs.stream.is_capturing() and not graphs.captured
+
+
+REFUSED_WHILE_CAPTURING = {
+    ".get()": lambda cp, d: d.get(),
+    ".set()": lambda cp, d: d.set(np.zeros(4, np.float32)),
+    "int()": lambda cp, d: int(d[0]),
+    "a host-to-device copy": lambda cp, d: cp.asarray(np.zeros(4, np.float32)),
+    "stream.synchronize()": lambda cp, d: cp.cuda.get_current_stream().synchronize(),
+    "Device().synchronize()": lambda cp, d: cp.cuda.Device().synchronize(),
+    "an allocation outside the pool": allocate_outside_the_pool,
+}
+
+
+@pytest.mark.parametrize("what", REFUSED_WHILE_CAPTURING)
+def test_capture_refuses_host_synchronisation_and_foreign_allocations(cp, what):
+    """Each is refused when it happens, and the capture is invalidated (end_capture raises)."""
+    d = cp.zeros(4, cp.float32)
+    stream, pool = cp.cuda.Stream(non_blocking=True), cp.cuda.MemoryPool()
+    with cp.cuda.using_allocator(pool.malloc), stream:
+        stream.begin_capture()
+        with pytest.raises(cp.cuda.runtime.CUDARuntimeError, match="cudaErrorStreamCaptureUnsupported"):
+            REFUSED_WHILE_CAPTURING[what](cp, d)
+        with pytest.raises(cp.cuda.runtime.CUDARuntimeError, match="cudaErrorStreamCaptureInvalidated"):
+            stream.end_capture()
+
+
+# ---------------------------------------------------------------- the cuBLAS stand-in
+
+def gemm(lib, handle, transa, transb, m, n, k, a, lda, b, ldb, c, ldc, alpha=1.0, beta=0.0, atype=cublas.R_16F):
+    return lib.cublasGemmEx(handle.ptr, transa, transb, m, n, k, ctypes.byref(ctypes.c_float(alpha)),
+                            a.data.ptr, atype, lda, b.data.ptr, cublas.R_16F, ldb,
+                            ctypes.byref(ctypes.c_float(beta)), c.data.ptr, cublas.R_16F, ldc,
+                            cublas.COMPUTE_32F, cublas.GEMM_DEFAULT)
+
+
+def column_major(cp, rng, rows, cols, ld):
+    """A (rows x cols) float16 matrix stored column-major with leading dimension ld: the device
+    array (cols, ld), and the matrix as float32."""
+    stored = rng.normal(size=(cols, ld)).astype(np.float16)
+    return cp.asarray(stored), stored[:, :rows].T.astype(np.float32)
+
+
+@pytest.mark.parametrize("transa, transb", [(0, 0), (0, 1), (1, 0), (1, 1)])
+def test_cublas_standin_computes_cublas_gemm(cp, transa, transb):
+    """C = alpha op(A) op(B) + beta C, column-major, each operand with padding past its rows
+    (a leading dimension larger than needed), against NumPy; the padding is left alone."""
+    lib, handle, rng = cublas._library(), cublas.handle(0), np.random.default_rng(0)
+    m, n, k = 5, 7, 9
+    a_rows, a_cols = (m, k) if transa == cublas.OP_N else (k, m)
+    b_rows, b_cols = (k, n) if transb == cublas.OP_N else (n, k)
+    a, a_host = column_major(cp, rng, a_rows, a_cols, a_rows + 3)
+    b, b_host = column_major(cp, rng, b_rows, b_cols, b_rows + 2)
+    c, c_host = column_major(cp, rng, m, n, m + 1)
+    before = c.get()
+    op = lambda x, t: x.T if t == cublas.OP_T else x  # noqa: E731
+    assert gemm(lib, handle, transa, transb, m, n, k, a, a_rows + 3, b, b_rows + 2, c, m + 1, 1.5, 0.5) == 0
+    want = 1.5 * op(a_host, transa) @ op(b_host, transb) + 0.5 * c_host
+    got = c.get()
+    np.testing.assert_allclose(got[:, :m].T.astype(np.float32), want, rtol=2e-3, atol=2e-3)
+    np.testing.assert_array_equal(got[:, m:], before[:, m:])
+
+
+def test_cublas_standin_checks_arguments_as_cublas_does(cp):
+    """cuBLAS's status codes: a leading dimension below the rows (INVALID_VALUE 7), a type it
+    does not compute (NOT_SUPPORTED 15); and the stand-in's own: an operand that does not fit
+    in its device array (EXECUTION_FAILED 13, the reason in gemm_errors)."""
+    lib, handle, rng = cublas._library(), cublas.handle(0), np.random.default_rng(0)
+    a, _ = column_major(cp, rng, 8, 8, 8)
+    assert gemm(lib, handle, cublas.OP_N, cublas.OP_N, 8, 8, 8, a, 7, a, 8, a, 8) == 7
+    assert gemm(lib, handle, cublas.OP_T, cublas.OP_N, 8, 8, 8, a, 8, a, 8, a, 8, atype=0) == 15
+    assert gemm(lib, handle, cublas.OP_N, cublas.OP_N, 8, 8, 8, a, 8, a, 9, a, 8) == 13
+    assert "operand B (142 bytes" in cp.gemm_errors[-1] and "not inside one device allocation" in cp.gemm_errors[-1]
+
+
+def test_a_gemm_past_its_operands_is_an_error_not_a_crash(cp):
+    """nano/cublas.py's linear into an output one row short: the stand-in refuses it, and
+    nano raises cuBLAS's status."""
+    x, w = (cp.asarray(np.ones(shape, np.float16)) for shape in ((4, 64), (8, 64)))
+    with pytest.raises(RuntimeError, match="cublasGemmEx failed: cuBLAS status 13"):
+        cublas.handle(0).linear(x, w, cp.empty((3, 8), cp.float16))
+    assert "operand C" in cp.gemm_errors[-1]
+
+
+def test_the_toolkit_headers_not_found_is_a_clear_error(cp, monkeypatch):
+    """nano/kernels.py looks for cuda_fp16.h in the CUDA toolkit, then the nvidia wheels."""
+    monkeypatch.setitem(sys.modules, "nvidia", None)
+    with pytest.raises(RuntimeError, match="cuda_fp16.h not found"):
+        kernels._options.__wrapped__()
+
+
+def test_cublas_gemms_are_captured_with_a_workspace_of_ours(cp):
+    """A GEMM on a capturing stream is recorded and runs on replay; without a workspace set
+    after cublasSetStream_v2 it is refused (cuBLAS would cudaMalloc one during the capture)."""
+    lib, handle, rng = cublas._library(), cublas.handle(0), np.random.default_rng(0)
+    a, a_host = column_major(cp, rng, 4, 4, 4)
+    c = cp.zeros((4, 4), cp.float16)
+
+    def work(workspace):
+        lib.cublasSetStream_v2(handle.ptr, cp.cuda.get_current_stream().ptr)
+        if workspace:
+            lib.cublasSetWorkspace_v2(handle.ptr, handle.workspace.ptr, cublas.WORKSPACE_BYTES)
+        return gemm(lib, handle, cublas.OP_N, cublas.OP_N, 4, 4, 4, a, 4, a, 4, c, 4)
+    _, status, _ = capture(cp, lambda: work(False))
+    assert status == 13 and "own workspace" in cp.gemm_errors[-1]
+    graph, status, _ = capture(cp, lambda: work(True))
+    assert status == 0 and not c.get().any()
+    graph.launch()
+    np.testing.assert_allclose(c.get().T.astype(np.float32), a_host @ a_host, rtol=2e-3, atol=2e-3)
+    handle.stream = None  # the handle's next GEMM sets its stream again
+
+
+def declared_kinds(text: str, function: str) -> str:
+    """A function's parameters in a C header, as the kinds ctypes passes: p a pointer, z a
+    size_t, i an int or an enum (4 bytes)."""
+    params = re.search(rf"cublasStatus_t CUBLASWINAPI {function}\(([^)]*)\);", text).group(1).split(",")
+    return "".join("p" if "*" in p or p.split()[0] in ("cublasHandle_t", "cudaStream_t")
+                   else "z" if p.split()[0] == "size_t" else "i" for p in params)
+
+
+def test_nano_cublas_agrees_with_the_published_header(cp):
+    """nano/cublas.py's ctypes prototypes (the kind of each argument, in order) and enum values
+    against cublas_api.h and library_types.h, as the nvidia-cublas wheel installs them."""
+    lib = cublas._library()
+    header = emulator.cublas_header()
+    text = header.read_text() + (header.parent / "library_types.h").read_text()
+
+    def kind(t):
+        return "p" if issubclass(t, ctypes.c_void_p | ctypes._Pointer) else {ctypes.c_int: "i", ctypes.c_size_t: "z"}[t]
+    for name in ("cublasCreate_v2", "cublasSetStream_v2", "cublasSetWorkspace_v2", "cublasGemmEx"):
+        assert "".join(map(kind, getattr(lib, name).argtypes)) == declared_kinds(text, name), name
+    for constant, value in [("CUBLAS_OP_N", cublas.OP_N), ("CUBLAS_OP_T", cublas.OP_T), ("CUDA_R_16F", cublas.R_16F),
+                            ("CUBLAS_COMPUTE_32F", cublas.COMPUTE_32F), ("CUBLAS_GEMM_DEFAULT", cublas.GEMM_DEFAULT)]:
+        assert re.search(rf"\b{constant}\s*=\s*{value}\s*,", text), constant
 
 
 # ---------------------------------------------------------------- injected bugs

@@ -1,67 +1,107 @@
-"""The engine's GPU path (float16 weights and KV cache, the CUDA kernels, device sampling)
-on the CPU emulator (tests/cuda_host), against the CPU path: tests/test_engine_gpu.py's
-comparison in a small shape (head dim 64, GQA group 2), in every run; and disaggregated
-KV handoffs between two GPU pools (tests/test_disagg.py's GPU check).
+"""The engine's GPU path on the CPU emulator (tests/cuda_host), against the CPU path, in every
+run: float16 weights and KV cache, every kernel, cuBLAS through nano/cublas.py's ctypes calls
+(the stand-in library), device sampling, CUDA graphs for decode steps (recorded and replayed
+by the CuPy stand-in), prompt logprobs on device arrays, disaggregated KV handoffs between two
+GPU pools, and tensor parallelism's all-reduce on device arrays under mpirun -n 2. These are
+tests/test_engine_gpu.py's, test_graphs_gpu.py's and test_disagg.py's GPU checks, in a small
+shape (head dim 64, GQA group 2).
 
-It runs in a subprocess in which the emulator's CuPy stand-in is imported as `cupy`, so
-that nano's GPU code takes it for the real one. Two things a GPU has are stood in for:
-cuBLAS (not one of cuda/*.cu) by a float32-accumulating NumPy GEMM, and CUDA graphs, which
-cannot be emulated: steps run eagerly (--enforce-eager). tests/test_engine_gpu.py and
-tests/test_graphs_gpu.py cover both on a GPU.
+Each runs in a subprocess (this file as a script) in which the emulator's CuPy stand-in is
+`cupy` (cupy_stub.install), so that nano's GPU code takes it for the real one.
 """
+import pickle
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 TESTS = Path(__file__).resolve().parent
+if __name__ == "__main__":  # the subprocess: the imports pytest's configuration gives the tests
+    sys.path[:0] = [str(TESTS), str(TESTS.parent)]
+from test_tp import launch, needs_mpi  # noqa: E402
 SHAPE = dict(hidden=256, layers=2, heads=4, kv_heads=2, intermediate=256, vocab=512)
 
 
-def test_gpu_engine_path_matches_cpu_on_the_emulator(tmp_path):
+@pytest.fixture(autouse=True)
+def emulator_available():
     pytest.importorskip("cupy")  # nano/kernels.py's options come from CuPy's package
     from cuda_host import emulator
     if emulator.unavailable():
         pytest.skip(emulator.unavailable())
-    done = subprocess.run([sys.executable, __file__, str(tmp_path)], capture_output=True,
+
+
+def test_gpu_engine_path_matches_cpu_on_the_emulator(tmp_path):
+    done = subprocess.run([sys.executable, __file__, "engine", str(tmp_path)], capture_output=True,
                           text=True, timeout=600, cwd=TESTS.parent)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    assert "configs agree" in done.stdout and "disaggregated handoffs agree" in done.stdout
+    for what in ("configs agree", "graphs agree", "prompt logprobs agree", "disaggregated handoffs agree"):
+        assert what in done.stdout, what
 
 
-def emulate_gpu() -> None:
-    """Make `import cupy` give the emulator's stand-in, with a NumPy GEMM for cuBLAS."""
-    import numpy as np
+@needs_mpi
+def test_tensor_parallel_on_device_arrays_matches_cpu_on_the_emulator(tmp_path):
+    """mpirun -n 2, --tp 2 on the emulated GPU: the all-reduces go through device arrays
+    (parallel.Group.all_reduce's CuPy branch); rank 0's greedy tokens and logits against one
+    CPU rank's."""
+    from reference import assert_greedy_runs_agree, make_random_model
+    from test_engine_gpu import LOGIT_TOL, generate, prompts_for
+    model = make_random_model(tmp_path / "model", max_pos=1024, dtype="float16", seed=7, **SHAPE)
+    done = launch([__file__, "tp", str(model), str(tmp_path / "gpu.pkl")], ranks=2)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    gpu = pickle.loads((tmp_path / "gpu.pkl").read_bytes())
+    cpu = generate(model, "cpu", prompts_for(SHAPE["vocab"]), num_blocks=256)[1]
+    assert_greedy_runs_agree(cpu, gpu, LOGIT_TOL)
 
-    from cuda_host import cupy_stub
-    sys.modules["cupy"] = cupy_stub
-    from nano import kernels
 
-    class Gemm:
-        def linear(self, x, weight, out):
-            out[...] = (np.asarray(x, np.float32) @ np.asarray(weight, np.float32).T).astype(np.float16)
-
-    kernels.cublas.handle = lambda device_id: Gemm()
-
-
-def main(workdir: str) -> None:
-    emulate_gpu()
-    from test_engine_gpu import GPU_CONFIGS, check_gpu_configs, prompts_for
+def engine_checks(workdir: str) -> None:
+    from nano.config import EngineConfig
+    from nano.engine import LLMEngine
+    from nano.errors import NanoError
+    from test_disagg import check_gpu_handoff
+    from test_engine_gpu import GPU_CONFIGS, check_gpu_config, check_prompt_logprobs, prompts_for
+    from test_graphs_gpu import check_graphs_keep_greedy_output, check_replay_with_padding
 
     from reference import make_random_model
-
     model_dir = make_random_model(Path(workdir) / "model", max_pos=1024, dtype="float16", seed=7, **SHAPE)
-    for engine, name, gpu in check_gpu_configs(model_dir, prompts_for(SHAPE["vocab"]), enforce_eager=True):
-        assert engine.device.xp.__name__.endswith("cupy_stub")
+    prompts, cpu_runs = prompts_for(SHAPE["vocab"]), {}
+    for name in GPU_CONFIGS:  # decode steps replay CUDA graphs (the default)
+        engine, gpu = check_gpu_config(model_dir, prompts, name, cpu_runs)
+        assert engine.device.xp.__name__.endswith("cupy_stub") and engine.runner.graphs.captured
         print(name, "agrees:", [s.output_token_ids for s in gpu][:2])
     print(f"{len(GPU_CONFIGS)} configs agree")
-    from test_disagg import check_gpu_handoff
+    for kv in ("auto", "int8"):
+        check_graphs_keep_greedy_output(model_dir, SHAPE["vocab"], kv, max_tokens=(2, 3, 4, 6, 8, 10, 12))
+        check_replay_with_padding(model_dir, 3 if kv == "auto" else 13, kv)
+    print("graphs agree with eager steps")
+    print(f"prompt logprobs agree: largest difference {check_prompt_logprobs(model_dir, prompts[:2]):.2e}")
     for kv in ("auto", "int8"):
         check_gpu_handoff(model_dir, kv)
     print("disaggregated handoffs agree")
+    with pytest.raises(NanoError, match="--batch-invariant is CPU-only"):
+        LLMEngine(EngineConfig(model=str(model_dir), device="gpu", batch_invariant=True))
+
+
+def tensor_parallel_rank(model_dir: str, out: str) -> None:
+    """One rank of an emulated --tp 2 run; rank 0 writes its sequences' tokens and logits."""
+    from nano import parallel
+    from nano.config import EngineConfig
+    from nano.engine import LLMEngine
+    from nano.worker import Worker
+    from test_engine_gpu import generate, prompts_for
+    config = dict(num_blocks=256, tp=2)
+    if parallel.tp_group().rank:
+        Worker(EngineConfig(model=model_dir, device="gpu", **config)).run()
+        return
+    engine, seqs = generate(model_dir, "gpu", prompts_for(SHAPE["vocab"]), **config)
+    assert isinstance(engine, LLMEngine) and engine.device.kind == "gpu" and engine.group.world == 2
+    engine.stop_workers()
+    Path(out).write_bytes(pickle.dumps([SimpleNamespace(seq_id=s.seq_id, output_token_ids=s.output_token_ids,
+                                                        logits=s.logits) for s in seqs]))
 
 
 if __name__ == "__main__":
-    sys.path[:0] = [str(TESTS), str(TESTS.parent)]
-    main(sys.argv[1])
+    from cuda_host import cupy_stub
+    cupy_stub.install()
+    {"engine": engine_checks, "tp": tensor_parallel_rank}[sys.argv[1]](*sys.argv[2:])

@@ -9,6 +9,16 @@ where both paths have been fed the same tokens), and every GPU greedy token to b
 the argmax of the logits row it was sampled from. The greedy tokens of the two paths must
 agree, except where the CPU's top two logits are within twice the tolerance (a near-tie,
 which rounding may break either way); the comparison stops there, as inputs differ.
+Prompt logprobs (log-softmax on the device of the same logits) within LOGIT_TOL of their
+size (at least 1 nat).
+
+One test per (shape, config), so that no test runs long (tests/device_check.sh gives each a
+time limit): the CPU reference runs once per model and KV pool type, and is shared by the
+configs with that pool (the `cpu_runs` cache). It runs the non-batch-invariant CPU path,
+which is the faster one for an int8 pool and compared within the same tolerance. The
+Llama-3.2-1B shape, whose CPU references take most of the time, runs the configs of two pool
+types (float16, int8 with rotated keys: the other key schemes run the same kernels) and leaves
+prompt logprobs to the smaller shape.
 """
 import numpy as np
 import pytest
@@ -68,26 +78,61 @@ def kv_args(args: dict) -> dict:
     return {k: v for k, v in args.items() if k.startswith("kv_")}
 
 
-def check_gpu_configs(model_dir, prompts, **gpu_args):
-    """Every GPU_CONFIGS run against the CPU path with the same KV pool type."""
-    cpu = {}
-    for name, args in GPU_CONFIGS.items():
-        key = tuple(sorted(kv_args(args).items()))
-        if key not in cpu:
-            cpu[key] = generate(model_dir, "cpu", prompts, num_blocks=256, **kv_args(args))[1]
-        engine, gpu = generate(model_dir, "gpu", prompts, **{"num_blocks": 256, **gpu_args, **args})
-        assert engine.device.kind == "gpu"
-        assert_greedy_runs_agree(cpu[key], gpu, LOGIT_TOL)
-        preempt = name.split("preempt_")[-1] if "preempt_" in name else None
-        if preempt:
-            assert engine.metrics.preemptions[preempt] > 0, name
-        yield engine, name, gpu
+def check_gpu_config(model_dir, prompts, name, cpu_runs: dict, **gpu_args):
+    """GPU_CONFIGS[name] against the CPU path with the same KV pool type (from cpu_runs, or
+    run and kept there). Returns the GPU engine and its sequences."""
+    args = GPU_CONFIGS[name]
+    key = (str(model_dir), tuple(sorted(kv_args(args).items())))
+    if key not in cpu_runs:
+        cpu_runs[key] = generate(model_dir, "cpu", prompts, num_blocks=256, batch_invariant=False,
+                                 **kv_args(args))[1]
+    engine, gpu = generate(model_dir, "gpu", prompts, **{"num_blocks": 256, **gpu_args, **args})
+    assert engine.device.kind == "gpu"
+    assert_greedy_runs_agree(cpu_runs[key], gpu, LOGIT_TOL)
+    preempt = name.split("preempt_")[-1] if "preempt_" in name else None
+    if preempt:
+        assert engine.metrics.preemptions[preempt] > 0, name
+    return engine, gpu
 
 
-def test_gpu_engine_matches_cpu(shaped_model):
+def check_prompt_logprobs(model_dir, prompts, **gpu_args):
+    """Prompt logprobs scored on the device (Sampler.logprobs on device arrays) against the
+    CPU's: each token's logprob and the k best logprobs, by value (a near-tie may order two
+    tokens either way). Returns the largest difference relative to the logprob's size."""
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=3)
+    cpu = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", num_blocks=256)).generate(prompts, params)
+    gpu = LLMEngine(EngineConfig(model=str(model_dir), device="gpu", num_blocks=256, **gpu_args)).generate(
+        prompts, params)
+    worst = 0.0
+    for c, g in zip(cpu, gpu):
+        assert c.prompt_logprobs[0] is None and g.prompt_logprobs[0] is None
+        for (lp_c, _, top_c), (lp_g, rank_g, top_g) in zip(c.prompt_logprobs[1:], g.prompt_logprobs[1:]):
+            assert len(top_g) == 3 and rank_g >= 1
+            pairs = [(lp_c, lp_g)] + [(a[1], b[1]) for a, b in zip(top_c, top_g)]
+            worst = max(worst, *(abs(a - b) / max(1.0, abs(a)) for a, b in pairs))
+    assert worst <= LOGIT_TOL, worst
+    return worst
+
+
+@pytest.fixture(scope="module")
+def cpu_runs():
+    return {}
+
+
+ENGINE_CASES = [(shape, config) for shape in SHAPES for config in GPU_CONFIGS
+                if shape != "llama_3.2_1b" or "keys" not in config]
+
+
+@pytest.mark.parametrize("shaped_model, config", ENGINE_CASES, indirect=["shaped_model"])
+def test_gpu_engine_matches_cpu(shaped_model, config, cpu_runs):
     model_dir, vocab = shaped_model
-    for _ in check_gpu_configs(model_dir, prompts_for(vocab)):
-        pass
+    check_gpu_config(model_dir, prompts_for(vocab), config, cpu_runs)
+
+
+@pytest.mark.parametrize("shaped_model", ["smollm2_135m"], indirect=True)
+def test_gpu_prompt_logprobs_match_cpu(shaped_model):
+    model_dir, vocab = shaped_model
+    check_prompt_logprobs(model_dir, prompts_for(vocab, n=2))
 
 
 def test_gpu_sampling_is_seeded(shaped_model):
@@ -118,9 +163,9 @@ def test_swap_round_trip_is_exact(shaped_model, kv_cache_dtype):
                                     swap_space=2**30, kv_cache_dtype=kv_cache_dtype))
     runner = engine.runner
     pools = runner.kv_cache.block_arrays()
+    rng = np.random.default_rng(0)
     for pool in pools:  # random bytes, whatever the dtype
-        pool.view(cupy.uint8)[...] = cupy.random.randint(0, 256, pool.nbytes, cupy.uint8).reshape(
-            pool.view(cupy.uint8).shape)
+        pool.view(cupy.uint8).set(rng.integers(0, 256, pool.view(cupy.uint8).shape, np.uint8))
     src, dst, host = [3, 17, 40, 5], [60, 1, 22, 9], [0, 7, 2, 11]
     before = [pool[:, :, src].copy() for pool in pools]
     runner.swap(list(zip(src, host)), [])

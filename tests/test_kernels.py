@@ -28,7 +28,10 @@ their bits.
 Copies (embedding, float16 V-cache writes, swaps of any pool) and greedy sampling must match
 exactly; sampled tokens must match except on near-ties (see test_sample_matches_reference).
 The cuBLAS GEMM (ops.linear) is also compared with cupy.matmul: both accumulate in float32
-and round once, so LINEAR_ERR = 2e-3 relative to max |ref| (a few float16 ulps).
+and round once, so LINEAR_ERR = 2e-3 relative to max |ref| (a few float16 ulps). On the
+emulator it runs nano/cublas.py against the stand-in libcublas (tests/cuda_host/cublas.cpp).
+The pools past 2^31 elements per layer (the end of the file) check the kernels' 64-bit
+indexing of the KV pool.
 Buffers the kernels allocate are poisoned with NaN (float) or -7 (signed int) first, so an
 element a kernel forgets to write fails the comparison.
 """
@@ -40,6 +43,7 @@ from cuda_host import cupy_stub, emulator  # noqa: E402
 from nano import kernels, ops  # noqa: E402
 from nano.kv_cache import LayerKV  # noqa: E402
 
+HUGE_BYTES = 2**30
 F16_MAX_ERR = 4e-3
 F16_NORM_ERR = 2e-3
 LINEAR_ERR = 2e-3
@@ -59,18 +63,14 @@ def cupy(request):
         yield stub
 
 
-def needs_cublas(cupy):
-    if cupy is cupy_stub:
-        pytest.skip("cuBLAS is a library, not one of cuda/*.cu: GPU only")
-
-
 @pytest.fixture(autouse=True)
 def poisoned(monkeypatch, cupy):
     """Make cupy.empty / empty_like (used by nano.kernels for outputs) return poisoned memory."""
     empty, empty_like = cupy.empty, cupy.empty_like
 
     def poison(a):
-        if a.dtype.kind in "fi":  # not the uint8 cuBLAS workspace
+        if a.dtype.kind in "fi" and a.nbytes < HUGE_BYTES:  # not the cuBLAS workspace, nor a pool
+            # past 2^31 elements, of which a case touches only the blocks it uses
             a.fill(np.nan if a.dtype.kind == "f" else -7)
         return a
 
@@ -127,7 +127,6 @@ def test_add_rms_norm(cupy, rng, with_residual):
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_linear(cupy, rng, bias):
-    needs_cublas(cupy)
     x, x_d = f16(cupy, rng.normal(size=(19, 192)) / 8)
     w, w_d = f16(cupy, rng.normal(size=(72, 192)) / 8)
     b, b_d = f16(cupy, rng.normal(size=72)) if bias else (None, None)
@@ -138,7 +137,6 @@ def test_linear(cupy, rng, bias):
 def test_cublas_linear_matches_cupy_matmul(cupy, rng, tokens, k, n):
     """Odd shapes (T not a multiple of 8, N not a multiple of 16) and a strided x (a column
     slice of a wider array, as the model's QKV views are)."""
-    needs_cublas(cupy)
     wide, wide_d = f16(cupy, rng.normal(size=(tokens, k + 24)) / 8)
     x_d = wide_d[:, 8:8 + k]
     w, w_d = f16(cupy, rng.normal(size=(n, k)) / 8)
@@ -279,6 +277,91 @@ def test_int8_cache_checks(cupy, rng):
     half = cupy.asarray(np.zeros((3, 1, 16, 64), np.float16))
     with pytest.raises(ValueError, match="float16 KV cache has no scales"):
         ops.paged_attention(q, LayerKV(half, half, s, s), tables, lens, 0.1)
+
+
+def z(cupy, shape, dtype=np.float16):
+    return cupy.asarray(np.zeros(shape, dtype))
+
+
+def paged_call(cupy, q_shape, k, v=None, block_size=16):
+    """ops.paged_attention on zeros: q of q_shape, K and V of k's shape (or those given)."""
+    k = z(cupy, k) if isinstance(k, tuple) else k
+    cache = LayerKV(k, k if v is None else v)
+    return ops.paged_attention(z(cupy, q_shape), cache, z(cupy, (1, 1), np.int32), z(cupy, 1, np.int32), 0.1)
+
+
+def rope_call(cupy, q, k, v, cache):
+    """ops.rope_store_kvcache of two tokens; q, k, v views of arrays of zeros (or shapes)."""
+    q, k, v = (z(cupy, a) if isinstance(a, tuple) else a for a in (q, k, v))
+    d = cache.k.shape[3]
+    return ops.rope_store_kvcache(q, k, v, z(cupy, 2, np.int32), cupy.asarray(rope_table(d, 8)), cache,
+                                  z(cupy, 2, np.int32))
+
+
+def cache_of(cupy, shape, rotate=False):
+    return LayerKV(z(cupy, shape), z(cupy, shape), k_rotate=rotate)
+
+
+BAD_CALLS = {  # what -> (the call, the error, its message): refused before any launch
+    "k and v of other dtypes": (lambda c: paged_call(c, (1, 4, 64), (3, 2, 16, 64), z(c, (3, 2, 16, 64), np.float32)),
+                                TypeError, "KV cache must be float16 or int8"),
+    "a cache that is not 4-D": (lambda c: paged_call(c, (1, 4, 64), (3, 2, 1024)), ValueError,
+                                "must be \\(num_blocks, nkv, block_size, head_dim\\)"),
+    "a strided cache": (lambda c: paged_call(c, (1, 4, 64), z(c, (6, 2, 16, 64))[::2]), ValueError,
+                        "KV caches must be contiguous"),
+    "q and cache head dims": (lambda c: paged_call(c, (1, 4, 128), (3, 2, 16, 64)), ValueError,
+                              "q has head_dim 128, the cache 64"),
+    "a GQA group of 9": (lambda c: paged_call(c, (1, 18, 64), (3, 2, 16, 64)), ValueError, "query heads per KV head"),
+    "a block size of 12": (lambda c: paged_call(c, (1, 4, 64), (3, 2, 12, 64)), ValueError, "power-of-two block size"),
+    "a hidden size of 12": (lambda c: ops.rms_norm(z(c, (2, 12)), z(c, 12), 1e-5), ValueError, "multiple of 8"),
+    "a head dim of 40": (lambda c: rope_call(c, (2, 4, 40), (2, 2, 40), (2, 2, 40), cache_of(c, (3, 2, 16, 40))),
+                         ValueError, "multiple of 16"),
+    "q with strided elements": (lambda c: rope_call(c, z(c, (2, 4, 128))[:, :, ::2], (2, 2, 64), (2, 2, 64),
+                                                    cache_of(c, (3, 2, 16, 64))),
+                                ValueError, "q needs contiguous, 16-byte aligned rows"),
+    "k and v rows of other strides": (lambda c: rope_call(c, (2, 4, 64), z(c, (2, 4, 64))[:, :2], (2, 2, 64),
+                                                          cache_of(c, (3, 2, 16, 64))),
+                                      ValueError, "the same row stride"),
+    "heads the cache does not have": (lambda c: rope_call(c, (2, 4, 64), (2, 2, 64), (2, 2, 64),
+                                                          cache_of(c, (3, 1, 16, 64))),
+                                      ValueError, "do not match the cache"),
+    "a Hadamard rotation of 48 dims": (lambda c: rope_call(c, (2, 4, 48), (2, 2, 48), (2, 2, 48),
+                                                           cache_of(c, (3, 2, 16, 48), rotate=True)),
+                                       ValueError, "power-of-two head_dim"),
+    "staging of another dtype": (lambda c: ops.scatter_blocks(z(c, (1, 2, 4, 8)), z(c, 1, np.int32),
+                                                              z(c, (1, 2, 1, 8), np.float32)),
+                                 TypeError, "staging must be float16"),
+    "staging of another shape": (lambda c: ops.scatter_blocks(z(c, (1, 2, 4, 8)), z(c, 1, np.int32),
+                                                              z(c, (1, 2, 2, 8))),
+                                 ValueError, "do not match 1 blocks"),
+    "a strided pool": (lambda c: ops.gather_blocks(z(c, (1, 2, 8, 8))[:, :, ::2], z(c, 1, np.int32)),
+                       ValueError, "must be contiguous"),
+    "a block of one byte": (lambda c: ops.gather_blocks(z(c, (1, 2, 4, 1), np.int8), z(c, 1, np.int32)),
+                            ValueError, "cannot move in 2-byte units"),
+}
+
+
+@pytest.mark.parametrize("what", BAD_CALLS)
+def test_bad_arguments_are_refused_before_any_launch(cupy, what):
+    call, error, message = BAD_CALLS[what]
+    with pytest.raises(error, match=message):
+        call(cupy)
+
+
+def test_empty_batches_launch_nothing(cupy):
+    """No sequence, no token: the attention wrappers return empty outputs (a grid of zero
+    blocks is an invalid launch)."""
+    cache = cache_of(cupy, (3, 2, 16, 64))
+    q, none, no_tables = z(cupy, (0, 4, 64)), z(cupy, 0, np.int32), z(cupy, (0, 1), np.int32)
+    assert ops.paged_attention(q, cache, no_tables, none, 0.1).shape == (0, 4, 64)
+    assert ops.prefill_attention(q, cache, z(cupy, 1, np.int32), no_tables, none, 0.1).shape == (0, 4, 64)
+
+
+def test_linear_on_a_column_strided_x(cupy, rng):
+    """x's elements not contiguous (every other column): copied first, as cuBLAS needs."""
+    wide, wide_d = f16(cupy, rng.normal(size=(5, 128)) / 8)
+    w, w_d = f16(cupy, rng.normal(size=(24, 64)) / 8)
+    assert_close(cupy, ops.linear(wide_d[:, ::2], w_d), ops.linear(wide[:, ::2], w))
 
 
 def test_silu_mul(cupy, rng):
@@ -531,3 +614,81 @@ def test_bench_kernels_calls(cupy, dtype):
     got = kernels.prefill_attention(q_d, cache_d, cu_d, tables_d, lens_d, 0.125)
     q, cu, tables, lens = (cupy.asnumpy(a) for a in (q_d, cu_d, tables_d, lens_d))
     assert_close(cupy, got, ops.prefill_attention(q.astype(np.float32), host(cache_d), cu, tables, lens, 0.125))
+
+
+# ---------------------------------------------------------------- pools past 2^31 elements
+
+HUGE_BLOCKS = 2**20 + 4  # of 2 KV heads x 16 tokens x 64 dims: 2^31 + 8192 elements per layer's K
+
+
+def huge_cache(cupy, rng, context_lens, dtype):
+    """make_cache's contents in the last blocks of a layer's pool of HUGE_BLOCKS blocks (a
+    float16 K is 4 GiB; on the emulator a sparse mapping, of which only those blocks are ever
+    touched), so that every element index the kernels compute is past 2^31. Returns the small
+    pool and tables for the reference, and the huge pool and its tables."""
+    (ref, tables), (small, _) = make_cache(cupy, rng, context_lens, 2, 64, 16, dtype)
+    offset = HUGE_BLOCKS - ref.k.shape[0]
+
+    def huge(a):
+        if a is None:
+            return None
+        out = cupy.empty((HUGE_BLOCKS, *a.shape[1:]), a.dtype)
+        out[offset:] = a
+        return out
+    huge_tables = np.where(tables >= 0, tables + offset, -1).astype(np.int32)
+    return (ref, tables), (LayerKV(*(huge(a) for a in (small.k, small.v, small.k_scale, small.v_scale))),
+                           cupy.asarray(huge_tables), offset)
+
+
+@pytest.mark.parametrize("dtype", CACHE_DTYPES)
+def test_attention_over_a_pool_past_2_31_elements(cupy, rng, dtype):
+    """Decode (one sequence split into partitions, one not) and prefill (a chunk deep into its
+    sequence) read blocks whose first element is past 2^31."""
+    (cache, tables), (huge, huge_tables, _) = huge_cache(cupy, rng, [40, 300, 20, 100], dtype)
+    q, q_d = f16(cupy, rng.normal(size=(2, 4, 64)))
+    lens = np.array([40, 300], np.int32)
+    got = ops.paged_attention(q_d, huge, huge_tables[:2], cupy.asarray(lens), 0.125)
+    assert_close(cupy, got, ops.paged_attention(q, cache, tables[:2], lens, 0.125))
+    cu, lens = np.array([0, 20, 50], np.int32), np.array([20, 100], np.int32)
+    q, q_d = f16(cupy, rng.normal(size=(50, 4, 64)))
+    got = ops.prefill_attention(q_d, huge, cupy.asarray(cu), huge_tables[2:], cupy.asarray(lens), 0.125)
+    assert_close(cupy, got, ops.prefill_attention(q, cache, cu, tables[2:], lens, 0.125))
+
+
+@pytest.mark.parametrize("dtype", CACHE_DTYPES)
+def test_cache_writes_into_a_pool_past_2_31_elements(cupy, rng, dtype):
+    """rope_store_kvcache writes slots in the last blocks (float16 K and V, or int8 with scales)."""
+    tokens, nq, nkv, d = 9, 4, 2, 64
+    (cache, _), (huge, _, offset) = huge_cache(cupy, rng, [48], dtype)
+    slots = rng.permutation(48)[:tokens].astype(np.int32)
+    qkv, qkv_d = f16(cupy, rng.normal(size=(tokens, nq + 2 * nkv, d)))
+    positions = rng.integers(0, 64, size=tokens).astype(np.int32)
+    cos_sin = rope_table(d, 64)
+
+    def split(a):
+        return a[:, :nq], a[:, nq:nq + nkv], a[:, nq + nkv:]
+    ref_q = ops.rope_store_kvcache(*split(qkv), positions, cos_sin, cache, slots)
+    got_q = ops.rope_store_kvcache(*split(qkv_d), cupy.asarray(positions), cupy.asarray(cos_sin), huge,
+                                   cupy.asarray(slots + offset * 16))
+    assert_close(cupy, got_q, ref_q)
+    if dtype == "int8":
+        assert_quantized_close(cupy, huge.k[offset:], huge.k_scale[offset:], cache.k, cache.k_scale)
+        assert_quantized_close(cupy, huge.v[offset:], huge.v_scale[offset:], cache.v, cache.v_scale)
+    else:
+        assert_close(cupy, huge.k[offset:], cache.k)
+        np.testing.assert_array_equal(cupy.asnumpy(huge.v[offset:]).astype(np.float32), cache.v)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.int8])
+def test_swaps_in_a_pool_past_2_31_elements(cupy, dtype):
+    """gather_blocks and scatter_blocks on a whole pool (one layer, K and V: past 2^32 elements),
+    blocks among its last."""
+    pool = cupy.empty((1, 2, HUGE_BLOCKS, 2, 16, 64), dtype)
+    values = np.arange(2 * 8 * 2048).astype(dtype).reshape(1, 2, 8, 2, 16, 64)
+    pool[:, :, -8:] = cupy.asarray(values)
+    src = np.array([HUGE_BLOCKS - 1, HUGE_BLOCKS - 8, HUGE_BLOCKS - 5], np.int32)
+    staging = ops.gather_blocks(pool, cupy.asarray(src))
+    np.testing.assert_array_equal(cupy.asnumpy(staging), values[:, :, src - HUGE_BLOCKS + 8])
+    dst = np.array([HUGE_BLOCKS - 2, HUGE_BLOCKS - 3, HUGE_BLOCKS - 4], np.int32)
+    ops.scatter_blocks(pool, cupy.asarray(dst), staging)
+    np.testing.assert_array_equal(cupy.asnumpy(pool[:, :, dst]), values[:, :, src - HUGE_BLOCKS + 8])

@@ -12,7 +12,14 @@ NumPy scalar or array dtype passed, grid and block limits, __launch_bounds__) an
 once per thread order in ORDERS, each time from the same inputs with a different poison byte
 in shared memory. The outputs of all runs must be bit-identical: a difference means a race
 between threads or a read of shared memory nobody wrote. A fault at a guard page after an
-argument's buffer (see cupy_stub.py) is reported with the argument's name.
+argument's buffer (see cupy_stub.py) is reported with the argument's name. A launch while the
+current stream is being captured is recorded instead, and runs when the graph is replayed
+(cupy_stub.py).
+
+Floating point as NVRTC compiles it: multiply-adds contracted into FMAs (NVRTC's default
+--fmad=true; g++ -mfma -ffp-contract=fast, though g++ may not fuse exactly the products NVRTC
+fuses), and float32 subnormals flushed to zero where the module asks for -ftz=true, as CuPy
+does for every module (the runtime sets the CPU's FTZ and DAZ bits for the launch).
 
 Variants: plain (-O2, used in the normal test run) and sanitize (-fsanitize=address,undefined
 and float-cast-overflow, which g++'s "undefined" leaves out: inf, NaN or a float out of
@@ -20,6 +27,7 @@ an int's range converted to int; set NANO_CUDA_HOST_SANITIZE=1 and preload libas
 subprocess).
 """
 import ctypes
+import functools
 import hashlib
 import importlib.machinery
 import os
@@ -38,6 +46,7 @@ SANITIZE = os.environ.get("NANO_CUDA_HOST_SANITIZE") == "1"
 ORDERS = tuple(int(o) for o in os.environ.get("NANO_CUDA_HOST_ORDERS", "0,1,2").split(","))
 POISON = {0: 0xFF, 1: 0x7F, 2: 0xA5}  # NaN / -1 as float / int; huge; garbage
 WORKERS = int(os.environ.get("NANO_CUDA_HOST_WORKERS", os.cpu_count() or 1))
+SNAPSHOT_LIMIT = 2**30  # bytes: larger arguments are not compared between thread orders (Function._run)
 FLAGS = (["-O1", "-g", "-fsanitize=address,undefined,float-cast-overflow", "-fno-sanitize-recover=all",
           "-fno-omit-frame-pointer"] if SANITIZE else ["-O2"])
 
@@ -55,8 +64,9 @@ def unavailable() -> str | None:
     import platform
     if platform.machine() != "x86_64":
         return f"the CUDA host emulator switches fibers with x86-64 code; this is {platform.machine()}"
-    if "f16c" not in Path("/proc/cpuinfo").read_text().split():
-        return "the CUDA host emulator converts halves with F16C instructions, which this CPU lacks"
+    flags = Path("/proc/cpuinfo").read_text().split()
+    if "f16c" not in flags or "fma" not in flags:
+        return "the CUDA host emulator needs the CPU's F16C and FMA instructions, which this CPU lacks"
     if not shutil.which("g++"):
         return "no g++: install a C++ compiler (Debian: apt-get install g++) to run kernels on the CPU"
     return None
@@ -72,9 +82,16 @@ def _cccl_include() -> str:
     raise EmulatorError("CuPy's libcudacxx headers (nv/target) not found")
 
 
-def _compile(source: str, out_name: str, extra: list[str], inputs: str = "") -> Path:
+def host_includes() -> list[str]:
+    """g++ flags for the toolkit's headers on the host: our crt/host_defines.h, and CuPy's
+    libcudacxx for the <nv/target> that cuda_fp16.h includes."""
+    return [f"-I{HERE / 'include'}", f"-I{_cccl_include()}"]
+
+
+def _compile(source: str, out_name: str, extra: list[str], inputs: str = "", kernels: bool = True) -> Path:
     """g++ `source` into BUILD_DIR/out_name-<hash>.so; reused while nothing that goes into it
-    changes: the source, the flags, the shim, and `inputs` (the text of the files it includes)."""
+    changes: the source, the flags, the shim, and `inputs` (the text of the files it includes).
+    kernels: a kernel module (shim.h force-included, the runtime's symbols left undefined)."""
     flags = ["-std=c++17", "-fPIC", "-shared", "-pthread", "-fno-strict-aliasing", "-mf16c",
              "-fno-extern-tls-init", "-Wno-unknown-pragmas", *FLAGS,
              f"-I{HERE / 'include'}", f"-I{HERE}", *extra, f"-I{_cccl_include()}"]
@@ -90,7 +107,7 @@ def _compile(source: str, out_name: str, extra: list[str], inputs: str = "") -> 
         src.write_text(source)
         out = Path(tmp) / target.name
         cmd = ["g++", *flags, str(src), "-o", str(out)]
-        if out_name != "libcuda_host":  # a kernel module: the runtime's symbols stay undefined
+        if kernels:
             cmd[1:1] = ["-include", str(HERE / "shim.h"), "-fvisibility=hidden"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
@@ -99,10 +116,30 @@ def _compile(source: str, out_name: str, extra: list[str], inputs: str = "") -> 
     return target
 
 
+def cublas_header() -> Path:
+    """cuBLAS's published declarations, cublas_api.h, as the nvidia-cublas wheel of
+    requirements.txt installs them (next to the cuda_fp16.h they include)."""
+    spec = importlib.machinery.PathFinder.find_spec("nvidia")
+    headers = [h for root in (spec.submodule_search_locations if spec else ())
+               for h in sorted(Path(root).glob("*/include/cublas_api.h"))]
+    if not headers:
+        raise EmulatorError("cublas_api.h not found: install nvidia-cublas (requirements.txt)")
+    return headers[0]
+
+
+@functools.cache
+def cublas_library() -> Path:
+    """The stand-in libcublas.so.13 (cublas.cpp), built against cuBLAS's own header."""
+    header = cublas_header()
+    return _compile((HERE / "cublas.cpp").read_text(), "libcublas",
+                    [f"-I{header.parent}", "-Wl,-soname,libcublas.so.13"], header.read_text(), kernels=False)
+
+
 class _LaunchConfig(ctypes.Structure):
     _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
                 ("shared_bytes", ctypes.c_ulonglong), ("order", ctypes.c_int),
-                ("seed", ctypes.c_ulonglong), ("poison", ctypes.c_int), ("workers", ctypes.c_int)]
+                ("seed", ctypes.c_ulonglong), ("poison", ctypes.c_int), ("workers", ctypes.c_int),
+                ("ftz", ctypes.c_int)]
 
 
 class _LaunchResult(ctypes.Structure):
@@ -130,7 +167,7 @@ def _runtime(options: list[str]) -> ctypes.CDLL:
     their own `current` fiber). Built with the first module's include directories."""
     global _runtime_lib
     if _runtime_lib is None:
-        path = _compile((HERE / "runtime.cpp").read_text(), "libcuda_host", options)
+        path = _compile((HERE / "runtime.cpp").read_text(), "libcuda_host", options, kernels=False)
         lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
         lib.cuda_host_launch.argtypes = [ctypes.POINTER(_Module), ctypes.POINTER(_Kernel),
                                          ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
@@ -192,17 +229,22 @@ extern "C" __attribute__((visibility("default"))) const cuda_host::Module* cuda_
     return "\n".join(lines) + "\n"
 
 
-def _compile_options(options) -> list[str]:
-    """NVRTC options that mean something to g++: -std, -I, -D. Others are refused, not ignored."""
-    out = []
+def _compile_options(options) -> tuple[list[str], bool]:
+    """NVRTC options -> (g++ flags, flush-to-zero). -std, -I and -D mean the same to g++;
+    --fmad (default true) and -ftz (default false) set how float32 arithmetic rounds (the
+    module docstring). Others are refused, not ignored."""
+    out, fmad, ftz = [], True, False
     for opt in options:
+        name, _, value = opt.lstrip("-").partition("=")
         if opt.startswith(("-std=", "-I", "-D")):
             out.append(opt)
-        elif opt.startswith(("-arch", "--gpu-architecture", "-ftz", "--use_fast_math", "-lineinfo")):
+        elif name in ("ftz", "fmad") and value in ("true", "false"):
+            fmad, ftz = (value == "true", ftz) if name == "fmad" else (fmad, value == "true")
+        elif opt.startswith(("-arch", "--gpu-architecture", "-lineinfo")):
             continue  # device code generation only
         else:
             raise EmulatorError(f"the emulator does not know the NVRTC option {opt!r}")
-    return out
+    return out + (["-mfma", "-ffp-contract=fast"] if fmad else ["-ffp-contract=off"]), ftz
 
 
 # ------------------------------------------------------------------ modules and launches
@@ -213,7 +255,7 @@ class Module:
     def __init__(self, code: str, options=(), name_expressions=None, source_dir: Path | None = None):
         self.code = code
         self.path = _source_path(code, source_dir)
-        options = _compile_options(options)
+        options, self.ftz = _compile_options(options)
         # The registry #includes the source by path: its text and its neighbour headers go in the key.
         headers = [p for p in sorted(self.path.parent.iterdir()) if p.suffix in (".cuh", ".h")]
         inputs = "\0".join([code, *(p.read_text() for p in headers)])
@@ -267,11 +309,19 @@ class Function:
             f"#{i}" for i in range(len(self.signature))]
 
     def __call__(self, grid, block, args, *, shared_mem=0, stream=None):
-        from .cupy_stub import allocation_of  # arrays carry their guarded allocation
+        from . import cupy_stub  # its arrays carry their guarded allocation
         grid, block = _dim3(grid, "grid"), _dim3(block, "block")
-        cells, bound = self._marshal(args, allocation_of)
+        cells, bound = self._marshal(args, cupy_stub)
+        names = [name for name, _ in bound]
+        cupy_stub.submit(lambda allocations: self._run(grid, block, shared_mem, cells,
+                                                       list(zip(names, allocations))), bound)
+
+    def _run(self, grid, block, shared_mem, cells, bound):
+        """The launch, once per thread order from the same inputs. Buffers over SNAPSHOT_LIMIT
+        (the cases past 2^31 elements, a sparse mapping of which only a few pages are ever
+        touched) are neither restored nor compared: copying them would touch every page."""
         argv = (ctypes.c_void_p * len(cells))(*[c.ctypes.data for c in cells])
-        allocations = list({id(a): a for _, a in bound}.values())
+        allocations = [a for a in {id(a): a for _, a in bound}.values() if a.nbytes <= SNAPSHOT_LIMIT]
         before = [a.snapshot() for a in allocations]
         results = None
         for run, order in enumerate(ORDERS):
@@ -286,7 +336,7 @@ class Function:
                 self._compare(results, after, allocations, bound, ORDERS[0], order)
         launches[self.name] = launches.get(self.name, 0) + 1
 
-    def _marshal(self, args, allocation_of):
+    def _marshal(self, args, cupy_stub):
         """One cell of bytes per argument (a pointer or a scalar), type-checked against the C
         parameter; returns the cells and (parameter name, allocation) of each array argument."""
         if len(args) != len(self.signature):
@@ -294,18 +344,16 @@ class Function:
         cells, arrays = [], []
         for value, code, param in zip(args, self.signature, self.params):
             where = f"{self.name} argument {param!r}"
-            if isinstance(value, np.ndarray) and value.ndim >= 1:
+            if isinstance(value, np.ndarray):
+                raise EmulatorError(f"{where}: a NumPy (host) array; kernels take device arrays")
+            if isinstance(value, cupy_stub.ndarray) and value.ndim >= 1:
                 if not code.startswith("p"):
                     raise EmulatorError(f"{where} is a {code} scalar in C, got an array")
                 got = _DTYPE_CODES.get(value.dtype)
                 if code[1:] != got:
                     raise EmulatorError(f"{where} points to {code[1:]} in C, got a {value.dtype} array")
-                allocation = allocation_of(value)
-                if allocation is None:
-                    raise EmulatorError(f"{where}: the array was not allocated by the emulated device "
-                                        "(cupy_stub); NumPy arithmetic on device arrays makes host memory")
-                arrays.append((param, allocation))
-                cells.append(np.array([value.ctypes.data], np.uint64))
+                arrays.append((param, cupy_stub.allocation_of(value)))
+                cells.append(np.array([value.data.ptr], np.uint64))
             elif isinstance(value, np.generic):
                 got = _DTYPE_CODES.get(value.dtype)
                 if code != got:
@@ -318,7 +366,7 @@ class Function:
 
     def _launch(self, grid, block, shared_mem, order, argv, bound):
         cfg = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem,
-                            order, 0x5EED + order, POISON[order], WORKERS)
+                            order, 0x5EED + order, POISON[order], WORKERS, self.module.ftz)
         result = _LaunchResult()
         for _, a in bound:
             a.fill_slack()

@@ -129,6 +129,7 @@ struct Launch {
     int order;
     unsigned long long seed;
     unsigned char poison;
+    bool ftz;
     void* const* args;
     std::atomic<long long> next_block{0};
     std::atomic<bool> failed{false};
@@ -603,6 +604,10 @@ void on_fault(int sig, siginfo_t* info, void* context) {
 }
 
 void work(Launch* l, int id) {
+    // The module's -ftz=true as the GPU applies it to float32 arithmetic: subnormal results
+    // flushed to zero (FTZ) and subnormal inputs read as zero (DAZ). MXCSR is per OS thread,
+    // and this thread exists for this launch only.
+    if (l->ftz) _mm_setcsr(_mm_getcsr() | 0x8040);
     Worker w;
     w.launch = l;
     this_worker = &w;
@@ -639,6 +644,7 @@ struct LaunchConfig {
     unsigned long long seed;
     int poison;
     int workers;
+    int ftz;
 };
 
 struct LaunchResult {
@@ -661,6 +667,7 @@ extern "C" __attribute__((visibility("default"))) void cuda_host_launch(
     l.order = cfg->order;
     l.seed = cfg->seed;
     l.poison = (unsigned char)cfg->poison;
+    l.ftz = cfg->ftz != 0;
     l.args = args;
     const unsigned long long threads = (unsigned long long)l.block.x * l.block.y * l.block.z;
     if (!l.grid.x || !l.grid.y || !l.grid.z || l.grid.y > 65535 || l.grid.z > 65535 || l.grid.x > 0x7fffffffu)
