@@ -43,7 +43,6 @@ class Group:
         self.comm = comm
         self.rank = comm.Get_rank() if comm else 0
         self.world = comm.Get_size() if comm else 1  # the number of ranks
-        self.cuda_aware = False          # set by the engine once it knows the device
         self.all_reduce_seconds = 0.0    # since the last take_all_reduce_stats()
         self.all_reduce_bytes = 0
         self.pending = None              # tell_interrupted()'s send, kept until it completes
@@ -66,17 +65,11 @@ class Group:
         if isinstance(x, np.ndarray):
             self.comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
             self.all_reduce_bytes += x.nbytes
-        else:  # CuPy: MPI has no float16 sum, so the wire carries float32
-            import cupy
-            if self.cuda_aware:  # MPI reads device memory directly, once the kernels are done
-                buf = x.astype(cupy.float32)
-                cupy.cuda.get_current_stream().synchronize()
-                self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-                x[...] = buf
-            else:  # through host memory
-                buf = x.get().astype(np.float32)
-                self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-                x.set(buf.astype(x.dtype))
+        else:  # CuPy: through host memory (requirements.txt's Open MPI is built without CUDA),
+            # as float32 (MPI has no float16 sum)
+            buf = x.get().astype(np.float32)
+            self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+            x.set(buf.astype(x.dtype))
             self.all_reduce_bytes += buf.nbytes
         self.all_reduce_seconds += time.perf_counter() - start
         return x
@@ -179,16 +172,6 @@ def tp_group() -> Group:
             comm = MPI.COMM_WORLD
         _group = Group(comm)
     return _group
-
-
-def cuda_aware_mpi() -> bool:
-    """Whether MPI takes device pointers (mpi4py 4 asks the library, where it can tell)."""
-    from mpi4py import MPI
-    query = getattr(MPI, "Query_cuda_support", None)
-    try:
-        return bool(query and query())
-    except Exception:  # the library does not implement the query
-        return False
 
 
 # ---- ending the run ------------------------------------------------------------------

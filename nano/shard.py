@@ -47,7 +47,6 @@ def load_shard(config: EngineConfig, group: parallel.Group) -> Shard:
         if config.batch_invariant and kind == "gpu":  # its ops are NumPy's (ops.invariant_linear)
             raise NanoError("--batch-invariant is CPU-only")
         device = Device(kind, gpu_of(group.rank) if kind == "gpu" else 0)
-        group.cuda_aware = kind == "gpu" and group.world > 1 and parallel.cuda_aware_mpi()
         if config.key_scheme == "rotate" and cfg.head_dim & (cfg.head_dim - 1):
             raise NanoError(f"--kv-int8-keys rotate needs a power-of-two head dim, the model's is "
                             f"{cfg.head_dim} (give --kv-int8-keys token or channel)")
