@@ -1,4 +1,4 @@
-"""Attention kernel benchmark; run on the GPU machine: python tests/bench_kernels.py
+"""Attention kernel benchmark; run on the GPU machine: python tests/bench_kernels.py [--json OUT]
 
 Decode (paged_attention), float16 and int8 KV caches side by side: achieved GB/s, counting
 the bytes the kernel must move: K and V of every context token for every KV head (d halfs,
@@ -14,13 +14,16 @@ over the causally visible (query, key) pairs only:
 Timing: cupy.cuda.Event around each launch, after a warm-up; the median of the repetitions.
 The 256 MiB L2 flush before each repetition (outside the timed region) keeps small decode
 cases from being served from the 50 MB L2. KV pools are sized to the case (block_size 16),
-filled with random bytes (never zeros; int8 scales random and positive), and block tables
-are shuffled block ids.
+filled with pseudo-random values (a hash of the index, computed on the device: no cuRAND,
+which requirements.txt does not install; never zeros; int8 scales positive), and block
+tables are shuffled block ids. --json writes every row as a record.
 
 The inputs come from decode_inputs / prefill_inputs, which tests/test_kernels.py also runs on
 the CPU emulator (with xp = its CuPy stand-in), so the benchmark's calls are checked on every
 CI run even though the timing needs a GPU.
 """
+import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -71,16 +74,19 @@ def copy_bandwidth_gbs():
 
 
 def random_f16(shape, xp=cupy):
-    """Random float16 in [-1, 1): on the GPU in slices (bounding the float32 temporary),
-    elsewhere (the emulator's stand-in) from NumPy."""
+    """Pseudo-random float16 in [-1, 1): on the GPU a hash of each element's index, in slices
+    (bounding the temporaries), elsewhere (the emulator's stand-in) from NumPy."""
     if xp is not cupy:
         return xp.asarray(np.random.default_rng(0).uniform(-1, 1, shape).astype(np.float16))
     out = cupy.empty(shape, cupy.float16)
     flat = out.reshape(-1)
     step = 1 << 28
     for i in range(0, flat.size, step):
-        part = flat[i:i + step]
-        part[...] = cupy.random.uniform(-1, 1, part.size, dtype=cupy.float32)
+        h = cupy.arange(i, i + min(step, flat.size - i), dtype=cupy.uint32) * cupy.uint32(2654435761)
+        h ^= h >> 15
+        h *= cupy.uint32(2246822519)
+        h ^= h >> 13
+        flat[i:i + h.size] = (h >> 8).astype(cupy.float32) / 2**23 - 1
     return out
 
 
@@ -146,13 +152,16 @@ def free():
 
 def main():
     global FLUSH
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", help="write the results here as JSON too")
+    args = parser.parse_args()
     props = cupy.cuda.runtime.getDeviceProperties(0)
     print(f"device: {props['name'].decode()}, {kernels._num_sms()} SMs")
     FLUSH = cupy.empty(1 << 28, cupy.uint8)
     copy_gbs = copy_bandwidth_gbs()
     print(f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write)")
 
-    rows, speedups = [], []
+    rows, speedups, records = [], [], []
     for nq, nkv, d in DECODE_SHAPES:
         for seqs in DECODE_SEQS:
             for ctx in DECODE_CONTEXTS:
@@ -163,6 +172,8 @@ def main():
                 speedup = f16_ms / i8_ms
                 if ctx >= 4096:
                     speedups.append(speedup)
+                records.append(dict(kernel="decode", nq=nq, nkv=nkv, d=d, seqs=seqs, ctx=ctx, parts=parts,
+                                    float16_ms=f16_ms, float16_gbs=f16_gbs, int8_ms=i8_ms, int8_gbs=i8_gbs))
                 rows.append(f"| decode {nq}/{nkv}x{d} | S={seqs} ctx={ctx} parts={parts} "
                             f"| {f16_ms:.3f} ms, {f16_gbs:.0f} GB/s = {f16_gbs / copy_gbs:.0%} "
                             f"| {i8_ms:.3f} ms, {i8_gbs:.0f} GB/s = {i8_gbs / copy_gbs:.0%} "
@@ -173,6 +184,8 @@ def main():
         free()
         i8_ms, i8_tflops = bench_prefill(8, 2048, nq, nkv, d, "int8")
         free()
+        records.append(dict(kernel="prefill", nq=nq, nkv=nkv, d=d, seqs=8, chunk=2048, float16_ms=ms,
+                            float16_tflops=tflops, int8_ms=i8_ms, int8_tflops=i8_tflops))
         rows.append(f"| prefill {nq}/{nkv}x{d} | 8 x 2048-token chunks | {ms:.3f} ms, {tflops:.1f} TFLOP/s "
                     f"| {i8_ms:.3f} ms, {i8_tflops:.1f} TFLOP/s | {ms / i8_ms:.2f}x |")
         print(rows[-1], flush=True)
@@ -183,6 +196,9 @@ def main():
     print("\n".join(rows))
     print(f"\nint8 / float16 decode speed-up at contexts >= 4096: min {min(speedups):.2f}x, "
           f"median {float(np.median(speedups)):.2f}x (target >= {TARGET}x)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": props["name"].decode(), "copy_gbs": copy_gbs,
+                                               "cases": records}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
