@@ -8,7 +8,8 @@ stream's tokens (every running stream waits for the whole step) and the time to 
 The server is `run.py --serve --device cpu --max-model-len 2048 --kv-cache-memory 600MB` in a
 subprocess; each client loops: a prompt of random token ids (a --long-share of them 1,750 to
 2,047 tokens, the rest 16 to 256), 16 to 128 tokens streamed back, EOS ignored. A request
-fails when its status is not 200 or its stream ends without `[DONE]`.
+fails when its status is not 200 or its stream ends without `[DONE]`; a client stops at its
+first refused connection (the server has ended).
 """
 import argparse
 import json
@@ -16,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -50,6 +52,8 @@ def client(url: str, model: str, seed: int, until: float, long_share: float, res
                 status = status or type(e).__name__
             results.append({"long": bool(long), "status": status, "done": done, "start": start,
                             "arrivals": arrivals})
+            if status == "ConnectError":  # no server any more: the soak is over for this client
+                return
 
 
 def summarize(results: list, wall: float) -> dict:
@@ -76,9 +80,9 @@ def main() -> None:
     p.add_argument("extra", nargs="*", help="more run.py flags (after --)")
     args = p.parse_args()
     port = free_port()
+    log = tempfile.TemporaryFile("w+")  # not a pipe: a server whose log nobody reads would block on it
     job = subprocess.Popen([sys.executable, "run.py", *SERVER, "--port", str(port), "--log-level", "warning",
-                            *args.extra], cwd=ROOT, stderr=subprocess.PIPE, text=True,
-                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                            *args.extra], cwd=ROOT, stderr=log, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     url = wait_healthy(job, port, 300)
     model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
     results, start = [], time.monotonic()
@@ -92,8 +96,9 @@ def main() -> None:
     summary = summarize(results, time.monotonic() - start)
     summary["server_exit"] = job.poll()  # None: still serving at the end, as it should be
     job.send_signal(signal.SIGINT)
-    stderr = job.communicate(timeout=120)[1]
-    summary["server_errors"] = [line for line in stderr.splitlines() if line.startswith("error:")]
+    job.wait(timeout=120)
+    log.seek(0)
+    summary["server_errors"] = [line for line in log.read().splitlines() if line.startswith("error:")]
     summary["flags"] = [*SERVER, *args.extra]
     print(json.dumps(summary, indent=1))
     if args.json:
