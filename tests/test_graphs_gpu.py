@@ -135,7 +135,9 @@ def check_replay_with_padding(model_dir, n, kv_cache_dtype):
     alone = ForwardBatch(d(ids), d(positions), d(slots.astype(np.int32)), n, d(context), d(tables),
                          d(np.zeros(1, np.int32)), d(np.arange(n, dtype=np.int32)))
     assert relative_error(graph_logits, runner.model.forward(alone, cache)) <= LOGIT_TOL
-    assert pool_error(graph_kv, snapshot()) <= LOGIT_TOL  # an int8 value may move one step: 1/127
+    # Another batch shape, so other GEMM kernels: K and V drift as the logits do (LOGIT_TOL), and
+    # an int8 value moves that much of its range plus one rounding step (seen on an H200: 2/127)
+    assert pool_error(graph_kv, snapshot()) <= LOGIT_TOL + (1 / 127 if kv_cache_dtype == "int8" else 0)
 
     written = np.zeros(cache.data.shape[2] * bs, bool)
     written[slots] = True
