@@ -1,12 +1,29 @@
 """Shared fixtures (the real default model, a tiny random model, the dense reference) and the
 `gpu` marker: gpu-marked tests run only where CuPy sees a CUDA device."""
+import shutil
 import sys
+import tempfile
 
 import pytest
 
 from nano import default_model as fetcher
 from nano.weights import resolve_model
 from reference import DenseLlama, make_random_model
+
+
+TEMP = tempfile.gettempdir()  # this process's, fixed now: the fixture below changes TMPDIR
+
+
+@pytest.fixture(autouse=True)
+def own_tmpdir(monkeypatch):
+    """Each test's subprocesses get a TMPDIR of their own. Open MPI's mpirun keeps its session in
+    $TMPDIR/ompi.<its pid>, which one killed by a test leaves behind; a later mpirun given the
+    same pid (pids wrap at 32,768 on these machines, within one run of the suite) then fails to
+    start ("The PMIx server's listener thread failed to start"). Short, for Unix socket paths."""
+    path = tempfile.mkdtemp(prefix="t", dir=TEMP)
+    monkeypatch.setenv("TMPDIR", path)
+    yield
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
