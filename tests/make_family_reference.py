@@ -206,6 +206,7 @@ def record_case(case: str, root: Path) -> dict:
         "dtype": "float32", "attn_implementation": "eager",
         "weights_sha256": families.weights_checksum(folder),
         "config": families.config(case),
+        "config_v5": families.config(case, "v5"),
         "window_keys": window_keys(case, root, window) if honoured else None,
         "max_abs_diff": {
             "float64_logprobs": max_diff([lp for _, lp in runs], [lp for _, lp in runs64]),
