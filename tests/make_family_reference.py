@@ -5,10 +5,10 @@ Run by hand, in a side environment outside the repository: neither nano nor its 
 torch or transformers (torch==2.13.0 is pinned to a CPU build: plain `torch` pulls a CUDA
 build of several GB).
 
-    python3 -m venv /tmp/refenv
-    /tmp/refenv/bin/pip install torch==2.13.0 transformers safetensors tokenizers numpy
-    /tmp/refenv/bin/python tests/make_family_reference.py            # every case
-    /tmp/refenv/bin/python tests/make_family_reference.py mistral    # or some
+    python3 -m venv ~/nano-refenv
+    ~/nano-refenv/bin/pip install torch==2.13.0 transformers safetensors tokenizers numpy
+    ~/nano-refenv/bin/python tests/make_family_reference.py            # every case
+    ~/nano-refenv/bin/python tests/make_family_reference.py mistral    # or some
 
 For each case it makes the folder, loads it (float32, eager attention) and checks that
 transformers reads it as meant: every tensor used, no tensor missing, and the config's v5
@@ -48,8 +48,8 @@ STEPS, TOP, MIN_GAP = 16, 5, 1e-3
 DIGITS = 7  # significant digits kept: float32 holds about 7
 MIN_EFFECT = 1e-3  # ten times the 1e-4 a float32 forward is held to
 
-# Each case's features, as changes to its v4 config (or that and a change to its tensors, as
-# variant() takes them): the model with one of them changed must compute other logprobs.
+# Each case's features, as changes to its v4 config (or a pair: that and a change to its
+# tensors, as variant() takes them): the model with one changed must compute other logprobs.
 FEATURES = {
     "llama": {"rope_theta 1e4 -> 1e6": {"rope_theta": 1e6}},
     "llama3": {"no rope_scaling": {"rope_scaling": None}},
@@ -145,7 +145,11 @@ def max_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
 
 
-def variant(case: str, root: Path, name: str, change: dict, keep=lambda name, tensor: tensor) -> Path:
+def unchanged(name, tensor):
+    return tensor
+
+
+def variant(case: str, root: Path, name: str, change: dict, keep=unchanged) -> Path:
     """The case's folder with its v4 config updated by `change` and each tensor replaced by
     keep(name, tensor) (dropped where that is None)."""
     folder = families.make_model(case, root / name)
@@ -179,7 +183,8 @@ def feature_effects(case: str, root: Path, prompts: list[dict], runs: list[np.nd
     """For each of the case's FEATURES, the largest change to its logprobs when changed."""
     effects = {}
     for i, (name, change) in enumerate(FEATURES[case].items()):
-        model = load(variant(case, root, f"{case}_{i}", *(change if isinstance(change, tuple) else (change,))))
+        change, keep = change if isinstance(change, tuple) else (change, unchanged)
+        model = load(variant(case, root, f"{case}_{i}", change, keep))
         effects[name] = max_diff(runs, [logprobs(model, full_ids(r))[1] for r in prompts])
     return effects
 
@@ -241,9 +246,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("cases", nargs="*", help=f"some of {', '.join(families.CASES)} (default: all)")
     args = parser.parse_args()
-    unknown = set(args.cases) - set(families.CASES)
+    unknown = sorted(set(args.cases) - set(families.CASES))
     if unknown:
-        parser.error(f"no case {sorted(unknown)[0]!r}")
+        print(f"error: no case {unknown[0]!r} (cases: {', '.join(families.CASES)})", file=sys.stderr)
+        sys.exit(2)
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
