@@ -1,19 +1,20 @@
-"""Tiny models of the six families nano serves, each made from a seed: the models whose
+"""Tiny models of the six model families nano is to serve, each made from a seed: the models whose
 transformers outputs are recorded in tests/data/families/<case>.json (by
 tests/make_family_reference.py, run by hand; see docs/testing.md).
 
 make_model(case, folder) writes a folder as a Hugging Face checkpoint of that architecture
 has it: config.json, model.safetensors (float32, the checkpoint's tensor names), a word-level
 tokenizer.json and tokenizer_config.json. The weights are normal draws from the case's seed
-in a fixed order, so the same call makes the same bytes on any machine; weights_checksum
-says which weights a JSON was recorded from.
+in a fixed order, the same bytes wherever NumPy draws the same stream; weights_checksum says
+which weights a JSON was recorded from (tests/test_family_reference.py fails when they differ).
 
 config.json comes in two spellings of the same model (spelling=): "v4", as the checkpoints
 on the Hub have it (rope_theta, rope_scaling, Gemma 3's rope_local_base_freq and
 sliding_window_pattern), and "v5", as transformers 5 writes it (rope_parameters, per layer
 type for Gemma 3, and layer_types).
 
-Imports nothing but NumPy, safetensors, json and tokenizers: the tests import it in CI."""
+Imports nothing but NumPy, safetensors, tokenizers and the standard library: the tests import
+it in CI, where there is no torch."""
 
 from __future__ import annotations
 
