@@ -34,8 +34,8 @@ class SchedulerView(Protocol):
 
 class FCFS:
     """First come, first served: admission and prefill chunks in arrival order, the victim
-    the most recently admitted sequence, every step as much prefill as the budget allows,
-    no request given up on."""
+    the most recently admitted sequence, each step's prefill up to the token budget
+    (step_tokens), no request given up on."""
 
     def __init__(self, view: SchedulerView, cost: CostModel, kv_bytes_per_token: int):
         self.view, self.cost, self.config = view, cost, view.config
