@@ -24,9 +24,9 @@ from nano import checks, default_model, parallel
 from nano.bench.cli import check_bench_args
 from nano.cli.output import check_writable
 from nano.cli.prompts import ms, read_requests
-from nano.config import STEP_TARGET, TOKEN_BUDGET, EngineConfig
+from nano.config import DEFAULT_KEY_SCHEME, STEP_TARGET, TOKEN_BUDGET, EngineConfig
+from nano.deadline.cli import policy_factory
 from nano.errors import NanoError
-from nano.kv_cache import DEFAULT_KEY_SCHEME
 from nano.sequence import FIELD_RULES, SamplingParams
 from nano.telemetry import heartbeat
 from nano.telemetry.watchdog import DEFAULT_STALL_TIMEOUT
@@ -97,7 +97,7 @@ def build_parser() -> Parser:
     e.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=ENGINE.batch_invariant,
                    help="CPU: each token's result bitwise independent of the batch and schedule (slower); "
                         "default: on for --kv-cache-dtype int8, else off")
-    e.add_argument("--policy", default=ENGINE.policy, help="fcfs | deadline (by slack to the latency targets)")
+    e.add_argument("--policy", default="fcfs", help="fcfs | deadline (by slack to the latency targets)")
     e.add_argument("--drop-late", action="store_true", help="deadline: reject requests that can no longer make their TTFT")
     e.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT,
                    help="seconds a step may go without using CPU (under mpirun: a rank without a heartbeat) "
@@ -199,8 +199,8 @@ def engine_config(args) -> EngineConfig:
         max_model_len=args.max_model_len, watermark=args.watermark,
         enable_prefix_caching=not args.no_prefix_caching, preemption=args.preemption,
         kv_cache_dtype=args.kv_cache_dtype, kv_int8_keys=args.kv_int8_keys,
-        seed=ENGINE.seed if args.seed is None else args.seed, tp=args.tp, enforce_eager=args.enforce_eager, policy=args.policy,
-        drop_late=args.drop_late, batch_invariant=args.batch_invariant)
+        seed=ENGINE.seed if args.seed is None else args.seed, tp=args.tp, enforce_eager=args.enforce_eager,
+        batch_invariant=args.batch_invariant)
 
 
 def sampling_params(args) -> SamplingParams:
@@ -217,7 +217,7 @@ def main(argv=None) -> int:
     group = parallel.tp_group()  # under mpirun every rank runs main; rank 0 alone talks to the user,
     with group.together():       # so a bad argument stops every rank, and is printed once
         heartbeat.start(group)   # every rank watched from here on (--stall-timeout), this collective included
-        args, config, params, requests = parse(argv, group.rank)
+        args, config, policy, params, requests = parse(argv, group.rank)
         heartbeat.set_timeout(args.stall_timeout)
         if not args.capacity and not args.disagg and not args.dp:  # a report for --tp N is computed in one process
             group.require(config.tp)
@@ -238,13 +238,13 @@ def main(argv=None) -> int:
         return policy_compare(args, config)
     if args.dp:
         from nano.dp.cli import run_dp
-        return run_dp(args, config, params, requests)
+        return run_dp(args, config, params, requests, policy)
     if args.disagg:
         from nano.disagg.cli import run_disagg
-        return run_disagg(args, config, params, requests)
+        return run_disagg(args, config, params, requests, policy)
     if args.disagg_compare:
         from nano.disagg.cli import disagg_compare
-        return disagg_compare(args, argv if argv is not None else sys.argv[1:], config, params)
+        return disagg_compare(args, argv if argv is not None else sys.argv[1:], config, params, policy)
     if args.bench and args.request_rate:
         from nano.bench.cli import rate_bench
         return rate_bench(args, config, params)
@@ -257,7 +257,7 @@ def main(argv=None) -> int:
         return 0
     from nano.cli.output import describe
     from nano.engine import LLMEngine
-    engine = LLMEngine(config)
+    engine = LLMEngine(config, policy=policy)
     print(describe(engine), file=sys.stderr)
     if args.serve:
         from nano.server.cli import serve
@@ -297,13 +297,15 @@ def check_lab_args(args) -> None:
 
 
 def parse(argv, rank: int):
-    """Flags, checked; the prompt file, read (on rank 0) before the model loads."""
+    """Flags, checked; the scheduling policy's class; the prompt file, read (on rank 0) before
+    the model loads."""
     args = build_parser().parse_args(argv)
     config = engine_config(args)
     config.validate()
+    policy = policy_factory(args.policy, args.drop_late)
     if args.lab is not None:
         check_lab_args(args)
-        return args, config, None, None
+        return args, config, policy, None, None
     if args.lab_quick or args.lab_out != LAB_OUT:
         raise NanoError("--lab-quick and --lab-out go with --lab NAME")
     check_writable("--metrics-file", args.metrics_file)
@@ -358,7 +360,7 @@ def parse(argv, rank: int):
     check_writable("--output", args.output)  # now, not after generating everything
     check_writable("--summary-json", args.summary_json)
     check_distinct_files(args)
-    return args, config, params, requests
+    return args, config, policy, params, requests
 
 
 class Terminated(KeyboardInterrupt):

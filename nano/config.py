@@ -3,7 +3,6 @@ from dataclasses import dataclass
 
 from nano import checks
 from nano.errors import NanoError
-from nano.kv_cache import DEFAULT_KEY_SCHEME, KEY_SCHEMES, KV_CACHE_DTYPES
 
 # The RoPE types the forward pass implements (model.rope_cos_sin), with the numbers each needs.
 ROPE_TYPES = {"default": (), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
@@ -122,6 +121,9 @@ def _rope_scaling(scaling) -> dict | None:
 
 TOKEN_BUDGET = 2048  # a step's tokens when --max-num-batched-tokens is not given, and then
 STEP_TARGET = 1.0    # seconds a step is kept near (by the step-time model): every stream's longest gap
+KV_CACHE_DTYPES = ("auto", "int8")   # vLLM's flag values: auto = the model's (device's) dtype
+KEY_SCHEMES = ("token", "channel", "rotate")  # int8 keys: as they are, channels pre-scaled, or Hadamard-rotated
+DEFAULT_KEY_SCHEME = "rotate"        # (kv_cache.py, docs/int8-kv.md)
 
 
 @dataclass
@@ -139,13 +141,11 @@ class EngineConfig:
     watermark: float = 0.01                  # fraction of blocks kept free at admission
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"             # auto (the device's float dtype) | int8 (nano/kv_cache.py)
-    kv_int8_keys: str | None = None          # int8 keys: token | channel | rotate (None: kv_cache.DEFAULT_KEY_SCHEME)
+    kv_int8_keys: str | None = None          # int8 keys: token | channel | rotate (None: DEFAULT_KEY_SCHEME)
     preemption: str = "auto"                 # swap | recompute | auto
     seed: int = 0                            # for requests without their own seed
     tp: int = 1                              # tensor-parallel ranks (under mpirun)
     enforce_eager: bool = False              # GPU: no CUDA graphs for decode steps (like vLLM's)
-    policy: str = "fcfs"                     # fcfs | deadline (see policy.py)
-    drop_late: bool = False                  # deadline policy: reject requests that can no longer meet their TTFT
     batch_invariant: bool | None = None      # CPU: each token's result bitwise independent of the batch
                                              # (ops.py); None: on for an int8 KV cache on the CPU (shard.py)
 
@@ -171,7 +171,7 @@ class EngineConfig:
         checks.integer("--max-num-seqs", self.max_num_seqs, low=1)
         checks.integer("--max-model-len", self.max_model_len, low=2, optional=True)
         checks.number("--watermark", self.watermark, 0, 1, open_high=True)
-        for name in ("enable_prefix_caching", "enforce_eager", "drop_late"):
+        for name in ("enable_prefix_caching", "enforce_eager"):
             checks.flag(name, getattr(self, name))
         if self.batch_invariant is not None:
             checks.flag("batch_invariant", self.batch_invariant)
@@ -182,8 +182,5 @@ class EngineConfig:
         if self.kv_int8_keys is not None and self.kv_cache_dtype != "int8":
             raise NanoError("--kv-int8-keys needs --kv-cache-dtype int8")
         checks.choice("--device", self.device, ("auto", "cpu", "gpu"))
-        checks.choice("--policy", self.policy, ("fcfs", "deadline"))
-        if self.drop_late and self.policy != "deadline":
-            raise NanoError("--drop-late needs --policy deadline")
         checks.integer("--seed", self.seed)
         checks.integer("--tp", self.tp, low=1)

@@ -16,6 +16,7 @@ from nano.cost_model import CostModel, StepCoefficients
 from nano.errors import NanoError
 from nano.metrics import Metrics, QueueState
 from nano.plan import SchedulerOutput, decode_context, is_decode
+from nano.policy import FCFS
 from nano.sampler import Sampler
 from nano.scheduler import Scheduler
 from nano.sequence import SamplingParams, Sequence
@@ -29,7 +30,8 @@ DEVICE_PRIORS = {  # flop/s, memory bytes/s, host<->device bytes/s
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, clock: Clock | None = None):
+    def __init__(self, config: EngineConfig, clock: Clock | None = None, policy=FCFS):
+        """policy: the scheduling policy's class (policy.py), e.g. nano/deadline's."""
         self.config, self.clock = config, clock or Clock()
         self.group = parallel.tp_group()  # TP ranks: one, without MPI, unless under mpirun
         if self.group.rank > 0:
@@ -43,7 +45,7 @@ class LLMEngine:
                                           config.enable_prefix_caching)
         self.cost = self._cost_model()
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len,
-                                   self.kv_bytes_per_token, self.cost)
+                                   self.kv_bytes_per_token, self.cost, policy)
         self.metrics = Metrics(shard.num_blocks)
         self.rng = np.random.default_rng(config.seed % 2**64)  # any int seed, as the sampler's
         self.next_id = 0

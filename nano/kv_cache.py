@@ -18,18 +18,12 @@ kv_calibration.py) or "rotate" (the d x d Hadamard matrix). The scheme, the key 
 the measurement that chose the default: docs/int8-kv.md.
 """
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from nano.config import EngineConfig, ModelConfig
 from nano.device import ranks_on_gpu
 
-if TYPE_CHECKING:
-    from nano.config import EngineConfig, ModelConfig
-
-KV_CACHE_DTYPES = ("auto", "int8")   # vLLM's flag values: auto = the model's (device's) dtype
-KEY_SCHEMES = ("token", "channel", "rotate")  # int8 keys: as they are, channels pre-scaled, or Hadamard-rotated
-DEFAULT_KEY_SCHEME = "rotate"
 SCALE_DTYPE = np.float16
 INT8_MAX = 127
 DEFAULT_CPU_KV_MEMORY = 2 * 2**30
@@ -38,7 +32,7 @@ DEFAULT_CPU_KV_MEMORY = 2 * 2**30
 GPU_FREE_MEMORY_FRACTION = 0.9
 
 
-def bytes_per_token(cfg: "ModelConfig", num_kv_heads: int, kv_cache_dtype: str, device_itemsize: int) -> int:
+def bytes_per_token(cfg: ModelConfig, num_kv_heads: int, kv_cache_dtype: str, device_itemsize: int) -> int:
     """KV bytes one token costs on a rank holding num_kv_heads: K and V of every layer and
     KV head, plus their scales in an int8 pool. The default model (30 layers, 3 KV heads,
     d 64): 46,080 float32, 23,040 float16, 11,880 int8."""
@@ -60,7 +54,7 @@ def blocks_for_memory(memory: int, bytes_per_token: int, block_size: int) -> int
     return memory // (bytes_per_token * block_size)
 
 
-def pool_memory(config: "EngineConfig", device: str, free_after_weights: int, rank: int,
+def pool_memory(config: EngineConfig, device: str, free_after_weights: int, rank: int,
                 world: int) -> int:
     """Bytes for rank's KV pool: --kv-cache-memory if given; on a GPU, a fraction of what is
     free once the weights of every rank on it are loaded, split among those ranks; on the
@@ -72,7 +66,7 @@ def pool_memory(config: "EngineConfig", device: str, free_after_weights: int, ra
     return DEFAULT_CPU_KV_MEMORY
 
 
-def pool_blocks(config: "EngineConfig", memory: int, bytes_per_token: int) -> int:
+def pool_blocks(config: EngineConfig, memory: int, bytes_per_token: int) -> int:
     """Blocks in the KV pool: --num-blocks if given, else as many as `memory` holds."""
     return config.num_blocks or blocks_for_memory(memory, bytes_per_token, config.block_size)
 

@@ -6,6 +6,7 @@ import numpy as np
 from nano.config import EngineConfig
 from nano.engine import LLMEngine
 from nano.errors import NanoError
+from nano.policy import FCFS
 from nano.sequence import SamplingParams, Sequence
 
 
@@ -22,11 +23,14 @@ class RequestOutput:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_args):
+    def __init__(self, model: str | None = None, policy=FCFS, **engine_args):
+        """policy: the scheduling policy's class (policy.py), e.g. nano.deadline.policy.Deadline."""
         unknown = set(engine_args) - {f.name for f in fields(EngineConfig)}
         if unknown:
             raise NanoError(f"unknown engine argument {sorted(unknown)[0]!r}")
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        if not callable(policy):
+            raise NanoError(f"policy must be a policy class (nano/policy.py), got {policy!r:.40}")
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args), policy=policy)
 
     def generate(self, prompts: list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

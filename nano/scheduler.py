@@ -15,7 +15,8 @@ A request is only considered once it has arrived (its arrival time has passed).
 
 This file is the mechanism; the choices it leaves open (admission and prefill order, how
 much prefill a step may carry, the victim and whether it is swapped or recomputed, which
-requests are late) are the policy's (policy.py: FCFS or Deadline, by --policy).
+requests are rejected as late) are the policy's: an object made from the policy class the
+engine is given (policy.py: FCFS by default; nano/deadline's with --policy deadline).
 """
 from collections import deque
 
@@ -23,13 +24,13 @@ from nano.block_manager import BlockManager
 from nano.config import Capacity, EngineConfig
 from nano.cost_model import CostModel
 from nano.plan import Preemption, SchedulerOutput, is_decode
-from nano.policy import SchedulerView, make_policy
+from nano.policy import FCFS, LATE
 from nano.sequence import Sequence, Status
 
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
-                 kv_bytes_per_token: int, cost_model: CostModel):
+                 kv_bytes_per_token: int, cost_model: CostModel, policy=FCFS):
         self.config = config
         self.bm = block_manager
         self.watermark_blocks = int(config.watermark * block_manager.num_blocks)
@@ -40,8 +41,7 @@ class Scheduler:
         self.running: list[Sequence] = []     # in admission order (swapped back in: admitted again)
         self.swapped: deque[Sequence] = deque()
         self.held: list[Sequence] = []        # out of the batch with their blocks (hold, reserve)
-        self.policy = make_policy(SchedulerView(self), cost_model, config, block_manager.block_size,
-                                  kv_bytes_per_token)
+        self.policy: FCFS = policy(self, cost_model, kv_bytes_per_token)  # it reads this scheduler live
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -157,13 +157,10 @@ class Scheduler:
             budget -= n
 
     def _triage(self, arrived: list[Sequence], out: SchedulerOutput) -> list[Sequence]:
-        """The policy's admission order; with --drop-late, those that cannot make their
-        targets are rejected instead."""
+        """The policy's admission order, less the requests it gives up on as late, rejected."""
         order, late = self.policy.admission_order(arrived)
-        if not self.config.drop_late:
-            return order
         for seq in late:
-            self._reject(seq, self.policy.late_reason(seq), out)
+            self._reject(seq, f"{LATE} {self.policy.late_reason(seq)}", out)
         return [s for s in order if s not in late]
 
     # ---- helpers -----------------------------------------------------------------------

@@ -19,6 +19,7 @@ from reference import make_random_model  # noqa: E402  (tests/reference.py)
 
 from nano.bench import simulated, slo_matrix  # noqa: E402
 from nano.config import EngineConfig  # noqa: E402
+from nano.deadline.cli import policy_factory  # noqa: E402
 
 
 def main() -> None:
@@ -36,8 +37,8 @@ def main() -> None:
     def make_engine(policy: str):
         nonlocal fcfs_engines
         fcfs_engines += policy == "fcfs"  # run_matrix's calibration makes FCFS engines too
-        return simulated.simulated_engine(EngineConfig(model=model, device="cpu", policy=policy), simulated.CPU_STEP,
-                                          args.jitter, seed=fcfs_engines)
+        return simulated.simulated_engine(EngineConfig(model=model, device="cpu"), simulated.CPU_STEP,
+                                          args.jitter, seed=fcfs_engines, policy=policy_factory(policy))
 
     results = slo_matrix.run_matrix(make_engine, 512, args.requests, range(args.seeds),
                                     workloads=tuple(args.workloads or slo_matrix.WORKLOADS))

@@ -23,6 +23,7 @@ from test_weights import edit_header, never_waiting_on
 import run
 from nano import LLM, SamplingParams
 from nano.cli import prompts
+from nano.deadline.policy import Deadline
 from nano.errors import NanoError
 from test_stress import check_invariants
 
@@ -368,6 +369,14 @@ def test_api_unknown_engine_argument(tiny_model):
         LLM(model=str(tiny_model), num_blockz=16)
     with pytest.raises(NanoError, match="--num-blocks must be an integer >= 1, got '16'"):
         LLM(model=str(tiny_model), num_blocks="16")
+
+
+def test_api_policy_is_a_class_not_a_name(tiny_model):
+    """The scheduling policy is chosen as its class (nano/policy.py); a name is refused before
+    the model loads, not met as a TypeError after."""
+    with pytest.raises(NanoError, match="policy must be a policy class \\(nano/policy.py\\), got 'deadline'"):
+        LLM(model=str(tiny_model), policy="deadline")
+    assert type(LLM(model=str(tiny_model), num_blocks=16, policy=Deadline).engine.scheduler.policy) is Deadline
 
 
 # ---- fuzz: random malformed JSONL --------------------------------------------------------

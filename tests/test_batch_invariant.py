@@ -12,10 +12,10 @@ from test_equivalence import CHAT, CONFIGS, run, shared_prefix_prompts
 
 from nano import ops, shard
 from nano.chat.template import render as render_chat
-from nano.config import EngineConfig, ModelConfig
+from nano.config import KEY_SCHEMES, EngineConfig, ModelConfig
 from nano.engine import LLMEngine
 from nano.errors import NanoError
-from nano.kv_cache import KEY_SCHEMES, KVCache
+from nano.kv_cache import KVCache
 from nano.model import ForwardBatch, LlamaModel
 from nano.tokenizer import Tokenizer
 

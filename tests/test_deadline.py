@@ -1,6 +1,5 @@
 """Deadline-aware scheduling on a simulated clock (nano/bench/simulated.py), metrics snapshots,
 and capacity planning."""
-import dataclasses
 import json
 
 import numpy as np
@@ -9,6 +8,7 @@ import pytest
 from nano.bench import simulated, slo_matrix
 from nano.bench.capacity import capacity_report
 from nano.config import EngineConfig
+from nano.deadline.cli import policy_factory
 from nano.engine import LLMEngine
 from nano.sequence import SamplingParams
 from nano.telemetry.export import MetricsWriter
@@ -17,8 +17,9 @@ from nano.telemetry.prometheus import EngineExport
 text_string_to_metric_families = pytest.importorskip("prometheus_client.parser").text_string_to_metric_families
 
 
-def simulated_engine(model_dir, **config_args) -> LLMEngine:
-    return simulated.simulated_engine(EngineConfig(model=str(model_dir), device="cpu", **config_args))
+def simulated_engine(model_dir, policy="fcfs", drop_late=False, **config_args) -> LLMEngine:
+    return simulated.simulated_engine(EngineConfig(model=str(model_dir), device="cpu", **config_args),
+                                      policy=policy_factory(policy, drop_late))
 
 
 def mixed_workload():
@@ -93,7 +94,7 @@ def cpu_shaped_matrix(tiny_model):
     24 requests, 3 seeds."""
     config = EngineConfig(model=str(tiny_model), device="cpu")
     return slo_matrix.run_matrix(
-        lambda policy: simulated.simulated_engine(dataclasses.replace(config, policy=policy), simulated.CPU_STEP),
+        lambda policy: simulated.simulated_engine(config, simulated.CPU_STEP, policy=policy_factory(policy)),
         512, 24, (0, 1, 2), workloads=("uniform", "loose"))
 
 

@@ -405,6 +405,17 @@ def test_mpirun_disagg_gives_the_colocated_tokens(prompt_file, tmp_path, split, 
 
 
 @needs_mpi
+@pytest.mark.parametrize("flags", [["--disagg", "1:1"], ["--dp", "2"]])
+def test_mpirun_the_scheduling_policy_reaches_every_engine(tiny_model, prompt_file, flags):
+    """--policy deadline --drop-late with a TTFT target no prompt can make: the engines of a
+    run over ranks (ranks.start) schedule with the deadline policy, and reject every request."""
+    proc = launch(["run.py", "--model", str(tiny_model), "--prompt-file", str(prompt_file), "--no-chat",
+                   "--policy", "deadline", "--drop-late", "--ttft-slo", "0.01", "--max-tokens", "4", *flags], 2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"0 served late, {len(PROMPTS)} rejected as late" in proc.stdout
+
+
+@needs_mpi
 def test_mpirun_with_the_wrong_number_of_ranks_is_one_error(prompt_file):
     proc = launch(["run.py", "--disagg", "2:1", "--prompt-file", str(prompt_file)], 2)
     assert_one_line_error(proc, "--disagg 2:1 needs 3 MPI ranks, got 2: run mpirun -n 3 python run.py "

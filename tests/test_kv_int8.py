@@ -16,9 +16,9 @@ from test_equivalence import CONFIGS, shared_prefix_prompts
 
 from nano import ops
 from nano.bench.capacity import capacity_report
-from nano.config import EngineConfig, ModelConfig
+from nano.config import KEY_SCHEMES, EngineConfig, ModelConfig
 from nano.engine import LLMEngine
-from nano.kv_cache import KEY_SCHEMES, KVCache, bytes_per_token
+from nano.kv_cache import KVCache, bytes_per_token
 from nano.model import rope_cos_sin
 from nano.runner import ModelRunner
 from nano.sequence import SamplingParams

@@ -8,6 +8,7 @@ import pytest
 from nano.block_manager import BlockManager
 from nano.config import STEP_TARGET, EngineConfig
 from nano.cost_model import CostModel
+from nano.deadline.cli import policy_factory
 from nano.plan import SchedulerOutput
 from nano.scheduler import Scheduler
 from nano.sequence import SamplingParams, Sequence, Status
@@ -19,12 +20,12 @@ COEF = (0.010, 0.001, 0.002, 0.0)
 seq_ids = itertools.count()
 
 
-def make_scheduler(num_blocks, num_swap_blocks=0, swap_bandwidth=1e9, max_model_len=4096,
-                   **config_args) -> Scheduler:
+def make_scheduler(num_blocks, num_swap_blocks=0, swap_bandwidth=1e9, max_model_len=4096, policy="fcfs",
+                   drop_late=False, **config_args) -> Scheduler:
     config = EngineConfig(block_size=BLOCK, enable_prefix_caching=False, **config_args)
     bm = BlockManager(num_blocks, BLOCK, num_swap_blocks, enable_prefix_caching=False)
     return Scheduler(config, bm, max_model_len=max_model_len, kv_bytes_per_token=KV_BYTES_PER_TOKEN,
-                     cost_model=CostModel(COEF, swap_bandwidth))
+                     cost_model=CostModel(COEF, swap_bandwidth), policy=policy_factory(policy, drop_late))
 
 
 def request(sched, prompt_len, arrival=0.0, **params) -> Sequence:
@@ -333,8 +334,10 @@ def test_deadline_ttft_cap_only_for_arrivals_served_first(urgent, chunk):
 def test_deadline_moves_a_late_request_back_only_to_save_another(later_target, order):
     """A's first token cannot make its 0.05 s target (0.010 s step + 100 x 0.001 s). B behind
     it makes a 1 s target even after A's prefill (0.12 s): A keeps its place, in case the
-    prediction is wrong. B's 0.1 s target it makes only if it goes first (0.02 s): A moves."""
-    sched = make_scheduler(num_blocks=1000, policy="deadline", watermark=0.0, max_num_batched_tokens=2048)
+    prediction is wrong. B's 0.1 s target it makes only if it goes first (0.02 s): A moves.
+    (--drop-late, so that the policy names the late ones.)"""
+    sched = make_scheduler(num_blocks=1000, policy="deadline", drop_late=True, watermark=0.0,
+                           max_num_batched_tokens=2048)
     a = request(sched, 100, ttft_slo=0.05)
     b = request(sched, 10, ttft_slo=later_target)
     sched.now = 0.0

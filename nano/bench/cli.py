@@ -1,6 +1,5 @@
 """The benchmark and planning modes of run.py: --bench, --bench --request-rate (FCFS vs
 deadline on one arrival trace), --bench --policy-compare (slo_matrix.py) and --capacity."""
-import dataclasses
 import gc
 import sys
 
@@ -9,6 +8,7 @@ from nano.bench import workload
 from nano.cli.offline import generate, run_all
 from nano.cli.output import describe, metrics_writer, write_summary
 from nano.config import EngineConfig
+from nano.deadline.cli import POLICIES, policy_factory
 from nano.errors import NanoError
 from nano.sequence import SamplingParams
 from nano.telemetry.summary import format_summary, summarize
@@ -96,8 +96,8 @@ def rate_bench(args, config: EngineConfig, params: SamplingParams) -> int:
     from nano.engine import LLMEngine
     arrivals = bench_arrivals(args, args.num_seqs)
     results = {}
-    for policy in ("fcfs", "deadline"):
-        engine = LLMEngine(dataclasses.replace(config, policy=policy))
+    for policy in POLICIES:
+        engine = LLMEngine(config, policy=policy_factory(policy, args.drop_late and policy == "deadline"))
         if policy == "fcfs":
             print(describe(engine), file=sys.stderr)
         inputs, per_request = bench_requests(args, engine, params)
@@ -123,7 +123,7 @@ def policy_compare(args, config: EngineConfig) -> int:
 
     def make_engine(policy):
         gc.collect()  # free the previous engine's KV pool before this one sizes its own
-        engine = LLMEngine(dataclasses.replace(config, policy=policy))
+        engine = LLMEngine(config, policy=policy_factory(policy, args.drop_late and policy == "deadline"))
         workload.warm_up(engine)
         return engine
 

@@ -9,6 +9,7 @@ import numpy as np
 from nano.clock import Clock
 from nano.config import EngineConfig
 from nano.engine import LLMEngine
+from nano.policy import FCFS
 
 # What every step costs on the simulated clock: a base, plus each prompt token and each decode.
 STEP_BASE, PER_PREFILL_TOKEN, PER_DECODE = 0.010, 0.001, 0.002
@@ -31,13 +32,14 @@ class SimulatedClock(Clock):
 
 
 def simulated_engine(config: EngineConfig, step: tuple[float, float, float] = (STEP_BASE, PER_PREFILL_TOKEN, PER_DECODE),
-                     jitter: float = 0.0, seed: int = 0) -> LLMEngine:
+                     jitter: float = 0.0, seed: int = 0, policy=FCFS) -> LLMEngine:
     """An LLMEngine whose every step takes what the fixed model `step` (seconds: per step, per
     prompt token, per decode) says, times a lognormal factor of sigma `jitter` drawn from
     `seed` (0: exact; > 0: steps vary as on a real clock, but reproducibly), and whose
-    step-time model (cost_model.py) starts from that model's coefficients."""
+    step-time model (cost_model.py) starts from that model's coefficients; policy: its
+    scheduling policy (LLMEngine's)."""
     clock = SimulatedClock()
-    engine = LLMEngine(config, clock=clock)
+    engine = LLMEngine(config, clock=clock, policy=policy)
     forward, (base, per_token, per_decode) = engine.runner.forward, step
     rng = np.random.default_rng(seed)
 

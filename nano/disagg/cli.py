@@ -16,7 +16,7 @@ from nano.sequence import SamplingParams
 from nano.telemetry.summary import format_summary
 
 
-def run_disagg(args, config: EngineConfig, params: SamplingParams, requests) -> int:
+def run_disagg(args, config: EngineConfig, params: SamplingParams, requests, engine_policy) -> int:
     """--disagg P:D under mpirun: every rank an instance (serving.py); rank 0 routes and
     reports."""
     num_prefill, num_decode = serving.parse_split(args.disagg)
@@ -25,7 +25,7 @@ def run_disagg(args, config: EngineConfig, params: SamplingParams, requests) -> 
     try:
         ran = serving.launch(config, num_prefill, num_decode, run.make_requests, args.bench, run.on_result,
                              lambda engine: metrics_writer(args, export=disagg_metrics.PoolExport(
-                                 engine.shard.model_dir.name)))
+                                 engine.shard.model_dir.name)), engine_policy)
     finally:
         run.close()
     return run.report(ran, disagg_metrics.summary, disagg_metrics.format_disagg)
@@ -89,10 +89,10 @@ def sequences(args, engine, params: SamplingParams, requests):
         per_request, arrivals = [sp for _, sp in requests], [0.0] * len(inputs)
     return [engine.make_sequence(p, sp, t) for p, sp, t in zip(inputs, per_request, arrivals)], prompts
 
-def disagg_compare(args, argv: list[str], config: EngineConfig, params: SamplingParams) -> int:
+def disagg_compare(args, argv: list[str], config: EngineConfig, params: SamplingParams, engine_policy) -> int:
     """--bench --disagg-compare P:D: colocated here, then disaggregated under mpirun."""
     from nano.engine import LLMEngine
-    engine = LLMEngine(config)
+    engine = LLMEngine(config, policy=engine_policy)
     print(describe(engine), file=sys.stderr)
     inputs, per_request = bench_requests(args, engine, params)
     workload.warm_up(engine)

@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from nano.config import Capacity
+from nano.policy import FCFS
 from nano.disagg import kv_transfer
 from nano.sequence import Sequence, Status
 from nano.telemetry.summary import summarize
@@ -242,12 +243,13 @@ class Node:
 
 
 def start(config, num_instances: int, wrong_size, make_instance, make_router, make_requests=None,
-          warm_up: bool = False):
+          warm_up: bool = False, engine_policy=FCFS):
     """This rank's engine, instance and (rank 0) router under mpirun -n num_instances x
     config.tp (wrong_size(ranks): the error when it is not). make_requests(engine) ->
     sequences runs on rank 0 with the others waiting (a failure on any rank, loading or
     reading requests, ends them all); make_instance(engine, link, instance) -> this rank's
-    Instance; make_router(link, engine) -> rank 0's Router. Returns (node, world group, rank
+    Instance; make_router(link, engine) -> rank 0's Router; engine_policy: every engine's
+    scheduling policy (LLMEngine's policy). Returns (node, world group, rank
     0's sequences) once every instance is ready; an instance's TP ranks other than its
     leader replay its steps until it stops, then return None."""
     from nano import parallel
@@ -264,7 +266,7 @@ def start(config, num_instances: int, wrong_size, make_instance, make_router, ma
         if leaders is None:
             worker = Worker(config)
         else:
-            engine = LLMEngine(config)
+            engine = LLMEngine(config, policy=engine_policy)
             seqs = make_requests(engine) if make_requests and leaders.rank == ROUTER else []
     if leaders is None:
         if warm_up:  # as the leader's warm-up does: page faults stay out of the figures
@@ -282,11 +284,12 @@ def start(config, num_instances: int, wrong_size, make_instance, make_router, ma
 
 
 def launch(config, num_instances: int, wrong_size, make_requests, make_instance, make_router,
-           warm_up: bool = False):
+           warm_up: bool = False, engine_policy=FCFS):
     """A whole run (start(), then every rank's loop to the end): make_requests(engine) ->
     sequences (engine.make_sequence, arrival times in seconds after the start). Rank 0
     returns (router, its engine, wall seconds) at the end; the other ranks return None."""
-    started = start(config, num_instances, wrong_size, make_instance, make_router, make_requests, warm_up)
+    started = start(config, num_instances, wrong_size, make_instance, make_router, make_requests, warm_up,
+                    engine_policy)
     if started is None:
         return None
     node, world, seqs = started

@@ -47,6 +47,7 @@ import numpy as np
 from nano.disagg import kv_transfer
 from nano.disagg.ranks import Instance, InstanceStatus, Router as RouterBase, launch as launch_ranks
 from nano.errors import NanoError
+from nano.policy import FCFS
 from nano.sequence import Sequence, Status
 
 STALL_FRACTION = 0.1  # of a decode step's time, given to receiving handoffs between two steps
@@ -362,7 +363,7 @@ class Router(RouterBase):
 
 
 def launch(config, num_prefill: int, num_decode: int, make_requests, warm_up: bool = False,
-           on_result=None, make_metrics=None):
+           on_result=None, make_metrics=None, engine_policy=FCFS):
     """This rank's part of a run under mpirun -n P+D (ranks.launch): rank 0 returns (router,
     its engine, wall seconds), the others None. make_metrics(engine): rank 0's MetricsWriter
     for the pools' snapshots (metrics.PoolExport), or None."""
@@ -378,4 +379,4 @@ def launch(config, num_prefill: int, num_decode: int, make_requests, warm_up: bo
         config, n, lambda got: f"--disagg {split} needs {n} MPI ranks, got {got}: run mpirun -n {n} python run.py "
                                f"--disagg {split} ...", make_requests,
         lambda engine, link, rank: (PrefillInstance if rank < num_prefill else DecodeInstance)(engine, link),
-        make_router, warm_up)
+        make_router, warm_up, engine_policy)

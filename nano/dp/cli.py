@@ -34,42 +34,43 @@ def check_args(args, config: EngineConfig) -> None:
                         + serving.how_to_run(args.dp, config.tp))
 
 
-def run_dp(args, config: EngineConfig, params: SamplingParams, requests) -> int:
+def run_dp(args, config: EngineConfig, params: SamplingParams, requests, engine_policy) -> int:
     """--dp DP under mpirun: every replica an engine (serving.py); rank 0 routes and reports."""
     if args.dp_compare:
-        return dp_compare(args, config, params)
+        return dp_compare(args, config, params, engine_policy)
     if args.serve:
-        return serve_dp(args, config)
+        return serve_dp(args, config, engine_policy)
     run = RankRun(args, params, requests, serving.banner(args.dp, config.tp, args.dp_policy))
     try:
         ran = serving.launch(config, args.dp, args.dp_policy, run.make_requests, args.bench,
                              lambda seq, replica: run.on_result(seq, replica=replica),
                              lambda engine: metrics_writer(args, export=dp_metrics.ReplicaExport(
-                                 engine.shard.model_dir.name)))
+                                 engine.shard.model_dir.name)), engine_policy)
     finally:
         run.close()
     return run.report(ran, dp_metrics.summary, dp_metrics.format_replicas)
 
 
-def serve_dp(args, config: EngineConfig) -> int:
+def serve_dp(args, config: EngineConfig, engine_policy) -> int:
     """--serve --dp N: the HTTP server on rank 0, in front of the router (front.py)."""
     from nano.dp.front import start_front
     from nano.server.cli import serve
-    front = start_front(config, args.dp, args.dp_policy, lambda engine, export: metrics_writer(args, export=export))
+    front = start_front(config, args.dp, args.dp_policy, lambda engine, export: metrics_writer(args, export=export),
+                        engine_policy)
     if front is None:
         return 0  # a replica, until the server ends
     print(f"{serving.banner(args.dp, config.tp, args.dp_policy)}; each {describe(front.local)}", file=sys.stderr)
     return serve(args, front, engine_metrics=False)
 
 
-def dp_compare(args, config: EngineConfig, params: SamplingParams) -> int:
+def dp_compare(args, config: EngineConfig, params: SamplingParams, engine_policy) -> int:
     """--bench --dp-compare: every policy in turn on the same requests and arrivals, fresh
     engines each time (no policy inherits another's prefix cache); with --dp 1, the one run."""
     results = {}
     for policy in POLICIES if args.dp > 1 else ("kv-aware",):
         gc.collect()  # the previous run's KV pools freed before this one sizes its own
         ran = serving.launch(config, args.dp, policy, lambda engine: sequences(args, engine, params, None)[0],
-                             True)
+                             True, engine_policy=engine_policy)
         if ran:
             router, _, wall = ran
             name = f"dp={args.dp} {policy}" if args.dp > 1 else "dp=1"

@@ -10,6 +10,7 @@ replica steps inside Front.step, as in the command line's loop (ranks.Node.tick)
 from nano.disagg.ranks import run_node, start
 from nano.dp import metrics as dp_metrics
 from nano.dp.serving import Replica, Router, wrong_size
+from nano.policy import FCFS
 from nano.sequence import Sequence, Status
 
 IDLE_WAIT = 0.005  # seconds a step waits for a message when nothing happened: a new request's extra latency
@@ -83,7 +84,7 @@ class Front:
             seq.__dict__.update(result.__dict__, logits=logits)
 
 
-def start_front(config, num_replicas: int, policy: str, make_metrics=None) -> Front | None:
+def start_front(config, num_replicas: int, policy: str, make_metrics=None, engine_policy=FCFS) -> Front | None:
     """Under mpirun -n DP x TP: rank 0 returns the Front the server drives; the other ranks
     run their replica (or their share of it) until the router stops them, and return None.
     make_metrics(engine, export): rank 0's MetricsWriter of that export, or None."""
@@ -96,7 +97,8 @@ def start_front(config, num_replicas: int, policy: str, make_metrics=None) -> Fr
                       metrics and metrics.tick)
 
     started = start(config, num_replicas, wrong_size(num_replicas, config.tp),
-                    lambda engine, link, rank: Replica(engine, link, stream=True), make_router, warm_up=True)
+                    lambda engine, link, rank: Replica(engine, link, stream=True), make_router, warm_up=True,
+                    engine_policy=engine_policy)
     if started is None:
         return None
     node, world, _ = started

@@ -30,6 +30,7 @@ from collections import Counter
 from nano.disagg.ranks import Instance, InstanceStatus, Router as RouterBase, launch as launch_ranks
 from nano.dp.policy import CacheIndex, Policy, prompt_hashes
 from nano.errors import NanoError
+from nano.policy import FCFS
 
 
 def check_replicas(dp: int) -> None:
@@ -205,7 +206,7 @@ def banner(num_replicas: int, tp: int, policy: str) -> str:
 
 
 def launch(config, num_replicas: int, policy: str, make_requests, warm_up: bool = False, on_result=None,
-           make_metrics=None):
+           make_metrics=None, engine_policy=FCFS):
     """This rank's part of a run under mpirun -n DP x TP (ranks.launch): rank 0 returns
     (router, its engine, wall seconds), the others None. make_metrics(engine): rank 0's
     MetricsWriter for the replicas' snapshots (metrics.ReplicaExport), or None."""
@@ -216,4 +217,4 @@ def launch(config, num_replicas: int, policy: str, make_requests, warm_up: bool 
                       metrics and metrics.tick)
 
     return launch_ranks(config, num_replicas, wrong_size(num_replicas, config.tp), make_requests,
-                        lambda engine, link, rank: Replica(engine, link), make_router, warm_up)
+                        lambda engine, link, rank: Replica(engine, link), make_router, warm_up, engine_policy)

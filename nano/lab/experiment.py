@@ -12,6 +12,7 @@ from nano.bench.workload import warm_up
 from nano.config import EngineConfig
 from nano.engine import LLMEngine
 from nano.lab import tiny
+from nano.policy import FCFS
 from nano.sequence import SamplingParams, Sequence
 
 
@@ -42,12 +43,12 @@ def model_of(size: Size) -> str | None:
     return str(tiny.model_dir()) if size.quick else None
 
 
-def engine(size: Size, **config_overrides) -> LLMEngine:
+def engine(size: Size, policy=FCFS, **config_overrides) -> LLMEngine:
     """An LLMEngine on the size's model, device and seed with `config_overrides` (EngineConfig
-    fields), warmed up (its KV pool touched, one short request run, metrics reset), so the
+    fields) and the scheduling policy `policy`, warmed up (its KV pool touched, one short request run, metrics reset), so the
     first measured step pays no first-use cost."""
     eng = LLMEngine(EngineConfig(model=model_of(size), device=size.device, seed=size.seed,
-                                 **config_overrides))
+                                 **config_overrides), policy=policy)
     warm_up(eng)
     return eng
 

@@ -5,10 +5,11 @@ at full size on the real clock, warmed up."""
 from nano.bench import simulated
 from nano.config import EngineConfig
 from nano.lab.experiment import Size, engine, model_of
+from nano.policy import FCFS
 
 
-def clocked_engine(size: Size, **config_overrides):
+def clocked_engine(size: Size, policy=FCFS, **config_overrides):
     if size.quick:
         return simulated.simulated_engine(EngineConfig(model=model_of(size), device=size.device, seed=size.seed,
-                                                       **config_overrides))
-    return engine(size, **config_overrides)
+                                                       **config_overrides), policy=policy)
+    return engine(size, policy, **config_overrides)

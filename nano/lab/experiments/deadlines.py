@@ -7,18 +7,18 @@ with loose batch ones: the matrix of nano/bench/slo_matrix.py (run.py --bench
 import numpy as np
 
 from nano.bench import slo_matrix
+from nano.deadline.cli import POLICIES, policy_factory
 from nano.lab.experiment import Experiment, Size, model_of
 from nano.lab.timing import clocked_engine
 from nano.telemetry.summary import percentile
 from nano.weights import open_model
 
 WORKLOADS = ("uniform", "mixed")
-POLICIES = ("fcfs", "deadline")
 
 
 def run(size: Size) -> list[dict]:
     def make(policy):
-        return clocked_engine(size, policy=policy, kv_cache_memory=256 * 2**20)
+        return clocked_engine(size, policy_factory(policy), kv_cache_memory=256 * 2**20)
 
     vocab = open_model(model_of(size), tokenizer=False).config.vocab_size
     capacity = {}

@@ -2,7 +2,7 @@
 blocks. Every int8 run is scored teacher-forced against the same engine with a
 full-precision cache (float32 on the CPU, float16 on a GPU), nano/lab/scoring.py; then
 greedy answers to prompts.txt, full precision vs each scheme. The scheme: docs/int8-kv.md."""
-from nano.kv_cache import KEY_SCHEMES
+from nano.config import KEY_SCHEMES
 from nano.lab import scoring
 from nano.lab.experiment import Experiment, Size, engine
 
