@@ -5,12 +5,12 @@ from nano import checks
 from nano.errors import NanoError
 from nano.kv_cache import DEFAULT_KEY_SCHEME, KEY_SCHEMES, KV_CACHE_DTYPES
 
-# The architectures nano runs: (model_type, the forward as errors name it, the config.json keys
-# of which it implements one value: what a missing key means). A family added later declares
-# itself here and its tensors in tp.checkpoint_shapes. Llama's attention_bias is the q/k/v
-# biases (the o_proj bias transformers adds with it is a tensor no forward reads: refused as
-# such); keys that change no result are not read (pretraining_tp: how a matmul was sliced).
-ARCHITECTURES = {"LlamaForCausalLM": ("llama", "Llama", {"hidden_act": "silu", "mlp_bias": False, "sliding_window": None})}
+# The architectures nano runs: (model_type, its forward as errors name it, the config.json keys
+# of which that forward implements one value, the one a missing key means). A family added later
+# declares itself here and its tensors in tp.checkpoint_shapes. Keys that change no result are
+# not read (pretraining_tp: how transformers slices the same matmuls).
+ARCHITECTURES = {"LlamaForCausalLM": ("llama", "Llama", {"hidden_act": "silu", "mlp_bias": False,
+                                                         "sliding_window": None})}
 # The RoPE types the forward pass implements (model.rope_cos_sin), with the numbers each needs.
 ROPE_TYPES = {"default": (), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                                         "original_max_position_embeddings")}
@@ -32,7 +32,8 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
-    attention_bias: bool = False            # q, k and v projections carry a bias
+    attention_bias: bool = False            # q, k, v carry a bias (Llama's o_proj bias, which transformers
+                                            # adds too, is a tensor the forward does not read: refused as such)
     architecture: str = "LlamaForCausalLM"  # a key of ARCHITECTURES
 
     @classmethod
@@ -63,7 +64,7 @@ class ModelConfig:
         head_dim = count("head_dim") if cfg.get("head_dim") is not None else hidden // heads
         if head_dim < 2 or head_dim % 2:
             raise NanoError(f"config.json head dimension must be even (RoPE rotates pairs), got {head_dim}")
-        eos, vocab = cfg.get("eos_token_id"), count("vocab_size")
+        (rope_theta, rope_scaling), eos, vocab = _rope(cfg), cfg.get("eos_token_id"), count("vocab_size")
         eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
         return cls(
             hidden_size=hidden,
@@ -74,7 +75,8 @@ class ModelConfig:
             head_dim=head_dim,
             vocab_size=vocab,
             rms_norm_eps=number("rms_norm_eps", 1e-6, 0, 0.1),
-            **_rope(cfg),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
             max_position_embeddings=count("max_position_embeddings", 2048, 2**24),  # 2^24: past any real context
             tie_word_embeddings=checks.flag("config.json tie_word_embeddings",
                                             cfg.get("tie_word_embeddings", False)),
@@ -85,9 +87,8 @@ class ModelConfig:
 
 
 def _architecture(cfg: dict) -> str:
-    """The ARCHITECTURES key config.json names, its model_type and fixed keys checked. A config
-    naming neither architecture nor model_type is Llama's: transformers writes both into every
-    config, so it was written by hand, in the format nano has always read."""
+    """The ARCHITECTURES key config.json names, its model_type and fixed keys checked. A config naming
+    neither is Llama's: transformers writes both, so it was written by hand in the format nano reads."""
     model_type = cfg.get("model_type")
     names = cfg.get("architectures", [a for a, family in ARCHITECTURES.items() if family[0] == (model_type or "llama")])
     if not (isinstance(names, list) and len(names) == 1 and names[0] in list(ARCHITECTURES)):
@@ -136,40 +137,39 @@ class Capacity:
         return None
 
 
-def _rope(cfg: dict) -> dict:
-    """rope_theta and rope_scaling, read the same from both spellings: those two keys, and
-    transformers 5's rope_parameters (the scaling object with rope_theta inside). Both given must agree."""
+def _rope(cfg: dict) -> tuple[float, dict | None]:
+    """rope_theta and rope_scaling, read the same from both spellings: those keys, and transformers
+    5's rope_parameters (the scaling object with rope_theta inside). Both given must agree."""
+    def theta(key, value):  # at most 1, frequencies would rise along a head
+        return checks.number(f"config.json {key}", 10000.0 if value is None else value, 1, open_low=True)
+
     def used(scaling):  # what the forward reads of it (old configs name its type "type")
         return scaling and [scaling[key] for key in ("rope_type", *ROPE_TYPES[scaling["rope_type"]])]
 
-    old = _rope_values("rope_theta", cfg.get("rope_theta"), "rope_scaling", cfg.get("rope_scaling"))
+    old = theta("rope_theta", cfg.get("rope_theta")), _rope_scaling("rope_scaling", cfg.get("rope_scaling"))
     if (params := cfg.get("rope_parameters")) is None:
         return old
-    theta = params.get("rope_theta", cfg.get("rope_theta")) if isinstance(params, dict) else None
-    new = _rope_values("rope_parameters rope_theta", theta, "rope_parameters", params)
-    if ((cfg.get("rope_theta") is not None and old["rope_theta"] != new["rope_theta"])
-            or (cfg.get("rope_scaling") is not None and used(old["rope_scaling"]) != used(new["rope_scaling"]))):
+    scaling = _rope_scaling("rope_parameters", params)
+    new = theta("rope_parameters rope_theta", params.get("rope_theta", cfg.get("rope_theta"))), scaling
+    if ((cfg.get("rope_theta") is not None and old[0] != new[0])
+            or (cfg.get("rope_scaling") is not None and used(old[1]) != used(new[1]))):
         raise NanoError("config.json rope_parameters and rope_theta / rope_scaling disagree")
     return new
 
 
-def _rope_values(theta_key: str, theta, scaling_key: str, scaling) -> dict:
-    """rope_theta, and rope_scaling: None for plain RoPE, or the object (less rope_theta) with its
-    type as rope_type and its numbers checked."""
-    if scaling is not None:
-        if not isinstance(scaling, dict):
-            raise NanoError(f"config.json {scaling_key} must be an object or null, got {scaling!r:.40}")
-        kind = checks.choice(f"config.json {scaling_key} type", scaling.get("rope_type", scaling.get("type")),
-                             [*ROPE_TYPES])
-        for key in ROPE_TYPES[kind]:
-            checks.number(f"config.json {scaling_key} {key}", scaling.get(key), low=0, open_low=True)
-        if kind == "llama3" and scaling["low_freq_factor"] >= scaling["high_freq_factor"]:  # its blend divides by their gap
-            raise NanoError(f"config.json {scaling_key} low_freq_factor must be below high_freq_factor, got "
-                            f"{scaling['low_freq_factor']} and {scaling['high_freq_factor']}")
-        scaling = None if kind == "default" else {k: v for k, v in scaling.items() if k != "rope_theta"} | {"rope_type": kind}
-    # a theta of at most 1 would make the frequencies rise along a head
-    theta = checks.number(f"config.json {theta_key}", 10000.0 if theta is None else theta, 1, open_low=True)
-    return {"rope_theta": theta, "rope_scaling": scaling}
+def _rope_scaling(key: str, scaling) -> dict | None:
+    """None for plain RoPE, or the dict (less rope_theta) with its type as rope_type and its numbers checked."""
+    if scaling is None:
+        return None
+    if not isinstance(scaling, dict):
+        raise NanoError(f"config.json {key} must be an object or null, got {scaling!r:.40}")
+    kind = checks.choice(f"config.json {key} type", scaling.get("rope_type", scaling.get("type")), [*ROPE_TYPES])
+    for name in ROPE_TYPES[kind]:
+        checks.number(f"config.json {key} {name}", scaling.get(name), low=0, open_low=True)
+    if kind == "llama3" and scaling["low_freq_factor"] >= scaling["high_freq_factor"]:  # its blend divides by their gap
+        raise NanoError(f"config.json {key} low_freq_factor must be below high_freq_factor, got "
+                        f"{scaling['low_freq_factor']} and {scaling['high_freq_factor']}")
+    return None if kind == "default" else {k: v for k, v in scaling.items() if k != "rope_theta"} | {"rope_type": kind}
 
 
 TOKEN_BUDGET = 2048  # a step's tokens when --max-num-batched-tokens is not given, and then

@@ -85,10 +85,9 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def check_checkpoint(cfg: ModelConfig, names) -> None:
-    """Refuse a checkpoint with a tensor the forward does not read, or without one it reads,
-    before any loads. Let be, as transformers does: the rotary_emb.inv_freq buffers older
-    transformers saved (nano computes RoPE from config.json), and a tied checkpoint's
-    lm_head.weight (transformers ties the head to the embedding after loading, over it)."""
+    """Refuse a checkpoint with a tensor the forward does not read, or without one it reads. Let be,
+    as transformers does: rotary_emb.inv_freq buffers (older transformers saved them; RoPE comes
+    from config.json), a tied checkpoint's lm_head.weight (the head is the embedding, tied over it)."""
     shapes, forward = checkpoint_shapes(cfg), ARCHITECTURES[cfg.architecture][1]
     unused = sorted(n for n in set(names) - set(shapes) - {"lm_head.weight"} if not n.endswith("rotary_emb.inv_freq"))
     missing = sorted(set(shapes) - set(names))

@@ -51,10 +51,9 @@ class ModelFolder:
 
 
 def open_model(model: str | None, tokenizer: bool = True) -> ModelFolder:
-    """The one place a model folder is opened and checked: config.json (an architecture nano
-    runs), the checkpoint files' structure (every tensor's bytes inside its file) and names (the
-    forward's, tp.check_checkpoint), the tokenizer (if asked for; its ids are embedding rows).
-    Damage is a NanoError. Tensor shapes are checked as they load (tp.load_model)."""
+    """The one place a model folder is opened and checked: config.json, the checkpoint files'
+    structure (every tensor's bytes inside its file) and names (tp.check_checkpoint), the tokenizer
+    (if asked for; its ids are embedding rows). Damage is a NanoError. Shapes: as they load (tp.load_model)."""
     folder = resolve_model(model)
     config, reader = ModelConfig.from_hf(load_config(folder)), CheckpointReader(folder)
     check_checkpoint(config, reader.names())
