@@ -32,8 +32,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
-    attention_bias: bool = False            # q, k, v carry a bias (Llama's o_proj bias, which transformers
-                                            # adds too, is a tensor the forward does not read: refused as such)
+    attention_bias: bool = False            # q, k, v carry a bias (an o_proj bias is a tensor no forward reads)
     architecture: str = "LlamaForCausalLM"  # a key of ARCHITECTURES
 
     @classmethod
