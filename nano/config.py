@@ -4,6 +4,12 @@ from dataclasses import dataclass
 from nano import checks
 from nano.errors import NanoError
 
+# The architectures nano runs: (model_type, its forward as errors name it, the config.json keys
+# of which that forward implements one value, the one a missing key means). A family added later
+# declares itself here and its tensors in tp.checkpoint_shapes. Keys that change no result are
+# not read (pretraining_tp: how transformers slices the same matmuls).
+ARCHITECTURES = {"LlamaForCausalLM": ("llama", "Llama", {"hidden_act": "silu", "mlp_bias": False,
+                                                         "sliding_window": None})}
 # The RoPE types the forward pass implements (model.rope_cos_sin), with the numbers each needs.
 ROPE_TYPES = {"default": (), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                                         "original_max_position_embeddings")}
@@ -25,6 +31,8 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
+    attention_bias: bool = False            # q, k, v carry a bias (an o_proj bias is a tensor no forward reads)
+    architecture: str = "LlamaForCausalLM"  # a key of ARCHITECTURES
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
@@ -36,6 +44,7 @@ class ModelConfig:
                                "num_attention_heads", "vocab_size") if k not in cfg]
         if missing:
             raise NanoError(f"config.json is not a Llama-family config: no {missing[0]!r}")
+        architecture = _architecture(cfg)
 
         def count(key, default=None, high=None):
             return checks.integer(f"config.json {key}", cfg.get(key, default), 1, high)
@@ -45,13 +54,15 @@ class ModelConfig:
 
         heads, hidden = count("num_attention_heads"), count("hidden_size")
         kv_heads = count("num_key_value_heads", heads)
+        if cfg.get("head_dim") is None and hidden % heads:  # then the head dimension is hidden / heads
+            raise NanoError(f"config.json hidden_size ({hidden}) must be a multiple of num_attention_heads ({heads})")
         if heads % kv_heads:
             raise NanoError(f"config.json num_attention_heads ({heads}) must be a multiple of "
                             f"num_key_value_heads ({kv_heads})")
         head_dim = count("head_dim") if cfg.get("head_dim") is not None else hidden // heads
         if head_dim < 2 or head_dim % 2:
             raise NanoError(f"config.json head dimension must be even (RoPE rotates pairs), got {head_dim}")
-        eos, vocab = cfg.get("eos_token_id"), count("vocab_size")
+        (rope_theta, rope_scaling), eos, vocab = _rope(cfg), cfg.get("eos_token_id"), count("vocab_size")
         eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
         return cls(
             hidden_size=hidden,
@@ -62,13 +73,33 @@ class ModelConfig:
             head_dim=head_dim,
             vocab_size=vocab,
             rms_norm_eps=number("rms_norm_eps", 1e-6, 0, 0.1),
-            rope_theta=number("rope_theta", 10000.0, 1),  # at most 1, frequencies would rise along a head
-            rope_scaling=_rope_scaling(cfg.get("rope_scaling")),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
             max_position_embeddings=count("max_position_embeddings", 2048, 2**24),  # 2^24: past any real context
             tie_word_embeddings=checks.flag("config.json tie_word_embeddings",
                                             cfg.get("tie_word_embeddings", False)),
             eos_token_ids=tuple(checks.integer("config.json eos_token_id", t, 0, vocab - 1) for t in eos),
+            attention_bias=checks.flag("config.json attention_bias", cfg.get("attention_bias", False)),
+            architecture=architecture,
         )
+
+
+def _architecture(cfg: dict) -> str:
+    """The ARCHITECTURES key config.json names, its model_type and fixed keys checked. A config naming
+    neither is Llama's: transformers writes both, so it was written by hand in the format nano reads."""
+    model_type = cfg.get("model_type")
+    names = cfg.get("architectures", [a for a, family in ARCHITECTURES.items() if family[0] == (model_type or "llama")])
+    if not (isinstance(names, list) and len(names) == 1 and names[0] in list(ARCHITECTURES)):
+        runs = ", ".join(f"{name} (model_type {family[0]})" for name, family in ARCHITECTURES.items())
+        given = f"architectures {names}" if "architectures" in cfg else f"model_type {model_type!r}"
+        raise NanoError(f"config.json {given:.80} is not one nano runs: it runs {runs}")
+    own_type, forward, fixed = ARCHITECTURES[names[0]]
+    if model_type not in (None, own_type):
+        raise NanoError(f"config.json model_type {model_type!r:.40} is not {names[0]}'s ({own_type!r})")
+    for key, value in fixed.items():
+        if cfg.get(key, value) != value:
+            raise NanoError(f"config.json {key} {cfg[key]!r:.40} is not implemented by the {forward} forward")
+    return names[0]
 
 
 def max_model_len(config: "EngineConfig", model: ModelConfig) -> int:
@@ -104,19 +135,39 @@ class Capacity:
         return None
 
 
-def _rope_scaling(scaling) -> dict | None:
-    """None for plain RoPE, or the dict with its type as rope_type and its numbers checked."""
+def _rope(cfg: dict) -> tuple[float, dict | None]:
+    """rope_theta and rope_scaling, read the same from both spellings: those keys, and transformers
+    5's rope_parameters (the scaling object with rope_theta inside). Both given must agree."""
+    def theta(key, value):  # at most 1, frequencies would rise along a head
+        return checks.number(f"config.json {key}", 10000.0 if value is None else value, 1, open_low=True)
+
+    def used(scaling):  # what the forward reads of it (old configs name its type "type")
+        return scaling and [scaling[key] for key in ("rope_type", *ROPE_TYPES[scaling["rope_type"]])]
+
+    old = theta("rope_theta", cfg.get("rope_theta")), _rope_scaling("rope_scaling", cfg.get("rope_scaling"))
+    if (params := cfg.get("rope_parameters")) is None:
+        return old
+    scaling = _rope_scaling("rope_parameters", params)
+    new = theta("rope_parameters rope_theta", params.get("rope_theta", cfg.get("rope_theta"))), scaling
+    if ((cfg.get("rope_theta") is not None and old[0] != new[0])
+            or (cfg.get("rope_scaling") is not None and used(old[1]) != used(new[1]))):
+        raise NanoError("config.json rope_parameters and rope_theta / rope_scaling disagree")
+    return new
+
+
+def _rope_scaling(key: str, scaling) -> dict | None:
+    """None for plain RoPE, or the dict (less rope_theta) with its type as rope_type and its numbers checked."""
     if scaling is None:
         return None
     if not isinstance(scaling, dict):
-        raise NanoError(f"config.json rope_scaling must be an object or null, got {scaling!r:.40}")
-    kind = checks.choice("config.json rope_scaling type", scaling.get("rope_type", scaling.get("type")), [*ROPE_TYPES])
-    for key in ROPE_TYPES[kind]:
-        checks.number(f"config.json rope_scaling {key}", scaling.get(key), low=0, open_low=True)
+        raise NanoError(f"config.json {key} must be an object or null, got {scaling!r:.40}")
+    kind = checks.choice(f"config.json {key} type", scaling.get("rope_type", scaling.get("type")), [*ROPE_TYPES])
+    for name in ROPE_TYPES[kind]:
+        checks.number(f"config.json {key} {name}", scaling.get(name), low=0, open_low=True)
     if kind == "llama3" and scaling["low_freq_factor"] >= scaling["high_freq_factor"]:  # its blend divides by their gap
-        raise NanoError(f"config.json rope_scaling low_freq_factor must be below high_freq_factor, got "
+        raise NanoError(f"config.json {key} low_freq_factor must be below high_freq_factor, got "
                         f"{scaling['low_freq_factor']} and {scaling['high_freq_factor']}")
-    return None if kind == "default" else {**scaling, "rope_type": kind}
+    return None if kind == "default" else {k: v for k, v in scaling.items() if k != "rope_theta"} | {"rope_type": kind}
 
 
 TOKEN_BUDGET = 2048  # a step's tokens when --max-num-batched-tokens is not given, and then

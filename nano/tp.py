@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nano.config import ModelConfig
+from nano.config import ARCHITECTURES, ModelConfig
 from nano.errors import NanoError
 from nano.model import LayerWeights, LlamaModel, rope_cos_sin
 
@@ -68,19 +68,45 @@ def _rows(heads: range, d: int) -> slice:
     return slice(heads.start * d, heads.stop * d)
 
 
+def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the forward reads (load_model reads these, check_checkpoint holds a
+    checkpoint to them), with the whole shape config.json implies."""
+    d, h, inter, vocab = cfg.head_dim, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d  # rows of q_proj, of k_proj and v_proj
+    layer = {"input_layernorm.weight": (h,), "self_attn.q_proj.weight": (q, h),
+             "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+             "self_attn.o_proj.weight": (h, q), "post_attention_layernorm.weight": (h,),
+             "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h), "mlp.down_proj.weight": (h, inter)}
+    if cfg.attention_bias:
+        layer |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
+    head = {} if cfg.tie_word_embeddings else {"lm_head.weight": (vocab, h)}
+    return {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,), **head,
+            **{f"model.layers.{i}.{name}": shape for i in range(cfg.num_layers) for name, shape in layer.items()}}
+
+
+def check_checkpoint(cfg: ModelConfig, names) -> None:
+    """Refuse a checkpoint with a tensor the forward does not read, or without one it reads. Let be,
+    as transformers does: rotary_emb.inv_freq buffers (older transformers saved them; RoPE comes
+    from config.json), a tied checkpoint's lm_head.weight (the head is the embedding, tied over it)."""
+    shapes, forward = checkpoint_shapes(cfg), ARCHITECTURES[cfg.architecture][1]
+    unused = sorted(n for n in set(names) - set(shapes) - {"lm_head.weight"} if not n.endswith("rotary_emb.inv_freq"))
+    missing = sorted(set(shapes) - set(names))
+    for tensors, line in ((unused, "checkpoint tensor {} is not used by the {} forward"),
+                          (missing, "checkpoint has no tensor {}, which the {} forward reads")):
+        if tensors:
+            raise NanoError(line.format(tensors[0], forward) + (f" ({len(tensors) - 1} more)" if tensors[1:] else ""))
+
+
 def load_model(reader, cfg: ModelConfig, part: Partition, to_device, max_positions: int,
                all_reduce=None) -> LlamaModel:
     """Read only this rank's slices from the checkpoint and build the model on the device."""
-    d, h, inter, vocab = cfg.head_dim, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    q_dim, kv_dim = cfg.num_heads * d, cfg.num_kv_heads * d  # rows of q_proj, of k_proj and v_proj
-    q_rows, kv_rows = _rows(part.q_heads, d), _rows(part.kv_heads, d)
+    q_rows, kv_rows = _rows(part.q_heads, cfg.head_dim), _rows(part.kv_heads, cfg.head_dim)
+    shapes = checkpoint_shapes(cfg)
 
-    names = set(reader.names())
-
-    def get(name, shape, rows=None, cols=None):
+    def get(name, rows=None, cols=None):
         """A slice of a tensor whose whole shape must be what config.json implies."""
-        if reader.shape(name) != shape:
-            raise NanoError(f"tensor {name} has shape {reader.shape(name)}, config.json implies {shape}")
+        if reader.shape(name) != shapes[name]:
+            raise NanoError(f"tensor {name} has shape {reader.shape(name)}, config.json implies {shapes[name]}")
         return reader.get(name, rows=rows, cols=cols)
 
     def weight(array):  # a (N, K) matrix that ops.linear multiplies by
@@ -89,38 +115,32 @@ def load_model(reader, cfg: ModelConfig, part: Partition, to_device, max_positio
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        qkv = np.concatenate([get(p + "self_attn.q_proj.weight", (q_dim, h), rows=q_rows),
-                              get(p + "self_attn.k_proj.weight", (kv_dim, h), rows=kv_rows),
-                              get(p + "self_attn.v_proj.weight", (kv_dim, h), rows=kv_rows)])
+        qkv = np.concatenate([get(p + "self_attn.q_proj.weight", rows=q_rows),
+                              get(p + "self_attn.k_proj.weight", rows=kv_rows),
+                              get(p + "self_attn.v_proj.weight", rows=kv_rows)])
         bias = None
-        if p + "self_attn.q_proj.bias" in names:
-            bias = to_device(np.concatenate([get(p + "self_attn.q_proj.bias", (q_dim,), rows=q_rows),
-                                             get(p + "self_attn.k_proj.bias", (kv_dim,), rows=kv_rows),
-                                             get(p + "self_attn.v_proj.bias", (kv_dim,), rows=kv_rows)]))
-        gate_up = np.concatenate([get(p + "mlp.gate_proj.weight", (inter, h), rows=part.inter),
-                                  get(p + "mlp.up_proj.weight", (inter, h), rows=part.inter)])
+        if cfg.attention_bias:
+            bias = to_device(np.concatenate([get(p + "self_attn.q_proj.bias", rows=q_rows),
+                                             get(p + "self_attn.k_proj.bias", rows=kv_rows),
+                                             get(p + "self_attn.v_proj.bias", rows=kv_rows)]))
+        gate_up = np.concatenate([get(p + "mlp.gate_proj.weight", rows=part.inter),
+                                  get(p + "mlp.up_proj.weight", rows=part.inter)])
         layers.append(LayerWeights(
-            input_norm=to_device(get(p + "input_layernorm.weight", (h,))),
+            input_norm=to_device(get(p + "input_layernorm.weight")),
             qkv=weight(qkv),
             qkv_bias=bias,
-            o_proj=weight(get(p + "self_attn.o_proj.weight", (h, q_dim), cols=q_rows)),
-            post_norm=to_device(get(p + "post_attention_layernorm.weight", (h,))),
+            o_proj=weight(get(p + "self_attn.o_proj.weight", cols=q_rows)),
+            post_norm=to_device(get(p + "post_attention_layernorm.weight")),
             gate_up=weight(gate_up),
-            down=weight(get(p + "mlp.down_proj.weight", (h, inter), cols=part.inter)),
+            down=weight(get(p + "mlp.down_proj.weight", cols=part.inter)),
         ))
     # Embedding and LM head are replicated, not split by vocabulary: vocab-parallel would save
     # each rank (tp-1)/tp of the (V, H) table and half the LM-head GEMM (~5% of a one-sequence
     # CPU decode step at tp=2, docs/perf_notes.md), but needs a gather of the logits to rank 0
     # and one more all-reduce per step; replicating keeps the model and the sampler unaware of TP.
-    tied = tied_lm_head(cfg, names)
-    embed = to_device(get("model.embed_tokens.weight", (vocab, h)), cpu_column_major=tied)  # tied: the LM head too
-    lm_head = embed if tied else weight(get("lm_head.weight", (vocab, h)))
+    tied = cfg.tie_word_embeddings
+    embed = to_device(get("model.embed_tokens.weight"), cpu_column_major=tied)  # tied: the LM head too
+    lm_head = embed if tied else weight(get("lm_head.weight"))
     return LlamaModel(cfg, part.num_heads, part.num_kv_heads, embed, lm_head,
-                      to_device(get("model.norm.weight", (h,))), layers,
+                      to_device(get("model.norm.weight")), layers,
                       to_device(rope_cos_sin(cfg, max_positions), keep_float32=True), all_reduce)
-
-
-def tied_lm_head(cfg: ModelConfig, names) -> bool:
-    """Whether the LM head is the embedding: config.json says so, or the checkpoint has no
-    lm_head.weight of its own."""
-    return cfg.tie_word_embeddings or "lm_head.weight" not in names

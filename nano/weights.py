@@ -17,6 +17,7 @@ import numpy as np
 from nano.config import ModelConfig
 from nano.errors import NanoError, read_json
 from nano.tokenizer import Tokenizer
+from nano.tp import check_checkpoint
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
@@ -51,10 +52,11 @@ class ModelFolder:
 
 def open_model(model: str | None, tokenizer: bool = True) -> ModelFolder:
     """The one place a model folder is opened and checked: config.json, the checkpoint files'
-    structure (every tensor's bytes inside its file), the tokenizer (if asked for; its ids are
-    embedding rows). Damage is a NanoError. Tensor shapes are checked as they load (tp.load_model)."""
+    structure (every tensor's bytes inside its file) and names (tp.check_checkpoint), the tokenizer
+    (if asked for; its ids are embedding rows). Damage is a NanoError. Shapes: as they load (tp.load_model)."""
     folder = resolve_model(model)
     config, reader = ModelConfig.from_hf(load_config(folder)), CheckpointReader(folder)
+    check_checkpoint(config, reader.names())
     tok = Tokenizer(folder, config.eos_token_ids) if tokenizer else None
     if tok and tok.num_ids > config.vocab_size:
         raise NanoError(f"{folder / 'tokenizer.json'} has token ids up to {tok.num_ids - 1}, past "

@@ -52,3 +52,87 @@ def test_model_config_rope_types():
     assert ModelConfig.from_hf({**LLAMA, "rope_scaling": {"rope_type": "default"}}).rope_scaling is None
     old = {key: value for key, value in LLAMA3.items() if key != "rope_type"} | {"type": "llama3"}
     assert ModelConfig.from_hf({**LLAMA, "rope_scaling": old}).rope_scaling == LLAMA3 | {"type": "llama3"}
+
+
+# ---- the architecture: one nano runs, or a clear no before any weights load
+RUNS = "it runs LlamaForCausalLM (model_type llama)"
+
+
+@pytest.mark.parametrize("edit,message", [
+    ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"},
+     f"architectures ['Qwen3ForCausalLM'] is not one nano runs: {RUNS}"),
+    ({"model_type": "gemma3_text"}, f"model_type 'gemma3_text' is not one nano runs: {RUNS}"),
+    ({"architectures": "LlamaForCausalLM"}, f"architectures LlamaForCausalLM is not one nano runs: {RUNS}"),
+    ({"architectures": ["LlamaForCausalLM", "MistralForCausalLM"]},
+     f"architectures ['LlamaForCausalLM', 'MistralForCausalLM'] is not one nano runs: {RUNS}"),
+    ({"architectures": [{}]}, f"architectures [{{}}] is not one nano runs: {RUNS}"),
+    ({"architectures": ["LlamaForCausalLM"], "model_type": "mistral"},
+     "model_type 'mistral' is not LlamaForCausalLM's ('llama')"),
+    # keys that change the forward, of which it implements one value
+    ({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act 'gelu_pytorch_tanh' is not implemented by the Llama forward"),
+    ({"mlp_bias": True}, "mlp_bias True is not implemented by the Llama forward"),
+    ({"sliding_window": 4096}, "sliding_window 4096 is not implemented by the Llama forward"),
+    ({"sliding_window": 0}, "sliding_window 0 is not implemented by the Llama forward"),
+    ({"attention_bias": "yes"}, "attention_bias must be true or false, got 'yes'"),
+    ({"hidden_size": 66}, "hidden_size (66) must be a multiple of num_attention_heads (4)"),
+])
+def test_model_config_architecture_and_forward_keys_refused(edit, message):
+    with pytest.raises(NanoError) as e:
+        ModelConfig.from_hf({**LLAMA, **edit})
+    assert str(e.value) == f"config.json {message}"
+
+
+@pytest.mark.parametrize("edit", [
+    {},  # neither architectures nor model_type: written by hand for nano, read as Llama
+    {"architectures": ["LlamaForCausalLM"]}, {"model_type": "llama"},
+    {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "mlp_bias": False,
+     "sliding_window": None, "attention_bias": False},
+    {"pretraining_tp": 2, "attention_dropout": 0.1},  # the same result: not read
+    {"hidden_size": 66, "head_dim": 16},  # an explicit head_dim need not divide hidden_size
+])
+def test_model_config_llama_spellings_accepted(edit):
+    assert ModelConfig.from_hf({**LLAMA, **edit}).architecture == "LlamaForCausalLM"
+
+
+# ---- RoPE: rope_theta + rope_scaling, or transformers 5's rope_parameters, read the same
+OLD_LLAMA3 = {key: value for key, value in LLAMA3.items() if key != "rope_type"}
+
+
+@pytest.mark.parametrize("old,new", [
+    ({}, {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    ({"rope_theta": 5e5}, {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}),
+    ({"rope_theta": 5e5, "rope_scaling": LLAMA3}, {"rope_parameters": {**LLAMA3, "rope_theta": 5e5}}),
+    ({"rope_theta": 5e5, "rope_scaling": {**LLAMA3, "type": "llama3"}},
+     {"rope_parameters": {**LLAMA3, "type": "llama3", "rope_theta": 5e5}}),
+    # both spellings, agreeing (theta given once, at the top or inside)
+    ({"rope_theta": 5e5, "rope_scaling": LLAMA3}, {"rope_theta": 5e5, "rope_parameters": {**LLAMA3}}),
+    ({"rope_theta": 5e5, "rope_scaling": LLAMA3},  # its type as "type" in one, "rope_type" in the other
+     {"rope_scaling": {**OLD_LLAMA3, "type": "llama3"}, "rope_parameters": {**LLAMA3, "rope_theta": 5e5}}),
+])
+def test_both_rope_spellings_read_the_same(old, new):
+    old_config, new_config = ModelConfig.from_hf({**LLAMA, **old}), ModelConfig.from_hf({**LLAMA, **new})
+    assert old_config == new_config
+    assert old_config.rope_theta == old.get("rope_theta", 10000.0)
+
+
+@pytest.mark.parametrize("edit,message", [
+    ({"rope_theta": 1e4, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+     "rope_parameters and rope_theta / rope_scaling disagree"),
+    ({"rope_scaling": LLAMA3, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}},
+     "rope_parameters and rope_theta / rope_scaling disagree"),
+    ({"rope_scaling": {"rope_type": "default"}, "rope_parameters": {**LLAMA3, "rope_theta": 5e5}},
+     "rope_parameters and rope_theta / rope_scaling disagree"),
+    ({"rope_scaling": LLAMA3, "rope_parameters": {**LLAMA3, "factor": 16.0}},
+     "rope_parameters and rope_theta / rope_scaling disagree"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+     "rope_parameters type must be default or llama3, got 'yarn'"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}},
+     "rope_parameters factor must be a number > 0, got None"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 0.5}},
+     "rope_parameters rope_theta must be a number > 1, got 0.5"),
+    ({"rope_parameters": [10000.0]}, "rope_parameters must be an object or null, got [10000.0]"),
+])
+def test_rope_parameters_refused(edit, message):
+    with pytest.raises(NanoError) as e:
+        ModelConfig.from_hf({**LLAMA, **edit})
+    assert str(e.value) == f"config.json {message}"

@@ -72,3 +72,29 @@ def test_rope_store_skips_slot_minus_one_and_rotates_each_token_by_its_own_posit
     written[slots[slots >= 0]] = True
     for cache, original in zip(caches, before):  # the slots >= 0 changed, no other
         np.testing.assert_array_equal((cache != original).any(axis=(1, 3)).reshape(-1), written)
+
+
+def test_both_rope_spellings_give_the_same_logits(tmp_path):
+    """The same model with transformers 4's rope_theta + rope_scaling and with transformers 5's
+    rope_parameters: the same ModelConfig and, bit for bit, the same logits (long-context
+    scaling on, so that a spelling read as plain RoPE would show)."""
+    import json
+
+    from nano import LLM, SamplingParams
+    from reference import make_random_model
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    spellings = {"old": {"rope_theta": 5e5, "rope_scaling": scaling},
+                 "new": {"rope_parameters": {**scaling, "rope_theta": 5e5}}}
+    engines, logits = {}, {}
+    for name, rope in spellings.items():
+        folder = make_random_model(tmp_path / name)
+        config = {k: v for k, v in json.loads((folder / "config.json").read_text()).items() if k != "rope_theta"}
+        (folder / "config.json").write_text(json.dumps(config | rope))
+        engines[name] = LLM(model=str(folder), num_blocks=16)
+        out = engines[name].generate([list(range(3, 40))], SamplingParams(temperature=0, max_tokens=4, return_logits=True))
+        logits[name] = np.stack(out[0].logits)
+    assert engines["old"].engine.model_config == engines["new"].engine.model_config
+    assert engines["old"].engine.model_config.rope_scaling["rope_type"] == "llama3"
+    np.testing.assert_array_equal(logits["old"], logits["new"])

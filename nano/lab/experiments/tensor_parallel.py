@@ -11,7 +11,7 @@ from nano.bench.capacity import shard_num_params
 from nano.device import Device, select_device
 from nano.disagg.compare import mpirun_command, run_summary
 from nano.lab.experiment import Experiment, Size, model_of
-from nano.tp import partition, tied_lm_head
+from nano.tp import partition
 from nano.weights import open_model
 
 RANKS = (1, 2)
@@ -28,8 +28,8 @@ def bench_args(size: Size) -> list[str]:
 def shard_bytes(size: Size, world: int) -> list[dict]:
     """Per rank: its heads, its weight bytes and its KV bytes per token, from the partition."""
     folder = open_model(model_of(size), tokenizer=False)
-    cfg, names = folder.config, set(folder.reader.names())
-    bias, tied = "model.layers.0.self_attn.q_proj.bias" in names, tied_lm_head(cfg, names)
+    cfg = folder.config
+    bias, tied = cfg.attention_bias, cfg.tie_word_embeddings
     itemsize = Device(select_device(size.device)).itemsize
     out = []
     for rank in range(world):
