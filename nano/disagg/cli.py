@@ -9,8 +9,7 @@ from nano.cli.flags import parse_range
 from nano.cli.offline import run_all, warm_up
 from nano.cli.output import describe, metrics_writer, write_summary
 from nano.config import EngineConfig
-from nano.disagg import compare, serving
-from nano.disagg import metrics as disagg_metrics
+from nano.disagg import serving
 from nano.errors import NanoError
 from nano.fleet.cli import RankRun
 from nano.sequence import SamplingParams
@@ -50,6 +49,7 @@ def check_args(args, config: EngineConfig, rank: int) -> None:
 def run_disagg(args, config: EngineConfig, workload) -> int:
     """--disagg P:D under mpirun: every rank an instance (serving.py); rank 0 routes and
     reports. workload: engine -> the run's requests (nano/cli/prompts.py's Workload)."""
+    from nano.disagg import metrics as disagg_metrics  # prometheus_client: loaded for these modes only
     num_prefill, num_decode = serving.parse_split(args.disagg)
     run = RankRun(args, workload, f"disaggregated: {num_prefill} prefill + {num_decode} decode instances, "
                                   "one rank each")
@@ -65,6 +65,7 @@ def run_disagg(args, config: EngineConfig, workload) -> int:
 def disagg_compare(args, argv: list[str], config: EngineConfig, workload) -> int:
     """--bench --disagg-compare P:D: colocated here, then disaggregated under mpirun (workload:
     engine -> --bench's Workload)."""
+    from nano.disagg import compare
     from nano.engine import LLMEngine
     engine = LLMEngine(config)
     print(describe(engine), file=sys.stderr)

@@ -7,7 +7,6 @@ import sys
 from nano import parallel
 from nano.cli.output import describe, metrics_writer, write_summary
 from nano.config import EngineConfig
-from nano.dp import metrics as dp_metrics
 from nano.dp import serving
 from nano.dp.policy import POLICIES
 from nano.errors import NanoError
@@ -55,6 +54,7 @@ def check_args(args, config: EngineConfig) -> None:
 def run_dp(args, config: EngineConfig, workload) -> int:
     """--dp DP under mpirun: every replica an engine (serving.py); rank 0 routes and reports.
     workload: engine -> the run's requests (nano/cli/prompts.py's Workload)."""
+    from nano.dp import metrics as dp_metrics  # prometheus_client: loaded for these modes only
     if args.dp_compare:
         return dp_compare(args, config, workload)
     run = RankRun(args, workload, serving.banner(args.dp, config.tp, args.dp_policy))
@@ -82,6 +82,7 @@ def make_front(args, config: EngineConfig):
 def dp_compare(args, config: EngineConfig, workload) -> int:
     """--bench --dp-compare: every policy in turn on the same requests and arrivals, fresh
     engines each time (no policy inherits another's prefix cache); with --dp 1, the one run."""
+    from nano.dp import metrics as dp_metrics
     results = {}
     for policy in POLICIES if args.dp > 1 else ("kv-aware",):
         gc.collect()  # the previous run's KV pools freed before this one sizes its own
