@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 from nano import ops  # noqa: E402
-from nano.bench import workload  # noqa: E402
+from nano.cli.offline import warm_up  # noqa: E402
 from nano.config import EngineConfig  # noqa: E402
 from nano.engine import LLMEngine  # noqa: E402
 from nano.sequence import SamplingParams  # noqa: E402
@@ -29,7 +29,7 @@ OPS = ("embedding", "add_rms_norm", "linear", "rope_store_kvcache", "paged_atten
 
 def engine_and_prompts(batch: int):
     engine = LLMEngine(EngineConfig(device="cpu", kv_cache_memory=256 * 2**20, max_num_seqs=batch))
-    workload.warm_up(engine)
+    warm_up(engine)
     return engine, [np.random.default_rng(0).integers(10, 40000, 64).tolist() for _ in range(batch)]
 
 

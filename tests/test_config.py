@@ -4,7 +4,7 @@ import pytest
 
 from nano.config import ModelConfig
 from nano.errors import NanoError
-from run import parse_bytes
+from nano.cli.flags import parse_bytes
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -10,9 +10,9 @@ import pytest
 
 from nano.config import EngineConfig
 from nano.disagg import kv_transfer
-from nano.disagg.links import LocalLinks
+from nano.fleet.links import LocalLinks
 from nano.disagg.metrics import summary
-from nano.disagg.ranks import Node, run_local
+from nano.fleet.ranks import Node, run_local
 from nano.disagg.serving import DecodeInstance, PrefillInstance, Router, parse_split
 from nano.engine import LLMEngine
 from nano.errors import NanoError

@@ -14,8 +14,8 @@ import pytest
 
 from nano.block_manager import BlockManager
 from nano.bench.workload import tenant_requests
-from nano.disagg.links import LocalLinks
-from nano.disagg.ranks import Node, run_local
+from nano.fleet.links import LocalLinks
+from nano.fleet.ranks import Node, run_local
 from nano.dp.metrics import ReplicaExport, summary
 from nano.dp.policy import POLICIES, CacheIndex, prompt_hashes
 from nano.dp.serving import Replica, Router

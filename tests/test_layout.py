@@ -1,5 +1,6 @@
 """The shape of the code: the engine flat in nano/, each add-on a package of its own that the
-engine never imports, and the engine small enough to read."""
+engine never imports, add-ons that build only on shared foundations, no modules that import
+each other, the engine small enough to read, and run.py only assembling the add-ons."""
 import ast
 import subprocess
 import sys
@@ -27,7 +28,8 @@ def imported_modules(path: Path) -> set[str]:
 
 
 def test_the_add_ons_are_packages():
-    assert {"bench", "chat", "cli", "deadline", "default_model", "disagg", "server", "telemetry"} <= set(ADD_ONS)
+    assert {"bench", "chat", "cli", "deadline", "default_model", "disagg", "dp", "fleet", "lab", "server",
+            "telemetry"} <= set(ADD_ONS)
 
 
 def test_no_core_module_imports_an_add_on():
@@ -45,6 +47,101 @@ def test_the_check_sees_an_add_on_import(tmp_path):
     planted = tmp_path / "planted.py"
     planted.write_text("def f():\n    from nano.server import app\n    return app\n")
     assert "nano.server.app" in imported_modules(planted)
+
+
+# An add-on builds on another only where that one is a foundation, shared by every mode that
+# needs it:
+#   fleet      engines side by side under one launch (ranks, links, the router's capacity
+#              check): what disaggregated serving and data-parallel replicas both stand on
+#   cli        the command line's shared pieces: the parser and the shared flags, prompt files,
+#              the --output file, progress, the warm-up
+#   telemetry  how every mode reports (snapshots, Prometheus under vLLM's names, the run's
+#              summary, the stall watch): one way for all, so that their figures compare
+#   chat       the chat template: one rendering of a conversation, for the command line and the
+#              server alike
+# Any other add-on is a product of its own (bench, disagg, dp, server, ...): two of them meet
+# only in run.py, which assembles them (the server serves what dp gives it). The lab is a
+# driver like run.py: its experiments compare the modes, so it may import any of them; nothing
+# imports the lab.
+FOUNDATIONS = {"fleet", "cli", "telemetry", "chat"}
+DRIVERS = {"lab"}
+
+
+def foreign_add_ons(path: Path, add_on: str) -> set[str]:
+    """The add-ons a file of add_on imports that it may not: neither itself nor a foundation."""
+    imported = {m.split(".")[1] for m in imported_modules(path) if m.startswith("nano.")}
+    return imported & set(ADD_ONS) - FOUNDATIONS - {add_on}
+
+
+def test_add_ons_build_only_on_the_foundations():
+    offenders = {}
+    for add_on in sorted(set(ADD_ONS) - DRIVERS):
+        for path in sorted((NANO / add_on).rglob("*.py")):
+            if foreign_add_ons(path, add_on):
+                offenders[str(path.relative_to(NANO))] = sorted(foreign_add_ons(path, add_on))
+    assert not offenders, f"add-ons importing add-ons that are not foundations: {offenders}"
+
+
+def test_the_check_sees_an_import_between_products(tmp_path):
+    """The rule above fails on a planted import: a product's, the lab's, a function's own."""
+    planted = tmp_path / "planted.py"
+    planted.write_text("from nano.fleet import ranks\nfrom nano.telemetry.summary import summarize\n"
+                       "def f():\n    from nano.bench import workload\n    from nano.lab import cli\n")
+    assert foreign_add_ons(planted, "dp") == {"bench", "lab"}
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Each module of the package at root and the package's modules it imports, wherever the
+    import sits (a function, `if TYPE_CHECKING:`). `from p import m` is an edge to the module
+    p.m where there is one, else to p."""
+    paths = {module_name(p, root): p for p in root.rglob("*.py")}
+    graph = {}
+    for name, path in paths.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                edges |= {f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in paths else node.module
+                          for alias in node.names}
+        graph[name] = edges & set(paths) - {name}
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> set[frozenset[str]]:
+    """The modules that import each other, directly or through others: each circle's members."""
+    def reach(start):
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph[todo.pop()] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        return seen
+
+    reachable = {name: reach(name) for name in graph}
+    return {frozenset(m for m in reachable[name] if name in reachable[m]) for name in graph
+            if name in reachable[name]}
+
+
+def test_no_import_circles():
+    circles = import_circles(import_graph(NANO))
+    assert not circles, f"modules importing each other: {[sorted(c) for c in circles]}"
+
+
+def test_the_check_sees_an_import_circle(tmp_path):
+    """A circle closed by an annotation-only import is still a circle: planted, it is found."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from pkg import b\n")
+    (package / "b.py").write_text("from pkg.c import C\n")
+    (package / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.a import A\n")
+    assert import_circles(import_graph(package)) == {frozenset({"pkg.a", "pkg.b", "pkg.c"})}
 
 
 # What one reader can hold: the engine's own work (scheduling with FCFS, the policy interface
@@ -69,39 +166,6 @@ def test_the_core_stays_small():
     assert step <= STEP_LINES, f"one step's path is {step} lines"
 
 
-def import_circles(paths: list[Path]) -> list[list[str]]:
-    """Every cycle of imports among these modules (TYPE_CHECKING imports included), each as
-    the modules along it: a module that needs another's names only for annotations still
-    cannot be read, or moved, without it."""
-    names = {p.stem for p in paths}
-    graph = {p.stem: sorted({m.split(".")[1] for m in imported_modules(p)
-                             if m.startswith("nano.") and m.split(".")[1] in names} - {p.stem})
-             for p in paths}
-    circles = []
-
-    def walk(path: list[str]) -> None:
-        for nxt in graph[path[-1]]:
-            if nxt == path[0]:
-                circles.append(path)
-            elif nxt not in path and nxt > path[0]:  # each circle once, from its first module
-                walk(path + [nxt])
-
-    for start in sorted(graph):
-        walk([start])
-    return circles
-
-
-def test_no_import_circle_in_the_core():
-    assert not import_circles(CORE), "core modules importing each other"
-
-
-def test_the_circle_check_sees_a_type_checking_import(tmp_path):
-    """As scheduler.py <-> policy.py were, a circle closed only for annotations."""
-    (tmp_path / "a.py").write_text("from nano.b import B\n")
-    (tmp_path / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from nano.a import A\n")
-    assert import_circles(sorted(tmp_path.glob("*.py"))) == [["a", "b"]]
-
-
 def test_the_engine_imports_without_the_add_ons_dependencies():
     """As on a GPU machine that has only numpy, cupy, mpi4py, tokenizers and safetensors: the
     engine loads no fetch/convert-only, server-only, export-only or plotting (the lab) package."""
@@ -112,3 +176,11 @@ def test_the_engine_imports_without_the_add_ons_dependencies():
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          cwd=NANO.parent, check=True).stdout.strip()
     assert out == "[]", f"the engine imported {out}"
+
+
+RUN_LINES = 200  # run.py assembles the parser from the packages' flags and dispatches: no more
+
+
+def test_run_py_only_assembles():
+    lines = len((NANO.parent / "run.py").read_text().splitlines())
+    assert lines <= RUN_LINES, f"run.py is {lines} lines: a mode's flags and checks belong with its package"

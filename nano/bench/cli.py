@@ -1,28 +1,54 @@
 """The benchmark and planning modes of run.py: --bench, --bench --request-rate (FCFS vs
-deadline on one arrival trace), --bench --policy-compare (slo_matrix.py) and --capacity."""
+deadline on one arrival trace), --bench --policy-compare (slo_matrix.py) and --capacity; their
+flags and the checks between them."""
 import gc
 import sys
 
 from nano import checks
 from nano.bench import workload
-from nano.cli.offline import generate, run_all
+from nano.cli.flags import parse_range
+from nano.cli.offline import generate, run_all, warm_up
 from nano.cli.output import describe, metrics_writer, write_summary
+from nano.cli.prompts import Workload
 from nano.config import EngineConfig
-from nano.deadline.cli import POLICIES, policy_factory
 from nano.errors import NanoError
 from nano.sequence import SamplingParams
 from nano.telemetry.summary import format_summary, summarize
 
 
-def parse_range(text: str, name: str) -> tuple[int, int]:
-    try:
-        lo, _, hi = text.partition(":")
-        lo, hi = int(lo), int(hi or lo)
-    except ValueError:
-        raise NanoError(f"{name} must be LEN or MIN:MAX, got {text!r}") from None
-    if not 1 <= lo <= hi:
-        raise NanoError(f"{name} must satisfy 1 <= MIN <= MAX, got {text!r}")
-    return lo, hi
+def add_arguments(p) -> None:
+    b = p.add_argument_group("benchmark and planning (nano/bench)")
+    b.add_argument("--capacity", action="store_true",
+                   help="print the KV pool, the batch ceiling and the decode-step floor, then exit")
+    b.add_argument("--bench", action="store_true", help="random-token prompts, EOS ignored, fixed seed")
+    b.add_argument("--num-seqs", type=int, default=256)
+    b.add_argument("--input-len", default="100:1024", help="LEN or MIN:MAX")
+    b.add_argument("--output-len", default="100:1024", help="LEN or MIN:MAX")
+    b.add_argument("--request-rate", type=float, default=None,
+                   help="requests/s arriving by a seeded Poisson process; runs FCFS and deadline side by side")
+    b.add_argument("--policy-compare", action="store_true",
+                   help="FCFS vs deadline over three workloads x three loads x --seeds seeds, "
+                        "--num-seqs requests each (nano/bench/slo_matrix.py)")
+    b.add_argument("--seeds", type=int, default=3, help="--policy-compare: seeds per workload and load")
+    b.add_argument("--tenants", type=int, default=None,
+                   help="prompts of N tenants: each starts with its tenant's system prompt (--prefix-len "
+                        "tokens), then --input-len tokens of its own")
+    b.add_argument("--prefix-len", type=int, default=None, help="--tenants: tokens of each tenant's system prompt")
+
+
+def check_args(args, config: EngineConfig) -> None:
+    """The benchmark's flags; --capacity --disagg sizes the pools for their workload, so it
+    takes them too. The comparisons of nano/dp and nano/disagg run on --bench's workload."""
+    estimate_disagg = args.capacity and args.disagg is not None
+    if args.bench or estimate_disagg:
+        check_bench_args(args, config)
+    if not args.bench and (args.policy_compare or args.disagg_compare or args.dp_compare or
+                           args.tenants is not None or args.prefix_len is not None or
+                           (args.request_rate is not None and not estimate_disagg)):
+        raise NanoError("--policy-compare, --request-rate, --tenants, --dp-compare and --disagg-compare are "
+                        "--bench modes: add --bench")
+    if args.summary_json and args.policy_compare:
+        raise NanoError("--policy-compare prints its matrix: drop --summary-json")
 
 
 def check_bench_args(args, config: EngineConfig) -> None:
@@ -54,6 +80,14 @@ def bench_arrivals(args, num: int):
     return workload.poisson_arrivals(num, args.request_rate, bench_seed(args)) if args.request_rate else None
 
 
+def bench_workload(args, params: SamplingParams):
+    """--bench's requests and arrival times for the engine that runs them: engine -> Workload."""
+    def make(engine) -> Workload:
+        inputs, per_request = bench_requests(args, engine, params)
+        return Workload([""] * len(inputs), inputs, per_request, bench_arrivals(args, len(inputs)))
+    return make
+
+
 def bench_requests(args, engine, params: SamplingParams):
     """The benchmark's random prompts, each of which must fit the model's context."""
     input_len = parse_range(args.input_len, "--input-len")
@@ -79,7 +113,7 @@ def show_capacity(config: EngineConfig) -> None:
 
 def run_bench(args, engine, params: SamplingParams) -> int:
     inputs, per_request = bench_requests(args, engine, params)
-    workload.warm_up(engine)
+    warm_up(engine)
     _, wall = generate(args.output, engine, [""] * len(inputs), inputs, per_request, metrics_writer(args, engine),
                        args.stall_timeout)
     summary = summarize(engine.metrics, wall)
@@ -91,17 +125,18 @@ def run_bench(args, engine, params: SamplingParams) -> int:
     return 0
 
 
-def rate_bench(args, config: EngineConfig, params: SamplingParams) -> int:
-    """The same Poisson arrival trace served under FCFS and under the deadline policy."""
+def rate_bench(args, config: EngineConfig, params: SamplingParams, policies: dict) -> int:
+    """The same Poisson arrival trace served under each policy ({"fcfs": FCFS, "deadline":
+    ...}: the classes LLMEngine takes, by name)."""
     from nano.engine import LLMEngine
     arrivals = bench_arrivals(args, args.num_seqs)
     results = {}
-    for policy in POLICIES:
-        engine = LLMEngine(config, policy=policy_factory(policy, args.drop_late and policy == "deadline"))
+    for policy, policy_class in policies.items():
+        engine = LLMEngine(config, policy=policy_class)
         if policy == "fcfs":
             print(describe(engine), file=sys.stderr)
         inputs, per_request = bench_requests(args, engine, params)
-        workload.warm_up(engine)
+        warm_up(engine)
         _, wall = run_all(engine, inputs, per_request, arrivals, metrics=metrics_writer(args, engine))
         results[policy] = summarize(engine.metrics, wall)
         print(f"--- {policy}\n{format_summary(results[policy])}")
@@ -116,15 +151,16 @@ def rate_bench(args, config: EngineConfig, params: SamplingParams) -> int:
     return 0
 
 
-def policy_compare(args, config: EngineConfig) -> int:
-    """slo_matrix.py's matrix on the real clock: a fresh engine per run, warmed up."""
+def policy_compare(args, config: EngineConfig, policies: dict) -> int:
+    """slo_matrix.py's matrix on the real clock: a fresh engine per run, warmed up (policies:
+    as rate_bench's)."""
     from nano.bench import slo_matrix
     from nano.engine import LLMEngine
 
     def make_engine(policy):
         gc.collect()  # free the previous engine's KV pool before this one sizes its own
-        engine = LLMEngine(config, policy=policy_factory(policy, args.drop_late and policy == "deadline"))
-        workload.warm_up(engine)
+        engine = LLMEngine(config, policy=policies[policy])
+        warm_up(engine)
         return engine
 
     def report(name, load, seed, policy, outcome, capacity):

@@ -36,16 +36,6 @@ def tenant_requests(num_seqs: int, num_tenants: int, prefix_len: int, input_len:
     return [prefixes[t] + p for t, p in zip(tenants, own)], params
 
 
-def warm_up(engine) -> None:
-    """First-use costs kept out of the figures: the whole KV pool written once (first-touch
-    page faults, see ModelRunner.touch_kv_cache), then one short request (kernel compilation
-    and graph capture on the GPU, BLAS thread start on the CPU; seen here: a first step of
-    300 ms instead of 70). Metrics start afresh."""
-    engine.runner.touch_kv_cache()
-    engine.generate([list(range(3, 19))], SamplingParams(max_tokens=4, ignore_eos=True))
-    engine.reset_metrics()
-
-
 def poisson_arrivals(num: int, rate: float, seed: int = 0) -> np.ndarray:
     """Seconds after the start at which each request arrives: exponential gaps of mean 1/rate."""
     return np.cumsum(np.random.default_rng(seed + 1).exponential(1.0 / rate, num))

@@ -1,8 +1,10 @@
 """Prompt files (--prompt-file): plain text, one prompt per line, or JSONL with per-request
-sampling overrides; and the chat template applied to them."""
+sampling overrides; the chat template applied to them; and a run's requests as the engine
+takes them (Workload)."""
 import dataclasses
 import json
 import os
+from typing import NamedTuple
 
 from nano import checks
 from nano.chat.template import render as render_chat
@@ -93,3 +95,21 @@ def model_inputs(tokenizer, prompts: list[str], chat: bool) -> list[str]:
     if not chat or tokenizer.chat_template is None:
         return list(prompts)
     return [render_chat(tokenizer, p) for p in prompts]
+
+
+class Workload(NamedTuple):
+    """A run's requests as the engine takes them: each prompt's text for the output ('' for a
+    prompt of token ids), the model's inputs, each request's SamplingParams, and arrival times
+    in seconds after the start (None: all at once)."""
+    prompts: list[str]
+    inputs: list
+    per_request: list[SamplingParams]
+    arrivals: list[float] | None = None
+
+
+def prompt_workload(requests, chat: bool):
+    """The prompt file's requests for the engine that runs them: engine -> Workload."""
+    def make(engine) -> Workload:
+        prompts = [p for p, _ in requests]
+        return Workload(prompts, model_inputs(engine.tokenizer, prompts, chat), [sp for _, sp in requests])
+    return make

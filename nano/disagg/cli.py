@@ -1,27 +1,58 @@
 """run.py's disaggregated modes: --disagg P:D under mpirun, --bench --disagg-compare P:D (one
-command: colocated here, then disaggregated under mpirun) and --capacity --disagg [P:D]."""
+command: colocated here, then disaggregated under mpirun) and --capacity --disagg [P:D]; their
+flags and the checks between them."""
 import gc
 import os
 import sys
 
-from nano.bench import workload
-from nano.bench.cli import bench_arrivals, bench_requests, parse_range
-from nano.cli.offline import run_all
-from nano.cli.output import OutputFile, Progress, describe, metrics_writer, print_completions, write_summary
-from nano.cli.prompts import model_inputs
+from nano.cli.flags import parse_range
+from nano.cli.offline import run_all, warm_up
+from nano.cli.output import describe, metrics_writer, write_summary
 from nano.config import EngineConfig
-from nano.disagg import compare, serving
-from nano.disagg import metrics as disagg_metrics
+from nano.disagg import serving
+from nano.errors import NanoError
+from nano.fleet.cli import RankRun
 from nano.sequence import SamplingParams
 from nano.telemetry.summary import format_summary
 
 
-def run_disagg(args, config: EngineConfig, params: SamplingParams, requests, engine_policy) -> int:
+def add_arguments(p) -> None:
+    d = p.add_argument_group("disaggregated prefill and decode (nano/disagg)")
+    d.add_argument("--disagg", metavar="P:D", nargs="?", const="",
+                   help="disaggregated serving: P prefill and D decode instances, one rank each: run "
+                        "under mpirun -n P+D (nano/disagg); with --capacity, P:D is optional")
+    d.add_argument("--disagg-compare", metavar="P:D",
+                   help="the same requests and arrivals served colocated (one engine, all cores), then "
+                        "disaggregated (mpirun -n P+D, a core each) (nano/disagg/compare.py)")
+
+
+def check_args(args, config: EngineConfig, rank: int) -> None:
+    """--disagg's and --disagg-compare's flags, before the model loads."""
+    if args.disagg == "" and not args.capacity:
+        raise NanoError("--disagg needs P:D, e.g. --disagg 1:1 (only --capacity --disagg estimates it)")
+    if args.disagg:
+        serving.parse_split(args.disagg)
+        if config.tp > 1:
+            raise NanoError("--disagg runs each instance on one rank: drop --tp")
+        if args.policy_compare or args.disagg_compare:
+            raise NanoError("--policy-compare and --disagg-compare run in one process: drop --disagg")
+    if args.disagg_compare:
+        serving.parse_split(args.disagg_compare)
+        if rank > 0 or args.policy_compare or config.tp > 1:
+            raise NanoError("--disagg-compare runs alone (it starts mpirun itself): no mpirun, --tp "
+                            "or --policy-compare")
+        if args.output or args.metrics_file or args.metrics_prom:
+            raise NanoError("--disagg-compare writes a table (and --summary-json), no completions or "
+                            "metrics files: drop --output, --metrics-file and --metrics-prom")
+
+
+def run_disagg(args, config: EngineConfig, workload, engine_policy) -> int:
     """--disagg P:D under mpirun: every rank an instance (serving.py); rank 0 routes and
-    reports."""
+    reports. workload: engine -> the run's requests (nano/cli/prompts.py's Workload)."""
+    from nano.disagg import metrics as disagg_metrics  # prometheus_client: loaded for these modes only
     num_prefill, num_decode = serving.parse_split(args.disagg)
-    run = RankRun(args, params, requests, f"disaggregated: {num_prefill} prefill + {num_decode} decode instances, "
-                                          "one rank each")
+    run = RankRun(args, workload, f"disaggregated: {num_prefill} prefill + {num_decode} decode instances, "
+                                  "one rank each")
     try:
         ran = serving.launch(config, num_prefill, num_decode, run.make_requests, args.bench, run.on_result,
                              lambda engine: metrics_writer(args, export=disagg_metrics.PoolExport(
@@ -31,72 +62,16 @@ def run_disagg(args, config: EngineConfig, params: SamplingParams, requests, eng
     return run.report(ran, disagg_metrics.summary, disagg_metrics.format_disagg)
 
 
-class RankRun:
-    """Rank 0's side of a run over several ranks (--disagg, --dp) on the command line: the
-    requests as sequences, the progress bar, the --output file in input order."""
-
-    def __init__(self, args, params: SamplingParams, requests, banner: str):
-        self.args, self.params, self.requests, self.banner = args, params, requests, banner
-        self.generated, self.output = 0, None
-
-    def make_requests(self, engine) -> list:
-        seqs, self.prompts = sequences(self.args, engine, self.params, self.requests)
-        self.index = {seq.seq_id: i for i, seq in enumerate(seqs)}
-        self.progress = Progress(len(seqs))
-        if self.args.output:
-            self.output = OutputFile(self.args.output, self.prompts, engine.detokenize)
-        print(f"{self.banner}; each {describe(engine)}", file=sys.stderr)
-        return seqs
-
-    def on_result(self, seq, **where) -> None:
-        """A request's end; where: what the --output line says of where it ran (replica=...)."""
-        self.generated += seq.num_output_tokens
-        self.progress.update(1, self.generated)
-        if self.output:
-            self.output.write(self.index[seq.seq_id], seq, **where)
-
-    def close(self) -> None:
-        if self.output:
-            self.output.close()
-
-    def report(self, ran, summarize, format_add_on) -> int:
-        """Rank 0 at the end (ran: launch's (router, engine, wall seconds); None on the other
-        ranks): the completions in input order, the summary, the add-on's own lines."""
-        if ran is None:
-            return 0
-        router, engine, wall = ran
-        if not self.args.bench:
-            seqs = sorted(router.results.values(), key=lambda q: self.index[q.seq_id])
-            print_completions(self.prompts, seqs, engine.detokenize)
-        summary = summarize(router, wall)
-        print(format_summary(summary))
-        print(format_add_on(summary))
-        write_summary(self.args.summary_json, summary)
-        return 0
-
-
-def sequences(args, engine, params: SamplingParams, requests):
-    """The run's requests as sequences (arrival times in seconds after the start), and their
-    prompts' text for the output."""
-    if args.bench:
-        inputs, per_request = bench_requests(args, engine, params)
-        arrivals = bench_arrivals(args, len(inputs))
-        arrivals = [0.0] * len(inputs) if arrivals is None else arrivals
-        prompts = [""] * len(inputs)
-    else:
-        prompts = [p for p, _ in requests]
-        inputs = model_inputs(engine.tokenizer, prompts, chat=not args.no_chat)
-        per_request, arrivals = [sp for _, sp in requests], [0.0] * len(inputs)
-    return [engine.make_sequence(p, sp, t) for p, sp, t in zip(inputs, per_request, arrivals)], prompts
-
-def disagg_compare(args, argv: list[str], config: EngineConfig, params: SamplingParams, engine_policy) -> int:
-    """--bench --disagg-compare P:D: colocated here, then disaggregated under mpirun."""
+def disagg_compare(args, argv: list[str], config: EngineConfig, workload, engine_policy) -> int:
+    """--bench --disagg-compare P:D: colocated here, then disaggregated under mpirun (workload:
+    engine -> --bench's Workload; engine_policy: LLMEngine's policy)."""
+    from nano.disagg import compare
     from nano.engine import LLMEngine
     engine = LLMEngine(config, policy=engine_policy)
     print(describe(engine), file=sys.stderr)
-    inputs, per_request = bench_requests(args, engine, params)
-    workload.warm_up(engine)
-    seqs, wall = run_all(engine, inputs, per_request, bench_arrivals(args, len(inputs)))
+    w = workload(engine)
+    warm_up(engine)
+    seqs, wall = run_all(engine, w.inputs, w.per_request, w.arrivals)
     colocated = compare.colocated_summary(engine, seqs, wall)
     print(f"--- colocated\n{format_summary(colocated)}\n--- disaggregated {args.disagg_compare}", flush=True)
     del engine, seqs
@@ -121,7 +96,7 @@ def show_estimate(args, config: EngineConfig, params: SamplingParams) -> None:
     prompt_len, output_len = (sum(parse_range(r, name)) / 2 for r, name in
                               ((args.input_len, "--input-len"), (args.output_len, "--output-len")))
     engine = LLMEngine(config)
-    workload.warm_up(engine)
+    warm_up(engine)
     print(f"\nfitting the step-time model on this machine ({engine.device.kind}, prompts of "
           f"{prompt_len:.0f} tokens) ...", file=sys.stderr)
     coef = estimate.calibrate(engine, int(prompt_len), int(output_len))

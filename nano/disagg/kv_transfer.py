@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nano.errors import NanoError
+from nano.fleet.ranks import wire_copy
 from nano.sequence import Sequence
 
 PIECE_BYTES = 2 * 2**20  # ~1.3 ms to receive, check and write on this CPU (1.6 GB/s)
@@ -103,11 +104,3 @@ def verify(offer: Offer, rows: np.ndarray, first: int = 0) -> None:
         if row_checksum(row, seq_id, i) != offer.checksums[i]:
             raise ChecksumError(f"KV handoff of request {seq_id}: block {i} of {offer.num_blocks} "
                                 f"failed its checksum (corrupt or stale)")
-
-
-def wire_copy(seq: Sequence) -> Sequence:
-    """seq's state without its block table (block ids mean nothing in another pool)."""
-    copy = Sequence.__new__(Sequence)
-    copy.__dict__.update(seq.__dict__, block_table=[], block_hashes=[],
-                         token_ids=list(seq.token_ids), token_times=list(seq.token_times))
-    return copy

@@ -36,7 +36,7 @@ received and dropped, then acknowledged, so p frees the blocks); an abort for a 
 never got is ignored,
 since p dealt with it. Exactly one instance reports each request's end.
 
-The loop every rank runs and the launch: ranks.py; liveness (--stall-timeout): every rank's
+The loop every rank runs and the launch: nano/fleet/ranks.py; liveness (--stall-timeout): every rank's
 heartbeat (telemetry/heartbeat.py).
 """
 from collections import deque
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nano.disagg import kv_transfer
-from nano.disagg.ranks import Instance, InstanceStatus, Router as RouterBase, launch as launch_ranks
+from nano.fleet.ranks import Instance, InstanceStatus, Router as RouterBase, launch as launch_ranks
 from nano.errors import NanoError
 from nano.policy import FCFS
 from nano.sequence import Sequence, Status

@@ -1,23 +1,40 @@
 """run.py's data-parallel modes under mpirun -n DP x TP: --dp DP [--tp TP] with --prompt-file,
 --bench or --serve, and --bench --dp-compare (every policy on the same requests and arrivals,
-one table)."""
+one table); their flags and the checks between them."""
 import gc
 import sys
 
 from nano import parallel
 from nano.cli.output import describe, metrics_writer, write_summary
 from nano.config import EngineConfig
-from nano.disagg.cli import RankRun, sequences
-from nano.dp import metrics as dp_metrics
 from nano.dp import serving
 from nano.dp.policy import POLICIES
 from nano.errors import NanoError
-from nano.sequence import SamplingParams
+from nano.fleet.cli import RankRun, sequences
 from nano.telemetry.summary import format_summary
+
+DEFAULT_POLICY = "kv-aware"
+
+
+def add_arguments(p) -> None:
+    d = p.add_argument_group("data parallel (nano/dp)")
+    d.add_argument("--dp", type=int, default=None,
+                   help="data parallel: DP replicas, each of --tp ranks, behind a router on rank 0: run "
+                        "under mpirun -n DP x TP (nano/dp)")
+    d.add_argument("--dp-policy", default=DEFAULT_POLICY,
+                   help="--dp routing: round-robin | least-loaded (queued tokens, then KV occupancy) | "
+                        "kv-aware (prompt tokens left after the replica's cached prefix + queued tokens)")
+    d.add_argument("--dp-compare", action="store_true",
+                   help="with --dp: the same requests and arrivals under each --dp-policy, one table "
+                        "(nano/dp/cli.py)")
 
 
 def check_args(args, config: EngineConfig) -> None:
     """--dp's flags, before the model loads."""
+    if args.dp is None:
+        if args.dp_compare or args.dp_policy != DEFAULT_POLICY:
+            raise NanoError("--dp-policy and --dp-compare route between replicas: add --dp N (under mpirun -n N)")
+        return
     serving.check_replicas(args.dp)
     if args.dp_policy not in POLICIES:
         raise NanoError(f"--dp-policy must be one of {', '.join(POLICIES)}, got {args.dp_policy!r}")
@@ -34,13 +51,14 @@ def check_args(args, config: EngineConfig) -> None:
                         + serving.how_to_run(args.dp, config.tp))
 
 
-def run_dp(args, config: EngineConfig, params: SamplingParams, requests, engine_policy) -> int:
-    """--dp DP under mpirun: every replica an engine (serving.py); rank 0 routes and reports."""
+def run_dp(args, config: EngineConfig, workload, engine_policy) -> int:
+    """--dp DP under mpirun: every replica an engine (serving.py); rank 0 routes and reports.
+    workload: engine -> the run's requests (nano/cli/prompts.py's Workload); engine_policy:
+    every replica's scheduling policy (LLMEngine's policy)."""
+    from nano.dp import metrics as dp_metrics  # prometheus_client: loaded for these modes only
     if args.dp_compare:
-        return dp_compare(args, config, params, engine_policy)
-    if args.serve:
-        return serve_dp(args, config, engine_policy)
-    run = RankRun(args, params, requests, serving.banner(args.dp, config.tp, args.dp_policy))
+        return dp_compare(args, config, workload, engine_policy)
+    run = RankRun(args, workload, serving.banner(args.dp, config.tp, args.dp_policy))
     try:
         ran = serving.launch(config, args.dp, args.dp_policy, run.make_requests, args.bench,
                              lambda seq, replica: run.on_result(seq, replica=replica),
@@ -51,25 +69,26 @@ def run_dp(args, config: EngineConfig, params: SamplingParams, requests, engine_
     return run.report(ran, dp_metrics.summary, dp_metrics.format_replicas)
 
 
-def serve_dp(args, config: EngineConfig, engine_policy) -> int:
-    """--serve --dp N: the HTTP server on rank 0, in front of the router (front.py)."""
+def make_front(args, config: EngineConfig, engine_policy):
+    """--serve --dp N: rank 0 gets the router's Front (front.py), which run.py hands to the
+    HTTP server in place of an engine; the other ranks run their replicas until the server
+    ends, and get None."""
     from nano.dp.front import start_front
-    from nano.server.cli import serve
     front = start_front(config, args.dp, args.dp_policy, lambda engine, export: metrics_writer(args, export=export),
                         engine_policy)
-    if front is None:
-        return 0  # a replica, until the server ends
-    print(f"{serving.banner(args.dp, config.tp, args.dp_policy)}; each {describe(front.local)}", file=sys.stderr)
-    return serve(args, front, engine_metrics=False)
+    if front is not None:
+        print(f"{serving.banner(args.dp, config.tp, args.dp_policy)}; each {describe(front.local)}", file=sys.stderr)
+    return front
 
 
-def dp_compare(args, config: EngineConfig, params: SamplingParams, engine_policy) -> int:
+def dp_compare(args, config: EngineConfig, workload, engine_policy) -> int:
     """--bench --dp-compare: every policy in turn on the same requests and arrivals, fresh
     engines each time (no policy inherits another's prefix cache); with --dp 1, the one run."""
+    from nano.dp import metrics as dp_metrics
     results = {}
     for policy in POLICIES if args.dp > 1 else ("kv-aware",):
         gc.collect()  # the previous run's KV pools freed before this one sizes its own
-        ran = serving.launch(config, args.dp, policy, lambda engine: sequences(args, engine, params, None)[0],
+        ran = serving.launch(config, args.dp, policy, lambda engine: sequences(engine, workload)[0],
                              True, engine_policy=engine_policy)
         if ran:
             router, _, wall = ran

@@ -7,7 +7,7 @@ new tokens after each of its steps ("tokens", Replica.stream), and they are appe
 the server's Sequence, which the thread turns into text as with one engine. Rank 0's own
 replica steps inside Front.step, as in the command line's loop (ranks.Node.tick).
 """
-from nano.disagg.ranks import run_node, start
+from nano.fleet.ranks import run_node, start
 from nano.dp import metrics as dp_metrics
 from nano.dp.serving import Replica, Router, wrong_size
 from nano.policy import FCFS

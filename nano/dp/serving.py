@@ -17,8 +17,8 @@ replay its steps as under --tp alone.
 
 Rank 0 is router and replica 0 in one loop (ranks.Node.tick): the router's own replica
 delays routing by at most one of its steps, and it never waits on another rank (every
-send is non-blocking), so a slow replica slows only its own requests. The launch is the
-disaggregated add-on's (nano/disagg/ranks.py): one source for both; a stopped rank is told
+send is non-blocking), so a slow replica slows only its own requests. The launch is the one
+disaggregated serving uses too (nano/fleet/ranks.py); a stopped rank is told
 from a busy one by every rank's heartbeat (nano/telemetry/heartbeat.py).
 
 Clocks: a request's arrival time is rebased onto the replica's clock on receipt (the time it
@@ -27,7 +27,7 @@ run on several hosts.
 """
 from collections import Counter
 
-from nano.disagg.ranks import Instance, InstanceStatus, Router as RouterBase, launch as launch_ranks
+from nano.fleet.ranks import Instance, InstanceStatus, Router as RouterBase, launch as launch_ranks
 from nano.dp.policy import CacheIndex, Policy, prompt_hashes
 from nano.errors import NanoError
 from nano.policy import FCFS

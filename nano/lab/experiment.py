@@ -8,7 +8,7 @@ or, in one line, what failed. nano/lab/driver.py prints, writes and checks them.
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from nano.bench.workload import warm_up
+from nano.cli.offline import warm_up
 from nano.config import EngineConfig
 from nano.engine import LLMEngine
 from nano.lab import tiny

@@ -1,11 +1,12 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn), an add-on on the engine's public API
 (add_request, step, abort, finish, snapshot):
 
-  app.py            the endpoints and the server's state (the event loop's side), serve()
+  app.py            the endpoints, serve()
+  serving.py        the requests on the event loop's side: checked, started as jobs, aborted, ended
   schemas.py        what it takes: OpenAI's request bodies, the text checks, errors in OpenAI's shape
   middleware.py     what every request passes first: body size, Host header, one log line
   responses.py      what it answers: one response or a stream, usage and logprobs in OpenAI's shapes
   engine_thread.py  the thread that owns the engine: jobs in, steps, text and logprobs out
   limits.py         what one request may ask for (the --serve flags' defaults)
-  cli.py            run.py --serve
+  cli.py            run.py --serve: its flags, their checks, the server started
 """

@@ -4,16 +4,53 @@ Under mpirun there is no grace period: mpirun, on SIGTERM or Ctrl-C, passes SIGT
 every rank and kills them all 0.25 s later (Open MPI 5: SIGCONT, then SIGTERM 0.25 s on,
 then SIGKILL 0.25 s after that, however the ranks handle the signals). So open requests end
 at once, a stream with an error event and [DONE], rather than be cut mid-stream."""
+import os
 import sys
 
 from nano import checks, parallel
+from nano.cli.flags import parse_bytes
 from nano.cli.output import metrics_writer
 from nano.errors import NanoError
-from nano.server.limits import SHUTDOWN_TIMEOUT, Limits
+from nano.server.limits import LOG_LEVELS, SHUTDOWN_TIMEOUT, Limits
+
+
+def add_arguments(p) -> None:
+    h = p.add_argument_group("HTTP server (OpenAI-compatible, nano/server)")
+    h.add_argument("--serve", action="store_true", help="serve /v1/completions, /v1/chat/completions, ... "
+                   "(under mpirun --tp N: rank 0 serves)")
+    h.add_argument("--host", default="127.0.0.1")
+    h.add_argument("--port", type=int, default=8000)
+    h.add_argument("--max-queued-requests", type=int, default=256,
+                   help="requests in flight beyond this are answered 503")
+    limits = Limits()
+    h.add_argument("--api-key", default=os.environ.get("NANO_API_KEY"),
+                   help="requests to /v1/* need the header Authorization: Bearer KEY (default: $NANO_API_KEY; "
+                        "/health and /metrics stay open)")
+    h.add_argument("--allowed-hosts", help="comma-separated names the Host header may hold ('*': any; default: "
+                   "localhost, 127.0.0.1, [::1] and --host, or any when --host is 0.0.0.0 or ::)")
+    h.add_argument("--max-request-bytes", type=parse_bytes, default=limits.body_bytes,
+                   help="a request body's size (413 beyond, before parsing)")
+    h.add_argument("--max-prompt-chars", type=int, default=limits.prompt_chars,
+                   help="a prompt's characters, all chat messages together (checked before tokenizing)")
+    h.add_argument("--max-stop-strings", type=int, default=limits.stop_strings, help="stop strings in a request")
+    h.add_argument("--max-stop-chars", type=int, default=limits.stop_chars, help="characters in a stop string")
+    h.add_argument("--max-request-tokens", type=int, default=limits.request_tokens,
+                   help="n x max_tokens of a request (max_tokens capped by the context first)")
+    h.add_argument("--max-stream-backlog", type=int, default=limits.stream_backlog,
+                   help="chunks a stream may leave unread before its choices are aborted")
+    h.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT,
+                   help="seconds open requests get after SIGTERM or Ctrl-C; then they end with an error")
+    h.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                   help="the server's log on stderr: one line per request (4xx at warning, 5xx at error) "
+                        "and uvicorn's own lines")
 
 
 def check_args(args) -> None:
     """The server's flags, before the model loads."""
+    if not args.serve:
+        return
+    checks.integer("--port", args.port, 0, 65535)
+    checks.integer("--max-queued-requests", args.max_queued_requests, low=1)
     for flag, value in (("--max-request-bytes", args.max_request_bytes), ("--max-prompt-chars", args.max_prompt_chars),
                         ("--max-stop-strings", args.max_stop_strings), ("--max-stop-chars", args.max_stop_chars),
                         ("--max-request-tokens", args.max_request_tokens),
@@ -25,6 +62,8 @@ def check_args(args) -> None:
                         "(mpirun kills every rank 0.25 s after passing SIGTERM on): drop it")
     if args.api_key is not None and not args.api_key:
         raise NanoError("--api-key is empty (or NANO_API_KEY is set but empty)")
+    if args.prompt_file or args.bench or args.disagg is not None:
+        raise NanoError("--serve takes its prompts over HTTP: drop --prompt-file, --bench and --disagg")
 
 
 def limits(args) -> Limits:
@@ -34,8 +73,9 @@ def limits(args) -> Limits:
 
 
 def serve(args, engine, engine_metrics: bool = True) -> int:
-    """engine_metrics: --metrics-file gets the engine's snapshot after each step (False: the
-    engine is a front over replicas, nano/dp, whose router writes its own)."""
+    """engine: an LLMEngine, or what answers its calls (nano/dp's front over replicas);
+    engine_metrics: --metrics-file gets the engine's snapshot after each step (False: a
+    front, whose router writes its own)."""
     try:
         from nano.server.app import serve as serve_http
         from nano.server.middleware import allowed_hosts

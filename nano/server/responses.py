@@ -4,19 +4,16 @@ import asyncio
 import json
 import time
 import uuid
-from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.sse import EventSourceResponse, format_sse_event
 
 from nano.server.engine_thread import Job
 from nano.server.schemas import BadRequest, Sampling, StreamOptions, error_body, error_response
-
-if TYPE_CHECKING:  # only for annotations: app.py imports this module
-    from nano.server.app import Server
+from nano.server.serving import Server
 
 
-async def respond(server: "Server", request: Request, body: Sampling, jobs: list[Job], kind: str, prefix: str):
+async def respond(server: Server, request: Request, body: Sampling, jobs: list[Job], kind: str, prefix: str):
     rid, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "object": kind, "created": created, "model": server.model_name}
     if body.stream:
@@ -67,7 +64,7 @@ async def collect(job: Job, request: Request) -> dict | None:
     return out
 
 
-async def stream(server: "Server", request: Request, jobs: list[Job], n: int, head: dict, kind: str,
+async def stream(server: Server, request: Request, jobs: list[Job], n: int, head: dict, kind: str,
                  options: StreamOptions):
     """SSE chunks in OpenAI's format as the engine produces text, then usage (include_usage),
     then [DONE]; with continuous_usage_stats every chunk carries the request's usage so far.

@@ -1,4 +1,4 @@
-"""How disaggregated instances talk (disagg.py): small control messages, and KV payloads.
+"""How a fleet's instances talk (ranks.py): small control messages, and KV payloads.
 
     send(dest, message)             a picklable tuple, delivered in order per (source, dest)
     send_payload(dest, tag, array)  a large uint8 array, matched by tag (in order, per tag); the

@@ -1,5 +1,5 @@
 """Engines side by side on MPI ranks behind a router on rank 0: what disaggregated serving
-(serving.py) and data-parallel replicas (nano/dp) share.
+(nano/disagg) and data-parallel replicas (nano/dp) share.
 
 Every instance runs a whole LLMEngine; rank 0 also runs the Router, in the same loop
 (Node.tick): deliver what has arrived, route, take one step. The router never waits on
@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 
 from nano.config import Capacity
 from nano.policy import FCFS
-from nano.disagg import kv_transfer
 from nano.sequence import Sequence, Status
 from nano.telemetry.summary import summarize
 
@@ -52,6 +51,14 @@ class Report:
     used_swap_blocks: int
 
 
+def wire_copy(seq: Sequence) -> Sequence:
+    """seq's state without its block table (block ids mean nothing in another pool)."""
+    copy = Sequence.__new__(Sequence)
+    copy.__dict__.update(seq.__dict__, block_table=[], block_hashes=[],
+                         token_ids=list(seq.token_ids), token_times=list(seq.token_times))
+    return copy
+
+
 class Instance:
     """One engine and its side of the protocol."""
 
@@ -79,7 +86,7 @@ class Instance:
 
     def end(self, seq: Sequence) -> None:
         self.seqs.pop(seq.seq_id, None)
-        self.tell_router(("result", kv_transfer.wire_copy(seq), self.handoffs.pop(seq.seq_id, None)))
+        self.tell_router(("result", wire_copy(seq), self.handoffs.pop(seq.seq_id, None)))
 
     def tell_router(self, message: tuple) -> None:
         self.link.send(ROUTER, message)
@@ -249,13 +256,13 @@ def start(config, num_instances: int, wrong_size, make_instance, make_router, ma
     sequences runs on rank 0 with the others waiting (a failure on any rank, loading or
     reading requests, ends them all); make_instance(engine, link, instance) -> this rank's
     Instance; make_router(link, engine) -> rank 0's Router; engine_policy: every engine's
-    scheduling policy (LLMEngine's policy). Returns (node, world group, rank
-    0's sequences) once every instance is ready; an instance's TP ranks other than its
-    leader replay its steps until it stops, then return None."""
+    scheduling policy (LLMEngine's policy). Returns (node, world group, rank 0's sequences)
+    once every instance is ready; an instance's TP ranks other than its leader replay its
+    steps until it stops, then return None."""
     from nano import parallel
-    from nano.bench import workload
-    from nano.disagg.links import MpiLink
+    from nano.cli import offline
     from nano.engine import LLMEngine
+    from nano.fleet.links import MpiLink
     from nano.worker import Worker
 
     world = parallel.world()
@@ -274,7 +281,7 @@ def start(config, num_instances: int, wrong_size, make_instance, make_router, ma
         worker.run()
         return None
     if warm_up:
-        workload.warm_up(engine)
+        offline.warm_up(engine)
     link = MpiLink(leaders.comm)
     node = Node(make_instance(engine, link, leaders.rank))
     if leaders.rank == ROUTER:

@@ -1,0 +1,143 @@
+"""The server's requests on the event loop's side: each checked against the limits before it
+costs anything, started as jobs on the engine thread (engine_thread.py), aborted when its
+client goes away, ended at shutdown. app.py routes HTTP to it; responses.py turns its jobs'
+events into OpenAI's responses."""
+import asyncio
+import time
+
+from fastapi.responses import JSONResponse
+
+from nano.chat import template
+from nano.errors import NanoError
+from nano.sequence import SamplingParams
+from nano.server.engine_thread import EngineThread, Job, StopStrings
+from nano.server.limits import Limits
+from nano.server.schemas import BadRequest, Message, Sampling, error_response
+
+
+class Server:
+    def __init__(self, engine, max_queued: int = 256, metrics=None, limits: Limits = Limits(),
+                 stall_timeout: float | None = None):
+        self.engine, self.max_queued, self.limits = engine, max_queued, limits
+        self.model_name = engine.shard.model_dir.name
+        self.thread = EngineThread(engine, metrics, stall_timeout)
+        self.open: set[Job] = set()  # jobs submitted and not yet ended (event loop only)
+        self.created = int(time.time())
+        self.closing = False  # shutting down: no new requests
+        self.deadline: asyncio.TimerHandle | None = None  # when the open jobs are ended
+
+    def check_model(self, model: str | None) -> None:
+        """A model named in a request (or a URL) is this server's, or a 404 as OpenAI answers it."""
+        if model is not None and model != self.model_name:
+            raise BadRequest(f"the model {model!r} does not exist: this server has {self.model_name!r}", 404,
+                             code="model_not_found", param="model")
+
+    def check(self, body: Sampling) -> StopStrings:
+        """What can be checked before tokenizing: the model, and the stop strings (returned)."""
+        self.check_model(body.model)
+        stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+        if len(stops) > self.limits.stop_strings:
+            raise BadRequest(f"stop: {len(stops)} strings, more than this server's {self.limits.stop_strings}")
+        if any(len(s) > self.limits.stop_chars for s in stops):
+            raise BadRequest(f"stop: a string longer than this server's {self.limits.stop_chars} characters")
+        return StopStrings(tuple(s for s in stops if s))
+
+    def check_chars(self, chars: int) -> None:
+        if chars > self.limits.prompt_chars:
+            raise BadRequest(f"the prompt has {chars} characters, more than this server's {self.limits.prompt_chars}")
+
+    def check_ids(self, name: str, ids: list[int]) -> None:
+        vocab = self.engine.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise BadRequest(f"{name}: token ids must be in [0, {vocab})")
+
+    async def submit(self, body: Sampling, prompts: list[list[int]], stops: StopStrings, top_logprobs: int | None,
+                     max_tokens: int, echo: bool = False) -> list[Job]:
+        """Start body.n jobs for each prompt, the whole request checked against the limits first;
+        returns them in OpenAI's choice order (prompt i's choices are i*n .. i*n+n-1). echo: each
+        prompt's text and (with top_logprobs) its logprobs come first."""
+        if self.closing or self.stopped():
+            raise BadRequest("the server is shutting down" if self.closing else f"engine stopped: {self.thread.error}",
+                             503, "server_error")
+        choices = body.n * len(prompts)
+        if choices > self.max_queued:  # would never fit: not a "try again"
+            raise BadRequest(f"n: {choices} choices" + (f" ({len(prompts)} prompts x {body.n})" if len(prompts) > 1
+                                                        else "") +
+                             f", more than this server's {self.max_queued} requests in flight")
+        if len(self.open) + choices > self.max_queued:
+            raise BadRequest(f"the server has {len(self.open)} requests in flight (at most {self.max_queued}): "
+                             "try again later", 503, "server_overloaded")
+        context, capped = self.engine.max_model_len, []
+        for i, prompt in enumerate(prompts):
+            name = "prompt" if len(prompts) == 1 else f"prompt {i}"
+            if len(prompt) + 1 > context:
+                raise BadRequest(f"this model's maximum context length is {context} tokens; the {name} has "
+                                 f"{len(prompt)}")
+            self.check_ids(name, prompt)  # after the length: bounded
+            capped.append(min(max_tokens, context - len(prompt)))
+        if body.n * sum(capped) > self.limits.request_tokens:
+            raise BadRequest(f"n x max_tokens is {body.n} x {sum(capped)}"
+                             + (f" (over {len(prompts)} prompts)" if len(prompts) > 1 else "") +
+                             f", more than this server's {self.limits.request_tokens} tokens a request: ask for "
+                             "fewer choices or tokens")
+        # The engine scores the prompt for echo's logprobs, for prompt_logprobs, and for max_tokens 0.
+        asked = [k for k in (top_logprobs if echo else None, body.prompt_logprobs, 0 if max_tokens == 0 else None)
+                 if k is not None]
+        loop, jobs = asyncio.get_running_loop(), []
+        for prompt, most in zip(prompts, capped):
+            for i in range(body.n):
+                seed = None if body.seed is None else body.seed + i
+                params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                                        max_tokens=most, seed=seed, ignore_eos=body.ignore_eos,
+                                        return_logits=top_logprobs is not None, prompt_logprobs=max(asked, default=None))
+                try:
+                    params.validate()
+                except NanoError as e:
+                    raise BadRequest(str(e)) from None
+                jobs.append(Job(prompt, params, stops, top_logprobs, asyncio.Queue(), loop, echo,
+                                body.prompt_logprobs))
+        for job in jobs:
+            self.thread.inbox.put(("add", job))
+        self.open.update(jobs)
+        return jobs
+
+    def abort(self, job: Job) -> None:
+        self.thread.inbox.put(("abort", job))
+
+    def release(self, jobs: list[Job]) -> None:
+        """The request is over (finished, failed or gone): abort what still runs."""
+        for job in jobs:
+            self.abort(job)
+        self.open.difference_update(jobs)
+
+    async def tokenize(self, texts: list[str]) -> list[list[int]]:
+        """Completion prompts, as plain text, on a worker thread (the event loop keeps serving)."""
+        self.check_chars(sum(map(len, texts)))
+        return await asyncio.to_thread(lambda: [self.engine.tokenizer.encode(t, True) for t in texts])
+
+    async def tokenize_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
+        """The conversation in the model's chat template, on a worker thread (content null: empty)."""
+        self.check_chars(sum(len(m.content or "") for m in messages))
+        conversation = [{"role": m.role, "content": m.content or ""} for m in messages]
+        try:
+            return await asyncio.to_thread(template.encode, self.engine.tokenizer, conversation, add_generation_prompt)
+        except NanoError as e:
+            raise BadRequest(str(e)) from None
+
+    def stopped(self) -> JSONResponse | None:
+        """A 503 if the engine thread is gone (it failed, or the server is shutting down)."""
+        if self.thread.error or not self.thread.is_alive():
+            return error_response(f"engine stopped: {self.thread.error}", 503, "server_error")
+        return None
+
+    def shut_down(self, grace: float) -> None:
+        """Take no new requests; end the open ones in `grace` seconds unless they finish first
+        (sooner if asked again). On the event loop."""
+        self.closing = True
+        if self.deadline:
+            self.deadline.cancel()
+        self.deadline = asyncio.get_running_loop().call_later(grace, self._end_open)
+
+    def _end_open(self) -> None:
+        for job in self.open:  # each waiting response ends with this error (a stream: then [DONE])
+            job.events.put_nowait({"error": "the server is shutting down", "status": 503})
