@@ -20,7 +20,8 @@ requests are late) are the policy's (policy.py: FCFS or Deadline, by --policy).
 from collections import deque
 
 from nano.block_manager import BlockManager
-from nano.config import Capacity, EngineConfig
+from nano.capacity import Capacity
+from nano.config import EngineConfig
 from nano.cost_model import CostModel
 from nano.plan import Preemption, SchedulerOutput, is_decode
 from nano.policy import SchedulerView, make_policy
@@ -42,9 +43,6 @@ class Scheduler:
         self.held: list[Sequence] = []        # out of the batch with their blocks (hold, reserve)
         self.policy = make_policy(SchedulerView(self), cost_model, config, block_manager.block_size,
                                   kv_bytes_per_token)
-
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)

@@ -41,7 +41,7 @@ def warm_up(engine) -> None:
     page faults, see ModelRunner.touch_kv_cache), then one short request (kernel compilation
     and graph capture on the GPU, BLAS thread start on the CPU; seen here: a first step of
     300 ms instead of 70). Metrics start afresh."""
-    engine.runner.touch_kv_cache()
+    engine.touch_kv_cache()
     engine.generate([list(range(3, 19))], SamplingParams(max_tokens=4, ignore_eos=True))
     engine.reset_metrics()
 

@@ -1,5 +1,6 @@
 """Offline inference: a list of requests run to completion through the engine's public API
 (add_request, step), with progress, and --output written as requests finish."""
+from nano import parallel
 from nano.cli.output import OutputFile, Progress, metrics_writer, print_completions, write_summary
 from nano.cli.prompts import model_inputs
 from nano.telemetry.summary import format_summary, summarize
@@ -19,7 +20,7 @@ def run_all(engine, inputs, per_request, arrivals=None, output=None, metrics=Non
     while engine.has_unfinished():
         with watchdog.step():
             finished = engine.step()
-        engine.group.check_interrupted()
+        parallel.tp_group().check_interrupted()  # the engine's TP ranks: one got a SIGINT
         progress.update(len(finished), engine.metrics.generated_tokens)
         if metrics:
             metrics.after_step(engine)

@@ -25,7 +25,7 @@ def run_disagg(args, config: EngineConfig, params: SamplingParams, requests) -> 
     try:
         ran = serving.launch(config, num_prefill, num_decode, run.make_requests, args.bench, run.on_result,
                              lambda engine: metrics_writer(args, export=disagg_metrics.PoolExport(
-                                 engine.shard.model_dir.name)))
+                                 engine.model_name)))
     finally:
         run.close()
     return run.report(ran, disagg_metrics.summary, disagg_metrics.format_disagg)
@@ -126,7 +126,7 @@ def show_estimate(args, config: EngineConfig, params: SamplingParams) -> None:
           f"{prompt_len:.0f} tokens) ...", file=sys.stderr)
     coef = estimate.calibrate(engine, int(prompt_len), int(output_len))
     split = estimate.estimate(coef, prompt_len, output_len, config.token_budget,
-                              engine.block_manager.num_blocks, config.block_size, config.max_num_seqs,
+                              engine.capacity.num_blocks, config.block_size, config.max_num_seqs,
                               params.tpot_slo)
     print("\ndisaggregated serving, one engine per instance on this machine's share of it:")
     print(estimate.format_estimate(split, args.request_rate,
