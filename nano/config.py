@@ -108,33 +108,6 @@ def max_model_len(config: "EngineConfig", model: ModelConfig) -> int:
     return min(config.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
 
 
-@dataclass(frozen=True)
-class Capacity:
-    """What one request can ever have of an engine: its model context, its KV pool less the
-    watermark. The one never-fit rule: its scheduler's at admission, and a disaggregated
-    router's (nano/disagg), which holds every instance's, before it sends a request anywhere."""
-    max_model_len: int
-    block_size: int
-    num_blocks: int
-    usable_blocks: int
-
-    def never_fits(self, seq) -> str | None:
-        """Why a Sequence could never be served here, or None."""
-        if not seq.num_tokens:
-            return "empty prompt"
-        # Room for the prompt and one generated token (whose KV the next step writes), or
-        # for every token of one that has output already (handed over, or recomputed).
-        need = max(seq.num_prompt_tokens + 1, seq.num_tokens)
-        if need > self.max_model_len:
-            return (f"prompt of {seq.num_tokens} tokens leaves no room to generate within the "
-                    f"model context of {self.max_model_len} tokens")
-        blocks = -(-need // self.block_size)
-        if blocks > self.usable_blocks:
-            return (f"prompt of {seq.num_tokens} tokens needs {blocks} KV blocks but the pool "
-                    f"can ever give one request {self.usable_blocks} (of {self.num_blocks})")
-        return None
-
-
 def _rope(cfg: dict) -> tuple[float, dict | None]:
     """rope_theta and rope_scaling, read the same from both spellings: those keys, and transformers
     5's rope_parameters (the scaling object with rope_theta inside). Both given must agree."""

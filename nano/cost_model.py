@@ -22,6 +22,11 @@ class StepCoefficients(NamedTuple):
     per_context_token: float   # per cached token a decode attends to
 
 
+# Rough device figures for the starting point (it then learns from real steps).
+DEVICE_PRIORS = {  # flop/s, memory bytes/s, host<->device bytes/s
+    "cpu": (5e10, 1e10, 5e9),
+    "gpu": (3e14, 3e12, 2e10),
+}
 SUBSETS = np.array(list(itertools.product((0.0, 1.0), repeat=4)))  # (16, 4): the terms each fit keeps
 
 
@@ -31,6 +36,13 @@ class CostModel:
         self.coef = self.prior.copy()                     # the fitted ones, same order
         self.samples: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
         self.swap_bandwidth = swap_bandwidth              # bytes/s host<->device, updated from real swaps
+
+    @classmethod
+    def for_device(cls, kind: str, weight_bytes: int, itemsize: int, kv_bytes_per_token: int) -> "CostModel":
+        """A step reads every weight and does 2 flops per parameter per token."""
+        flops, bandwidth, link = DEVICE_PRIORS[kind]
+        per_token = 2 * (weight_bytes / itemsize) / flops
+        return cls(StepCoefficients(weight_bytes / bandwidth, per_token, per_token, kv_bytes_per_token / bandwidth), link)
 
     @staticmethod
     def features(prefill_tokens: int, decode_seqs: int, context_tokens: int) -> np.ndarray:

@@ -5,6 +5,10 @@
 Under tensor parallelism (parallel.py) this engine is rank 0: it owns the tokenizer, the
 scheduler and the sampler, and its runner sends each step's packed plan to the other ranks,
 which replay it on their shards (worker.Worker).
+
+Add-ons use only its public methods and LLMEngine.PUBLISHED (tests/test_layout.py): what is the
+user's to read, and the forward pass. Scheduler, block manager and runner stay inside: the order
+of their calls (a KV handoff: hold, reserve, write, register, resume) is the engine's alone.
 """
 import numpy as np
 
@@ -12,9 +16,9 @@ from nano import checks, parallel
 from nano.block_manager import BlockManager
 from nano.clock import Clock
 from nano.config import EngineConfig
-from nano.cost_model import CostModel, StepCoefficients
+from nano.cost_model import CostModel
 from nano.errors import NanoError
-from nano.metrics import Metrics, QueueState
+from nano.metrics import Metrics
 from nano.plan import SchedulerOutput, decode_context, is_decode
 from nano.policy import FCFS
 from nano.sampler import Sampler
@@ -22,43 +26,36 @@ from nano.scheduler import Scheduler
 from nano.sequence import SamplingParams, Sequence
 from nano.shard import load_shard
 
-# Rough device figures for the cost model's starting point (it then learns from real steps).
-DEVICE_PRIORS = {  # flop/s, memory bytes/s, host<->device bytes/s
-    "cpu": (5e10, 1e10, 5e9),
-    "gpu": (3e14, 3e12, 2e10),
-}
-
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, clock: Clock | None = None, policy=FCFS):
-        """policy: the scheduling policy's class (policy.py), e.g. nano/deadline's."""
+    PUBLISHED = ("config", "model_config", "tokenizer", "clock", "metrics", "device", "cost", "capacity",
+                 "max_model_len", "kv_bytes_per_token", "weight_bytes", "model_name", "batch_invariant", "added",
+                 "forward")
+
+    def __init__(self, config: EngineConfig, clock: Clock | None = None, policy=FCFS, wrap_forward=None):
+        """policy: the scheduling policy's class (policy.py), e.g. nano/deadline's;
+        wrap_forward(forward) -> the forward pass steps run (a simulated clock's, timing each)."""
         self.config, self.clock = config, clock or Clock()
         self.group = parallel.tp_group()  # TP ranks: one, without MPI, unless under mpirun
         if self.group.rank > 0:
             raise NanoError("LLMEngine runs on TP rank 0; the other ranks run worker.Worker")
         self.shard = shard = load_shard(config, self.group)
-        self.model_config, self.tokenizer = shard.model_config, shard.tokenizer
+        self.model_config, self.tokenizer, self.model_name = shard.model_config, shard.tokenizer, shard.model_dir.name
+        self.batch_invariant = shard.runner.model.batch_invariant
         self.max_model_len, self.device, self.runner = shard.max_model_len, shard.device, shard.runner
         self.kv_bytes_per_token, self.weight_bytes = shard.kv_bytes_per_token, shard.weight_bytes
+        self.forward = wrap_forward(self.runner.forward) if wrap_forward else self.runner.forward
         self.sampler = Sampler(self.device)
         self.block_manager = BlockManager(shard.num_blocks, config.block_size, shard.num_swap_blocks,
                                           config.enable_prefix_caching)
-        self.cost = self._cost_model()
+        self.cost = CostModel.for_device(self.device.kind, self.weight_bytes, self.device.itemsize, self.kv_bytes_per_token)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len,
                                    self.kv_bytes_per_token, self.cost, policy)
+        self.capacity = self.scheduler.capacity
         self.metrics = Metrics(shard.num_blocks)
         self.rng = np.random.default_rng(config.seed % 2**64)  # any int seed, as the sampler's
         self.next_id = 0
         self.added = 0  # requests queued, ever: less those still to arrive, the arrived count
-
-    # ---- start-up -----------------------------------------------------------------------
-    def _cost_model(self) -> CostModel:
-        flops, bandwidth, link = DEVICE_PRIORS[self.device.kind]
-        params = self.weight_bytes / self.device.itemsize
-        prior = StepCoefficients(base=self.weight_bytes / bandwidth, per_prefill_token=2 * params / flops,
-                                 per_decode_seq=2 * params / flops,
-                                 per_context_token=self.kv_bytes_per_token / bandwidth)
-        return CostModel(prior, swap_bandwidth=link)
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams,
@@ -67,9 +64,13 @@ class LLMEngine:
         (how the --request-rate bench replays a Poisson arrival trace). Bad input raises
         NanoError here, before anything is queued: once in a step, it would fail the step."""
         seq = self.make_sequence(prompt, params, arrival_time)
-        self.added += 1
-        self.scheduler.add(seq)
+        self.queue(seq)
         return seq
+
+    def queue(self, seq: Sequence) -> None:
+        """Queue a made sequence (make_sequence's, or one a router sends)."""
+        self.added += 1
+        self.scheduler.waiting.append(seq)
 
     def make_sequence(self, prompt: str | list[int], params: SamplingParams,
                       arrival_time: float | None = None) -> Sequence:
@@ -94,6 +95,34 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def unfinished(self) -> list[Sequence]:
+        """Every unfinished sequence, queue by queue (each one's status says which)."""
+        s = self.scheduler
+        return [*s.waiting, *s.running, *s.swapped, *s.held]
+
+    def touch_kv_cache(self) -> None:
+        """Write the whole KV pool once: its first-touch page faults out of measured steps."""
+        self.runner.touch_kv_cache()
+
+    def swap(self, blocks_out: list[tuple[int, int]], blocks_in: list[tuple[int, int]]) -> tuple[int, float]:
+        """Copy (device, host) block pairs out to host and back, as a preempting step does: (bytes, seconds)."""
+        return self.runner.swap(blocks_out, blocks_in)
+
+    def kv_blocks(self) -> tuple[int, int, int, int]:
+        """The KV pool now: (device blocks, of them free, host swap blocks, of them free)."""
+        bm = self.block_manager
+        return bm.num_blocks, bm.num_free_blocks, bm.num_swap_blocks, len(bm.free_host_blocks)
+
+    def cached_tokens(self, token_ids: list[int]) -> int:
+        """How many leading tokens of token_ids the prefix cache holds now."""
+        return len(self.block_manager.match_prefix(token_ids)) * self.config.block_size
+
+    def take_cache_events(self) -> list[tuple[bool, int]]:
+        """The prefix cache's blocks stored (True, hash) and evicted (False, hash) since the
+        last call; the first call starts the record (a data-parallel router's)."""
+        events, self.block_manager.cache_events = self.block_manager.cache_events or [], []
+        return events
+
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """Run one forward pass over a freshly decided batch; returns sequences that finished."""
@@ -104,7 +133,7 @@ class LLMEngine:
         finished = list(plan.finished)
         if inputs is not None:
             sampling = plan.sampling()  # asked before postprocessing advances the sequences
-            logits = self._score(self.runner.forward(inputs), plan.logits_rows())
+            logits = self._score(self.forward(inputs), plan.logits_rows())
             tokens = self.sampler.sample(logits, sampling)
             finished += self._postprocess(plan, sampling, tokens)
         elif not finished and self.scheduler.has_work():
@@ -184,16 +213,6 @@ class LLMEngine:
         for seq in finished:
             self.metrics.on_finish(seq)
 
-    def queue_state(self, now: float) -> QueueState:
-        s = self.scheduler
-        waiting = [q for q in s.waiting if q.arrival_time <= now]
-        unfinished = waiting + s.running + list(s.swapped)
-        return QueueState(
-            arrived=self.added - (len(s.waiting) - len(waiting)), running=len(s.running),
-            waiting=len(waiting), swapped=len(s.swapped),
-            queue_tokens=sum(q.num_uncomputed_tokens for q in waiting)
-            + sum(q.params.max_tokens - q.num_output_tokens for q in unfinished))
-
     # ---- all at once --------------------------------------------------------------------
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams],
                  on_step=None) -> list[Sequence]:
@@ -227,13 +246,34 @@ class LLMEngine:
         text): its blocks freed, counted as finished."""
         if not seq.is_finished:
             self.scheduler.finish(seq, reason)
-            self.metrics.on_finish(seq)
+            if reason != "handed_off":  # counted where it ends: another engine
+                self.metrics.on_finish(seq)
 
     def abort(self, seq: Sequence) -> None:
         """Drop an unfinished request: out of its queue, its blocks freed; counted as aborted."""
         if not seq.is_finished:
             self.scheduler.finish(seq, "aborted")
             self.metrics.aborted += 1
+
+    # ---- a KV handoff between engines ---------------------------------------------------
+    def hand_off(self, seq: Sequence, take=None) -> np.ndarray:
+        """A running seq out of the batch for another engine's adopt, its blocks kept until
+        finish(seq, "handed_off"); returns their KV, a row per block (in take(nbytes)'s buffer)."""
+        self.scheduler.hold(seq)
+        n, size = -(-seq.num_computed_tokens // self.config.block_size), self.runner.kv_cache.block_nbytes
+        return self.runner.read_blocks(seq.block_table[:n], take(n * size)[:n * size].reshape(n, size) if take else None)
+
+    def adopt(self, seq: Sequence) -> str | bool:
+        """Blocks for another engine's handed-off seq, held for write_kv: False while the watermark
+        does not allow them (try again after a step), why not if it never could, else True."""
+        return self.scheduler.reserve(seq)
+
+    def write_kv(self, seq: Sequence, first: int, rows: np.ndarray) -> None:
+        """hand_off's rows first.. into an adopted seq's blocks; after the last, seq joins the batch."""
+        self.runner.write_blocks(seq.block_table[first:first + len(rows)], rows)
+        if first + len(rows) == -(-seq.num_computed_tokens // self.config.block_size):
+            self.block_manager.register_full_blocks(seq)
+            self.scheduler.resume(seq)
 
     def detokenize(self, seq: Sequence) -> str:
         """The text of seq's generated tokens."""

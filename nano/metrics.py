@@ -1,22 +1,12 @@
-"""What the engine measures: latency per request, what each step did to the KV pool, its
-queues (QueueState). Exported for autoscalers and dashboards by nano/telemetry."""
+"""What the engine measures: latency per request, what each step did to the KV pool.
+Exported for autoscalers and dashboards by nano/telemetry."""
 from collections import Counter, deque
-from dataclasses import dataclass
 
 from nano.plan import SchedulerOutput, decode_context
 from nano.policy import LATE
 from nano.sequence import Sequence
 
 STEP_LOG = 100_000  # steps kept in Metrics.step_log: 3 MB
-
-@dataclass
-class QueueState:
-    """The scheduler's queues at one instant (arrived requests only)."""
-    arrived: int
-    running: int
-    waiting: int
-    swapped: int
-    queue_tokens: int   # waiting prompt tokens + remaining output tokens of everything unfinished
 
 
 class Metrics:

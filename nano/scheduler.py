@@ -21,7 +21,8 @@ engine is given (policy.py: FCFS by default; nano/deadline's with --policy deadl
 from collections import deque
 
 from nano.block_manager import BlockManager
-from nano.config import Capacity, EngineConfig
+from nano.capacity import Capacity
+from nano.config import EngineConfig
 from nano.cost_model import CostModel
 from nano.plan import Preemption, SchedulerOutput, is_decode
 from nano.policy import FCFS, LATE
@@ -42,9 +43,6 @@ class Scheduler:
         self.swapped: deque[Sequence] = deque()
         self.held: list[Sequence] = []        # out of the batch with their blocks (hold, reserve)
         self.policy: FCFS = policy(self, cost_model, kv_bytes_per_token)  # it reads this scheduler live
-
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)

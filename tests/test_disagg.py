@@ -16,7 +16,7 @@ from nano.fleet.ranks import Node, run_local
 from nano.disagg.serving import DecodeInstance, PrefillInstance, Router, parse_split
 from nano.engine import LLMEngine
 from nano.errors import NanoError
-from nano.sequence import SamplingParams, Sequence
+from nano.sequence import SamplingParams, Sequence, Status
 from test_stress import check_invariants, make_requests
 from test_tp import PROMPTS, assert_one_line_error, interrupt_one_rank, launch, needs_mpi
 
@@ -107,7 +107,7 @@ def test_same_tokens_as_one_engine(tiny_model, split, kv):
 
 # ---- checksums ----------------------------------------------------------------------------
 def filled_sequence(engine, num_tokens: int, seq_id: int = 7) -> Sequence:
-    """A sequence owning blocks of engine's pool, which is filled with random values."""
+    """A running sequence owning blocks of engine's pool, which is filled with random values."""
     rng = np.random.default_rng(seq_id)
     for a in engine.runner.kv_cache.block_arrays():
         a[...] = rng.standard_normal(a.shape).astype(a.dtype) if a.dtype.kind == "f" else \
@@ -115,6 +115,13 @@ def filled_sequence(engine, num_tokens: int, seq_id: int = 7) -> Sequence:
     seq = Sequence(seq_id, "", list(range(num_tokens + 1)), SamplingParams(), 0.0, 0)
     seq.block_table = [5, 2, 9]
     seq.num_computed_tokens = num_tokens
+    return running(engine, seq)
+
+
+def running(engine, seq: Sequence) -> Sequence:
+    """seq in engine's batch, as a prefilled one is when it is handed off."""
+    seq.status = Status.RUNNING
+    engine.scheduler.running.append(seq)
     return seq
 
 
@@ -123,7 +130,7 @@ def test_blocks_arrive_exactly_and_each_is_checked(tiny_model, kv):
     config = tiny_config(tiny_model, kv_cache_dtype=kv)
     sender, receiver = LLMEngine(config), LLMEngine(config)
     seq = filled_sequence(sender, 20)  # 20 tokens of 8-token blocks: 3 blocks, the last part-filled
-    offer, payload = kv_transfer.pack(sender.runner, seq, 0, 2, lambda: 0.0)
+    offer, payload = kv_transfer.pack(sender, seq, 0, 2, lambda: 0.0)
     assert offer.num_blocks == 3 and payload.shape[0] == 3 and offer.seq.block_table == []
     kv_transfer.verify(offer, payload)
     receiver.runner.write_blocks([1, 3, 0], payload)
@@ -138,7 +145,7 @@ def test_blocks_arrive_exactly_and_each_is_checked(tiny_model, kv):
         kv_transfer.verify(offer, payload[[2, 1, 0]])
     other = filled_sequence(sender, 20, seq_id=8)
     other.block_table = seq.block_table
-    other_offer, other_payload = kv_transfer.pack(sender.runner, other, 0, 2, lambda: 0.0)
+    other_offer, other_payload = kv_transfer.pack(sender, other, 0, 2, lambda: 0.0)
     with pytest.raises(kv_transfer.ChecksumError, match="block 0"):  # another sequence's payload
         kv_transfer.verify(offer, other_payload)
     kv_transfer.verify(offer, payload[1:], first=1)  # a piece: blocks 1 and 2
@@ -545,7 +552,8 @@ def check_gpu_handoff(model, kv):
         a[...] = xp.asarray(values.astype(a.dtype))
     seq = Sequence(3, "", list(range(21)), SamplingParams(), 0.0, 0)
     seq.block_table, seq.num_computed_tokens = [5, 2, 9], 20
-    offer, payload = kv_transfer.pack(sender.runner, seq, 0, 2, lambda: 0.0)
+    running(sender, seq)
+    offer, payload = kv_transfer.pack(sender, seq, 0, 2, lambda: 0.0)
     kv_transfer.verify(offer, payload)
     receiver.runner.write_blocks([1, 3, 0], payload)
     for a, b in zip(sender.runner.kv_cache.block_arrays(), receiver.runner.kv_cache.block_arrays()):

@@ -2,6 +2,7 @@
 engine never imports, add-ons that build only on shared foundations, no modules that import
 each other, the engine small enough to read, and run.py only assembling the add-ons."""
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -142,6 +143,44 @@ def test_the_check_sees_an_import_circle(tmp_path):
     (package / "b.py").write_text("from pkg.c import C\n")
     (package / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.a import A\n")
     assert import_circles(import_graph(package)) == {frozenset({"pkg.a", "pkg.b", "pkg.c"})}
+
+
+# An engine object in an add-on, however it is named there: engine, eng, self.engine,
+# node.instance.engine, base_engine, make_engine(...), clocked_engine(...).
+ENGINE_NAME = re.compile(r"(^|_)eng(ine)?$")
+
+
+def engine_surface() -> set[str]:
+    """What an add-on may touch on an engine: LLMEngine's public methods and properties, and
+    the attributes it publishes."""
+    from nano.engine import LLMEngine
+    return {n for n in vars(LLMEngine) if not n.startswith("_")} | set(LLMEngine.PUBLISHED)
+
+
+def engine_reaches(path: Path, surface: set[str]) -> list[str]:
+    """'line: attribute' for each attribute of an engine object in path that is not on the
+    engine's surface (engine.scheduler.add(seq), s = engine.scheduler, ...)."""
+    def is_engine(node) -> bool:
+        node = node.func if isinstance(node, ast.Call) else node
+        name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+        return bool(ENGINE_NAME.search(name))
+    return sorted(f"{node.lineno}: {node.attr}" for node in ast.walk(ast.parse(path.read_text()))
+                  if isinstance(node, ast.Attribute) and is_engine(node.value) and node.attr not in surface)
+
+
+def test_add_ons_use_only_the_engines_surface():
+    surface = engine_surface()
+    files = [p for a in ADD_ONS for p in sorted((NANO / a).rglob("*.py"))] + [NANO.parent / "run.py"]
+    offenders = {str(p.relative_to(NANO.parent)): hits for p in files if (hits := engine_reaches(p, surface))}
+    assert not offenders, f"add-ons reaching into the engine: {offenders}"
+
+
+def test_the_check_sees_a_reach_into_the_engine(tmp_path):
+    """The rule above fails on a planted call into the scheduler, and on an alias of it."""
+    planted = tmp_path / "planted.py"
+    planted.write_text("def f(self, seq):\n    self.engine.queue(seq)\n    self.engine.scheduler.add(seq)\n"
+                       "    s = engine.block_manager\n    return eng.clock.now(), make_engine().runner\n")
+    assert engine_reaches(planted, engine_surface()) == ["3: scheduler", "4: block_manager", "5: runner"]
 
 
 # What one reader can hold: the engine's own work (scheduling with FCFS, the policy interface

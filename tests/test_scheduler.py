@@ -32,7 +32,7 @@ def request(sched, prompt_len, arrival=0.0, **params) -> Sequence:
     seq = Sequence(next(seq_ids), "", [7] * prompt_len,
                    SamplingParams(temperature=0, max_tokens=params.pop("max_tokens", 100), **params),
                    arrival, seed=0)
-    sched.add(seq)
+    sched.waiting.append(seq)
     return seq
 
 
@@ -190,7 +190,7 @@ def test_a_requests_prefix_hit_is_its_first_admissions_not_its_own_blocks_after_
     a = Sequence(next(seq_ids), "", [1] * BLOCK, SamplingParams(temperature=0), 0.0, seed=0)
     b = Sequence(next(seq_ids), "", [2] * (BLOCK + 1), SamplingParams(temperature=0), 0.0, seed=0)
     for seq in (a, b):
-        sched.add(seq)
+        sched.waiting.append(seq)
 
     def run_step():
         out = step(sched)
@@ -204,7 +204,7 @@ def test_a_requests_prefix_hit_is_its_first_admissions_not_its_own_blocks_after_
     assert run_step().admitted == [b]
     assert b.num_cached_tokens == BLOCK and b.num_cached_prompt_tokens == 0
     c = Sequence(next(seq_ids), "", [2] * (BLOCK + 3), SamplingParams(temperature=0), 0.0, seed=0)
-    sched.add(c)  # a new request with b's first block as its prefix: a hit of its prompt
+    sched.waiting.append(c)  # a new request with b's first block as its prefix: a hit of its prompt
     run_step()
     assert c.num_cached_prompt_tokens == BLOCK
 

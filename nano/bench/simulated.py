@@ -38,17 +38,17 @@ def simulated_engine(config: EngineConfig, step: tuple[float, float, float] = (S
     `seed` (0: exact; > 0: steps vary as on a real clock, but reproducibly), and whose
     step-time model (cost_model.py) starts from that model's coefficients; policy: its
     scheduling policy (LLMEngine's)."""
-    clock = SimulatedClock()
-    engine = LLMEngine(config, clock=clock, policy=policy)
-    forward, (base, per_token, per_decode) = engine.runner.forward, step
+    clock, (base, per_token, per_decode) = SimulatedClock(), step
     rng = np.random.default_rng(seed)
 
-    def timed_forward(batch):
-        decodes = batch.num_decodes
-        seconds = base + per_token * (len(batch.input_ids) - decodes) + per_decode * decodes
-        clock.sleep(seconds * (rng.lognormal(0.0, jitter) if jitter else 1.0))
-        return forward(batch)
+    def timed(forward):
+        def timed_forward(batch):
+            decodes = batch.num_decodes
+            seconds = base + per_token * (len(batch.input_ids) - decodes) + per_decode * decodes
+            clock.sleep(seconds * (rng.lognormal(0.0, jitter) if jitter else 1.0))
+            return forward(batch)
+        return timed_forward
 
-    engine.runner.forward = timed_forward
+    engine = LLMEngine(config, clock=clock, policy=policy, wrap_forward=timed)
     engine.cost.coef[:] = engine.cost.prior[:] = (base, per_token, per_decode, 0.0)
     return engine

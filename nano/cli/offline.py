@@ -1,6 +1,7 @@
 """Offline inference: a list of requests run to completion through the engine's public API
 (add_request, step), with progress, and --output written as requests finish; and the
 warm-up every measured run starts with."""
+from nano import parallel
 from nano.cli.output import OutputFile, Progress, metrics_writer, print_completions, write_summary
 from nano.cli.prompts import model_inputs
 from nano.sequence import SamplingParams
@@ -13,7 +14,7 @@ def warm_up(engine) -> None:
     page faults, see ModelRunner.touch_kv_cache), then one short request (kernel compilation
     and graph capture on the GPU, BLAS thread start on the CPU; seen here: a first step of
     300 ms instead of 70). Metrics start afresh."""
-    engine.runner.touch_kv_cache()
+    engine.touch_kv_cache()
     engine.generate([list(range(3, 19))], SamplingParams(max_tokens=4, ignore_eos=True))
     engine.reset_metrics()
 
@@ -31,7 +32,7 @@ def run_all(engine, inputs, per_request, arrivals=None, output=None, metrics=Non
     while engine.has_unfinished():
         with watchdog.step():
             finished = engine.step()
-        engine.group.check_interrupted()
+        parallel.tp_group().check_interrupted()  # the engine's TP ranks: one got a SIGINT
         progress.update(len(finished), engine.metrics.generated_tokens)
         if metrics:
             metrics.after_step(engine)

@@ -9,7 +9,7 @@ import time
 
 from tqdm import tqdm
 
-from nano import kv_cache
+from nano import kv_cache, tp
 from nano.errors import NanoError, writing
 from nano.telemetry.export import MetricsWriter
 
@@ -17,36 +17,36 @@ from nano.telemetry.export import MetricsWriter
 def describe(engine) -> str:
     """What the engine loaded and allocated, in words: the model, the KV pool (and the int8
     gain), the batch ceiling, swap space; under TP each rank's heads and pool."""
-    bm, config = engine.block_manager, engine.config
+    config, (num_blocks, _, num_swap_blocks, _) = engine.config, engine.kv_blocks()
     bs, per_token = config.block_size, engine.kv_bytes_per_token
-    per_seq = bm.num_blocks_for(engine.max_model_len)
-    return (f"model {engine.shard.model_dir.name} on {engine.device.kind}: weights {engine.weight_bytes / 1e6:.0f} MB; "
+    per_seq = -(-engine.max_model_len // bs)
+    return (f"model {engine.model_name} on {engine.device.kind}: weights {engine.weight_bytes / 1e6:.0f} MB; "
             f"KV cache {per_token} bytes/token "
             f"({kv_cache.label(config.kv_cache_dtype, config.key_scheme, engine.device.dtype)}), "
-            f"{bm.num_blocks} blocks of {bs} tokens "
-            f"({bm.num_blocks * bs} tokens, {bm.num_blocks * bs * per_token / 1e9:.2f} GB"
+            f"{num_blocks} blocks of {bs} tokens "
+            f"({num_blocks * bs} tokens, {num_blocks * bs * per_token / 1e9:.2f} GB"
             + _int8_gain(engine) + "); "
-            f"batch ceiling {bm.num_blocks // per_seq} sequences of {engine.max_model_len} tokens; "
-            f"swap space {bm.num_swap_blocks} blocks"
-            + ("; batch-invariant forward" if engine.runner.model.batch_invariant else "") + _ranks(engine))
+            f"batch ceiling {num_blocks // per_seq} sequences of {engine.max_model_len} tokens; "
+            f"swap space {num_swap_blocks} blocks"
+            + ("; batch-invariant forward" if engine.batch_invariant else "") + _ranks(engine))
 
 
 def _int8_gain(engine) -> str:
     if engine.config.kv_cache_dtype == "auto":
         return ""
-    full = kv_cache.bytes_per_token(engine.model_config, engine.runner.model.num_kv_heads, "auto",
-                                    engine.device.itemsize)
+    heads = tp.partition(engine.model_config, 0, engine.config.tp).num_kv_heads  # rank 0's
+    full = kv_cache.bytes_per_token(engine.model_config, heads, "auto", engine.device.itemsize)
     return f", {full / engine.kv_bytes_per_token:.2f}x the tokens of a full-precision pool"
 
 
 def _ranks(engine) -> str:
     """Under TP the figures above are rank 0's. Every rank has the same number of blocks
     (so the same batch ceiling), but a block holds only that rank's KV heads."""
-    world, num_blocks = engine.group.world, engine.block_manager.num_blocks
+    world, num_blocks = engine.config.tp, engine.capacity.num_blocks
     if world == 1:
         return ""
     lines = [f"\ntensor parallel over {world} ranks (figures above: rank 0), each {num_blocks} blocks:"]
-    for p in engine.shard.partitions:
+    for p in (tp.partition(engine.model_config, r, world) for r in range(world)):
         per_token = kv_cache.bytes_per_token(engine.model_config, p.num_kv_heads, engine.config.kv_cache_dtype,
                                              engine.device.itemsize)
         pool = num_blocks * engine.config.block_size * per_token

@@ -56,7 +56,7 @@ def run_disagg(args, config: EngineConfig, workload, engine_policy) -> int:
     try:
         ran = serving.launch(config, num_prefill, num_decode, run.make_requests, args.bench, run.on_result,
                              lambda engine: metrics_writer(args, export=disagg_metrics.PoolExport(
-                                 engine.shard.model_dir.name)), engine_policy)
+                                 engine.model_name)), engine_policy)
     finally:
         run.close()
     return run.report(ran, disagg_metrics.summary, disagg_metrics.format_disagg)
@@ -101,7 +101,7 @@ def show_estimate(args, config: EngineConfig, params: SamplingParams) -> None:
           f"{prompt_len:.0f} tokens) ...", file=sys.stderr)
     coef = estimate.calibrate(engine, int(prompt_len), int(output_len))
     split = estimate.estimate(coef, prompt_len, output_len, config.token_budget,
-                              engine.block_manager.num_blocks, config.block_size, config.max_num_seqs,
+                              engine.capacity.num_blocks, config.block_size, config.max_num_seqs,
                               params.tpot_slo)
     print("\ndisaggregated serving, one engine per instance on this machine's share of it:")
     print(estimate.format_estimate(split, args.request_rate,

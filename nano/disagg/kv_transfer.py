@@ -1,7 +1,7 @@
 """A sequence's KV blocks moved from a prefill instance's pool to a decode instance's
 (disaggregated serving, disagg.py), and checked on arrival.
 
-    payload:   (num_blocks, block_bytes) uint8, one row per block (ModelRunner.read_blocks):
+    payload:   (num_blocks, block_bytes) uint8, one row per block (LLMEngine.hand_off):
                the block's slice of every block array, all layers, K and V (and, in an int8
                pool, the scales), so a row is everything one block holds
     checksums: (num_blocks,) one CRC-32 per row, seeded with (seq_id, block index)
@@ -51,14 +51,12 @@ def row_checksum(row: np.ndarray, seq_id: int, index: int) -> int:
     return zlib.crc32(row, zlib.crc32(struct.pack("<qq", seq_id, index)))
 
 
-def pack(runner, seq: Sequence, source: int, tag: int, now, buffers=None) -> tuple[Offer, np.ndarray]:
-    """The offer and the payload of seq's filled blocks, read from runner's pool (into a
-    buffer from buffers, a PayloadBuffers, if given)."""
+def pack(engine, seq: Sequence, source: int, tag: int, now, buffers=None) -> tuple[Offer, np.ndarray]:
+    """The offer and the payload of seq's filled blocks, handed off by engine (into a buffer
+    from buffers, a PayloadBuffers, if given)."""
     start = time.perf_counter()
-    num_blocks = -(-seq.num_computed_tokens // runner.block_size)
-    shape = (num_blocks, runner.kv_cache.block_nbytes)
-    out = buffers.take(shape[0] * shape[1])[:shape[0] * shape[1]].reshape(shape) if buffers else None
-    payload = runner.read_blocks(seq.block_table[:num_blocks], out)
+    payload = engine.hand_off(seq, buffers.take if buffers else None)
+    num_blocks = len(payload)
     checksums = [row_checksum(row, seq.seq_id, i) for i, row in enumerate(payload)]
     per_piece = max(1, PIECE_BYTES // payload.shape[1])
     offer = Offer(wire_copy(seq), source, tag, num_blocks, payload.nbytes, per_piece, checksums,

@@ -22,7 +22,7 @@ LLMEngine (tp=1) with its own KV pool; rank 0 also routes. A request's life:
 Routing, at arrival: to the prefill instance with the least queued prompt tokens, and to
 the decode instance with the most free blocks (its last report, less the blocks of
 requests already routed to it and not yet taken), each among those that could ever hold
-the request. Every instance tells the router its capacity (config.Capacity: context,
+the request. Every instance tells the router its capacity (capacity.Capacity: context,
 pool, watermark) once at the start, and the router routes nothing before it has them all:
 a request no prefill or no decode instance could hold is rejected there, as one engine of
 that pool size rejects it, before any prefill is spent on it. Every instance reports its queue depth
@@ -83,11 +83,11 @@ class PrefillInstance(Instance):
         if kind == "request":
             _, seq, decode = message
             self.seqs[seq.seq_id], self.decode_rank[seq.seq_id] = seq, decode
-            self.engine.scheduler.add(seq)
+            self.engine.queue(seq)
             self.received += 1
         elif kind == "ack":
             seq, _, payload = self.offered.pop(message[1])
-            self.engine.scheduler.finish(seq, "handed_off")  # frees its blocks
+            self.engine.finish(seq, "handed_off")  # frees its blocks
             self.returning.append(payload)
         elif kind == "abort":
             self.abort(message[1])
@@ -99,7 +99,7 @@ class PrefillInstance(Instance):
             self.link.send(self.offered[seq_id][1], ("abort", seq_id))
         elif seq_id in self.seqs:
             seq = self.seqs[seq_id]
-            self.engine.scheduler.finish(seq, "aborted")
+            self.engine.abort(seq)
             self.decode_rank.pop(seq_id)
             self.end(seq)
 
@@ -110,8 +110,7 @@ class PrefillInstance(Instance):
         self.returning = [p for p, d in zip(self.returning, done) if not d]
         queue = self.queue_tokens()
         busy = self.step()
-        for seq in [s for s in self.engine.scheduler.running if s.num_output_tokens]:
-            self.engine.scheduler.hold(seq)
+        for seq in [s for s in self.engine.unfinished() if s.status is Status.RUNNING and s.num_output_tokens]:
             self.offer(seq)
         self.status(queue if busy else self.queue_tokens(), busy, received=self.received)
         if self.stopping and not self.offered:  # every handoff acknowledged: nothing held
@@ -126,7 +125,7 @@ class PrefillInstance(Instance):
         decode = self.decode_rank.pop(seq.seq_id)
         del self.seqs[seq.seq_id]
         tag = payload_tag(seq.seq_id)
-        offer, payload = kv_transfer.pack(self.engine.runner, seq, self.rank, tag, self.engine.clock.now,
+        offer, payload = kv_transfer.pack(self.engine, seq, self.rank, tag, self.engine.clock.now,
                                           self.buffers)
         self.link.send(decode, ("offer", offer))
         for first, n in kv_transfer.pieces(offer):
@@ -134,8 +133,7 @@ class PrefillInstance(Instance):
         self.offered[seq.seq_id] = (seq, decode, payload)
 
     def queue_tokens(self) -> int:
-        s = self.engine.scheduler
-        return sum(q.num_uncomputed_tokens for q in (*s.waiting, *s.running))
+        return sum(q.num_uncomputed_tokens for q in self.engine.unfinished() if q.status in (Status.WAITING, Status.RUNNING))
 
 
 @dataclass(eq=False)
@@ -175,7 +173,7 @@ class DecodeInstance(Instance):
             self.arriving.ending = ("aborted", None)
         elif seq_id in self.seqs:
             seq = self.seqs[seq_id]
-            self.engine.scheduler.finish(seq, "aborted")
+            self.engine.abort(seq)
             self.end(seq)
 
     def drop(self, offer: kv_transfer.Offer, reason: str, error: str | None = None) -> None:
@@ -196,7 +194,7 @@ class DecodeInstance(Instance):
             while a.pieces and self.ready(a):
                 self.receive_piece(a)
                 took = True
-        budget = STALL_FRACTION * self.engine.metrics.last_step_time if self.engine.scheduler.running else np.inf
+        budget = STALL_FRACTION * self.engine.metrics.last_step_time if self.decoding() else np.inf
         spent, pieces = 0.0, 0
         while not pieces or spent + self.piece_seconds <= budget:
             if self.arriving is None and not self.adopt_next():
@@ -207,6 +205,9 @@ class DecodeInstance(Instance):
             pieces, took = pieces + 1, True
         return took
 
+    def decoding(self) -> bool:
+        return any(s.status is Status.RUNNING for s in self.engine.unfinished())
+
     def ready(self, a: Arrival) -> bool:
         return self.link.ready(a.offer.source, a.offer.tag)
 
@@ -214,7 +215,7 @@ class DecodeInstance(Instance):
         """Give the first offer blocks, if the watermark allows; False if there is none to take."""
         while self.offers:
             offer = self.offers[0]
-            adopted = self.engine.scheduler.reserve(offer.seq)
+            adopted = self.engine.adopt(offer.seq)
             if adopted is False:
                 return False  # back-pressure: the payload waits on the prefill side
             self.offers.popleft()
@@ -226,7 +227,8 @@ class DecodeInstance(Instance):
 
     def receive_piece(self, a: Arrival) -> float:
         """Receive a's next piece and, if it is to be kept, check it and write it into its
-        blocks; returns the seconds it took."""
+        blocks (the last one written, the sequence decodes from the next step); returns the
+        seconds it took."""
         clock, offer = self.engine.clock, a.offer
         first, n = a.pieces.popleft()
         start = clock.now()
@@ -235,11 +237,11 @@ class DecodeInstance(Instance):
             rows = rows.reshape(n, -1)
             try:
                 kv_transfer.verify(offer, rows, first)
-                self.engine.runner.write_blocks(offer.seq.block_table[first:first + n], rows)
+                self.engine.write_kv(offer.seq, first, rows)
             except kv_transfer.ChecksumError as e:
                 a.ending = ("rejected", str(e))  # the rest is received unchecked
         end = clock.now()
-        if self.engine.scheduler.running:  # decodes waited for it (else nothing did)
+        if self.decoding():  # decodes waited for it (else nothing did)
             self.stalls.append((start, end))
         a.seconds += end - start
         self.piece_seconds = end - start
@@ -249,7 +251,8 @@ class DecodeInstance(Instance):
 
     def arrived(self, a: Arrival, now: float) -> None:
         """The last piece is in: acknowledge (the prefill side frees its blocks), then decode
-        the sequence here, or end it (a failed checksum, an abort, a rejection)."""
+        the sequence here (write_kv put it in the batch), or end it (a failed checksum, an
+        abort, a rejection)."""
         offer, seq = a.offer, a.offer.seq
         self.link.send(offer.source, ("ack", seq.seq_id))
         if not a.adopted:
@@ -259,12 +262,13 @@ class DecodeInstance(Instance):
             return
         self.arriving = None
         if a.ending:
-            self.engine.scheduler.finish(seq, a.ending[0])
-            seq.error = a.ending[1]
+            reason, seq.error = a.ending
+            if reason == "aborted":
+                self.engine.abort(seq)
+            else:
+                self.engine.finish(seq, reason)
             self.end(seq)
             return
-        self.engine.block_manager.register_full_blocks(seq)
-        self.engine.scheduler.resume(seq)
         self.handoffs[seq.seq_id] = {"bytes": offer.nbytes, "pack_s": offer.pack_seconds,
                                      "receive_s": a.seconds, "handoff_s": now - offer.offered_at}
         self.seqs[seq.seq_id] = seq
@@ -281,8 +285,7 @@ class DecodeInstance(Instance):
         return busy
 
     def queue_tokens(self) -> int:
-        s = self.engine.scheduler
-        waiting = [o.seq for o in self.offers] + s.held + list(s.waiting) + s.running + list(s.swapped)
+        waiting = [o.seq for o in self.offers] + self.engine.unfinished()
         return sum(q.params.max_tokens - q.num_output_tokens for q in waiting)
 
 

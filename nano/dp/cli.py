@@ -63,7 +63,7 @@ def run_dp(args, config: EngineConfig, workload, engine_policy) -> int:
         ran = serving.launch(config, args.dp, args.dp_policy, run.make_requests, args.bench,
                              lambda seq, replica: run.on_result(seq, replica=replica),
                              lambda engine: metrics_writer(args, export=dp_metrics.ReplicaExport(
-                                 engine.shard.model_dir.name)), engine_policy)
+                                 engine.model_name)), engine_policy)
     finally:
         run.close()
     return run.report(ran, dp_metrics.summary, dp_metrics.format_replicas)

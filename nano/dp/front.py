@@ -22,7 +22,7 @@ class Front:
         self.export = export  # dp_metrics.ReplicaExport: /metrics, and --metrics-prom's file
         engine = node.instance.engine
         self.local = engine  # rank 0's: it makes the sequences (checks, tokenizer, ids, seeds)
-        self.tokenizer, self.clock, self.shard = engine.tokenizer, engine.clock, engine.shard
+        self.tokenizer, self.clock, self.model_name = engine.tokenizer, engine.clock, engine.model_name
         self.max_model_len, self.model_config = engine.max_model_len, engine.model_config
         self.live: dict[int, Sequence] = {}  # the server's sequences, by id, until their result
         self.router.accepting = True
@@ -91,7 +91,7 @@ def start_front(config, num_replicas: int, policy: str, make_metrics=None, engin
     exports = []
 
     def make_router(link, engine):
-        exports.append(dp_metrics.ReplicaExport(engine.shard.model_dir.name))
+        exports.append(dp_metrics.ReplicaExport(engine.model_name))
         metrics = make_metrics(engine, exports[0]) if make_metrics else None
         return Router(link, num_replicas, policy, config.block_size, engine.clock, None,
                       metrics and metrics.tick)

@@ -31,6 +31,8 @@ from nano.fleet.ranks import Instance, InstanceStatus, Router as RouterBase, lau
 from nano.dp.policy import CacheIndex, Policy, prompt_hashes
 from nano.errors import NanoError
 from nano.policy import FCFS
+from nano.sequence import Status
+from nano.telemetry.export import queue_state
 
 
 def check_replicas(dp: int) -> None:
@@ -43,7 +45,7 @@ class Replica(Instance):
 
     def __init__(self, engine, link, stream: bool = False):
         super().__init__(engine, link)
-        engine.block_manager.cache_events = []
+        engine.take_cache_events()  # from now on, every change to its prefix cache is recorded
         self.received = 0
         self.streamed: dict[int, int] | None = {} if stream else None  # seq_id -> output tokens sent
 
@@ -53,7 +55,7 @@ class Replica(Instance):
             _, seq, sent_at = message
             seq.arrival_time = self.engine.clock.now() - (sent_at - seq.arrival_time)
             self.seqs[seq.seq_id] = seq
-            self.engine.scheduler.add(seq)
+            self.engine.queue(seq)
             self.received += 1
         elif kind == "abort" and message[1] in self.seqs:
             seq = self.seqs[message[1]]
@@ -71,10 +73,9 @@ class Replica(Instance):
         busy = self.step()
         if self.streamed is not None:
             self.stream()
-        bm = self.engine.block_manager
-        if bm.cache_events:
-            self.tell_router(("cache", bm.cache_events))
-            bm.cache_events = []
+        events = self.engine.take_cache_events()
+        if events:
+            self.tell_router(("cache", events))
         self.status(queue if busy else self.queue_tokens(), busy, received=self.received,
                     work_tokens=self.work_tokens())
         if self.stopping and not self.engine.has_unfinished():
@@ -82,16 +83,18 @@ class Replica(Instance):
         return busy
 
     def queue_tokens(self) -> int:
-        return self.engine.queue_state(self.engine.clock.now()).queue_tokens
+        return queue_state(self.engine, self.engine.clock.now()).queue_tokens
 
     def work_tokens(self) -> int:
         """Tokens still to compute here: waiting prompts less the blocks this replica's prefix
         cache holds of them, the rest of admitted ones, every output token to come. kv-aware's
         load term: a queue of one tenant's requests whose prefix is cached is short."""
-        s, bm = self.engine.scheduler, self.engine.block_manager
-        prompts = (sum(q.num_tokens - bm.block_size * len(bm.match_prefix(q.token_ids)) for q in s.waiting)
-                   + sum(q.num_uncomputed_tokens for q in (*s.running, *s.swapped)))
-        return prompts + sum(q.params.max_tokens - q.num_output_tokens for q in (*s.waiting, *s.running, *s.swapped))
+        seqs = self.engine.unfinished()  # none held: a replica hands nothing over
+        waiting = [q for q in seqs if q.status is Status.WAITING]
+        admitted = [q for q in seqs if q.status is not Status.WAITING]
+        prompts = (sum(q.num_tokens - self.engine.cached_tokens(q.token_ids) for q in waiting)
+                   + sum(q.num_uncomputed_tokens for q in admitted))
+        return prompts + sum(q.params.max_tokens - q.num_output_tokens for q in seqs)
 
     def stream(self) -> None:
         """Each unfinished request's new tokens (and their logits rows, if it asked for them)

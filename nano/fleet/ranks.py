@@ -18,7 +18,7 @@ import signal
 from collections import deque
 from dataclasses import dataclass, field
 
-from nano.config import Capacity
+from nano.capacity import Capacity
 from nano.policy import FCFS
 from nano.sequence import Sequence, Status
 from nano.telemetry.summary import summarize
@@ -71,7 +71,7 @@ class Instance:
         self.stalls: list[tuple[float, float]] = []  # decode: (start, end) of each payload received
         self.reported = None                          # (queue tokens, used blocks) last sent
         self.handoffs: dict[int, dict] = {}           # decode: seq_id -> its KV handoff's figures
-        self.tell_router(("capacity", engine.scheduler.capacity))
+        self.tell_router(("capacity", engine.capacity))
 
     def step(self) -> bool:
         """One engine step if there is work; returns whether it ran one (a prefill instance
@@ -94,19 +94,18 @@ class Instance:
     def status(self, queue_tokens: int, busy: bool, **extra) -> None:
         """Report to the router after a step, or when idle and something changed since (so
         an instance that has gone quiet does not keep showing its last busy queue)."""
-        bm = self.engine.block_manager
-        used = bm.num_blocks - bm.num_free_blocks
+        num_blocks, free, _, _ = self.engine.kv_blocks()
+        used = num_blocks - free
         if not busy and (queue_tokens, used) == self.reported:
             return
         self.reported = (queue_tokens, used)
         self.tell_router(("status", InstanceStatus(self.rank, self.engine.clock.now(), queue_tokens,
-                                                   used, bm.num_blocks, **extra)))
+                                                   used, num_blocks, **extra)))
 
     def finish_stop(self) -> None:
-        bm, m = self.engine.block_manager, self.engine.metrics
+        m, (num_blocks, free, num_swap_blocks, free_swap) = self.engine.metrics, self.engine.kv_blocks()
         report = Report(self.rank, summarize(m, self.engine.clock.now() - self.start), list(m.step_log),
-                        self.stalls, bm.num_blocks - bm.num_free_blocks,
-                        bm.num_swap_blocks - len(bm.free_host_blocks))
+                        self.stalls, num_blocks - free, num_swap_blocks - free_swap)
         self.tell_router(("final", report))
         self.engine.stop_workers()  # its TP ranks' Worker.run returns
         self.stopped = True
@@ -170,7 +169,7 @@ class Router:
 
     def fitting(self, seq: Sequence, ranks: list[int]) -> tuple[list[int], str | None]:
         """The instances among ranks that could ever hold seq (the scheduler's own never-fit
-        rule, config.Capacity); if none, why not, in the words of the largest pool's engine."""
+        rule, capacity.Capacity); if none, why not, in the words of the largest pool's engine."""
         errors = {r: self.capacity[r].never_fits(seq) for r in ranks}
         fit = [r for r in ranks if errors[r] is None]
         largest = max(ranks, key=lambda r: self.capacity[r].usable_blocks)

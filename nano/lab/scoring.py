@@ -49,7 +49,7 @@ def teacher_forced(engine, token_ids: np.ndarray) -> np.ndarray:
             slot_mapping=xp.asarray(positions), num_decodes=0, context_lens=xp.asarray([end], np.int32),
             block_tables=tables, cu_seqlens_q=xp.asarray([0, end - start], np.int32),
             logits_indices=xp.asarray(np.arange(end - start, dtype=np.int32)))
-        logits = engine.runner.forward(batch)
+        logits = engine.forward(batch)
         out.append(log_softmax(engine.device.to_host(logits).astype(np.float32)))
     return np.concatenate(out)
 

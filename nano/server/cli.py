@@ -81,7 +81,7 @@ def serve(args, engine, engine_metrics: bool = True) -> int:
         from nano.server.middleware import allowed_hosts
     except ImportError as e:
         raise NanoError(f"--serve needs FastAPI and uvicorn (pip install -r requirements.txt): {e}") from None
-    print(f"serving {engine.shard.model_dir.name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    print(f"serving {engine.model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     try:
         serve_http(engine, args.host, args.port, args.max_queued_requests,
                    metrics_writer(args, engine) if engine_metrics else None, limits(args),

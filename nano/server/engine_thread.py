@@ -114,9 +114,9 @@ class EngineThread(threading.Thread):
         self.engine, self.metrics = engine, metrics  # metrics: a MetricsWriter (--metrics-file)
         # GET /metrics renders this registry, which this thread sets from the engine between steps:
         # --metrics-prom's, or one of its own; a front over several engines (nano/dp) has its own.
-        front = hasattr(engine, "snapshot")
-        self.export = engine.export if front else metrics.export if metrics else EngineExport(engine)
-        self.snapshot = engine.snapshot if front else lambda: gauges(engine, engine.clock.now())
+        front = engine if hasattr(engine, "snapshot") else None  # nano/dp's Front, not an LLMEngine
+        self.export = front.export if front else metrics.export if metrics else EngineExport(engine)
+        self.snapshot = front.snapshot if front else lambda: gauges(engine, engine.clock.now())
         self.inbox: queue.Queue = queue.Queue()  # ("add", job) | ("abort", job) | None
         self.jobs: list[Job] = []
         self.error: str | None = None

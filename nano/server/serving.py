@@ -19,7 +19,7 @@ class Server:
     def __init__(self, engine, max_queued: int = 256, metrics=None, limits: Limits = Limits(),
                  stall_timeout: float | None = None):
         self.engine, self.max_queued, self.limits = engine, max_queued, limits
-        self.model_name = engine.shard.model_dir.name
+        self.model_name = engine.model_name
         self.thread = EngineThread(engine, metrics, stall_timeout)
         self.open: set[Job] = set()  # jobs submitted and not yet ended (event loop only)
         self.created = int(time.time())

@@ -5,10 +5,12 @@ whose registry is rewritten to a file (--metrics-prom) and served by the HTTP se
 command line's loop, the server's engine thread; a disaggregated run's router writes its
 pools' instead."""
 import json
+from dataclasses import dataclass
 
 import numpy as np
 
 from nano.errors import writing
+from nano.sequence import Status
 
 # Latency histogram bucket bounds in seconds (Prometheus style: cumulative, then +Inf).
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -20,16 +22,41 @@ def histogram(values: list[float]) -> list[int]:
     return counts + [len(values)]
 
 
+@dataclass
+class QueueState:
+    """The engine's queues at one instant (arrived requests only)."""
+    arrived: int
+    running: int
+    waiting: int
+    swapped: int
+    queue_tokens: int   # waiting prompt tokens + remaining output tokens of everything unfinished
+
+
+def queue_state(engine, now: float) -> QueueState:
+    """From the engine's unfinished sequences (held ones, a KV handoff's, are in no queue)."""
+    seqs = engine.unfinished()
+    queued = [q for q in seqs if q.status is Status.WAITING]
+    waiting = [q for q in queued if q.arrival_time <= now]
+    running = [q for q in seqs if q.status is Status.RUNNING]
+    swapped = [q for q in seqs if q.status is Status.SWAPPED]
+    return QueueState(
+        arrived=engine.added - (len(queued) - len(waiting)), running=len(running),
+        waiting=len(waiting), swapped=len(swapped),
+        queue_tokens=sum(q.num_uncomputed_tokens for q in waiting)
+        + sum(q.params.max_tokens - q.num_output_tokens for q in waiting + running + swapped))
+
+
 def gauges(engine, now: float) -> dict:
     """The engine's queues and KV pool as of now (between steps too: an abort frees blocks
     without a step): what a Prometheus export reads (prometheus.EngineExport.update) and, unlike
     the history snapshot() adds, cheap enough for the server to take after every step."""
-    m, bm, queues = engine.metrics, engine.block_manager, engine.queue_state(now)
+    m, queues = engine.metrics, queue_state(engine, now)
+    num_blocks, free_blocks, _, _ = engine.kv_blocks()
     return {
         "time": now, "step": m.steps, "arrived": queues.arrived,
         "running": queues.running, "waiting": queues.waiting, "swapped": queues.swapped,
         "queue_depth_tokens": queues.queue_tokens,
-        "kv_occupancy": 1 - bm.num_free_blocks / bm.num_blocks,
+        "kv_occupancy": 1 - free_blocks / num_blocks,
         "step_time": m.last_step_time,
     }
 

@@ -61,7 +61,7 @@ class EngineExport(Export):
     """One LLMEngine's metrics."""
 
     def __init__(self, engine, model_name: str | None = None):
-        super().__init__(model_name or engine.shard.model_dir.name)
+        super().__init__(model_name or engine.model_name)
         self.engine = engine
         gauge, counter, histogram = (lambda *a, **k: self.metric(Gauge, *a, **k),
                                      lambda *a, **k: self.metric(Counter, *a, **k),

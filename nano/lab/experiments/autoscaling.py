@@ -1,6 +1,6 @@
 """autoscaling: which signal says first that an engine needs help. Requests arrive at a rate
 ramped from a quarter of the engine's measured capacity to twice it; after every step the
-engine's own signals are read (engine.queue_state: queue depth in tokens; the KV pool's
+engine's own signals are read (telemetry.export.queue_state: queue depth in tokens; the KV pool's
 occupancy), and, per time window, the fraction of wall time spent in steps (CPU busy) and
 the TTFT of requests that got their first token in it. A signal alarms when it first
 reaches half of its peak; docs/deadline-policy.md ("What to scale on") says queue depth in
@@ -11,6 +11,7 @@ import numpy as np
 from nano.bench.workload import random_requests
 from nano.lab.experiment import Experiment, Size, serve
 from nano.lab.timing import clocked_engine
+from nano.telemetry.export import queue_state
 from nano.telemetry.summary import percentile
 
 RAMP = (0.25, 2.0)                  # offered rate at the start and the end, x capacity
@@ -61,12 +62,11 @@ def run(size: Size) -> list[dict]:
     seqs = [eng.add_request(p, sp, start + t) for (p, sp), t in zip(requests(eng, s["requests"], s, size.seed),
                                                                     arrivals)]
     samples = []  # (seconds since start, queue tokens, KV occupancy) after each step
-    num_blocks = eng.block_manager.num_blocks
     while eng.has_unfinished():
         eng.step()
         now = eng.clock.now()
-        samples.append((now - start, eng.queue_state(now).queue_tokens,
-                        1 - eng.block_manager.num_free_blocks / num_blocks))
+        num_blocks, free, _, _ = eng.kv_blocks()
+        samples.append((now - start, queue_state(eng, now).queue_tokens, 1 - free / num_blocks))
     end = samples[-1][0]
     edges = np.linspace(0, end, s["windows"] + 1)
     steps = np.array([(a - start, b - start) for a, b, _, _ in eng.metrics.step_log])

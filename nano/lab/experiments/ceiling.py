@@ -82,7 +82,7 @@ def run(size: Size) -> list[dict]:
             rows.append({"kind": "run", "model": report.model, "kv_dtype": report.kv_dtype, "context": c,
                          "weights_GB": round(eng.weight_bytes / 1e9, 3),
                          "kv_bytes_per_token": eng.kv_bytes_per_token, "kv_pool_MB": round(memory / 1e6, 2),
-                         "pool_blocks": eng.block_manager.num_blocks, "computed_blocks": report.num_blocks,
+                         "pool_blocks": eng.capacity.num_blocks, "computed_blocks": report.num_blocks,
                          "ceiling": ceiling, "offered": len(seqs), "measured_peak": eng.metrics.peak_running,
                          "finished": sum(s.finish_reason == "length" for s in seqs)})
     return rows

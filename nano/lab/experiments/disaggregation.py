@@ -52,7 +52,7 @@ def run(size: Size) -> list[dict]:
     prompt_len, output_len = np.mean(s["input_len"]), np.mean(s["output_len"])
     coef = estimate.calibrate(eng, int(prompt_len), int(output_len))
     plan = estimate.estimate(coef, prompt_len, output_len, eng.config.token_budget,
-                             eng.block_manager.num_blocks, eng.config.block_size, eng.config.max_num_seqs)
+                             eng.capacity.num_blocks, eng.config.block_size, eng.config.max_num_seqs)
     del eng
     apart = run_disaggregated(bench_argv(size, s), SPLIT)
     return [figures("colocated", colocated),

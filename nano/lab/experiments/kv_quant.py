@@ -28,11 +28,11 @@ def run(size: Size) -> list[dict]:
         logps = scoring.score(eng, texts)
         answers = scoring.greedy_answers(eng, s["answer"])
         if base is None:
-            base = dict(logps=logps, answers=answers, blocks=eng.block_manager.num_blocks,
+            base = dict(logps=logps, answers=answers, blocks=eng.capacity.num_blocks,
                         bytes=eng.kv_bytes_per_token)
         row = {"kv_cache": name, "keys": knobs.get("kv_int8_keys", "-"),
-               "kv_bytes_per_token": eng.kv_bytes_per_token, "blocks": eng.block_manager.num_blocks,
-               "blocks_gained": eng.block_manager.num_blocks / base["blocks"],
+               "kv_bytes_per_token": eng.kv_bytes_per_token, "blocks": eng.capacity.num_blocks,
+               "blocks_gained": eng.capacity.num_blocks / base["blocks"],
                "bytes_ratio": base["bytes"] / eng.kv_bytes_per_token,
                **scoring.compare(base["logps"], logps, texts),
                "greedy_same": sum(a == b for a, b in zip(answers, base["answers"])),

@@ -54,7 +54,7 @@ def run(size: Size) -> list[dict]:
         slots = [-(-n // block) * block for n in lengths]
         decodes = [d for _, _, _, d in eng.metrics.step_log if d]
         rows.append({"scheme": f"paged, {block}-token blocks", "side": "run", "block_size": block,
-                     "pool_blocks": eng.block_manager.num_blocks,
+                     "pool_blocks": eng.capacity.num_blocks,
                      "admitted_at_once": eng.metrics.peak_running,
                      "mean_running": round(float(np.mean(decodes)), 1),
                      "preemptions": sum(eng.metrics.preemptions.values()),

@@ -6,7 +6,7 @@ its compute; `--preemption auto` asks the online cost model (nano/policy.py pree
 nano/cost_model.py swap_cost / recompute_cost).
 
 Per length, both costs are measured on the engine's own paths: a swap is the runner's copy of
-that many blocks out and back (ModelRunner.swap, what a step runs); a recompute is the prefill
+that many blocks out and back (LLMEngine.swap: ModelRunner.swap, what a step runs); a recompute is the prefill
 step of that many tokens. The cost model's two predictions after those steps say what auto
 picks. Then one tight pool is run with each mode forced, and their tokens compared (on the CPU
 with --batch-invariant, so that recomputing by prefill gives bitwise the logits decoding gave)."""
@@ -40,8 +40,8 @@ def cost_rows(size: Size) -> list[dict]:
             start, end, _, _ = eng.metrics.step_log[0]
             recompute.append(end - start)
             pairs = [(i, i) for i in range(blocks)]  # device block i <-> host block i; none in use now
-            moved, out = eng.runner.swap(pairs, [])
-            _, back = eng.runner.swap([], pairs)
+            moved, out = eng.swap(pairs, [])
+            _, back = eng.swap([], pairs)
             swap.append(out + back)
         predicted_swap, predicted_recompute = eng.cost.swap_cost(n * eng.kv_bytes_per_token), eng.cost.recompute_cost(n)
         rows.append({"kind": "cost", "tokens": n, "kv_MB": round(moved / 1e6, 2),
