@@ -5,7 +5,7 @@ from nano import checks
 from nano.errors import NanoError
 from nano.kv_cache import DEFAULT_KEY_SCHEME, KEY_SCHEMES, KV_CACHE_DTYPES
 
-# The RoPE types the forward pass implements (model.rope_cos_sin), with the numbers each needs.
+# The RoPE types the forward pass implements (tp.rope_cos_sin), with the numbers each needs.
 ROPE_TYPES = {"default": (), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                                         "original_max_position_embeddings")}
 

@@ -19,7 +19,7 @@ from nano.bench.capacity import capacity_report
 from nano.config import EngineConfig, ModelConfig
 from nano.engine import LLMEngine
 from nano.kv_cache import KEY_SCHEMES, KVCache, bytes_per_token
-from nano.model import rope_cos_sin
+from nano.tp import rope_cos_sin
 from nano.runner import ModelRunner
 from nano.sequence import SamplingParams
 from nano.weights import open_model
