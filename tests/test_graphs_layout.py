@@ -74,3 +74,25 @@ def test_a_decode_step_packs_as_its_graph_bucket_lays_it_out():
     host = graphs.layout(2, f["input_ids"], f["positions"], f["slot_mapping"], f["context_lens"],
                          f["block_tables"])
     np.testing.assert_array_equal(host, packed)
+
+
+def test_the_plan_is_fixed_when_planned():
+    """What a step computes and what each logits row is for are taken when the step is
+    planned: advancing its sequences afterwards, as postprocessing does, changes nothing."""
+    scorer = Sequence(3, "", [30, 31, 32, 33], SamplingParams(prompt_logprobs=2), 0.0, 0)
+    scorer.block_table = [7]
+    decode = sequence(1, [7, 8, 9, 10], 4, [2, 3])
+    decode.token_ids.append(11)  # its first output token, now fed back
+    plan = SchedulerOutput(scheduled=[(scorer, 4), (decode, 1)]).fix(block_size=4)
+    fixed = (plan.packed.copy(), [s.seq_id for s in plan.rows.sampling], plan.rows.counters,
+             plan.rows.sample_rows, [s.seq_id for s in plan.rows.scoring], plan.rows.targets,
+             plan.rows.score_rows, plan.prefill_tokens, plan.num_decodes, plan.decode_kv_tokens)
+    assert fixed[1:] == ([1, 3], [1, 0], [0, 4], [3, 3, 3], [31, 32, 33], [1, 2, 3], 4, 1, 5)
+    for seq, n in plan.scheduled:  # the engine's postprocessing
+        seq.num_computed_tokens += n
+        seq.token_ids.append(99)
+    scorer.prompt_logprobs += [(0.0, 1, [])] * 3
+    np.testing.assert_array_equal(plan.packed, fixed[0])
+    assert (plan.rows.sampling, plan.rows.counters, plan.rows.sample_rows) == ([decode, scorer], [1, 0], [0, 4])
+    assert (plan.rows.scoring, plan.rows.targets, plan.rows.score_rows) == ([scorer] * 3, [31, 32, 33], [1, 2, 3])
+    assert (plan.prefill_tokens, plan.num_decodes, plan.decode_kv_tokens) == (4, 1, 5)
