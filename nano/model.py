@@ -3,7 +3,7 @@ the shard is loaded: NumPy or CUDA kernels, batch-invariant or not).
 
 One straight line per step: embed -> for each layer [RMSNorm (fused with the residual
 add), fused QKV, RoPE fused with the KV-cache write, attention, output projection,
-RMSNorm, fused gate/up, SiLU*up, down] -> final norm -> LM head on the rows that sample.
+RMSNorm, fused gate/up, SiLU*up, down] -> final norm -> LM head on the logits rows (plan.StepRows).
 On the GPU a decode step of this function is captured once per batch-size bucket and
 replayed as a CUDA graph (nano/graphs.py), so it must stay free of host synchronisation:
 shapes and launch choices may depend only on array shapes, never on array values.
