@@ -10,7 +10,7 @@ from nano.errors import NanoError
 # not read (pretraining_tp: how transformers slices the same matmuls).
 ARCHITECTURES = {"LlamaForCausalLM": ("llama", "Llama", {"hidden_act": "silu", "mlp_bias": False,
                                                          "sliding_window": None})}
-# The RoPE types the forward pass implements (model.rope_cos_sin), with the numbers each needs.
+# The RoPE types the forward pass implements (tp.rope_cos_sin), with the numbers each needs.
 ROPE_TYPES = {"default": (), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                                         "original_max_position_embeddings")}
 

@@ -19,7 +19,7 @@ from nano.config import EngineConfig
 from nano.cost_model import CostModel
 from nano.errors import NanoError
 from nano.metrics import Metrics
-from nano.plan import SchedulerOutput, decode_context, is_decode
+from nano.plan import SchedulerOutput
 from nano.policy import FCFS
 from nano.sampler import Sampler
 from nano.scheduler import Scheduler
@@ -29,7 +29,7 @@ from nano.shard import load_shard
 
 class LLMEngine:
     PUBLISHED = ("config", "model_config", "tokenizer", "clock", "metrics", "device", "cost", "capacity",
-                 "max_model_len", "kv_bytes_per_token", "weight_bytes", "model_name", "batch_invariant", "added",
+                 "max_model_len", "kv_bytes_per_token", "weight_bytes", "model_name", "ops", "added",
                  "forward")
 
     def __init__(self, config: EngineConfig, clock: Clock | None = None, policy=FCFS, wrap_forward=None):
@@ -41,7 +41,7 @@ class LLMEngine:
             raise NanoError("LLMEngine runs on TP rank 0; the other ranks run worker.Worker")
         self.shard = shard = load_shard(config, self.group)
         self.model_config, self.tokenizer, self.model_name = shard.model_config, shard.tokenizer, shard.model_dir.name
-        self.batch_invariant = shard.runner.model.batch_invariant
+        self.ops = shard.runner.model.ops  # the forward's op set (ops.py), chosen by load_shard
         self.max_model_len, self.device, self.runner = shard.max_model_len, shard.device, shard.runner
         self.kv_bytes_per_token, self.weight_bytes = shard.kv_bytes_per_token, shard.weight_bytes
         self.forward = wrap_forward(self.runner.forward) if wrap_forward else self.runner.forward
@@ -127,15 +127,15 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """Run one forward pass over a freshly decided batch; returns sequences that finished."""
         start = self.clock.now()
-        plan = self.scheduler.schedule(start)
+        plan = self.scheduler.schedule(start)  # the step's inputs and logits rows, fixed
         swap = self.runner.swap(plan.blocks_to_swap_out, plan.blocks_to_swap_in)
-        inputs = self.runner.prepare(plan)  # under TP, sent to the other ranks too
+        inputs = self.runner.prepare(plan.packed)  # under TP, sent to the other ranks too
         finished = list(plan.finished)
         if inputs is not None:
-            sampling = plan.sampling()  # asked before postprocessing advances the sequences
-            logits = self._score(self.forward(inputs), plan.logits_rows())
-            tokens = self.sampler.sample(logits, sampling)
-            finished += self._postprocess(plan, sampling, tokens)
+            logits = self.forward(inputs)
+            scores = self.sampler.score(logits, plan.rows)  # prompt logprobs
+            tokens, kept = self.sampler.sample(logits, plan.rows)  # kept: rows for return_logits
+            finished += self._postprocess(plan, scores, tokens, kept)
         elif not finished and self.scheduler.has_work():
             self._idle(start)
             return []
@@ -156,26 +156,17 @@ class LLMEngine:
         if self.group.world > 1:
             self.group.broadcast(None)
 
-    def _score(self, logits, rows: list) -> object:
-        """Prompt logprobs: the logits rows that score a prompt's tokens (plan.scored) go to
-        their sequences' prompt_logprobs; returns the rows that sample."""
-        scoring = [i for i, (_, p) in enumerate(rows) if p is not None]
-        if not scoring:
-            return logits
-        k = min(max(rows[i][0].params.prompt_logprobs for i in scoring), logits.shape[1])
-        targets = [rows[i][0].token_ids[rows[i][1] + 1] for i in scoring]
-        for i, (logprob, rank, top) in zip(scoring, self.sampler.logprobs(logits[scoring], targets, k)):
-            seq = rows[i][0]
-            seq.prompt_logprobs.append((logprob, rank, top[:seq.params.prompt_logprobs]))
-        return logits[[i for i, (_, p) in enumerate(rows) if p is None]]
-
-    def _postprocess(self, plan: SchedulerOutput, sampling: list[Sequence],
-                     tokens: list[int]) -> list[Sequence]:
+    def _postprocess(self, plan: SchedulerOutput, scores: list, tokens: list[int], kept: dict) -> list[Sequence]:
+        """The step's results into its sequences: the only place a step writes them."""
+        for seq, score in zip(plan.rows.scoring, scores):
+            seq.prompt_logprobs.append(score)
         for seq, n in plan.scheduled:
             seq.num_computed_tokens += n
             self.block_manager.register_full_blocks(seq)
         now, finished = self.clock.now(), []
-        for seq, token in zip(sampling, tokens):
+        for i, (seq, token) in enumerate(zip(plan.rows.sampling, tokens)):
+            if i in kept:
+                seq.logits.append(kept[i])
             if seq.params.max_tokens == 0:  # it only scored its prompt: the token is not wanted
                 self.scheduler.finish(seq, "length")
                 finished.append(seq)
@@ -202,11 +193,9 @@ class LLMEngine:
         now = self.clock.now()
         seconds = now - start
         swap_bytes, swap_seconds = swap
-        prefill = sum(n for _, n in plan.scheduled if not is_decode(n))
-        decodes = plan.decodes()
         if plan.scheduled:
-            self.cost.observe_step(prefill, len(decodes), decode_context(decodes), seconds - swap_seconds)
-        self.metrics.step_log.append((start, now, prefill, len(decodes)))
+            self.cost.observe_step(plan.prefill_tokens, plan.num_decodes, plan.decode_kv_tokens, seconds - swap_seconds)
+        self.metrics.step_log.append((start, now, plan.prefill_tokens, plan.num_decodes))
         self.cost.observe_swap(swap_bytes, swap_seconds)
         self.metrics.on_step(plan, seconds, self.block_manager.num_free_blocks, swap_bytes,
                              *self.group.take_all_reduce_stats())

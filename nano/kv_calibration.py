@@ -20,6 +20,7 @@ import numpy as np
 from nano.corpus import CALIBRATION_TOPICS, english_text
 from nano.kv_cache import KVCache
 from nano.model import ForwardBatch
+from nano.plan import StepSizes, pack_step, unpack_step
 
 CALIBRATION_TOKENS = 512
 MIN_SCALE = 2.0 ** -6
@@ -38,13 +39,11 @@ def key_channel_scales(model, device, token_ids: np.ndarray, block_size: int) ->
     blocks = -(-n // block_size)
     scratch = KVCache(device.xp, cfg.num_layers, blocks, model.num_kv_heads, block_size, cfg.head_dim,
                       device.dtype, "auto")
-    xp, positions = device.xp, np.arange(n, dtype=np.int32)
-    batch = ForwardBatch(
-        input_ids=xp.asarray(token_ids), positions=xp.asarray(positions), slot_mapping=xp.asarray(positions),
-        num_decodes=0, context_lens=xp.asarray([n], np.int32),
-        block_tables=xp.asarray(np.arange(blocks, dtype=np.int32)[None]),
-        cu_seqlens_q=xp.asarray([0, n], np.int32), logits_indices=xp.asarray([n - 1], np.int32))
-    model.forward(batch, scratch)
+    positions, sizes = np.arange(n), StepSizes(tokens=n, seqs=1, max_blocks=blocks, logits=1)
+    packed = pack_step(sizes, blocks_to_swap_out=(), blocks_to_swap_in=(), input_ids=token_ids, positions=positions,
+                       slot_mapping=positions, context_lens=[n], block_tables=np.arange(blocks), cu_seqlens_q=[0, n],
+                       logits_indices=[n - 1])  # one prefill of the whole text into blocks 0, 1, ...
+    model.forward(ForwardBatch.from_step(unpack_step(device.xp.asarray(packed), sizes), 0), scratch)
     keys = device.to_host(scratch.data[:, 0]).astype(np.float32)    # (L, blocks, nkv, bs, d)
     amax = np.abs(keys).max(axis=(1, 3))                            # (L, nkv, d); unused slots are 0
     half = cfg.head_dim // 2

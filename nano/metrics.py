@@ -2,7 +2,7 @@
 Exported for autoscalers and dashboards by nano/telemetry."""
 from collections import Counter, deque
 
-from nano.plan import SchedulerOutput, decode_context
+from nano.plan import SchedulerOutput
 from nano.policy import LATE
 from nano.sequence import Sequence
 
@@ -49,11 +49,10 @@ class Metrics:
         self.steps += 1
         self.step_time += seconds
         self.last_step_time = seconds
-        decodes = plan.decodes()
-        if decodes and len(decodes) == len(plan.scheduled):  # a decode-only step
+        if plan.num_decodes and plan.num_decodes == len(plan.scheduled):  # a decode-only step
             self.decode_steps += 1
             self.decode_time += seconds
-            self.decode_kv_tokens += decode_context(decodes)
+            self.decode_kv_tokens += plan.decode_kv_tokens
         self.swap_bytes += swap_bytes
         self.all_reduce_time += all_reduce_seconds
         self.all_reduce_bytes += all_reduce_bytes

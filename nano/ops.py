@@ -16,6 +16,8 @@ Shapes used below:
   block_tables: (S, max_blocks) int32, -1 past each sequence's last block
 """
 import functools
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -285,13 +287,30 @@ def prefill_attention(q, cache: LayerKV, cu_seqlens_q, block_tables, context_len
     return out
 
 
-def invariant_attention(q, cache: LayerKV, tables, positions, scale):
+def attention(q, cache: LayerKV, batch, scale):
+    """A step's attention (batch: model.ForwardBatch): its decode rows, which come first,
+    through paged attention, its prefill chunks through prefill attention."""
+    nd = batch.num_decodes
+    if nd == q.shape[0]:
+        return paged_attention(q, cache, batch.block_tables, batch.context_lens, scale)
+    prefill = prefill_attention(q[nd:], cache, batch.cu_seqlens_q, batch.block_tables[nd:], batch.context_lens[nd:], scale)
+    if nd == 0:
+        return prefill
+    decode = paged_attention(q[:nd], cache, batch.block_tables[:nd], batch.context_lens[:nd], scale)
+    if on_gpu(q):
+        import cupy
+        return cupy.concatenate([decode, prefill])
+    return np.concatenate([decode, prefill])
+
+
+def invariant_attention(q, cache: LayerKV, batch, scale):
     """Batch-invariant attention, decode and prefill rows alike: row t attends to keys
-    0..positions[t] of the sequence whose block table is tables[t], through the same
-    fixed-shape steps whatever the other rows are: scores and sums per cache block of
-    block_size keys, then the blocks added in order (np.cumsum), so that a block past the
-    row's context (exp(-inf) = 0) changes nothing; a max is exact in any order.
-    q: (T, nq, d); tables: (T, max_blocks) int32; positions: (T,) -> (T, nq, d)."""
+    0..positions[t] of its own sequence, through the same fixed-shape steps whatever the
+    other rows are: scores and sums per cache block of block_size keys, then the blocks
+    added in order (np.cumsum), so that a block past the row's context (exp(-inf) = 0)
+    changes nothing; a max is exact in any order. q: (T, nq, d) -> (T, nq, d)."""
+    rows = np.concatenate([np.ones(batch.num_decodes, np.int64), np.diff(batch.cu_seqlens_q)])  # per sequence
+    tables, positions = np.repeat(batch.block_tables, rows, axis=0), batch.positions  # each row's
     out = np.empty_like(q)
     # Each row gathers its own K/V as float32: rows whose gathered K is ~1 MiB at a time stay
     # in cache (8 MiB: 1.4x slower at 32 x 1k contexts; docs/perf_notes.md).
@@ -438,9 +457,19 @@ def _sample_row(x, t, top_k, top_p, seed, counter) -> int:
     return int(np.argmax(np.where(keys >= threshold, scores, -np.inf)))
 
 
-def concat(arrays):
-    """Join along the first axis (decode rows, then prefill rows)."""
-    if on_gpu(arrays[0]):
-        import cupy
-        return cupy.concatenate(arrays)
-    return np.concatenate(arrays)
+@dataclass(frozen=True)
+class OpSet:
+    """The ops a forward pass runs (model.LlamaModel calls no other), chosen once per shard (shard.py);
+    each takes NumPy or CUDA arrays (on_gpu). Sets differ in how a GEMM and attention group rows; a
+    GEMM's rounding depends on BLAS's thread count too, which a batch-invariant set keeps (fixed_threads)."""
+    linear: Callable
+    attention: Callable
+    fixed_threads: bool
+    embedding: Callable = embedding
+    add_rms_norm: Callable = add_rms_norm
+    rope_store_kvcache: Callable = rope_store_kvcache
+    silu_mul: Callable = silu_mul
+
+
+STANDARD = OpSet(linear, attention, fixed_threads=False)
+BATCH_INVARIANT = OpSet(invariant_linear, invariant_attention, fixed_threads=True)  # CPU only

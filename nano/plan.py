@@ -19,12 +19,6 @@ def is_decode(num_tokens: int) -> bool:
     return num_tokens == 1
 
 
-def samples(seq: Sequence, num_tokens: int) -> bool:
-    """Whether seq samples its next token after this step's num_tokens: only if they reach the
-    end of its tokens (a prefill chunk short of the prompt's end samples nothing)."""
-    return seq.num_computed_tokens + num_tokens == seq.num_tokens
-
-
 def scored(seq: Sequence, num_tokens: int) -> range:
     """Positions among this step's num_tokens whose logits score the prompt's next token, for
     a request that asked for prompt logprobs: those before the prompt's last token (whose
@@ -49,6 +43,16 @@ class Preemption:
 
 
 @dataclass
+class StepRows:  # what each row of a step's logits (the forward pass's output) is for
+    sampling: list[Sequence] = field(default_factory=list)  # the sequences that sample a token,
+    counters: list[int] = field(default_factory=list)       # their output counts (keys of their draws),
+    sample_rows: list[int] = field(default_factory=list)    # their logits rows
+    scoring: list[Sequence] = field(default_factory=list)   # per row that scores a prompt token: its sequence,
+    targets: list[int] = field(default_factory=list)        # the token it scores,
+    score_rows: list[int] = field(default_factory=list)     # its logits row
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens this step)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
@@ -57,26 +61,50 @@ class SchedulerOutput:
     admitted: list[Sequence] = field(default_factory=list)  # newly given blocks from the waiting queue
     prefix_queried: int = 0  # their tokens looked up in the prefix cache (before this step samples)
     finished: list[Sequence] = field(default_factory=list)  # ended by the scheduler (rejected, or out of KV)
+    # Fixed when planning ends (fix), whatever happens to the sequences after:
+    packed: np.ndarray | None = None  # the packed step (below): the device's whole input
+    rows: StepRows = field(default_factory=StepRows)
+    prefill_tokens: int = 0
+    num_decodes: int = 0
+    decode_kv_tokens: int = 0  # KV tokens the decodes attend to, theirs this step included
 
-    def rows(self) -> list[tuple[Sequence, int]]:
-        """The scheduled sequences in the forward pass's row order: decodes first (stable)."""
-        return sorted(self.scheduled, key=lambda item: not is_decode(item[1]))
-
-    def decodes(self) -> list[Sequence]:
-        return [seq for seq, n in self.scheduled if is_decode(n)]
-
-    def sampling(self) -> list[Sequence]:
-        """The sequences that sample a token this step, in row order (one logits row each).
-        Ask before postprocessing advances them."""
-        return [seq for seq, n in self.rows() if samples(seq, n)]
-
-    def logits_rows(self) -> list[tuple[Sequence, int | None]]:
-        """The forward pass's logits rows in order: (sequence, position) for each position
-        that scores a prompt (scored), (sequence, None) for each row that samples."""
-        out = []
-        for seq, n in self.rows():
-            out += [(seq, p) for p in scored(seq, n)] + [(seq, None)] * samples(seq, n)
-        return out
+    def fix(self, block_size: int) -> "SchedulerOutput":
+        """Pack the rows, decodes first (stable); a logits row for each position that scores a prompt,
+        and one for a row's last if it reaches the end of its tokens (a chunk short of it samples nothing)."""
+        seqs = sorted(self.scheduled, key=lambda item: not is_decode(item[1]))
+        max_blocks = max((len(seq.block_table) for seq, _ in seqs), default=0)
+        tables = np.full((len(seqs), max_blocks), -1, np.int32)
+        ids, positions, context_lens, cu_seqlens, logits, rows = [], [], [], [0], [], self.rows
+        for i, (seq, n) in enumerate(seqs):
+            start = seq.num_computed_tokens
+            ids += seq.token_ids[start:start + n]
+            positions += range(start, start + n)
+            context_lens.append(start + n)
+            tables[i, :len(seq.block_table)] = seq.block_table
+            if not is_decode(n):
+                cu_seqlens.append(cu_seqlens[-1] + n)
+            for p in scored(seq, n):
+                rows.scoring.append(seq)
+                rows.targets.append(seq.token_ids[p + 1])
+                rows.score_rows.append(len(logits))
+                logits.append(len(ids) - n + p - start)
+            if start + n == seq.num_tokens:
+                rows.sampling.append(seq)
+                rows.counters.append(seq.num_output_tokens)
+                rows.sample_rows.append(len(logits))
+                logits.append(len(ids) - 1)
+        positions = np.asarray(positions, np.int32)
+        row_of_token = np.repeat(np.arange(len(seqs)), [n for _, n in seqs])
+        slot_mapping = tables[row_of_token, positions // block_size] * block_size + positions % block_size
+        self.num_decodes = sum(is_decode(n) for _, n in seqs)
+        self.prefill_tokens, self.decode_kv_tokens = len(ids) - self.num_decodes, sum(context_lens[:self.num_decodes])
+        sizes = StepSizes(len(self.blocks_to_swap_out), len(self.blocks_to_swap_in), len(ids), len(seqs),
+                          self.num_decodes, max_blocks, len(logits))
+        self.packed = pack_step(sizes, blocks_to_swap_out=self.blocks_to_swap_out,
+                                blocks_to_swap_in=self.blocks_to_swap_in, input_ids=ids, positions=positions,
+                                slot_mapping=slot_mapping, context_lens=context_lens, block_tables=tables,
+                                cu_seqlens_q=cu_seqlens, logits_indices=logits)
+        return self
 
 
 # ---- the packed step -------------------------------------------------------------------
@@ -89,7 +117,7 @@ class StepSizes:
     seqs: int = 0         # S: rows, decodes first
     decodes: int = 0      # rows 0..decodes-1 have one token each
     max_blocks: int = 0   # block table width
-    logits: int = 0       # R: rows that sample or score a prompt (SchedulerOutput.logits_rows)
+    logits: int = 0       # R: rows that sample or score a prompt (SchedulerOutput.rows)
 
     def fields(self) -> dict[str, tuple[int, ...]]:
         """The layout, in order: each field a C-order int32 block of this shape. The input

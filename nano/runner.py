@@ -1,5 +1,5 @@
-"""The device side of a step: owns the KV memory, swaps blocks, turns a plan into device
-inputs (through the packed step of plan.py), runs the model.
+"""The device side of a step: owns the KV memory, swaps blocks, turns a packed step (plan.py)
+into device inputs, runs the model. It never sees a Sequence: what it runs is in the arrays.
 
 KV memory (layouts in kv_cache.py):
   kv_cache:   KVCache of num_blocks blocks on the device
@@ -20,8 +20,7 @@ from nano.device import Device
 from nano.graphs import DecodeGraphs, GraphStep
 from nano.kv_cache import KVCache
 from nano.model import ForwardBatch
-from nano.plan import (SchedulerOutput, StepSizes, is_decode, pack_step, samples, scored, step_sizes,
-                       unpack_step)
+from nano.plan import step_sizes, unpack_step
 
 
 class ModelRunner:
@@ -46,8 +45,7 @@ class ModelRunner:
         self.graphs = None
         if cuda_graphs and device.kind == "gpu":
             self.graphs = DecodeGraphs(model, self.kv_cache, max_num_seqs, -(-max_model_len // block_size))
-        # A GEMM's rounding depends on its thread count too: batch-invariant runs keep theirs.
-        self.blas_threads = BlasThreads() if device.kind == "cpu" and not model.batch_invariant else None
+        self.blas_threads = BlasThreads() if device.kind == "cpu" and not model.ops.fixed_threads else None
 
     def touch_kv_cache(self) -> None:
         """Write every page of the KV pool now. On the CPU np.zeros maps pages on first write,
@@ -116,39 +114,11 @@ class ModelRunner:
         return views
 
     # ---- inputs ------------------------------------------------------------------------
-    def prepare(self, plan: SchedulerOutput) -> ForwardBatch | GraphStep | None:
-        """Rank 0: the plan packed, sent to the other TP ranks (which replay it, worker.py),
-        and put on the device."""
-        packed = self.pack(plan)
+    def prepare(self, packed: np.ndarray) -> ForwardBatch | GraphStep | None:
+        """Rank 0: a packed step (plan.py) sent to the other TP ranks (which replay it,
+        worker.py), and put on the device."""
         self.broadcast(packed)
         return self.to_device(packed)
-
-    def pack(self, plan: SchedulerOutput) -> np.ndarray:
-        """The plan as one packed step (plan.py): its swaps, then its rows' inputs."""
-        rows, bs = plan.rows(), self.block_size
-        max_blocks = max((len(seq.block_table) for seq, _ in rows), default=0)
-        tables = np.full((len(rows), max_blocks), -1, np.int32)
-        ids, positions, context_lens, cu_seqlens, logits = [], [], [], [0], []
-        for i, (seq, n) in enumerate(rows):
-            start = seq.num_computed_tokens
-            ids += seq.token_ids[start:start + n]
-            positions += range(start, start + n)
-            context_lens.append(start + n)
-            tables[i, :len(seq.block_table)] = seq.block_table
-            if not is_decode(n):
-                cu_seqlens.append(cu_seqlens[-1] + n)
-            logits += [len(ids) - n + p - start for p in scored(seq, n)]
-            if samples(seq, n):
-                logits.append(len(ids) - 1)
-        positions = np.asarray(positions, np.int32)
-        row_of_token = np.repeat(np.arange(len(rows)), [n for _, n in rows])
-        slot_mapping = tables[row_of_token, positions // bs] * bs + positions % bs
-        sizes = StepSizes(len(plan.blocks_to_swap_out), len(plan.blocks_to_swap_in), len(ids), len(rows),
-                          sum(is_decode(n) for _, n in rows), max_blocks, len(logits))
-        return pack_step(sizes, blocks_to_swap_out=plan.blocks_to_swap_out,
-                         blocks_to_swap_in=plan.blocks_to_swap_in, input_ids=ids, positions=positions,
-                         slot_mapping=slot_mapping, context_lens=context_lens, block_tables=tables,
-                         cu_seqlens_q=cu_seqlens, logits_indices=logits)
 
     def to_device(self, packed: np.ndarray) -> ForwardBatch | GraphStep | None:
         """A packed step's inputs on the device, None if no row runs: one host-to-device copy
@@ -167,7 +137,7 @@ class ModelRunner:
 
     # ---- forward -----------------------------------------------------------------------
     def forward(self, inputs: ForwardBatch | GraphStep):
-        """Logits (R, V) of the rows that sample or score a prompt (plan.logits_rows)."""
+        """Logits (R, V) of the rows that sample or score a prompt (plan.StepRows)."""
         if isinstance(inputs, GraphStep):
             return self.graphs.replay(inputs)
         if self.blas_threads:

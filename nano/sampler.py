@@ -1,4 +1,4 @@
-"""Next-token choice: builds each row's sampling parameters and calls ops.sample.
+"""Next-token choice (builds each row's sampling parameters, calls ops.sample) and prompt scoring.
 
 ops.sample (NumPy on the CPU, one CUDA kernel on the GPU, the same algorithm) does greedy
 at temperature 0, else a Gumbel-max draw restricted by top-k and top-p. Its randomness is a
@@ -6,10 +6,11 @@ hash of (the sequence's seed, the number of tokens it has output so far, token i
 sequence's output does not depend on which other requests happen to share its batch.
 On the GPU a step moves its parameters in with one copy and the sampled ids out with one
 copy; logits rows come to the host only for sequences that asked for them (return_logits).
-"""
+It writes into no Sequence: the engine appends what it returns."""
 import numpy as np
 
 from nano import ops
+from nano.plan import StepRows
 from nano.sequence import Sequence
 
 
@@ -17,22 +18,26 @@ class Sampler:
     def __init__(self, device):
         self.device = device
 
-    def sample(self, logits, seqs: list[Sequence]) -> list[int]:
-        """logits: (R, V), one row per sequence in seqs -> one token id per sequence."""
-        keep = [i for i, seq in enumerate(seqs) if seq.params.return_logits]
-        if keep:
-            rows = self.device.to_host(logits[keep] if len(keep) < len(seqs) else logits)
-            for i, row in zip(keep, rows.astype(np.float32)):
-                seqs[i].logits.append(row)
-        tokens = ops.sample(logits, *self._parameters(seqs))
-        return self.device.to_host(tokens).tolist()
+    def sample(self, logits, rows: StepRows) -> tuple[list[int], dict]:
+        """A step's logits (R, V) -> a token id per sequence that samples (rows.sampling), and
+        {i: its logits row (host float32)} for each i-th of them that asked (return_logits)."""
+        if rows.score_rows:  # the other rows score prompts
+            logits = logits[rows.sample_rows]
+        keep = [i for i, seq in enumerate(rows.sampling) if seq.params.return_logits]
+        kept = dict(zip(keep, self.device.to_host(logits[keep]).astype(np.float32))) if keep else {}
+        tokens = ops.sample(logits, *self._parameters(rows.sampling, rows.counters))
+        return self.device.to_host(tokens).tolist(), kept
 
-    def logprobs(self, logits, targets: list[int], k: int) -> list[tuple]:
-        """Rows of logits (m, V) -> per row (the log-probability of its target token, that
-        token's rank (1: the most likely), its k most likely [(token, logprob)] best first).
-        Computed on the device: only these figures come to the host."""
-        xp = self.device.xp
-        logp = logits.astype(xp.float32)
+    def score(self, logits, rows: StepRows) -> list[tuple]:
+        """Prompt logprobs: a step's logits (R, V) -> per row that scores a prompt token
+        (rows.scoring): the log-probability of its target token, that token's rank (1: the
+        most likely), its sequence's prompt_logprobs most likely [(token, logprob)] best
+        first. Computed on the device: only these figures come to the host."""
+        if not rows.scoring:
+            return []
+        xp, targets = self.device.xp, rows.targets
+        k = min(max(seq.params.prompt_logprobs for seq in rows.scoring), logits.shape[1])
+        logp = logits[rows.score_rows].astype(xp.float32)
         logp -= logp.max(axis=1, keepdims=True)
         logp -= xp.log(xp.exp(logp).sum(axis=1, keepdims=True))
         chosen = logp[xp.arange(len(targets)), xp.asarray(np.asarray(targets, np.int64))]
@@ -40,17 +45,16 @@ class Sampler:
         top = xp.argpartition(-logp, k - 1, axis=1)[:, :k] if k else xp.zeros((len(targets), 0), np.int64)
         top = xp.take_along_axis(top, xp.argsort(-xp.take_along_axis(logp, top, axis=1), axis=1), axis=1)
         out = [self.device.to_host(a).tolist() for a in (chosen, rank, top, xp.take_along_axis(logp, top, axis=1))]
-        return [(c, r, list(zip(t, v))) for c, r, t, v in zip(*out)]
+        return [(c, r, list(zip(t, v))[:seq.params.prompt_logprobs]) for seq, c, r, t, v in zip(rows.scoring, *out)]
 
-    def _parameters(self, seqs: list[Sequence]) -> tuple:
+    def _parameters(self, seqs: list[Sequence], counters: list[int]) -> tuple:
         """ops.sample's per-row arrays (temperature, top_k, top_p, seeds, counters), packed
         into one uint32 host array so that the GPU gets them in one copy, then viewed."""
-        r = len(seqs)
-        host = np.empty((6, r), np.uint32)
+        host = np.empty((6, len(seqs)), np.uint32)
         host[0].view(np.float32)[:] = [s.params.temperature for s in seqs]
         host[1].view(np.int32)[:] = [s.params.top_k for s in seqs]
         host[2].view(np.float32)[:] = [s.params.top_p for s in seqs]
-        host[3].view(np.int32)[:] = [s.num_output_tokens for s in seqs]
+        host[3].view(np.int32)[:] = counters
         host[4:].reshape(-1).view(np.uint64)[:] = [s.seed % 2**64 for s in seqs]  # any int seed
         xp = self.device.xp
         packed = xp.asarray(host)

@@ -62,7 +62,7 @@ class Scheduler:
             budget = self._schedule_swapped(out, budget)
         if not self.swapped and not out.preempted:
             self._schedule_waiting(out, budget)
-        return out
+        return out.fix(self.bm.block_size)
 
     def _room(self, out: SchedulerOutput, budget: int) -> bool:
         return budget > 0 and len(out.scheduled) < self.config.max_num_seqs

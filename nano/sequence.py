@@ -75,7 +75,7 @@ class Sequence:
         self.error: str | None = None
         self.logits: list[np.ndarray] = []           # only with params.return_logits
         # With params.prompt_logprobs, prompt token i's (logprob, rank, [(token, logprob)] best
-        # first) at [i]; the first token has none. Filled as prefill chunks run (engine._score).
+        # first) at [i]; the first token has none. Filled as prefill chunks run (engine._postprocess).
         self.prompt_logprobs: list = [None]
         self.seed = seed                             # with the output count, keys each random draw
 

@@ -7,7 +7,7 @@ ranks agree on one number of blocks, since rank 0 schedules for all of them.
 from dataclasses import dataclass
 from pathlib import Path
 
-from nano import kv_cache, parallel
+from nano import kv_cache, ops, parallel
 from nano.config import EngineConfig, ModelConfig, max_model_len
 from nano.device import Device, gpu_of, host_memory, select_device
 from nano.errors import NanoError
@@ -44,19 +44,20 @@ def load_shard(config: EngineConfig, group: parallel.Group) -> Shard:
         cfg, context = folder.config, max_model_len(config, folder.config)
         partitions = [partition(cfg, r, group.world) for r in range(group.world)]
         kind = select_device(config.device)
-        if config.batch_invariant and kind == "gpu":  # its ops are NumPy's (ops.invariant_linear)
+        if config.batch_invariant and kind == "gpu":  # its ops are NumPy's (ops.BATCH_INVARIANT)
             raise NanoError("--batch-invariant is CPU-only")
         device = Device(kind, gpu_of(group.rank) if kind == "gpu" else 0)
         if config.key_scheme == "rotate" and cfg.head_dim & (cfg.head_dim - 1):
             raise NanoError(f"--kv-int8-keys rotate needs a power-of-two head dim, the model's is "
                             f"{cfg.head_dim} (give --kv-int8-keys token or channel)")
-        model = load_model(folder.reader, cfg, partitions[group.rank], device.put, context, group.all_reduce)
-        # Unless told, an int8 pool on the CPU runs the batch-invariant forward: int8 turns the
+        # Unless told, an int8 pool on the CPU runs the batch-invariant ops: int8 turns the
         # float pass's batch-dependent rounding into flipped near-ties, and its promise (the
-        # same tokens whatever the batch) holds only with it. A GPU's kernels are not
+        # same tokens whatever the batch) holds only with them. A GPU's kernels are not
         # batch-invariant: there int8 tokens may depend on the batch (docs/int8-kv.md).
         default = kind == "cpu" and config.kv_cache_dtype == "int8"
-        model.batch_invariant = default if config.batch_invariant is None else config.batch_invariant
+        invariant = default if config.batch_invariant is None else config.batch_invariant
+        model = load_model(folder.reader, cfg, partitions[group.rank], device.put, context, group.all_reduce,
+                           ops.BATCH_INVARIANT if invariant else ops.STANDARD)
 
     per_token = kv_cache.bytes_per_token(cfg, partitions[group.rank].num_kv_heads, config.kv_cache_dtype,
                                          device.itemsize)

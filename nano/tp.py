@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nano.config import ARCHITECTURES, ModelConfig
+from nano.config import ARCHITECTURES, ROPE_TYPES, ModelConfig
 from nano.errors import NanoError
-from nano.model import LayerWeights, LlamaModel, rope_cos_sin
+from nano.model import LayerWeights, LlamaModel
+from nano.ops import STANDARD, OpSet
 
 
 @dataclass
@@ -98,8 +99,8 @@ def check_checkpoint(cfg: ModelConfig, names) -> None:
 
 
 def load_model(reader, cfg: ModelConfig, part: Partition, to_device, max_positions: int,
-               all_reduce=None) -> LlamaModel:
-    """Read only this rank's slices from the checkpoint and build the model on the device."""
+               all_reduce=None, ops: OpSet = STANDARD) -> LlamaModel:
+    """Read only this rank's slices from the checkpoint and build the model, running ops, on the device."""
     q_rows, kv_rows = _rows(part.q_heads, cfg.head_dim), _rows(part.kv_heads, cfg.head_dim)
     shapes = checkpoint_shapes(cfg)
 
@@ -143,4 +144,24 @@ def load_model(reader, cfg: ModelConfig, part: Partition, to_device, max_positio
     lm_head = embed if tied else weight(get("lm_head.weight"))
     return LlamaModel(cfg, part.num_heads, part.num_kv_heads, embed, lm_head,
                       to_device(get("model.norm.weight")), layers,
-                      to_device(rope_cos_sin(cfg, max_positions), keep_float32=True), all_reduce)
+                      to_device(rope_cos_sin(cfg, max_positions), keep_float32=True), ops, all_reduce)
+
+
+def rope_cos_sin(cfg: ModelConfig, max_positions: int) -> np.ndarray:
+    """(max_positions, d) float32: cos of each position's angles in [:, :d/2], sin in [:, d/2:]."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    if (cfg.rope_scaling or {}).get("rope_type") == "llama3":  # the types config.ROPE_TYPES lets through
+        inv_freq = _llama3_scaled(inv_freq, cfg.rope_scaling)
+    angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq)
+    return np.concatenate([np.cos(angles), np.sin(angles)], axis=-1).astype(np.float32)
+
+
+def _llama3_scaled(inv_freq: np.ndarray, s: dict) -> np.ndarray:
+    """Llama 3.1+ long-context RoPE: slow down low frequencies, keep high ones, blend between."""
+    factor, low, high, old_len = (s[key] for key in ROPE_TYPES["llama3"])
+    wavelen = 2 * np.pi / inv_freq
+    smooth = np.clip((old_len / wavelen - low) / (high - low), 0.0, 1.0)
+    scaled = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return np.where(wavelen < old_len / high, inv_freq, np.where(wavelen > old_len / low, inv_freq / factor, scaled))
+

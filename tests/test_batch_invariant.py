@@ -12,11 +12,11 @@ from test_equivalence import CHAT, CONFIGS, run, shared_prefix_prompts
 
 from nano import ops, shard
 from nano.chat.template import render as render_chat
-from nano.config import KEY_SCHEMES, EngineConfig, ModelConfig
+from nano.config import KEY_SCHEMES, EngineConfig
 from nano.engine import LLMEngine
 from nano.errors import NanoError
 from nano.kv_cache import KVCache
-from nano.model import ForwardBatch, LlamaModel
+from nano.model import ForwardBatch
 from nano.tokenizer import Tokenizer
 
 POOLS = [("auto", None)] + [("int8", s) for s in KEY_SCHEMES]
@@ -76,17 +76,13 @@ def random_pool(kv_dtype, scheme, rng):
 def attention(cache, parts, num_decodes):
     """The model's attention in batch-invariant mode over parts [(table, positions, q rows)],
     the first num_decodes of one row each -> their rows, concatenated."""
-    cfg = ModelConfig.from_hf(dict(hidden_size=NQ * D, intermediate_size=8, num_hidden_layers=1,
-                                   num_attention_heads=NQ, num_key_value_heads=NKV, vocab_size=8))
-    model = LlamaModel(cfg, NQ, NKV, None, None, None, [], None)
-    model.batch_invariant = True
     width = max(len(t) for t, _, _ in parts)
     tables = np.array([list(t) + [-1] * (width - len(t)) for t, _, _ in parts], np.int32)
     batch = ForwardBatch(input_ids=None, positions=np.concatenate([p for _, p, _ in parts]), slot_mapping=None,
                          num_decodes=num_decodes, context_lens=np.array([p[-1] + 1 for _, p, _ in parts]),
                          block_tables=tables, logits_indices=None,
                          cu_seqlens_q=np.cumsum([0] + [len(p) for _, p, _ in parts[num_decodes:]]))
-    return model._attention(np.concatenate([q for _, _, q in parts]), cache, batch)
+    return ops.BATCH_INVARIANT.attention(np.concatenate([q for _, _, q in parts]), cache, batch, D ** -0.5)
 
 
 @pytest.mark.parametrize("kv_dtype, scheme", POOLS)
@@ -125,7 +121,7 @@ def test_every_schedule_gives_the_same_tokens_and_logits(tiny_model, pool, name)
     prompts = shared_prefix_prompts(512, np.random.default_rng(1))
     _, batched = run(tiny_model, prompts, 24, **RUNS[pool])
     engine, seqs = run(tiny_model, prompts, 24, **RUNS[pool], **CONFIGS[name])
-    assert engine.runner.model.batch_invariant
+    assert engine.runner.model.ops is ops.BATCH_INVARIANT
     if name.startswith("preempt"):
         assert sum(engine.metrics.preemptions.values()) > 0
     for b, s in zip(batched, seqs):
@@ -152,9 +148,9 @@ def test_int8_without_the_mode_parts_from_the_batched_run(tiny_model):
     args = dict(RUNS["int8 rotate"], batch_invariant=False)
     engine, batched = run(tiny_model, prompts, 24, **args)
     _, alone = run(tiny_model, prompts, 24, max_num_seqs=1, **args)
-    assert not engine.runner.model.batch_invariant
+    assert engine.runner.model.ops is not ops.BATCH_INVARIANT
     assert any(not np.array_equal(np.stack(a.logits), np.stack(b.logits)) for a, b in zip(alone, batched))
-    assert not run(tiny_model, prompts[:1], 1)[0].runner.model.batch_invariant  # float32: off unless asked
+    assert run(tiny_model, prompts[:1], 1)[0].runner.model.ops is not ops.BATCH_INVARIANT  # float32: off unless asked
 
 
 def test_batch_invariant_mode_is_refused_on_a_gpu(tiny_model, monkeypatch):

@@ -156,7 +156,7 @@ def check_gpu_config(model_dir, prompts, name, cpu_runs: dict, max_tokens=MAX_TO
 
 
 def check_prompt_logprobs(model_dir, prompts, **gpu_args):
-    """Prompt logprobs scored on the device (Sampler.logprobs on device arrays) against the
+    """Prompt logprobs scored on the device (Sampler.score on device arrays) against the
     CPU's: each token's logprob and the k best logprobs, by value (a near-tie may order two
     tokens either way). Returns the largest difference relative to the logprob's size."""
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=3)

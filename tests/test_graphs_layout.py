@@ -1,11 +1,10 @@
 """Host-side logic of the packed step (nano/plan.py) and of the decode CUDA graphs
-(nano/graphs.py), no GPU needed: the runner's packing of a plan, buckets, and the padded
+(nano/graphs.py), no GPU needed: a plan's packing, buckets, and the padded
 static-buffer layout that one host-to-device copy moves per step."""
 import numpy as np
 
 from nano.graphs import DecodeGraphs, batch_buckets
 from nano.plan import SchedulerOutput, StepSizes, step_sizes, unpack_step
-from nano.runner import ModelRunner
 from nano.sequence import SamplingParams, Sequence
 
 
@@ -43,18 +42,16 @@ def sequence(seq_id, tokens, computed, blocks):
     return seq
 
 
-def test_runner_packs_a_mixed_step_in_the_plan_layout():
+def test_a_mixed_step_packs_in_the_plan_layout():
     """Rows decodes first; a prefill chunk short of its prompt's end samples nothing; the
     swaps travel in the same array (what rank 0 broadcasts under TP)."""
-    runner = ModelRunner.__new__(ModelRunner)  # pack needs only the block size
-    runner.block_size = 4
     chunk = sequence(0, list(range(100, 110)), 0, [5, 6])       # 6 of 10 prompt tokens this step
     decode = sequence(1, [7, 8, 9, 10, 11], 4, [2, 3])          # its 5th token
     prefill = sequence(2, [20, 21, 22], 0, [9])                 # the whole prompt: samples
     plan = SchedulerOutput(scheduled=[(chunk, 6), (decode, 1), (prefill, 3)],
-                           blocks_to_swap_out=[(4, 0)], blocks_to_swap_in=[(1, 8), (2, 9)])
-    assert plan.sampling() == [decode, prefill]
-    packed = runner.pack(plan)
+                           blocks_to_swap_out=[(4, 0)], blocks_to_swap_in=[(1, 8), (2, 9)]).fix(block_size=4)
+    assert plan.rows.sampling == [decode, prefill]
+    packed = plan.packed
     sizes = step_sizes(packed)
     assert sizes == StepSizes(swap_out=1, swap_in=2, tokens=10, seqs=3, decodes=1, max_blocks=2, logits=2)
     f = unpack_step(packed, sizes)
@@ -69,13 +66,33 @@ def test_runner_packs_a_mixed_step_in_the_plan_layout():
 
 
 def test_a_decode_step_packs_as_its_graph_bucket_lays_it_out():
-    runner = ModelRunner.__new__(ModelRunner)
-    runner.block_size = 4
     seqs = [sequence(i, list(range(3 + i)), 2 + i, [i, 10 + i]) for i in range(2)]
-    packed = runner.pack(SchedulerOutput(scheduled=[(s, 1) for s in seqs]))
+    packed = SchedulerOutput(scheduled=[(s, 1) for s in seqs]).fix(block_size=4).packed
     f = unpack_step(packed, step_sizes(packed))
     graphs = DecodeGraphs.__new__(DecodeGraphs)
     graphs.max_blocks = 2
     host = graphs.layout(2, f["input_ids"], f["positions"], f["slot_mapping"], f["context_lens"],
                          f["block_tables"])
     np.testing.assert_array_equal(host, packed)
+
+
+def test_the_plan_is_fixed_when_planned():
+    """What a step computes and what each logits row is for are taken when the step is
+    planned: advancing its sequences afterwards, as postprocessing does, changes nothing."""
+    scorer = Sequence(3, "", [30, 31, 32, 33], SamplingParams(prompt_logprobs=2), 0.0, 0)
+    scorer.block_table = [7]
+    decode = sequence(1, [7, 8, 9, 10], 4, [2, 3])
+    decode.token_ids.append(11)  # its first output token, now fed back
+    plan = SchedulerOutput(scheduled=[(scorer, 4), (decode, 1)]).fix(block_size=4)
+    fixed = (plan.packed.copy(), [s.seq_id for s in plan.rows.sampling], plan.rows.counters,
+             plan.rows.sample_rows, [s.seq_id for s in plan.rows.scoring], plan.rows.targets,
+             plan.rows.score_rows, plan.prefill_tokens, plan.num_decodes, plan.decode_kv_tokens)
+    assert fixed[1:] == ([1, 3], [1, 0], [0, 4], [3, 3, 3], [31, 32, 33], [1, 2, 3], 4, 1, 5)
+    for seq, n in plan.scheduled:  # the engine's postprocessing
+        seq.num_computed_tokens += n
+        seq.token_ids.append(99)
+    scorer.prompt_logprobs += [(0.0, 1, [])] * 3
+    np.testing.assert_array_equal(plan.packed, fixed[0])
+    assert (plan.rows.sampling, plan.rows.counters, plan.rows.sample_rows) == ([decode, scorer], [1, 0], [0, 4])
+    assert (plan.rows.scoring, plan.rows.targets, plan.rows.score_rows) == ([scorer] * 3, [31, 32, 33], [1, 2, 3])
+    assert (plan.prefill_tokens, plan.num_decodes, plan.decode_kv_tokens) == (4, 1, 5)

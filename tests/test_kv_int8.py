@@ -19,7 +19,7 @@ from nano.bench.capacity import capacity_report
 from nano.config import KEY_SCHEMES, EngineConfig, ModelConfig
 from nano.engine import LLMEngine
 from nano.kv_cache import KVCache, bytes_per_token
-from nano.model import rope_cos_sin
+from nano.tp import rope_cos_sin
 from nano.runner import ModelRunner
 from nano.sequence import SamplingParams
 from nano.weights import open_model

@@ -183,6 +183,28 @@ def test_the_check_sees_a_reach_into_the_engine(tmp_path):
     assert engine_reaches(planted, engine_surface()) == ["3: scheduler", "4: block_manager", "5: runner"]
 
 
+# The device side of a step: it runs packed arrays (plan.py's packed step), never a request.
+DEVICE_SIDE = ("runner", "model", "graphs", "worker")
+
+
+def test_the_device_side_is_never_handed_a_sequence():
+    """No device-side module imports Sequence, the plan that holds sequences, or the scheduler:
+    what it runs comes as arrays, fixed when the step was planned."""
+    banned = {"nano.sequence", "nano.scheduler", "nano.plan.SchedulerOutput", "nano.plan.StepRows"}
+    offenders = {name: sorted(imported_modules(NANO / f"{name}.py") & banned) for name in DEVICE_SIDE}
+    assert not any(offenders.values()), f"the device side imports {offenders}"
+
+
+def test_the_forward_pass_runs_the_ops_it_is_given():
+    """model.py imports no array library (its ops set brings them), and only shard.py, which
+    chooses the ops set, reads the batch-invariant flag (config.py defines it)."""
+    arrays = {m for m in imported_modules(NANO / "model.py") if m.split(".")[0] in ("numpy", "cupy")}
+    assert not arrays, f"model.py imports {sorted(arrays)}"
+    readers = sorted(p.name for p in CORE if any(isinstance(node, ast.Attribute) and node.attr == "batch_invariant"
+                                                 for node in ast.walk(ast.parse(p.read_text()))))
+    assert readers == ["config.py", "shard.py"], f"the batch-invariant flag is read in {readers}"
+
+
 # What one reader can hold: the engine's own work (scheduling with FCFS, the policy interface
 # other policies plug into, the forward pass on two devices, TP ranks that end together, BLAS
 # threads that survive a busy machine, user text that never becomes a special token, the

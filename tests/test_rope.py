@@ -6,7 +6,7 @@ import numpy as np
 from nano import ops
 from nano.config import ModelConfig
 from nano.kv_cache import LayerKV
-from nano.model import rope_cos_sin
+from nano.tp import rope_cos_sin
 
 
 def config(**kw):

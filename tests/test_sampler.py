@@ -5,6 +5,7 @@ import pytest
 
 from nano import ops
 from nano.device import Device
+from nano.plan import StepRows
 from nano.sampler import Sampler
 from nano.sequence import SamplingParams, Sequence
 
@@ -127,14 +128,14 @@ def test_sampler_rows_params_and_logits():
               SamplingParams(temperature=1.0, top_p=0.5, seed=-3)]
     seqs = [Sequence(i, "", [1, 2, 3], p, 0.0, seed=-3 if i == 2 else 10 + i) for i, p in enumerate(params)]
     seqs[1].token_ids.append(4)  # one output token so far: counter 1
-    tokens = Sampler(Device("cpu")).sample(logits, seqs)
+    tokens, kept = Sampler(Device("cpu")).sample(logits, StepRows(seqs, [s.num_output_tokens for s in seqs], [0, 1, 2]))
     assert tokens[0] == int(logits[0].argmax())
     assert tokens[1] == ops.sample(logits[1:2], np.float32([0.9]), np.int32([5]), np.float32([1.0]),
                                    np.uint64([11]), np.int32([1]))[0]
     assert tokens[2] == ops.sample(logits[2:3], np.float32([1.0]), np.int32([-1]), np.float32([0.5]),
                                    np.uint64([2**64 - 3]), np.int32([0]))[0]
-    assert len(seqs[1].logits) == 1 and not seqs[0].logits
-    np.testing.assert_array_equal(seqs[1].logits[0], logits[1])
+    assert list(kept) == [1] and not any(seq.logits for seq in seqs)  # the engine appends them
+    np.testing.assert_array_equal(kept[1], logits[1])
 
 
 @pytest.mark.parametrize("vocab", [1, 2, 49152])

@@ -9,7 +9,7 @@ import time
 
 from tqdm import tqdm
 
-from nano import kv_cache, tp
+from nano import kv_cache, ops, tp
 from nano.errors import NanoError, writing
 from nano.telemetry.export import MetricsWriter
 
@@ -28,7 +28,11 @@ def describe(engine) -> str:
             + _int8_gain(engine) + "); "
             f"batch ceiling {num_blocks // per_seq} sequences of {engine.max_model_len} tokens; "
             f"swap space {num_swap_blocks} blocks"
-            + ("; batch-invariant forward" if engine.batch_invariant else "") + _ranks(engine))
+            + _ops(engine.ops) + _ranks(engine))
+
+
+def _ops(chosen: ops.OpSet) -> str:
+    return "; batch-invariant forward" if chosen is ops.BATCH_INVARIANT else ""
 
 
 def _int8_gain(engine) -> str:
