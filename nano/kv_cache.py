@@ -10,12 +10,9 @@ attention reads whole 16-byte runs (8 halfs, or 16 int8 values); its scales sit 
 (layer, k/v, block) index of `scales`, so whatever moves a block (swap, prefix-cache reuse,
 hand-off) moves data[:, :, b] and scales[:, :, b] together.
 
-int8: symmetric, one float16 scale per (token, KV head), computed once when the token's K/V
-are written (ops.rope_store_kvcache); attention folds the scales into scores and
-probabilities and never dequantizes the cache. Keys may first change basis, q with them so
-that q.k is unchanged: "channel" (per-channel pre-scales calibrated at load,
-kv_calibration.py) or "rotate" (the d x d Hadamard matrix). The scheme, the key schemes and
-the measurement that chose the default: docs/int8-kv.md.
+int8: one float16 scale per (token, KV head), set when the token is written
+(ops.rope_store_kvcache); keys may first change basis ("channel", "rotate"), q with them.
+The scheme, the key schemes and the measurement that chose the default: docs/int8-kv.md.
 """
 from dataclasses import dataclass
 
@@ -80,10 +77,6 @@ class LayerKV:
     v_scale: object = None
     k_channel_scale: object = None  # (nkv, d) float32: K divided, q multiplied by it
     k_rotate: bool = False          # K and q multiplied by the Hadamard matrix
-
-    @property
-    def quantized(self) -> bool:
-        return self.k_scale is not None
 
 
 class KVCache:

@@ -1,15 +1,7 @@
-"""The tensor-parallel ranks and what they say to each other, over MPI (mpi4py).
-
-    mpirun -n 2 python run.py --tp 2 ...
-
-Every rank loads its own shard (tp.py, shard.py) and runs the same forward
-pass; two all-reduces per layer add up the partial outputs. Rank 0 alone owns
-the tokenizer, the scheduler and the sampler: each step it broadcasts the
-packed step (plan.py: swap block pairs and model inputs in one int32 array)
-and the other ranks replay it on their shards until a stop message.
-
-MPI is imported only under mpirun: a plain `python run.py` never initialises
-it (and works where mpi4py cannot load).
+"""The tensor-parallel ranks and what they say to each other, over MPI (mpi4py): two
+all-reduces per layer, and rank 0's packed step (plan.py) broadcast to the others, which
+replay it until a stop message. MPI is imported only under mpirun: a plain
+`python run.py` never initialises it. The whole picture: docs/tensor-parallel.md.
 """
 import os
 import sys
