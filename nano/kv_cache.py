@@ -39,13 +39,6 @@ def bytes_per_token(cfg: ModelConfig, num_kv_heads: int, kv_cache_dtype: str, de
     return rows * cfg.head_dim * device_itemsize
 
 
-def label(kv_cache_dtype: str, key_scheme: str | None, device_dtype) -> str:
-    """What a pool holds, for start-up lines and plans: 'float16', or 'int8, rotate keys'."""
-    if kv_cache_dtype == "int8":
-        return f"int8, {key_scheme} keys"
-    return np.dtype(device_dtype).name
-
-
 # ---- pool sizing: the engine's (shard.py) and the capacity report's (nano/bench) --------
 def blocks_for_memory(memory: int, bytes_per_token: int, block_size: int) -> int:
     return memory // (bytes_per_token * block_size)
