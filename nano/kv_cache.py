@@ -31,8 +31,7 @@ GPU_FREE_MEMORY_FRACTION = 0.9
 
 def bytes_per_token(cfg: ModelConfig, num_kv_heads: int, kv_cache_dtype: str, device_itemsize: int) -> int:
     """KV bytes one token costs on a rank holding num_kv_heads: K and V of every layer and
-    KV head, plus their scales in an int8 pool. The default model (30 layers, 3 KV heads,
-    d 64): 46,080 float32, 23,040 float16, 11,880 int8."""
+    KV head, plus their scales in an int8 pool (the default model's: docs/int8-kv.md)."""
     rows = 2 * cfg.num_layers * num_kv_heads
     if kv_cache_dtype == "int8":
         return rows * (cfg.head_dim + np.dtype(SCALE_DTYPE).itemsize)

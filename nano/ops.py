@@ -21,9 +21,8 @@ from nano.kv_cache import INT8_MAX, SCALE_DTYPE, LayerKV
 
 
 def on_gpu(x) -> bool:
-    """Device arrays are the ones with the CUDA array interface (CuPy's, or the CPU emulator's
-    in tests/cuda_host); everything else is NumPy. Asked of the type: on an array the
-    attribute is a property that builds a dict, on every op of an eager step."""
+    """Device arrays have the CUDA array interface (CuPy's, or tests/cuda_host's emulator's).
+    Asked of the type: on an array it is a property that builds a dict, on every op."""
     return hasattr(type(x), "__cuda_array_interface__")
 
 

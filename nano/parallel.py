@@ -4,7 +4,6 @@ replay it until a stop message. MPI is imported only under mpirun: a plain
 `python run.py` never initialises it. The whole picture: docs/tensor-parallel.md.
 """
 import os
-import sys
 import time
 from contextlib import contextmanager
 
@@ -167,25 +166,15 @@ def tp_group() -> Group:
 
 
 # ---- ending the run ------------------------------------------------------------------
-def exit_on_error(error: Exception, code: int, rank: int | None = None) -> None:
-    """Print one line and end this process and, under MPI, every other rank too.
-    An error every rank shares is printed once (by rank 0) and the ranks exit together;
-    any other one is printed with its rank (or `rank`, where it happened) and MPI_Abort
-    ends the whole job."""
-    group = _world or _group
-    message = str(error) if isinstance(error, NanoError) else f"{type(error).__name__}: {error}"
-    if group is None or group.world == 1 or isinstance(error, SharedError):
-        if group is None or group.rank == 0:
-            print(f"error: {message}", file=sys.stderr, flush=True)
-        sys.exit(code)
-    print(f"error: rank {group.rank if rank is None else rank}: {message}", file=sys.stderr, flush=True)
-    abort_all(code)
+def started() -> Group | None:
+    """Every rank of the run, if this process has made its groups yet (None: MPI untouched)."""
+    return _world or _group
 
 
 def abort_all(code: int) -> None:
     """End this process and every other rank now, from any thread (sys.exit would end only
     the calling thread, and not the ranks waiting for this one)."""
-    group = _world or _group
+    group = started()
     if group is None or group.world == 1:
         os._exit(code)
     time.sleep(0.2)  # for mpirun to pass the last line on before it prints its own abort notice

@@ -10,9 +10,24 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from nano import kv_cache, ops, tp
+from nano import kv_cache, ops, parallel, tp
 from nano.errors import NanoError
 from nano.telemetry.export import MetricsWriter, writing
+
+
+def exit_on_error(error: Exception, code: int, rank: int | None = None) -> None:
+    """Print one line and end this process and, under MPI, every other rank too.
+    An error every rank shares is printed once (by rank 0) and the ranks exit together;
+    any other one is printed with its rank (or `rank`, where it happened) and MPI_Abort
+    ends the whole job."""
+    group = parallel.started()
+    message = str(error) if isinstance(error, NanoError) else f"{type(error).__name__}: {error}"
+    if group is None or group.world == 1 or isinstance(error, parallel.SharedError):
+        if group is None or group.rank == 0:
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(code)
+    print(f"error: rank {group.rank if rank is None else rank}: {message}", file=sys.stderr, flush=True)
+    parallel.abort_all(code)
 
 
 def describe(engine) -> str:
