@@ -23,6 +23,7 @@ import sys
 from nano import default_model, parallel
 from nano.bench import cli as bench
 from nano.cli import flags
+from nano.cli.output import exit_on_error
 from nano.cli.prompts import prompt_workload
 from nano.deadline import cli as deadline
 from nano.disagg import cli as disagg
@@ -148,7 +149,7 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except NanoError as e:
-        parallel.exit_on_error(e, 2)
+        exit_on_error(e, 2)
     except BrokenPipeError:  # stdout's reader went away (| head): end quietly, as cat does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush into it
         parallel.abort_all(141)
@@ -156,8 +157,8 @@ if __name__ == "__main__":
         sys.stdout.flush()
         parallel.abort_all(143)
     except KeyboardInterrupt as e:  # here, or on another rank (PeerInterrupted): every rank ends
-        parallel.exit_on_error(NanoError("interrupted"), 130, e.args[0] if e.args else None)
+        exit_on_error(NanoError("interrupted"), 130, e.args[0] if e.args else None)
     except Exception as e:  # a bug: alone, show the traceback; under MPI, end every rank
         if parallel.alone():
             raise
-        parallel.exit_on_error(e, 1)
+        exit_on_error(e, 1)

@@ -14,12 +14,10 @@ collision costs a miss, never a wrong answer. A block whose ref count drops
 to 0 keeps its contents and hash in the free queue and can still be hit
 until it is reused for something else, least recently freed first.
 Once cache_events is a list (LLMEngine.take_cache_events) it gets (True, hash) for each
-block registered and (False, hash) for each evicted, drained between steps (a data-parallel
-router's picture of which replica holds which prefixes, nano/dp).
+block registered and (False, hash) for each evicted: a data-parallel router's (nano/dp).
 
-Swap space: a second, host-side pool of blocks (its own free list) that a
-preempted sequence's KV is copied into; the copies themselves are done by
-the runner from the (device, host) pairs returned here.
+Swap space: a second, host-side pool of blocks that a preempted sequence's KV is
+copied into, by the runner, from the (device, host) pairs returned here.
 """
 from collections import OrderedDict
 

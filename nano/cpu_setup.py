@@ -56,14 +56,11 @@ def _keep_freed_memory() -> None:
 
 
 class BlasThreads:
-    """BLAS threads for the cores this process can have now. Every GEMM of a step forks and
-    joins over all of BLAS's threads (about 200 a step): when another process takes one of
-    their cores, each join waits for a descheduled thread's next time slice, and a 2-core
-    machine with one busy process decodes 10x slower with two threads than with one. So,
-    between steps, at most every CHECK seconds: the cores this process may run on
-    (affinity) that were idle, plus the CPU time it got itself, per second, rounded down
-    (a core counts once 3/4 of it was there) is the thread count (threadpoolctl). Nothing is
-    changed where the user set OPENBLAS_NUM_THREADS, or without threadpoolctl or /proc."""
+    """BLAS threads for the cores this process can have now, since each GEMM's join waits for
+    a thread another process descheduled (docs/perf_notes.md). Between steps, at most every
+    CHECK seconds: the idle cores of this process's affinity plus its own CPU seconds per
+    second, rounded down past 3/4 (threadpoolctl). Nothing is changed where the user set
+    OPENBLAS_NUM_THREADS, or without threadpoolctl or /proc."""
 
     CHECK = 0.5  # seconds between measurements
 

@@ -1,21 +1,10 @@
-"""cuBLAS called through ctypes: the GEMM behind ops.linear on the GPU.
+"""cuBLAS called through ctypes: the GEMM behind ops.linear on the GPU, in eager and captured
+steps alike (CuPy refuses cuBLAS while a stream is being captured).
 
-Why not cupy.matmul: decode steps replay CUDA graphs (nano/graphs.py), and CuPy refuses
-cuBLAS while a stream is being captured (cupy.matmul and cupy_backends' cublas.gemmEx raise
-NotImplementedError). The same library called directly captures and replays correctly,
-measured on the H200 (docs/h200_figures.md): [8,576]x[576,1536] fp16 in 3.1 us per replayed GEMM,
-11 us eager through ctypes, against ~27 us of host time for an eager cupy.matmul. So eager
-and captured steps share this one path.
-
-Why not our own mma.sync GEMM kernel: it would capture too, but matching cuBLAS's per-shape
-kernel choice (split-K for the skinny decode shapes, tile sizes for prefill) is a project of
-its own.
-
-Layout: nano keeps row-major x (T, K) and checkpoint-layout weights (N, K), and wants
-y (T, N) = x @ w^T. cuBLAS is column-major, where the same bytes read as x^T (K, T),
-w^T (K, N) and y^T (N, T). So y^T = w x^T is one column-major GEMM:
+Row-major y (T, N) = x (T, K) @ w (N, K)^T is the column-major GEMM y^T = w x^T:
     m = N, n = T, k = K;  A = w read as (K, N) with lda = K, transposed (OP_T) -> (N, K);
     B = x read as (K, T) with ldb = x's row stride, not transposed;  C = y with ldc = N.
+Why ctypes, not cupy.matmul nor a kernel of our own, and the layout derived: docs/gpu-path.md.
 """
 import ctypes
 import functools

@@ -1,20 +1,10 @@
 import json
 import os
 import stat
-from contextlib import contextmanager
 
 
 class NanoError(Exception):
     """A user-facing error: printed as one line, exit code 2."""
-
-
-@contextmanager
-def writing(path):
-    """Writing a file the user named: a failure (a full disk, a folder gone) is theirs, one line too."""
-    try:
-        yield
-    except OSError as e:
-        raise NanoError(f"cannot write {path}: {e.strerror}") from None
 
 
 def read_file(path, limit: int) -> bytes:

@@ -1,30 +1,11 @@
 """CUDA graphs for decode steps: one graph per batch-size bucket, captured on first use.
 
-Why: an eager decode step launches every kernel of every layer from Python, each paying
-host time (a RawKernel launch ~4.4 us, an eager CuPy op 12-27 us on an H200,
-docs/h200_figures.md), so the default model's ~300 launches cost milliseconds while its
-weights take ~65 us to read. A captured graph replays the same launches for ~0.5 us each.
-
-Buckets: a graph bakes in every shape and pointer, so a step with n decoding sequences runs
-the graph of the smallest bucket >= n (1, 2, 4, 8, then every 16 up to max_num_seqs),
-rows n.. padded: token 0 at position 0, slot -1 (nothing written to the cache), context
-length 1 over block 0 (a real block, so attention reads valid memory); their outputs are
-ignored. Rows never mix in the forward pass (GEMMs, norms and activations work row by row;
-attention reads only the row's own block table), so padding cannot change real rows.
-
-Static inputs: each bucket owns one int32 device buffer, a packed step (plan.py) of the
-bucket's sizes, and its ForwardBatch is views into it; a step fills a host array of the same
-layout and moves it with ONE host-to-device copy before the replay. Block tables have a static width, ceil(max_model_len / block_size), so
-the split-KV choice of paged attention (which reads only shapes) is fixed per bucket.
-
-Memory: buffers allocated while capturing belong to the graph, which writes them on every
-replay, so they must never be handed to anything else. They come from a memory pool of
-their own that only captures allocate from. Graphs share it: buffers one capture freed can
-be reused by a later capture, which is safe because graphs replay one at a time on one
-stream and each graph's output logits are read right after its own replay.
-
-Prefill and mixed steps stay eager. Tensor parallelism disables graphs (the all-reduces
-go through MPI on the host; see engine.py).
+A step with n decoding sequences replays the graph of the smallest bucket >= n, rows n..
+padded (token 0 at position 0, slot -1, context length 1 over block 0; outputs ignored).
+Each bucket's inputs are views into one static int32 device buffer, a packed step
+(plan.py), that one host-to-device copy fills before the replay; captures allocate from a
+memory pool of their own. Prefill and mixed steps stay eager. Why graphs, and why padding
+and the shared pool are safe: docs/gpu-path.md.
 """
 from dataclasses import dataclass
 

@@ -1,18 +1,9 @@
 """The CUDA side of nano/ops.py: one function per op, same name, same arguments.
 
-Each file in cuda/ is compiled once per process by NVRTC (cupy.RawModule; CuPy also
-caches the binary on disk) and its kernels are launched from here. This module only
-allocates outputs, checks dtypes and shapes, and picks launch configurations; the
-kernel sources explain the algorithms.
-
-Dtypes: activations and weights are float16 (kernels accumulate in float32), KV caches
-float16 or int8 with float16 scales (nano/kv_cache.py; the ops take one layer's LayerKV),
-index arrays are int32, the RoPE table, key channel scales and sampling parameters are float32.
-GEMMs go to cuBLAS through ctypes (nano/cublas.py), so they can be captured into CUDA graphs.
-
-Importing this module needs CuPy but no GPU: nothing here touches a device until a kernel
-is launched, so CI compiles every kernel with these sources, templates and options
-(tests/kernel_resources.py) on a machine without one.
+Each file in cuda/ is compiled once per process by NVRTC (cupy.RawModule); this module only
+allocates outputs, checks dtypes and shapes, and picks launch configurations (the kernel
+sources explain the algorithms). Importing it needs CuPy but no GPU, so CI compiles every
+kernel on a machine without one. Dtypes, launches and split-KV decode: docs/gpu-path.md.
 """
 import functools
 import glob
@@ -323,15 +314,9 @@ def scatter_blocks(pool, block_ids, staging):
 # ---------------------------------------------------------------- attention
 
 def decode_partitions(num_blocks: int, max_context: int, num_sms: int) -> tuple:
-    """Split-KV choice for decode: returns (partitions, partition_size in tokens).
-
-    The decode grid has one block per (sequence, KV head). When that is fewer than two
-    blocks per SM and contexts are long enough to split, each context is cut into
-    partitions so the grid has about 4 blocks per SM; partitions are whole 64-token
-    tiles and at least two of them, so the per-block setup and the extra partial writes
-    stay small next to the K/V reads. `max_context` is an upper bound taken from shapes
-    (block_tables columns * block_size), so choosing never waits for the GPU; sequences
-    shorter than the longest one simply have empty partitions, which exit at once."""
+    """Split-KV choice for decode: returns (partitions, partition_size in tokens), about 4
+    grid blocks per SM when num_blocks (sequences * KV heads) leaves SMs idle. `max_context`
+    is an upper bound taken from shapes, so choosing never waits for the GPU (docs/gpu-path.md)."""
     if num_blocks >= 2 * num_sms or max_context <= 2 * DECODE_TILE:
         return 1, max(max_context, 1)
     wanted = -(-4 * num_sms // num_blocks)

@@ -10,12 +10,9 @@ attention reads whole 16-byte runs (8 halfs, or 16 int8 values); its scales sit 
 (layer, k/v, block) index of `scales`, so whatever moves a block (swap, prefix-cache reuse,
 hand-off) moves data[:, :, b] and scales[:, :, b] together.
 
-int8: symmetric, one float16 scale per (token, KV head), computed once when the token's K/V
-are written (ops.rope_store_kvcache); attention folds the scales into scores and
-probabilities and never dequantizes the cache. Keys may first change basis, q with them so
-that q.k is unchanged: "channel" (per-channel pre-scales calibrated at load,
-kv_calibration.py) or "rotate" (the d x d Hadamard matrix). The scheme, the key schemes and
-the measurement that chose the default: docs/int8-kv.md.
+int8: one float16 scale per (token, KV head), set when the token is written
+(ops.rope_store_kvcache); keys may first change basis ("channel", "rotate"), q with them.
+The scheme, the key schemes and the measurement that chose the default: docs/int8-kv.md.
 """
 from dataclasses import dataclass
 
@@ -34,19 +31,11 @@ GPU_FREE_MEMORY_FRACTION = 0.9
 
 def bytes_per_token(cfg: ModelConfig, num_kv_heads: int, kv_cache_dtype: str, device_itemsize: int) -> int:
     """KV bytes one token costs on a rank holding num_kv_heads: K and V of every layer and
-    KV head, plus their scales in an int8 pool. The default model (30 layers, 3 KV heads,
-    d 64): 46,080 float32, 23,040 float16, 11,880 int8."""
+    KV head, plus their scales in an int8 pool (the default model's: docs/int8-kv.md)."""
     rows = 2 * cfg.num_layers * num_kv_heads
     if kv_cache_dtype == "int8":
         return rows * (cfg.head_dim + np.dtype(SCALE_DTYPE).itemsize)
     return rows * cfg.head_dim * device_itemsize
-
-
-def label(kv_cache_dtype: str, key_scheme: str | None, device_dtype) -> str:
-    """What a pool holds, for start-up lines and plans: 'float16', or 'int8, rotate keys'."""
-    if kv_cache_dtype == "int8":
-        return f"int8, {key_scheme} keys"
-    return np.dtype(device_dtype).name
 
 
 # ---- pool sizing: the engine's (shard.py) and the capacity report's (nano/bench) --------
@@ -80,10 +69,6 @@ class LayerKV:
     v_scale: object = None
     k_channel_scale: object = None  # (nkv, d) float32: K divided, q multiplied by it
     k_rotate: bool = False          # K and q multiplied by the Hadamard matrix
-
-    @property
-    def quantized(self) -> bool:
-        return self.k_scale is not None
 
 
 class KVCache:

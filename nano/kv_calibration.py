@@ -4,16 +4,8 @@ cache, and take each channel's largest |K| per (layer, KV head).
 
   a[layer, head, c] = max(amax[c], amax[c + d/2]) / max over channels
   s = max(sqrt(a), MIN_SCALE)
-RoPE rotates channel c into c + d/2 and back as positions advance, so a pair's magnitude
-is what stays put: both channels get the pair's scale. K / s lifts the small channels
-towards the outliers' range before the per-token int8 step is chosen. The square root
-(SmoothQuant's migration strength 0.5) lifts them half way (in log scale): on the default
-model it gave a mean KLD of 5.5e-4 where s = a gave 7.1e-4 (nano/lab/scoring.py's
-texts, docs/perf_notes.md), since a channel the calibration text saw small but the
-served text drives large would otherwise set a huge step for its whole token. MIN_SCALE
-bounds the lift, and keeps q * s out of float16's subnormals.
-Under tensor parallelism every rank runs the same forward pass (it has all-reduces) and
-keeps its own KV heads' scales.
+Why a RoPE pair shares one scale, and why the square root: docs/int8-kv.md. Under tensor
+parallelism every rank keeps its own KV heads' scales.
 """
 import numpy as np
 

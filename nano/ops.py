@@ -1,10 +1,6 @@
-"""The device boundary: every operation the model performs on arrays.
-
-Each op has a plain NumPy implementation. It is what the engine runs on a
-machine without a GPU (float32), and it is the oracle that the GPU tests
-compare each CUDA kernel against. When the arrays are CuPy arrays the op
-dispatches to the hand-written kernel in `nano/kernels.py` (float16 storage,
-float32 accumulation). Nothing above this module knows which device it is on.
+"""The device boundary: every operation the model performs on arrays. Each op's NumPy
+implementation is the CPU path (float32) and the oracle the GPU tests hold each CUDA kernel
+to; given CuPy arrays, it dispatches to nano/kernels.py (float16, float32 accumulation).
 
 Shapes used below:
   T  tokens in the step          H  hidden size       V  vocab size
@@ -25,9 +21,8 @@ from nano.kv_cache import INT8_MAX, SCALE_DTYPE, LayerKV
 
 
 def on_gpu(x) -> bool:
-    """Device arrays are the ones with the CUDA array interface (CuPy's, or the CPU emulator's
-    in tests/cuda_host); everything else is NumPy. Asked of the type: on an array the
-    attribute is a property that builds a dict, on every op of an eager step."""
+    """Device arrays have the CUDA array interface (CuPy's, or tests/cuda_host's emulator's).
+    Asked of the type: on an array it is a property that builds a dict, on every op."""
     return hasattr(type(x), "__cuda_array_interface__")
 
 
@@ -74,12 +69,9 @@ def linear(x, weight, bias=None):
 
 
 # Batch-invariant mode (EngineConfig.batch_invariant, CPU only): each row's result is bitwise
-# the same whatever else is in the step. OpenBLAS rounds a row of x @ W.T by where it falls
-# in its kernel's tiles (measured, 0.3.31, Zen and SkylakeX kernels: a 1-row product is a
-# GEMV; a 12-row tile computes rows 0-5 and 6-11 differently; leftover rows take narrower
-# kernels). In a product of exactly 4 or 8 rows every row is computed alike
-# (tests/test_batch_invariant.py), so the rows go through GEMMs of that many, zero-padded;
-# 8 rather than 4: half the BLAS calls, each of which packs the whole weight.
+# the same whatever else is in the step. OpenBLAS rounds a row by where it falls in its
+# kernel's tiles, but computes every row of a product of exactly 8 rows alike: the rows go
+# through GEMMs of that many, zero-padded (docs/int8-kv.md).
 INVARIANT_ROWS = 8
 
 
@@ -363,16 +355,8 @@ def sample(logits, temperature, top_k, top_p, seeds, counters):
     """One token per row. logits: (R, V); temperature: (R,) float32, 0 = greedy;
     top_k: (R,) int32, <= 0 or >= V = off; top_p: (R,) float32, 1 = off; seeds: (R,) uint64;
     counters: (R,) int32, the row's sequence's output tokens so far -> (R,) int32.
-
-    The algorithm (cuda/sampling.cu runs the same steps, one thread block per row):
-    greedy rows take the first largest logit. Other rows keep the tokens whose logit key
-    (an order-preserving float -> uint32 map) reaches a threshold: the k-th largest key
-    (top-k), then raised to the smallest nucleus holding top_p of the remaining softmax mass
-    (top-p); both thresholds are found by bisection over the key range, so no sort. Among
-    the kept tokens, the largest logit / T + Gumbel noise wins (the Gumbel-max trick: an
-    exact draw from softmax(logits / T) restricted to them). The noise comes from a hash of
-    (seed, counter, token id): a sequence's draws depend on nothing but its seed and how
-    many tokens it has output, never on the batch around it."""
+    Thresholds by bisection over order-preserving keys, then a Gumbel-max draw whose noise
+    hashes (seed, counter, token id); cuda/sampling.cu runs the same steps (docs/how-it-works.md)."""
     if on_gpu(logits):
         return _kernels().sample(logits, temperature, top_k, top_p, seeds, counters)
     logits = np.asarray(logits, np.float32)

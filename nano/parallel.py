@@ -1,18 +1,9 @@
-"""The tensor-parallel ranks and what they say to each other, over MPI (mpi4py).
-
-    mpirun -n 2 python run.py --tp 2 ...
-
-Every rank loads its own shard (tp.py, shard.py) and runs the same forward
-pass; two all-reduces per layer add up the partial outputs. Rank 0 alone owns
-the tokenizer, the scheduler and the sampler: each step it broadcasts the
-packed step (plan.py: swap block pairs and model inputs in one int32 array)
-and the other ranks replay it on their shards until a stop message.
-
-MPI is imported only under mpirun: a plain `python run.py` never initialises
-it (and works where mpi4py cannot load).
+"""The tensor-parallel ranks and what they say to each other, over MPI (mpi4py): two
+all-reduces per layer, and rank 0's packed step (plan.py) broadcast to the others, which
+replay it until a stop message. MPI is imported only under mpirun: a plain
+`python run.py` never initialises it. The whole picture: docs/tensor-parallel.md.
 """
 import os
-import sys
 import time
 from contextlib import contextmanager
 
@@ -175,25 +166,15 @@ def tp_group() -> Group:
 
 
 # ---- ending the run ------------------------------------------------------------------
-def exit_on_error(error: Exception, code: int, rank: int | None = None) -> None:
-    """Print one line and end this process and, under MPI, every other rank too.
-    An error every rank shares is printed once (by rank 0) and the ranks exit together;
-    any other one is printed with its rank (or `rank`, where it happened) and MPI_Abort
-    ends the whole job."""
-    group = _world or _group
-    message = str(error) if isinstance(error, NanoError) else f"{type(error).__name__}: {error}"
-    if group is None or group.world == 1 or isinstance(error, SharedError):
-        if group is None or group.rank == 0:
-            print(f"error: {message}", file=sys.stderr, flush=True)
-        sys.exit(code)
-    print(f"error: rank {group.rank if rank is None else rank}: {message}", file=sys.stderr, flush=True)
-    abort_all(code)
+def started() -> Group | None:
+    """Every rank of the run, if this process has made its groups yet (None: MPI untouched)."""
+    return _world or _group
 
 
 def abort_all(code: int) -> None:
     """End this process and every other rank now, from any thread (sys.exit would end only
     the calling thread, and not the ranks waiting for this one)."""
-    group = _world or _group
+    group = started()
     if group is None or group.world == 1:
         os._exit(code)
     time.sleep(0.2)  # for mpirun to pass the last line on before it prints its own abort notice

@@ -1,13 +1,9 @@
 """The scheduling policy: the choices scheduler.py leaves open, FCFS's answers.
 
-The scheduler is the mechanism (queues, one token budget, blocks, preemption); each step it
-asks its policy the questions FCFS's methods answer: admission order (and which requests
-are late), prefill order, how much prefill the step carries, the victim, and whether the
-victim is swapped or recomputed (whichever the cost model prices lower for its length,
-unless --preemption forces one or swap space is full). FCFS is the interface: another policy
-subclasses it and overrides what it decides differently, and is chosen once, where the
-engine is built (LLMEngine(config, policy=...)). The deadline policy is one (nano/deadline,
-docs/deadline-policy.md).
+Each step the scheduler (the mechanism) asks the questions FCFS's methods answer. FCFS is
+the interface: another policy subclasses it and overrides what it decides differently, and
+is chosen once, where the engine is built (LLMEngine(config, policy=...)), as the deadline
+policy is (nano/deadline; docs/how-it-works.md#how-a-policy-plugs-in).
 """
 import math
 from collections import deque

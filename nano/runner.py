@@ -5,10 +5,7 @@ KV memory (layouts in kv_cache.py):
   kv_cache:   KVCache of num_blocks blocks on the device
   host_cache: KVCache of num_swap_blocks blocks in host memory (swap space)
 A swap moves all of a step's blocks in one gather + one device-host copy per direction and
-per block array (an int8 pool's scales travel with their blocks).
-
-On the GPU, decode-only steps replay CUDA graphs (graphs.py); prefill and mixed steps run
-the model eagerly.
+per block array. On the GPU, decode-only steps replay CUDA graphs (graphs.py).
 """
 import time
 

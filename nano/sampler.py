@@ -1,12 +1,9 @@
 """Next-token choice (builds each row's sampling parameters, calls ops.sample) and prompt scoring.
 
-ops.sample (NumPy on the CPU, one CUDA kernel on the GPU, the same algorithm) does greedy
-at temperature 0, else a Gumbel-max draw restricted by top-k and top-p. Its randomness is a
-hash of (the sequence's seed, the number of tokens it has output so far, token id), so a
-sequence's output does not depend on which other requests happen to share its batch.
-On the GPU a step moves its parameters in with one copy and the sampled ids out with one
-copy; logits rows come to the host only for sequences that asked for them (return_logits).
-It writes into no Sequence: the engine appends what it returns."""
+A sequence's draws depend on its seed and output count, never on its batch (the algorithm:
+docs/how-it-works.md). On the GPU a step moves its parameters in with one copy and the
+sampled ids out with one; logits rows come to the host only for sequences that asked for
+them (return_logits). It writes into no Sequence: the engine appends what it returns."""
 import numpy as np
 
 from nano import ops

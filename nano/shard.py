@@ -50,10 +50,8 @@ def load_shard(config: EngineConfig, group: parallel.Group) -> Shard:
         if config.key_scheme == "rotate" and cfg.head_dim & (cfg.head_dim - 1):
             raise NanoError(f"--kv-int8-keys rotate needs a power-of-two head dim, the model's is "
                             f"{cfg.head_dim} (give --kv-int8-keys token or channel)")
-        # Unless told, an int8 pool on the CPU runs the batch-invariant ops: int8 turns the
-        # float pass's batch-dependent rounding into flipped near-ties, and its promise (the
-        # same tokens whatever the batch) holds only with them. A GPU's kernels are not
-        # batch-invariant: there int8 tokens may depend on the batch (docs/int8-kv.md).
+        # Unless told, an int8 pool on the CPU runs the batch-invariant ops: its promise (the
+        # same tokens whatever the batch) holds only with them (docs/int8-kv.md).
         default = kind == "cpu" and config.kv_cache_dtype == "int8"
         invariant = default if config.batch_invariant is None else config.batch_invariant
         model = load_model(folder.reader, cfg, partitions[group.rank], device.put, context, group.all_reduce,
@@ -84,10 +82,9 @@ def load_shard(config: EngineConfig, group: parallel.Group) -> Shard:
 
 
 def _check_memory(device: Device, kv_bytes: int, swap_bytes: int) -> None:
-    """Refuse a KV pool or swap space the machine cannot hold, before allocating it (else
-    a NumPy or CuPy error, or the kernel killing the process once the pages are used).
-    The KV pool is written as it fills, so it must fit in what is free now; swap space is
-    only touched under preemption, so it must fit in the machine's memory."""
+    """Refuse a KV pool or swap space the machine cannot hold, before allocating it: the pool
+    is written as it fills, so it must fit in what is free now; swap space is only touched
+    under preemption, so it must fit in the machine's memory."""
     free = device.free_memory()
     if kv_bytes > free:
         where = "GPU" if device.kind == "gpu" else "host"

@@ -1,11 +1,8 @@
 """Tensor parallelism: all the sharding lives here; the model only sees local head counts.
 
-Attention is split by KV-head groups: each rank owns a contiguous range of KV
-heads together with their query heads, so attention needs no communication.
-The MLP's gate/up are split by output rows (columns of the activation) and
-down by input columns; the attention output projection by input columns. Each
-rank's o_proj / down produce partial sums that one all-reduce adds up, so a
-layer costs two all-reduces. Embedding and LM head are replicated (see load_model).
+Each rank owns a contiguous range of KV heads with their query heads (attention needs no
+communication), gate/up by output rows, o_proj and down by input columns: their partial sums
+are a layer's two all-reduces. Embedding and LM head are replicated (docs/tensor-parallel.md).
 """
 from dataclasses import dataclass
 
@@ -135,10 +132,7 @@ def load_model(reader, cfg: ModelConfig, part: Partition, to_device, max_positio
             gate_up=weight(gate_up),
             down=weight(get(p + "mlp.down_proj.weight", cols=part.inter)),
         ))
-    # Embedding and LM head are replicated, not split by vocabulary: vocab-parallel would save
-    # each rank (tp-1)/tp of the (V, H) table and half the LM-head GEMM (~5% of a one-sequence
-    # CPU decode step at tp=2, docs/perf_notes.md), but needs a gather of the logits to rank 0
-    # and one more all-reduce per step; replicating keeps the model and the sampler unaware of TP.
+    # Replicated, not split by vocabulary: the model and the sampler stay unaware of TP.
     tied = cfg.tie_word_embeddings
     embed = to_device(get("model.embed_tokens.weight"), cpu_column_major=tied)  # tied: the LM head too
     lm_head = embed if tied else weight(get("lm_head.weight"))

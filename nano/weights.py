@@ -73,11 +73,8 @@ def load_config(model_dir: Path) -> dict:
 
 
 class CheckpointReader:
-    """Reads float tensors from *.safetensors files without loading whole files.
-
-    Each file is memory-mapped, so get(name, rows=...) touches only those rows'
-    bytes: a tensor-parallel rank pays only for its shard.
-    """
+    """Reads float tensors from *.safetensors files, memory-mapped: get(name, rows=...)
+    touches only those rows' bytes, so a tensor-parallel rank pays only for its shard."""
 
     _DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
 

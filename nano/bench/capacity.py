@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from nano import kv_cache
+from nano.cli.output import kv_label
 from nano.config import EngineConfig, ModelConfig, max_model_len
 from nano.device import Device, ranks_on_gpu, select_device
 from nano.tp import Partition, partition
@@ -57,7 +58,7 @@ class CapacityReport:
     model: str
     device: str
     kv_memory: int                    # bytes given to the KV pool (per rank)
-    kv_dtype: str                     # what the pool holds (kv_cache.label)
+    kv_dtype: str                     # what the pool holds (cli.output.kv_label)
     block_size: int
     weight_bytes: int                 # per rank
     kv_bytes_per_token: int           # per rank
@@ -130,7 +131,7 @@ def capacity_report(config: EngineConfig) -> CapacityReport:
     context = max_model_len(config, cfg)
     return CapacityReport(
         model=folder.path.name, device=device.kind, kv_memory=memory,
-        kv_dtype=kv_cache.label(config.kv_cache_dtype, config.key_scheme, device.dtype), block_size=config.block_size,
+        kv_dtype=kv_label(config.kv_cache_dtype, config.key_scheme, device.dtype), block_size=config.block_size,
         weight_bytes=weight_bytes[0], kv_bytes_per_token=per_token[0],
         kv_bytes_per_token_full=per_token_of(cfg.num_heads),
         kv_bytes_per_token_per_rank=per_token,

@@ -7,11 +7,27 @@ import stat
 import sys
 import time
 
+import numpy as np
 from tqdm import tqdm
 
-from nano import kv_cache, ops, tp
-from nano.errors import NanoError, writing
-from nano.telemetry.export import MetricsWriter
+from nano import kv_cache, ops, parallel, tp
+from nano.errors import NanoError
+from nano.telemetry.export import MetricsWriter, writing
+
+
+def exit_on_error(error: Exception, code: int, rank: int | None = None) -> None:
+    """Print one line and end this process and, under MPI, every other rank too.
+    An error every rank shares is printed once (by rank 0) and the ranks exit together;
+    any other one is printed with its rank (or `rank`, where it happened) and MPI_Abort
+    ends the whole job."""
+    group = parallel.started()
+    message = str(error) if isinstance(error, NanoError) else f"{type(error).__name__}: {error}"
+    if group is None or group.world == 1 or isinstance(error, parallel.SharedError):
+        if group is None or group.rank == 0:
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(code)
+    print(f"error: rank {group.rank if rank is None else rank}: {message}", file=sys.stderr, flush=True)
+    parallel.abort_all(code)
 
 
 def describe(engine) -> str:
@@ -22,13 +38,20 @@ def describe(engine) -> str:
     per_seq = -(-engine.max_model_len // bs)
     return (f"model {engine.model_name} on {engine.device.kind}: weights {engine.weight_bytes / 1e6:.0f} MB; "
             f"KV cache {per_token} bytes/token "
-            f"({kv_cache.label(config.kv_cache_dtype, config.key_scheme, engine.device.dtype)}), "
+            f"({kv_label(config.kv_cache_dtype, config.key_scheme, engine.device.dtype)}), "
             f"{num_blocks} blocks of {bs} tokens "
             f"({num_blocks * bs} tokens, {num_blocks * bs * per_token / 1e9:.2f} GB"
             + _int8_gain(engine) + "); "
             f"batch ceiling {num_blocks // per_seq} sequences of {engine.max_model_len} tokens; "
             f"swap space {num_swap_blocks} blocks"
             + _ops(engine.ops) + _ranks(engine))
+
+
+def kv_label(kv_cache_dtype: str, key_scheme: str | None, device_dtype) -> str:
+    """What a KV pool holds, for start-up lines and plans: 'float16', or 'int8, rotate keys'."""
+    if kv_cache_dtype == "int8":
+        return f"int8, {key_scheme} keys"
+    return np.dtype(device_dtype).name
 
 
 def _ops(chosen: ops.OpSet) -> str:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nano import parallel
+from nano.cli.output import exit_on_error
 from nano.errors import NanoError
 from nano.sequence import SamplingParams, Sequence
 from nano.telemetry.export import gauges
@@ -139,7 +140,7 @@ class EngineThread(threading.Thread):
             self._fail(str(e) if isinstance(e, NanoError) else f"{type(e).__name__}: {e}")  # /health says so
             if not parallel.alone():  # then the job ends: the other ranks would wait for this one forever
                 time.sleep(GRACE)
-                parallel.exit_on_error(e, 1)
+                exit_on_error(e, 1)
 
     def _fail(self, error: str) -> None:
         self.error = error

@@ -5,15 +5,25 @@ whose registry is rewritten to a file (--metrics-prom) and served by the HTTP se
 command line's loop, the server's engine thread; a disaggregated run's router writes its
 pools' instead."""
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 
-from nano.errors import writing
+from nano.errors import NanoError
 from nano.sequence import Status
 
 # Latency histogram bucket bounds in seconds (Prometheus style: cumulative, then +Inf).
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@contextmanager
+def writing(path):
+    """Writing a file the user named: a failure (a full disk, a folder gone) is theirs, one line too."""
+    try:
+        yield
+    except OSError as e:
+        raise NanoError(f"cannot write {path}: {e.strerror}") from None
 
 
 def histogram(values: list[float]) -> list[int]:

@@ -12,7 +12,7 @@ engine keeps (nano/metrics.py), never going down, and gauges are set from the en
 GET /metrics renders the registry without waiting for one; --metrics-prom with each file."""
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, write_to_textfile
 
-from nano.errors import writing
+from nano.telemetry.export import writing
 
 # vLLM's buckets, in seconds.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
