@@ -361,7 +361,7 @@ def test_api_failure_inside_a_step_drops_only_that_call(llm, monkeypatch):
     """Anything raising mid-generate (here: a forward pass that fails once, as an interrupt
     would) frees that call's requests; the next call gives what a fresh one would."""
     before = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
-    forward = llm.engine.runner.forward
+    forward = llm.engine.forward
     calls = []
 
     def fail_on_third(batch):
@@ -370,7 +370,7 @@ def test_api_failure_inside_a_step_drops_only_that_call(llm, monkeypatch):
             raise KeyboardInterrupt
         return forward(batch)
 
-    monkeypatch.setattr(llm.engine.runner, "forward", fail_on_third)
+    monkeypatch.setattr(llm.engine, "forward", fail_on_third)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS * 3, GREEDY)
     check_invariants(llm.engine)

@@ -4,6 +4,7 @@ default model's real weights are checked here, on the CPU path (float32): every 
 forward pass makes (the embedding, the residual stream and each norm, QKV, rotated q,
 attention, the MLP, logits), over the example prompts and a longer text, must stay under
 float16's largest value by a margin of MARGIN."""
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +17,9 @@ from nano.sequence import SamplingParams
 PROMPTS = Path(__file__).resolve().parent.parent / "prompts.txt"
 FLOAT16_MAX = float(np.finfo(np.float16).max)
 MARGIN = 2.0
-OPS = ("embedding", "add_rms_norm", "linear", "silu_mul", "rope_store_kvcache", "paged_attention",
-       "prefill_attention")
+SET_OPS = ("embedding", "add_rms_norm", "linear", "silu_mul", "rope_store_kvcache")  # the model calls its op set's
+ATTENTION = ("paged_attention", "prefill_attention")  # ops.attention calls these, by module name
+OPS = SET_OPS + ATTENTION
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
         "combined movable metal type, oil-based inks and a screw press into a system that could produce "
         "books at a scale no scribe could match. Within fifty years, presses were running in more than two "
@@ -35,8 +37,10 @@ def test_the_default_models_activations_fit_float16(default_model, monkeypatch):
                     largest[name] = max(largest.get(name, 0.0), float(np.abs(array).max()))
             return out
         return run
-    for name in OPS:
+    for name in ATTENTION:
         monkeypatch.setattr(ops, name, watched(name, getattr(ops, name)))
+    monkeypatch.setattr(ops, "STANDARD", dataclasses.replace(
+        ops.STANDARD, **{name: watched(name, getattr(ops.STANDARD, name)) for name in SET_OPS}))
     prompts = [line for line in PROMPTS.read_text().splitlines() if line]
     engine = LLMEngine(EngineConfig(model=str(default_model), device="cpu"))
     engine.generate(prompts + [TEXT], SamplingParams(temperature=0, max_tokens=16))
