@@ -131,9 +131,10 @@ def test_swapped_sequence_waits_for_the_watermark_while_others_run():
         step(sched)                          # c and b decode, into 3 blocks each
     sched.finish(b, "stop")
     assert sched.bm.num_free_blocks == 7     # a needs 7 back: 0 would be left, below 2
+    d = request(sched, BLOCK)                # fits beside the watermark, but a was first
     out = step(sched)
     assert not out.blocks_to_swap_in and [s for s, _ in out.scheduled] == [c]
-    assert a.status is Status.SWAPPED
+    assert a.status is Status.SWAPPED and d.status is Status.WAITING  # none admitted past a swapped one
     sched.finish(c, "stop")                  # nothing runs: the watermark is waived
     assert step(sched).blocks_to_swap_in and a.status is Status.RUNNING
 
@@ -177,6 +178,26 @@ def test_recompute_victim_gives_its_blocks_up_and_goes_back_ahead_of_the_queue()
     out = step(sched, kv=kv)
     assert out.admitted == [b] and out.scheduled == [(b, BLOCK + 1)]  # its prompt and its token, again
     kv.check(sched.running)
+
+
+def test_a_step_that_preempts_admits_no_one():
+    # 3 blocks, prefix caching on: a (1 block) and b (2 blocks, its first a copy of a's) fill
+    # the pool. At the next step a needs a second block and b, admitted last, is preempted by
+    # recompute: a's cached block and the one block left would take it straight back, in the
+    # step that had no room for it. It comes back the step after.
+    config = EngineConfig(block_size=BLOCK, watermark=0.0, preemption="recompute")
+    bm = BlockManager(3, BLOCK, 0, enable_prefix_caching=True)
+    sched = Scheduler(config, bm, max_model_len=4096, kv_bytes_per_token=KV_BYTES_PER_TOKEN,
+                      cost_model=CostModel(COEF, 1e9))
+    a, b = (Sequence(next(seq_ids), "", tokens, SamplingParams(temperature=0), 0.0, seed=0)
+            for tokens in ([1] * BLOCK, [1] * BLOCK + [2]))
+    sched.waiting.extend([a, b])
+    step(sched)
+    for seq in (a, b):
+        bm.register_full_blocks(seq)
+    out = step(sched)
+    assert [(p.seq, p.mode) for p in out.preempted] == [(b, "recompute")] and not out.admitted
+    assert step(sched).admitted == [b]
 
 
 def test_a_requests_prefix_hit_is_its_first_admissions_not_its_own_blocks_after_recompute():
