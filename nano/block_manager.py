@@ -84,9 +84,9 @@ class BlockManager:
             h = chain_hash(seq.block_hashes[-1] if i else None, tokens)
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
-            # A block already registered (shared by a hit) keeps its hash; if another
-            # sequence registered the same prefix first, this copy stays anonymous.
-            if self.enable_prefix_caching and block.hash is None and h not in self.hash_to_block:
+            # A block already registered (shared by a hit) is in the table under this very
+            # hash; if another sequence registered the same prefix first, this copy stays anonymous.
+            if self.enable_prefix_caching and h not in self.hash_to_block:
                 block.hash, block.token_ids = h, tokens
                 self.hash_to_block[h] = block.block_id
                 if self.cache_events is not None:

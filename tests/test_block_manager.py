@@ -34,6 +34,14 @@ def test_shared_prefix_blocks_are_shared_and_last_token_recomputed():
     assert bm.match_prefix(c.token_ids) == a.block_table[:1]
 
 
+def test_without_prefix_caching_no_block_is_registered():
+    bm = BlockManager(num_blocks=10, block_size=4, num_swap_blocks=0, enable_prefix_caching=False)
+    bm.cache_events = []
+    admit_and_compute(bm, seq(0, list(range(10))))
+    assert not bm.hash_to_block and not bm.cache_events
+    assert all(b.hash is None for b in bm.blocks)
+
+
 def test_hash_chains_over_the_parent():
     bm = BlockManager(num_blocks=10, block_size=2, num_swap_blocks=0)
     admit_and_compute(bm, seq(0, [1, 2, 3, 4, 5]))

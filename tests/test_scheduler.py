@@ -139,6 +139,48 @@ def test_swapped_sequence_waits_for_the_watermark_while_others_run():
     assert step(sched).blocks_to_swap_in and a.status is Status.RUNNING
 
 
+def test_swapped_sequence_comes_back_only_within_the_step_budget():
+    # As above with no watermark: once b ends, a has room to come back, but c's decode takes
+    # the whole budget of one token; a returns at the next step with a budget.
+    sched = make_scheduler(num_blocks=10, num_swap_blocks=10, preemption="swap", watermark=0.0)
+    c, b, a = request(sched, BLOCK), request(sched, BLOCK), request(sched, 6 * BLOCK)
+    step(sched)
+    assert [(p.seq, p.mode) for p in step(sched).preempted] == [(a, "swap")]
+    sched.finish(b, "stop")
+    sched.config.max_num_batched_tokens = 1
+    out = step(sched)
+    assert [s for s, _ in out.scheduled] == [c] and not out.blocks_to_swap_in and a.status is Status.SWAPPED
+    sched.config.max_num_batched_tokens = None
+    assert step(sched).blocks_to_swap_in and a.status is Status.RUNNING
+
+
+def test_next_arrival_is_the_earliest_request_still_to_arrive():
+    sched = make_scheduler(num_blocks=10)
+    request(sched, BLOCK, arrival=0.0), request(sched, BLOCK, arrival=5.0), request(sched, BLOCK, arrival=3.0)
+    step(sched, now=1.0)
+    assert sched.next_arrival() == 3.0
+    step(sched, now=6.0)
+    assert not sched.waiting and sched.next_arrival() is None
+
+
+def test_reserve_holds_blocks_within_the_watermark_and_refuses_what_never_fits():
+    # Blocks for sequences whose KV is written from outside (a KV handoff): 4 blocks, a
+    # watermark of 1. Held sequences' blocks are counted as used and freed when they end.
+    sched = make_scheduler(num_blocks=4, watermark=0.25, max_model_len=64)
+
+    def handed(tokens):
+        seq = Sequence(next(seq_ids), "", [7] * tokens, SamplingParams(temperature=0), 0.0, seed=0)
+        seq.num_computed_tokens = tokens  # its KV arrives from the engine that computed it
+        return seq
+    first, second = handed(2 * BLOCK), handed(2 * BLOCK)
+    assert sched.reserve(first) is True
+    assert first.status is Status.HELD and len(first.block_table) == 2 and first.num_computed_tokens == 2 * BLOCK
+    assert sched.reserve(second) is False and second.status is Status.WAITING  # 0 left, under 1
+    assert "model context of 64 tokens" in sched.reserve(handed(100))
+    sched.finish(first, "aborted")
+    assert sched.bm.num_free_blocks == 4 and not sched.held
+
+
 def test_swap_out_and_in_brings_every_token_back_to_its_slot():
     sched = make_scheduler(num_blocks=10, num_swap_blocks=10, preemption="swap", watermark=0.0)
     kv = FakeKV()
