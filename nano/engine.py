@@ -45,7 +45,7 @@ class LLMEngine:
         self.max_model_len, self.device, self.runner = shard.max_model_len, shard.device, shard.runner
         self.kv_bytes_per_token, self.weight_bytes = shard.kv_bytes_per_token, shard.weight_bytes
         self.forward = wrap_forward(self.runner.forward) if wrap_forward else self.runner.forward
-        self.sampler = Sampler(self.device)
+        self.sampler = Sampler(self.device, self.ops)
         self.block_manager = BlockManager(shard.num_blocks, config.block_size, shard.num_swap_blocks,
                                           config.enable_prefix_caching)
         self.cost = CostModel.for_device(self.device.kind, self.weight_bytes, self.device.itemsize, self.kv_bytes_per_token)

@@ -1,4 +1,5 @@
-"""The CUDA side of nano/ops.py: one function per op, same name, same arguments.
+"""The CUDA side of nano/ops.py: one function per op, same name, same arguments, and the
+op set of a GPU run (CUDA, at the end; only a GPU run imports this module).
 
 Each file in cuda/ is compiled once per process by NVRTC (cupy.RawModule); this module only
 allocates outputs, checks dtypes and shapes, and picks launch configurations (the kernel
@@ -13,7 +14,7 @@ from pathlib import Path
 import cupy
 import numpy as np
 
-from nano import cublas
+from nano import cublas, ops
 
 CUDA_DIR = Path(__file__).resolve().parent.parent / "cuda"
 
@@ -380,3 +381,13 @@ def prefill_attention(q, cache, cu_seqlens_q, block_tables, context_lens, scale)
         (out, q, cache.k, cache.v, k_scale, v_scale, cu_seqlens_q, block_tables, context_lens,
          np.int32(block_tables.shape[1]), np.int32(log2_block_size), np.float32(scale)))
     return out
+
+
+def attention(q, cache, batch, scale):
+    """A step's attention (ops.step_attention) through these two kernels."""
+    return ops.step_attention(q, cache, batch, scale, paged_attention, prefill_attention, cupy.concatenate)
+
+
+CUDA = ops.OpSet(linear, attention, fixed_threads=False, embedding=embedding, add_rms_norm=add_rms_norm,
+                 rope_store_kvcache=rope_store_kvcache, silu_mul=silu_mul, sample=sample,
+                 gather_blocks=gather_blocks, scatter_blocks=scatter_blocks)

@@ -1,6 +1,7 @@
-"""The device boundary: every operation the model performs on arrays. Each op's NumPy
-implementation is the CPU path (float32) and the oracle the GPU tests hold each CUDA kernel
-to; given CuPy arrays, it dispatches to nano/kernels.py (float16, float32 accumulation).
+"""The device boundary: every operation the model performs on arrays, in NumPy. These are
+the CPU path (float32) and the oracle the GPU tests hold each CUDA kernel to: nano/kernels.py
+has the same functions on CuPy arrays (float16, float32 accumulation). Which set a run uses
+is chosen once, by device (OpSet, at the end).
 
 Shapes used below:
   T  tokens in the step          H  hidden size       V  vocab size
@@ -20,28 +21,13 @@ import numpy as np
 from nano.kv_cache import INT8_MAX, SCALE_DTYPE, LayerKV
 
 
-def on_gpu(x) -> bool:
-    """Device arrays have the CUDA array interface (CuPy's, or tests/cuda_host's emulator's).
-    Asked of the type: on an array it is a property that builds a dict, on every op."""
-    return hasattr(type(x), "__cuda_array_interface__")
-
-
-def _kernels():
-    from nano import kernels  # imported only when a CuPy array arrives
-    return kernels
-
-
 def embedding(ids, table):
     """ids: (T,) int32, table: (V, H) -> (T, H)."""
-    if on_gpu(table):
-        return _kernels().embedding(ids, table)
     return table[ids]
 
 
 def rms_norm(x, weight, eps):
     """x: (T, H), weight: (H,) -> (T, H); x * rsqrt(mean(x^2) + eps) * weight."""
-    if on_gpu(x):
-        return _kernels().rms_norm(x, weight, eps)
     var = np.add.reduce(x * x, axis=-1, keepdims=True)
     var /= np.intp(x.shape[-1])  # np.mean's own two steps, bit for bit, without its Python layers
     return x / np.sqrt(var + eps) * weight
@@ -50,8 +36,6 @@ def rms_norm(x, weight, eps):
 def add_rms_norm(x, residual, weight, eps):
     """Residual add fused with RMSNorm: returns (rms_norm(x + residual), x + residual).
     x, residual: (T, H); residual None means the first layer (residual = x)."""
-    if on_gpu(x):
-        return _kernels().add_rms_norm(x, residual, weight, eps)
     if residual is not None:
         x = x + residual
     return rms_norm(x, weight, eps), x
@@ -60,8 +44,6 @@ def add_rms_norm(x, residual, weight, eps):
 def linear(x, weight, bias=None):
     """x: (T, K), weight: (N, K) as in checkpoints, bias: (N,) -> (T, N). On the CPU the
     weight is stored column-major (Device.put), so this is one GEMM with plain operands."""
-    if on_gpu(x):
-        return _kernels().linear(x, weight, bias)
     y = x @ weight.T
     if bias is not None:
         y += bias
@@ -87,8 +69,6 @@ def invariant_linear(x, weight, bias=None):
 
 def silu_mul(gate_up):
     """gate_up: (T, 2I) = [gate | up] -> silu(gate) * up: (T, I)."""
-    if on_gpu(gate_up):
-        return _kernels().silu_mul(gate_up)
     inter = gate_up.shape[-1] // 2
     gate, up = gate_up[:, :inter], gate_up[:, inter:]
     out = np.negative(gate)  # silu(g) * up = g / (1 + exp(-g)) * up, in one buffer
@@ -108,8 +88,6 @@ def rope_store_kvcache(q, k, v, positions, cos_sin, cache: LayerKV, slot_mapping
     (skipped). With a key channel scale s, K is stored as k / s and q is returned as q * s;
     with k_rotate, K is stored as k H and q returned as q H (H = hadamard(d)).
     Returns the rotated q: (T, nq, d), on the CPU possibly a strided view."""
-    if on_gpu(q):
-        return _kernels().rope_store_kvcache(q, k, v, positions, cos_sin, cache, slot_mapping)
     half, nq = q.shape[-1] // 2, q.shape[1]
     cos = cos_sin[positions, None, :half]  # (T, 1, d/2)
     sin = cos_sin[positions, None, half:]
@@ -205,8 +183,6 @@ DECODE_GROUP_TOKENS = 8192
 def paged_attention(q, cache: LayerKV, block_tables, context_lens, scale):
     """Decode attention: one new query token per sequence over its whole cached context.
     q: (S, nq, d); context_lens: (S,) tokens in cache including this step's -> (S, nq, d)."""
-    if on_gpu(q):
-        return _kernels().paged_attention(q, cache, block_tables, context_lens, scale)
     out = np.empty_like(q)
     # A few sequences at a time, padded to the longest: one batched product instead of S
     # small ones, with bounded memory.
@@ -263,8 +239,6 @@ def prefill_attention(q, cache: LayerKV, cu_seqlens_q, block_tables, context_len
     chunk, or after a prefix-cache hit): its queries sit at positions
     context_len - chunk_len .. context_len - 1.
     q: (T, nq, d); cu_seqlens_q: (S+1,) chunk offsets into q -> (T, nq, d)."""
-    if on_gpu(q):
-        return _kernels().prefill_attention(q, cache, cu_seqlens_q, block_tables, context_lens, scale)
     out = np.empty_like(q)
     for i, ctx in enumerate(context_lens.tolist()):
         start, end = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
@@ -280,19 +254,20 @@ def prefill_attention(q, cache: LayerKV, cu_seqlens_q, block_tables, context_len
 
 
 def attention(q, cache: LayerKV, batch, scale):
-    """A step's attention (batch: model.ForwardBatch): its decode rows, which come first,
-    through paged attention, its prefill chunks through prefill attention."""
+    """A step's attention (batch: model.ForwardBatch) through this module's two attentions."""
+    return step_attention(q, cache, batch, scale, paged_attention, prefill_attention, np.concatenate)
+
+
+def step_attention(q, cache: LayerKV, batch, scale, paged, prefill, concatenate):
+    """A step's attention from a set's paged and prefill attention (and its arrays' concatenate):
+    the step's decode rows, which come first, through paged, its prefill chunks through prefill."""
     nd = batch.num_decodes
     if nd == q.shape[0]:
-        return paged_attention(q, cache, batch.block_tables, batch.context_lens, scale)
-    prefill = prefill_attention(q[nd:], cache, batch.cu_seqlens_q, batch.block_tables[nd:], batch.context_lens[nd:], scale)
+        return paged(q, cache, batch.block_tables, batch.context_lens, scale)
+    chunks = prefill(q[nd:], cache, batch.cu_seqlens_q, batch.block_tables[nd:], batch.context_lens[nd:], scale)
     if nd == 0:
-        return prefill
-    decode = paged_attention(q[:nd], cache, batch.block_tables[:nd], batch.context_lens[:nd], scale)
-    if on_gpu(q):
-        import cupy
-        return cupy.concatenate([decode, prefill])
-    return np.concatenate([decode, prefill])
+        return chunks
+    return concatenate([paged(q[:nd], cache, batch.block_tables[:nd], batch.context_lens[:nd], scale), chunks])
 
 
 def invariant_attention(q, cache: LayerKV, batch, scale):
@@ -339,15 +314,11 @@ def gather_blocks(pool, block_ids, out=None):
     one device-host copy. pool: one of KVCache.block_arrays(), (L, 2, nb, *rest) (rest:
     (nkv, bs, d) for K/V, (nkv, bs) for scales), block_ids: (n,) -> (L, 2, n, *rest).
     CPU: out, a view of that shape (a KV handoff's payload), is written in place."""
-    if on_gpu(pool):
-        return _kernels().gather_blocks(pool, block_ids)
     return np.take(pool, block_ids, axis=2, out=out, mode="clip")  # clip: written unbuffered
 
 
 def scatter_blocks(pool, block_ids, staging):
     """Inverse of gather_blocks: pool[:, :, block_ids[i]] = staging[:, :, i]."""
-    if on_gpu(pool):
-        return _kernels().scatter_blocks(pool, block_ids, staging)
     pool[:, :, block_ids] = staging
 
 
@@ -357,8 +328,6 @@ def sample(logits, temperature, top_k, top_p, seeds, counters):
     counters: (R,) int32, the row's sequence's output tokens so far -> (R,) int32.
     Thresholds by bisection over order-preserving keys, then a Gumbel-max draw whose noise
     hashes (seed, counter, token id); cuda/sampling.cu runs the same steps (docs/how-it-works.md)."""
-    if on_gpu(logits):
-        return _kernels().sample(logits, temperature, top_k, top_p, seeds, counters)
     logits = np.asarray(logits, np.float32)
     if not np.any(temperature):  # all greedy: one argmax for the step, not one per row
         return np.argmax(logits, axis=-1).astype(np.int32)
@@ -443,9 +412,11 @@ def _sample_row(x, t, top_k, top_p, seed, counter) -> int:
 
 @dataclass(frozen=True)
 class OpSet:
-    """The ops a forward pass runs (model.LlamaModel calls no other), chosen once per shard (shard.py);
-    each takes NumPy or CUDA arrays (on_gpu). Sets differ in how a GEMM and attention group rows; a
-    GEMM's rounding depends on BLAS's thread count too, which a batch-invariant set keeps (fixed_threads)."""
+    """The ops on one kind of array: those a forward pass runs (model.LlamaModel calls no other),
+    sampling and swap copies; chosen once per shard (shard.op_set), never per call: REFERENCE or
+    BATCH_INVARIANT on the CPU, kernels.CUDA on a GPU. The NumPy sets differ in how a GEMM and
+    attention group rows; a GEMM's rounding depends on BLAS's thread count too, which a
+    batch-invariant set keeps (fixed_threads)."""
     linear: Callable
     attention: Callable
     fixed_threads: bool
@@ -453,7 +424,10 @@ class OpSet:
     add_rms_norm: Callable = add_rms_norm
     rope_store_kvcache: Callable = rope_store_kvcache
     silu_mul: Callable = silu_mul
+    sample: Callable = sample
+    gather_blocks: Callable = gather_blocks
+    scatter_blocks: Callable = scatter_blocks
 
 
-STANDARD = OpSet(linear, attention, fixed_threads=False)
+REFERENCE = OpSet(linear, attention, fixed_threads=False)
 BATCH_INVARIANT = OpSet(invariant_linear, invariant_attention, fixed_threads=True)  # CPU only

@@ -11,7 +11,6 @@ import time
 
 import numpy as np
 
-from nano import ops
 from nano.cpu_setup import BlasThreads
 from nano.device import Device
 from nano.graphs import DecodeGraphs, GraphStep
@@ -63,7 +62,7 @@ class ModelRunner:
             dev, host = _columns(blocks_out)
             dev = self.device.xp.asarray(dev)
             for device_pool, host_pool in pools:
-                staging = ops.gather_blocks(device_pool, dev)
+                staging = self.model.ops.gather_blocks(device_pool, dev)
                 host_pool[:, :, host] = self.device.to_host(staging)
                 moved += staging.nbytes
         if len(blocks_in):
@@ -71,7 +70,7 @@ class ModelRunner:
             dev = self.device.xp.asarray(dev)
             for device_pool, host_pool in pools:
                 staging = self.device.xp.asarray(host_pool[:, :, host])
-                ops.scatter_blocks(device_pool, dev, staging)
+                self.model.ops.scatter_blocks(device_pool, dev, staging)
                 moved += staging.nbytes
         if moved:
             self.device.synchronize()
@@ -88,16 +87,16 @@ class ModelRunner:
         for pool, rows in zip(self.kv_cache.block_arrays(), self._payload_rows(payload)):
             blocks = np.moveaxis(rows, 0, 2)  # (L, 2, n, *rest), a view into the payload
             if self.device.kind == "cpu":
-                ops.gather_blocks(pool, ids, out=blocks)  # straight into the payload: no temporary
+                self.model.ops.gather_blocks(pool, ids, out=blocks)  # straight into the payload: no temporary
             else:
-                blocks[...] = self.device.to_host(ops.gather_blocks(pool, ids))
+                blocks[...] = self.device.to_host(self.model.ops.gather_blocks(pool, ids))
         return payload
 
     def write_blocks(self, block_ids: list[int], payload: np.ndarray) -> None:
         """Write read_blocks' rows into these blocks of this pool."""
         ids = self.device.xp.asarray(np.asarray(block_ids, np.int32))
         for pool, rows in zip(self.kv_cache.block_arrays(), self._payload_rows(payload)):
-            ops.scatter_blocks(pool, ids, self.device.xp.asarray(np.moveaxis(rows, 0, 2)))
+            self.model.ops.scatter_blocks(pool, ids, self.device.xp.asarray(np.moveaxis(rows, 0, 2)))
         self.device.synchronize()
 
     def _payload_rows(self, payload: np.ndarray) -> list[np.ndarray]:

@@ -1,4 +1,4 @@
-"""Next-token choice (builds each row's sampling parameters, calls ops.sample) and prompt scoring.
+"""Next-token choice (builds each row's sampling parameters, calls its op set's sample) and prompt scoring.
 
 A sequence's draws depend on its seed and output count, never on its batch (the algorithm:
 docs/how-it-works.md). On the GPU a step moves its parameters in with one copy and the
@@ -6,14 +6,14 @@ sampled ids out with one; logits rows come to the host only for sequences that a
 them (return_logits). It writes into no Sequence: the engine appends what it returns."""
 import numpy as np
 
-from nano import ops
+from nano.ops import OpSet
 from nano.plan import StepRows
 from nano.sequence import Sequence
 
 
 class Sampler:
-    def __init__(self, device):
-        self.device = device
+    def __init__(self, device, ops: OpSet):
+        self.device, self.ops = device, ops
 
     def sample(self, logits, rows: StepRows) -> tuple[list[int], dict]:
         """A step's logits (R, V) -> a token id per sequence that samples (rows.sampling), and
@@ -22,7 +22,7 @@ class Sampler:
             logits = logits[rows.sample_rows]
         keep = [i for i, seq in enumerate(rows.sampling) if seq.params.return_logits]
         kept = dict(zip(keep, self.device.to_host(logits[keep]).astype(np.float32))) if keep else {}
-        tokens = ops.sample(logits, *self._parameters(rows.sampling, rows.counters))
+        tokens = self.ops.sample(logits, *self._parameters(rows.sampling, rows.counters))
         return self.device.to_host(tokens).tolist(), kept
 
     def score(self, logits, rows: StepRows) -> list[tuple]:
@@ -45,7 +45,7 @@ class Sampler:
         return [(c, r, list(zip(t, v))[:seq.params.prompt_logprobs]) for seq, c, r, t, v in zip(rows.scoring, *out)]
 
     def _parameters(self, seqs: list[Sequence], counters: list[int]) -> tuple:
-        """ops.sample's per-row arrays (temperature, top_k, top_p, seeds, counters), packed
+        """The sample op's per-row arrays (temperature, top_k, top_p, seeds, counters), packed
         into one uint32 host array so that the GPU gets them in one copy, then viewed."""
         host = np.empty((6, len(seqs)), np.uint32)
         host[0].view(np.float32)[:] = [s.params.temperature for s in seqs]

@@ -55,7 +55,7 @@ def load_shard(config: EngineConfig, group: parallel.Group) -> Shard:
         default = kind == "cpu" and config.kv_cache_dtype == "int8"
         invariant = default if config.batch_invariant is None else config.batch_invariant
         model = load_model(folder.reader, cfg, partitions[group.rank], device.put, context, group.all_reduce,
-                           ops.BATCH_INVARIANT if invariant else ops.STANDARD)
+                           op_set(kind, invariant))
 
     per_token = kv_cache.bytes_per_token(cfg, partitions[group.rank].num_kv_heads, config.kv_cache_dtype,
                                          device.itemsize)
@@ -79,6 +79,15 @@ def load_shard(config: EngineConfig, group: parallel.Group) -> Shard:
         runner.kv_cache.k_channel_scale = device.put(scales, keep_float32=True)
     return Shard(folder.path, cfg, folder.tokenizer, context, partitions, device, runner, num_blocks,
                  num_swap_blocks, per_token, model.nbytes)
+
+
+def op_set(kind: str, invariant: bool) -> ops.OpSet:
+    """The ops a shard runs, chosen once: the CUDA kernels on a GPU (nano/kernels.py needs
+    CuPy: imported only then), else the NumPy references or their batch-invariant set."""
+    if kind == "gpu":
+        from nano import kernels
+        return kernels.CUDA
+    return ops.BATCH_INVARIANT if invariant else ops.REFERENCE
 
 
 def _check_memory(device: Device, kv_bytes: int, swap_bytes: int) -> None:

@@ -11,7 +11,7 @@ import numpy as np
 from nano.config import ARCHITECTURES, ROPE_TYPES, ModelConfig
 from nano.errors import NanoError
 from nano.model import LayerWeights, LlamaModel
-from nano.ops import STANDARD, OpSet
+from nano.ops import REFERENCE, OpSet
 
 
 @dataclass
@@ -96,7 +96,7 @@ def check_checkpoint(cfg: ModelConfig, names) -> None:
 
 
 def load_model(reader, cfg: ModelConfig, part: Partition, to_device, max_positions: int,
-               all_reduce=None, ops: OpSet = STANDARD) -> LlamaModel:
+               all_reduce=None, ops: OpSet = REFERENCE) -> LlamaModel:
     """Read only this rank's slices from the checkpoint and build the model, running ops, on the device."""
     q_rows, kv_rows = _rows(part.q_heads, cfg.head_dim), _rows(part.kv_heads, cfg.head_dim)
     shapes = checkpoint_shapes(cfg)

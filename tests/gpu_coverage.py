@@ -8,7 +8,7 @@ included) and reports, of the statements only a GPU run reaches, how many ran an
 GPU-only statements, read from the source (ast):
 - every statement in a function of nano/kernels.py, nano/cublas.py and nano/graphs.py;
 - in the other nano/*.py, the branches a device test selects: the body of an `if` whose test
-  names the GPU ("gpu", on_gpu(...), a CUDA graph step) and negates nothing, and the `else` of
+  names the GPU ("gpu", a CUDA graph step) and negates nothing, and the `else` of
   one that names the CPU ("cpu", a NumPy array);
 - the functions that only a GPU calls (GPU_FUNCTIONS).
 """
@@ -27,7 +27,7 @@ TESTS = ["tests/test_engine_emulated.py", "tests/test_kernels.py", "tests/test_c
          "tests/test_graphs_layout.py", "tests/test_kernels_compile.py", "tests/test_disagg.py",
          "tests/test_kv_pool.py", "tests/test_gpu_libraries.py"]
 WHOLE = ("kernels.py", "cublas.py", "graphs.py")
-GPU_TEST = re.compile(r"'gpu'|on_gpu\(|GraphStep|self\.graphs is not None|cuda_graphs")
+GPU_TEST = re.compile(r"'gpu'|GraphStep|self\.graphs is not None|cuda_graphs")
 CPU_TEST = re.compile(r"'cpu'|np\.ndarray")
 GPU_FUNCTIONS = {"device.py": {"gpu_count", "gpu_of", "ranks_on_gpu"}}
 

@@ -51,10 +51,11 @@ def breakdown(batch: int, steps: int) -> None:
     model, totals = engine.runner.model, collections.Counter()
     names = {id(model.lm_head): "LM head"} | {id(getattr(w, n)): n for w in model.layers
                                                for n in ("qkv", "o_proj", "gate_up", "down")}
-    for name in OPS:  # sampler.py calls them through the ops module, model.py through its ops set
+    for name in OPS:  # model.py and sampler.py call them through op sets, ops.attention by module name
         timed(ops, name, totals, (lambda args: "linear: " + names[id(args[1])]) if name == "linear" else None)
-    model.ops = dataclasses.replace(model.ops, **{f.name: getattr(ops, f.name) for f in dataclasses.fields(model.ops)
-                                                  if f.name in OPS})
+    timed_ops = {f.name: getattr(ops, f.name) for f in dataclasses.fields(model.ops) if f.name in OPS}
+    model.ops = dataclasses.replace(model.ops, **timed_ops)
+    engine.sampler.ops = model.ops
     parts = {"runner.prepare": (engine.runner, "prepare"), "forward": (engine.runner, "forward"),
              "scheduler.schedule": (engine.scheduler, "schedule"), "engine postprocess": (engine, "_postprocess"),
              "engine metrics": (engine, "_observe")}

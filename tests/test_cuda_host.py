@@ -429,7 +429,7 @@ def check_paged(cp, rng, dtype="float16"):
         (cache, tables), (cache_d, tables_d) = make_cache(cp, rng, context_lens, 3, 64, 16, dtype)
         q, q_d = f16(cp, rng.normal(size=(len(context_lens), 9, 64)))
         lens = np.array(context_lens, np.int32)
-        got = ops.paged_attention(q_d, cache_d, tables_d, cp.asarray(lens), 0.125)
+        got = kernels.paged_attention(q_d, cache_d, tables_d, cp.asarray(lens), 0.125)
         assert_close(cp, got, ops.paged_attention(q, cache, tables, lens, 0.125))
 
 
@@ -439,23 +439,23 @@ def check_prefill(cp, rng, dtype="float16"):
     cu = np.concatenate([[0], np.cumsum([n for n, _ in chunks])]).astype(np.int32)
     q, q_d = f16(cp, rng.normal(size=(int(cu[-1]), 9, 64)))
     lens = np.array([c for _, c in chunks], np.int32)
-    got = ops.prefill_attention(q_d, cache_d, cp.asarray(cu), tables_d, cp.asarray(lens), 0.125)
+    got = kernels.prefill_attention(q_d, cache_d, cp.asarray(cu), tables_d, cp.asarray(lens), 0.125)
     assert_close(cp, got, ops.prefill_attention(q, cache, cu, tables, lens, 0.125))
 
 
 def check_layers(cp, rng):
     x, x_d = f16(cp, rng.normal(size=(5, 576)))
     w, w_d = f16(cp, rng.uniform(0.5, 1.5, size=576))
-    assert_close(cp, ops.rms_norm(x_d, w_d, 1e-5), ops.rms_norm(x, w, 1e-5))
+    assert_close(cp, kernels.rms_norm(x_d, w_d, 1e-5), ops.rms_norm(x, w, 1e-5))
     gate_up, gate_up_d = f16(cp, rng.normal(size=(3, 2 * 72)))
-    assert_close(cp, ops.silu_mul(gate_up_d), ops.silu_mul(gate_up))
+    assert_close(cp, kernels.silu_mul(gate_up_d), ops.silu_mul(gate_up))
 
 
 def check_sample(cp, rng):
     logits = (3 * rng.normal(size=(2, 1000))).astype(np.float16)
     args = (np.full(2, 0.8, np.float32), np.full(2, 40, np.int32), np.full(2, 0.9, np.float32),
             np.array([1, 2], np.uint64), np.array([0, 5], np.int32))
-    got = cp.asnumpy(ops.sample(cp.asarray(logits), *map(cp.asarray, args)))
+    got = cp.asnumpy(kernels.sample(cp.asarray(logits), *map(cp.asarray, args)))
     np.testing.assert_array_equal(got, ops.sample(logits.astype(np.float32), *args))
 
 
@@ -472,7 +472,7 @@ def check_rope_int8(cp, rng):
     dev = LayerKV(*(cp.asarray(a) for a in (ref.k, ref.v, ref.k_scale, ref.v_scale)), None, True)
     split = (lambda a: (a[:, :nq], a[:, nq:nq + nkv], a[:, nq + nkv:]))
     cos_sin = rope_table(d, 64)
-    got = ops.rope_store_kvcache(*split(qkv_d), cp.asarray(positions), cp.asarray(cos_sin), dev, cp.asarray(slots))
+    got = kernels.rope_store_kvcache(*split(qkv_d), cp.asarray(positions), cp.asarray(cos_sin), dev, cp.asarray(slots))
     assert_close(cp, got, ops.rope_store_kvcache(*split(qkv), positions, cos_sin, ref, slots))
     assert_quantized_close(cp, dev.k, dev.k_scale, ref.k, ref.k_scale)
     assert_quantized_close(cp, dev.v, dev.v_scale, ref.v, ref.v_scale)
@@ -602,11 +602,11 @@ def test_sanitizers_catch_a_read_before_the_start(tmp_path):
         from pathlib import Path
         import numpy as np
         from cuda_host import cupy_stub
-        from nano import kernels, ops
+        from nano import kernels
         kernels.CUDA_DIR = Path({str(tmp_path / 'cuda')!r})
         with cupy_stub.emulating(kernels) as cp:
             kv = cp.asarray(np.ones((1, 2, 4, 1, 16, 64), np.float16))
-            ops.gather_blocks(kv, cp.asarray(np.array([0, 2], np.int32)))
+            kernels.gather_blocks(kv, cp.asarray(np.array([0, 2], np.int32)))
         print("no error")""")
     done = subprocess.run([sys.executable, "-c", script], env=sanitizer_env(), capture_output=True,
                           text=True, timeout=300)

@@ -27,6 +27,7 @@ import contextlib
 import numpy as np
 import pytest
 
+import nano.ops
 import nano.shard
 import nano.tp
 from nano.config import TOKEN_BUDGET, EngineConfig
@@ -43,7 +44,7 @@ SHAPES = {"smollm2_135m": SMOLLM2_135M, "llama_3.2_1b": LLAMA_32_1B}
 
 @contextlib.contextmanager
 def weights_loaded_once():
-    """Inside, the engines of each device kind share the weights the first of them loaded
+    """Inside, the engines of each device kind and op set share the weights the first of them loaded
     (nano.shard's load_model, remembered), so it must hold the engines of one model alone.
     Engines of one model differ in their KV pools and schedulers, not in their weights, and
     the host work of a load (float16 to float32 and back; a float32 copy in column-major order
@@ -52,10 +53,10 @@ def weights_loaded_once():
     a dozen times."""
     loaded = {}
 
-    def load_once(reader, cfg, part, to_device, max_positions, all_reduce=None):
-        key = (to_device.__self__.kind, max_positions)  # to_device: the engine's Device.put
+    def load_once(reader, cfg, part, to_device, max_positions, all_reduce=None, ops=nano.ops.REFERENCE):
+        key = (to_device.__self__.kind, max_positions, ops)  # to_device: the engine's Device.put
         if key not in loaded:
-            loaded[key] = nano.tp.load_model(reader, cfg, part, to_device, max_positions, all_reduce)
+            loaded[key] = nano.tp.load_model(reader, cfg, part, to_device, max_positions, all_reduce, ops)
         return loaded[key]
 
     with pytest.MonkeyPatch.context() as patch:

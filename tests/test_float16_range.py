@@ -39,8 +39,8 @@ def test_the_default_models_activations_fit_float16(default_model, monkeypatch):
         return run
     for name in ATTENTION:
         monkeypatch.setattr(ops, name, watched(name, getattr(ops, name)))
-    monkeypatch.setattr(ops, "STANDARD", dataclasses.replace(
-        ops.STANDARD, **{name: watched(name, getattr(ops.STANDARD, name)) for name in SET_OPS}))
+    monkeypatch.setattr(ops, "REFERENCE", dataclasses.replace(
+        ops.REFERENCE, **{name: watched(name, getattr(ops.REFERENCE, name)) for name in SET_OPS}))
     prompts = [line for line in PROMPTS.read_text().splitlines() if line]
     engine = LLMEngine(EngineConfig(model=str(default_model), device="cpu"))
     engine.generate(prompts + [TEXT], SamplingParams(temperature=0, max_tokens=16))

@@ -27,7 +27,7 @@ their bits.
 
 Copies (embedding, float16 V-cache writes, swaps of any pool) and greedy sampling must match
 exactly; sampled tokens must match except on near-ties (see test_sample_matches_reference).
-The cuBLAS GEMM (ops.linear) is also compared with cupy.matmul: both accumulate in float32
+The cuBLAS GEMM (kernels.linear) is also compared with cupy.matmul: both accumulate in float32
 and round once, so LINEAR_ERR = 2e-3 relative to max |ref| (a few float16 ulps). On the
 emulator it runs nano/cublas.py against the stand-in libcublas (tests/cuda_host/cublas.cpp).
 The pools past 2^31 elements per layer (the end of the file) check the kernels' 64-bit
@@ -35,12 +35,15 @@ indexing of the KV pool.
 Buffers the kernels allocate are poisoned with NaN (float) or -7 (signed int) first, so an
 element a kernel forgets to write fails the comparison.
 """
+import dataclasses
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
 pytest.importorskip("cupy")  # nano/kernels.py imports it, also to run on the emulator
 from cuda_host import cupy_stub, emulator  # noqa: E402
-from nano import kernels, ops  # noqa: E402
+from nano import kernels, ops, shard  # noqa: E402
 from nano.kv_cache import LayerKV  # noqa: E402
 
 HUGE_BYTES = 2**30
@@ -103,7 +106,7 @@ def assert_close(cupy, got, ref):
 def test_embedding(cupy, rng):
     table, table_d = f16(cupy, rng.normal(size=(1000, 136)))
     ids = rng.integers(0, 1000, size=37).astype(np.int32)
-    got = ops.embedding(cupy.asarray(ids), table_d)
+    got = kernels.embedding(cupy.asarray(ids), table_d)
     np.testing.assert_array_equal(cupy.asnumpy(got).astype(np.float32), ops.embedding(ids, table))
 
 
@@ -111,7 +114,7 @@ def test_embedding(cupy, rng):
 def test_rms_norm(cupy, rng, tokens, hidden):
     x, x_d = f16(cupy, rng.normal(size=(tokens, hidden)))
     w, w_d = f16(cupy, rng.uniform(0.5, 1.5, size=hidden))
-    assert_close(cupy, ops.rms_norm(x_d, w_d, 1e-5), ops.rms_norm(x, w, 1e-5))
+    assert_close(cupy, kernels.rms_norm(x_d, w_d, 1e-5), ops.rms_norm(x, w, 1e-5))
 
 
 @pytest.mark.parametrize("with_residual", [True, False])
@@ -119,7 +122,7 @@ def test_add_rms_norm(cupy, rng, with_residual):
     x, x_d = f16(cupy, rng.normal(size=(29, 576)))
     r, r_d = f16(cupy, rng.normal(size=(29, 576))) if with_residual else (None, None)
     w, w_d = f16(cupy, rng.uniform(0.5, 1.5, size=576))
-    out, res = ops.add_rms_norm(x_d, r_d, w_d, 1e-5)
+    out, res = kernels.add_rms_norm(x_d, r_d, w_d, 1e-5)
     ref_out, ref_res = ops.add_rms_norm(x, r, w, 1e-5)
     assert_close(cupy, res, ref_res)
     assert_close(cupy, out, ref_out)
@@ -130,7 +133,7 @@ def test_linear(cupy, rng, bias):
     x, x_d = f16(cupy, rng.normal(size=(19, 192)) / 8)
     w, w_d = f16(cupy, rng.normal(size=(72, 192)) / 8)
     b, b_d = f16(cupy, rng.normal(size=72)) if bias else (None, None)
-    assert_close(cupy, ops.linear(x_d, w_d, b_d), ops.linear(x, w, b))
+    assert_close(cupy, kernels.linear(x_d, w_d, b_d), ops.linear(x, w, b))
 
 
 @pytest.mark.parametrize("tokens, k, n", [(1, 576, 1536), (7, 136, 40), (33, 2048, 8200), (300, 72, 24)])
@@ -140,10 +143,10 @@ def test_cublas_linear_matches_cupy_matmul(cupy, rng, tokens, k, n):
     wide, wide_d = f16(cupy, rng.normal(size=(tokens, k + 24)) / 8)
     x_d = wide_d[:, 8:8 + k]
     w, w_d = f16(cupy, rng.normal(size=(n, k)) / 8)
-    got = cupy.asnumpy(ops.linear(x_d, w_d)).astype(np.float32)
+    got = cupy.asnumpy(kernels.linear(x_d, w_d)).astype(np.float32)
     ref = cupy.asnumpy(cupy.matmul(cupy.ascontiguousarray(x_d), w_d.T)).astype(np.float32)
     assert np.abs(got - ref).max() <= LINEAR_ERR * np.abs(ref).max()
-    assert_close(cupy, ops.linear(x_d, w_d), ops.linear(wide[:, 8:8 + k], w))
+    assert_close(cupy, kernels.linear(x_d, w_d), ops.linear(wide[:, 8:8 + k], w))
 
 
 def rope_table(d, positions=4096):
@@ -172,7 +175,7 @@ def test_rope_store_kvcache_on_strided_views(cupy, rng, nq, nkv, d):
                 a[:, (nq + nkv) * d:].reshape(tokens, nkv, d))
 
     ref_q = ops.rope_store_kvcache(*split(qkv), positions, cos_sin, LayerKV(k_cache, v_cache), slots)
-    got_q = ops.rope_store_kvcache(*split(qkv_d), cupy.asarray(positions), cupy.asarray(cos_sin),
+    got_q = kernels.rope_store_kvcache(*split(qkv_d), cupy.asarray(positions), cupy.asarray(cos_sin),
                                    LayerKV(k_cache_d, v_cache_d), cupy.asarray(slots))
     assert_close(cupy, got_q, ref_q)
     assert_close(cupy, k_cache_d, k_cache)  # untouched slots too: they keep their random values
@@ -231,7 +234,7 @@ def test_rope_store_kvcache_int8(cupy, rng, nq, nkv, d, scheme):
                 a[:, (nq + nkv) * d:].reshape(tokens, nkv, d))
 
     ref_q = ops.rope_store_kvcache(*split(qkv), positions, cos_sin, ref, slots)
-    got_q = ops.rope_store_kvcache(*split(qkv_d), cupy.asarray(positions), cupy.asarray(cos_sin), dev,
+    got_q = kernels.rope_store_kvcache(*split(qkv_d), cupy.asarray(positions), cupy.asarray(cos_sin), dev,
                                    cupy.asarray(slots))
     assert_close(cupy, got_q, ref_q)
     for got_values, got_scales, ref_values, ref_scales in ((dev.k, dev.k_scale, ref.k, ref.k_scale),
@@ -244,7 +247,7 @@ def test_rope_store_kvcache_int8(cupy, rng, nq, nkv, d, scheme):
         v_cache, v_cache_d = f16(cupy, rng.normal(size=shape))
         ref_q = ops.rope_store_kvcache(*split(qkv), positions, cos_sin,
                                        LayerKV(k_cache, v_cache, None, None, channels, rotate), slots)
-        got_q = ops.rope_store_kvcache(*split(qkv_d), cupy.asarray(positions), cupy.asarray(cos_sin),
+        got_q = kernels.rope_store_kvcache(*split(qkv_d), cupy.asarray(positions), cupy.asarray(cos_sin),
                                        LayerKV(k_cache_d, v_cache_d, None, None, channels_d, rotate),
                                        cupy.asarray(slots))
         assert_close(cupy, got_q, ref_q)
@@ -259,24 +262,24 @@ def test_int8_cache_checks(cupy, rng):
     s = cupy.asarray(np.zeros((3, 1, 16), np.float16))
     tables, lens = cupy.asarray(np.zeros((2, 1), np.int32)), cupy.asarray(np.ones(2, np.int32))
     with pytest.raises(ValueError, match="int8 KV cache supports head_dim"):
-        ops.paged_attention(q, LayerKV(k, k, s, s), tables, lens, 0.1)
+        kernels.paged_attention(q, LayerKV(k, k, s, s), tables, lens, 0.1)
     with pytest.raises(ValueError, match="int8 KV cache supports head_dim"):
-        ops.rope_store_kvcache(q, q[:, :1], q[:, :1], cupy.asarray(np.zeros(2, np.int32)),
+        kernels.rope_store_kvcache(q, q[:, :1], q[:, :1], cupy.asarray(np.zeros(2, np.int32)),
                                cupy.asarray(rope_table(96, 8)), LayerKV(k, k, s, s),
                                cupy.asarray(np.zeros(2, np.int32)))
     q = cupy.asarray(np.zeros((2, 4, 64), np.float16))
     k = cupy.asarray(np.zeros((3, 1, 16, 64), np.int8))
     with pytest.raises(ValueError, match="needs k_scale"):
-        ops.paged_attention(q, LayerKV(k, k), tables, lens, 0.1)
+        kernels.paged_attention(q, LayerKV(k, k), tables, lens, 0.1)
     with pytest.raises(ValueError, match="v_scale must be contiguous"):
-        ops.paged_attention(q, LayerKV(k, k, s, s[:, :, :8]), tables, lens, 0.1)
+        kernels.paged_attention(q, LayerKV(k, k, s, s[:, :, :8]), tables, lens, 0.1)
     with pytest.raises(TypeError, match="k_scale must be float16"):
-        ops.paged_attention(q, LayerKV(k, k, s.astype(np.float32), s), tables, lens, 0.1)
+        kernels.paged_attention(q, LayerKV(k, k, s.astype(np.float32), s), tables, lens, 0.1)
     with pytest.raises(ValueError, match="k_channel_scale must be contiguous"):
-        ops.paged_attention(q, LayerKV(k, k, s, s, cupy.asarray(np.ones((1, 32), np.float32))), tables, lens, 0.1)
+        kernels.paged_attention(q, LayerKV(k, k, s, s, cupy.asarray(np.ones((1, 32), np.float32))), tables, lens, 0.1)
     half = cupy.asarray(np.zeros((3, 1, 16, 64), np.float16))
     with pytest.raises(ValueError, match="float16 KV cache has no scales"):
-        ops.paged_attention(q, LayerKV(half, half, s, s), tables, lens, 0.1)
+        kernels.paged_attention(q, LayerKV(half, half, s, s), tables, lens, 0.1)
 
 
 def z(cupy, shape, dtype=np.float16):
@@ -284,17 +287,17 @@ def z(cupy, shape, dtype=np.float16):
 
 
 def paged_call(cupy, q_shape, k, v=None, block_size=16):
-    """ops.paged_attention on zeros: q of q_shape, K and V of k's shape (or those given)."""
+    """kernels.paged_attention on zeros: q of q_shape, K and V of k's shape (or those given)."""
     k = z(cupy, k) if isinstance(k, tuple) else k
     cache = LayerKV(k, k if v is None else v)
-    return ops.paged_attention(z(cupy, q_shape), cache, z(cupy, (1, 1), np.int32), z(cupy, 1, np.int32), 0.1)
+    return kernels.paged_attention(z(cupy, q_shape), cache, z(cupy, (1, 1), np.int32), z(cupy, 1, np.int32), 0.1)
 
 
 def rope_call(cupy, q, k, v, cache):
-    """ops.rope_store_kvcache of two tokens; q, k, v views of arrays of zeros (or shapes)."""
+    """kernels.rope_store_kvcache of two tokens; q, k, v views of arrays of zeros (or shapes)."""
     q, k, v = (z(cupy, a) if isinstance(a, tuple) else a for a in (q, k, v))
     d = cache.k.shape[3]
-    return ops.rope_store_kvcache(q, k, v, z(cupy, 2, np.int32), cupy.asarray(rope_table(d, 8)), cache,
+    return kernels.rope_store_kvcache(q, k, v, z(cupy, 2, np.int32), cupy.asarray(rope_table(d, 8)), cache,
                                   z(cupy, 2, np.int32))
 
 
@@ -313,7 +316,7 @@ BAD_CALLS = {  # what -> (the call, the error, its message): refused before any 
                               "q has head_dim 128, the cache 64"),
     "a GQA group of 9": (lambda c: paged_call(c, (1, 18, 64), (3, 2, 16, 64)), ValueError, "query heads per KV head"),
     "a block size of 12": (lambda c: paged_call(c, (1, 4, 64), (3, 2, 12, 64)), ValueError, "power-of-two block size"),
-    "a hidden size of 12": (lambda c: ops.rms_norm(z(c, (2, 12)), z(c, 12), 1e-5), ValueError, "multiple of 8"),
+    "a hidden size of 12": (lambda c: kernels.rms_norm(z(c, (2, 12)), z(c, 12), 1e-5), ValueError, "multiple of 8"),
     "a head dim of 40": (lambda c: rope_call(c, (2, 4, 40), (2, 2, 40), (2, 2, 40), cache_of(c, (3, 2, 16, 40))),
                          ValueError, "multiple of 16"),
     "q with strided elements": (lambda c: rope_call(c, z(c, (2, 4, 128))[:, :, ::2], (2, 2, 64), (2, 2, 64),
@@ -328,15 +331,15 @@ BAD_CALLS = {  # what -> (the call, the error, its message): refused before any 
     "a Hadamard rotation of 48 dims": (lambda c: rope_call(c, (2, 4, 48), (2, 2, 48), (2, 2, 48),
                                                            cache_of(c, (3, 2, 16, 48), rotate=True)),
                                        ValueError, "power-of-two head_dim"),
-    "staging of another dtype": (lambda c: ops.scatter_blocks(z(c, (1, 2, 4, 8)), z(c, 1, np.int32),
+    "staging of another dtype": (lambda c: kernels.scatter_blocks(z(c, (1, 2, 4, 8)), z(c, 1, np.int32),
                                                               z(c, (1, 2, 1, 8), np.float32)),
                                  TypeError, "staging must be float16"),
-    "staging of another shape": (lambda c: ops.scatter_blocks(z(c, (1, 2, 4, 8)), z(c, 1, np.int32),
+    "staging of another shape": (lambda c: kernels.scatter_blocks(z(c, (1, 2, 4, 8)), z(c, 1, np.int32),
                                                               z(c, (1, 2, 2, 8))),
                                  ValueError, "do not match 1 blocks"),
-    "a strided pool": (lambda c: ops.gather_blocks(z(c, (1, 2, 8, 8))[:, :, ::2], z(c, 1, np.int32)),
+    "a strided pool": (lambda c: kernels.gather_blocks(z(c, (1, 2, 8, 8))[:, :, ::2], z(c, 1, np.int32)),
                        ValueError, "must be contiguous"),
-    "a block of one byte": (lambda c: ops.gather_blocks(z(c, (1, 2, 4, 1), np.int8), z(c, 1, np.int32)),
+    "a block of one byte": (lambda c: kernels.gather_blocks(z(c, (1, 2, 4, 1), np.int8), z(c, 1, np.int32)),
                             ValueError, "cannot move in 2-byte units"),
 }
 
@@ -353,20 +356,20 @@ def test_empty_batches_launch_nothing(cupy):
     blocks is an invalid launch)."""
     cache = cache_of(cupy, (3, 2, 16, 64))
     q, none, no_tables = z(cupy, (0, 4, 64)), z(cupy, 0, np.int32), z(cupy, (0, 1), np.int32)
-    assert ops.paged_attention(q, cache, no_tables, none, 0.1).shape == (0, 4, 64)
-    assert ops.prefill_attention(q, cache, z(cupy, 1, np.int32), no_tables, none, 0.1).shape == (0, 4, 64)
+    assert kernels.paged_attention(q, cache, no_tables, none, 0.1).shape == (0, 4, 64)
+    assert kernels.prefill_attention(q, cache, z(cupy, 1, np.int32), no_tables, none, 0.1).shape == (0, 4, 64)
 
 
 def test_linear_on_a_column_strided_x(cupy, rng):
     """x's elements not contiguous (every other column): copied first, as cuBLAS needs."""
     wide, wide_d = f16(cupy, rng.normal(size=(5, 128)) / 8)
     w, w_d = f16(cupy, rng.normal(size=(24, 64)) / 8)
-    assert_close(cupy, ops.linear(wide_d[:, ::2], w_d), ops.linear(wide[:, ::2], w))
+    assert_close(cupy, kernels.linear(wide_d[:, ::2], w_d), ops.linear(wide[:, ::2], w))
 
 
 def test_silu_mul(cupy, rng):
     gate_up, gate_up_d = f16(cupy, rng.normal(size=(17, 2 * 1544)) * 3)
-    assert_close(cupy, ops.silu_mul(gate_up_d), ops.silu_mul(gate_up))
+    assert_close(cupy, kernels.silu_mul(gate_up_d), ops.silu_mul(gate_up))
 
 
 # ---------------------------------------------------------------- sampling
@@ -384,7 +387,7 @@ def test_sample_greedy_ties_go_to_lowest_index(cupy, rng):
     logits[3, :] = -60000.0                 # all equal
     logits[4, 0] = 30.0                     # first column
     args = sample_args(5, 0.0, 3, 0.5, rng)
-    got = cupy.asnumpy(ops.sample(cupy.asarray(logits), *map(cupy.asarray, args)))
+    got = cupy.asnumpy(kernels.sample(cupy.asarray(logits), *map(cupy.asarray, args)))
     np.testing.assert_array_equal(got, ops.sample(logits.astype(np.float32), *args))
     np.testing.assert_array_equal(got, [logits[0].argmax(), 900, 128255, 0, 0])
 
@@ -401,7 +404,7 @@ def test_sample_matches_reference(cupy, rng, vocab, temperature, top_k, top_p):
     rows = 64
     logits = (3 * rng.normal(size=(rows, vocab))).astype(np.float16)
     args = sample_args(rows, temperature, top_k, top_p, rng)
-    got = cupy.asnumpy(ops.sample(cupy.asarray(logits), *map(cupy.asarray, args)))
+    got = cupy.asnumpy(kernels.sample(cupy.asarray(logits), *map(cupy.asarray, args)))
     ref = ops.sample(logits.astype(np.float32), *args)
     assert (got != ref).sum() <= 1, np.flatnonzero(got != ref)
 
@@ -410,7 +413,7 @@ def test_sample_pinned_draws(cupy):
     """The same bits as the NumPy reference on the pinned draws (literal tokens)."""
     from test_sampler import PINNED_ARGS, PINNED_LOGITS, PINNED_TOKENS
     logits = cupy.asarray(PINNED_LOGITS.astype(np.float16))
-    got = ops.sample(logits, *map(cupy.asarray, PINNED_ARGS))
+    got = kernels.sample(logits, *map(cupy.asarray, PINNED_ARGS))
     np.testing.assert_array_equal(cupy.asnumpy(got), PINNED_TOKENS)
 
 
@@ -431,10 +434,10 @@ def test_swap_round_trip_is_bitwise(cupy, rng, pool):
     kv_d = cupy.asarray(kv)
     src = np.array([3, 11, 0, 19, 7], np.int32)
     dst = np.array([4, 1, 15, 8, 12], np.int32)
-    staging = ops.gather_blocks(kv_d, cupy.asarray(src))
+    staging = kernels.gather_blocks(kv_d, cupy.asarray(src))
     assert staging.dtype == kv.dtype
     np.testing.assert_array_equal(cupy.asnumpy(staging).view(np.uint8), kv[:, :, src].view(np.uint8))
-    ops.scatter_blocks(kv_d, cupy.asarray(dst), staging)
+    kernels.scatter_blocks(kv_d, cupy.asarray(dst), staging)
     expected = kv.copy()
     expected[:, :, dst] = kv[:, :, src]
     np.testing.assert_array_equal(cupy.asnumpy(kv_d).view(np.uint8), expected.view(np.uint8))
@@ -490,7 +493,7 @@ def test_paged_attention(cupy, rng, nq, nkv, d, context_lens, block_size, dtype)
     q, q_d = f16(cupy, rng.normal(size=(len(context_lens), nq, d)))
     lens = np.array(context_lens, np.int32)
     scale = d ** -0.5
-    got = ops.paged_attention(q_d, cache_d, tables_d, cupy.asarray(lens), scale)
+    got = kernels.paged_attention(q_d, cache_d, tables_d, cupy.asarray(lens), scale)
     assert_close(cupy, got, ops.paged_attention(q, cache, tables, lens, scale))
 
 
@@ -503,7 +506,7 @@ def test_paged_attention_many_sequences_no_split(cupy, rng, dtype):
     (cache, tables), (cache_d, tables_d) = make_cache(cupy, rng, context_lens, nkv, d, block_size, dtype)
     q, q_d = f16(cupy, rng.normal(size=(len(context_lens), nq, d)))
     lens = np.array(context_lens, np.int32)
-    got = ops.paged_attention(q_d, cache_d, tables_d, cupy.asarray(lens), 0.125)
+    got = kernels.paged_attention(q_d, cache_d, tables_d, cupy.asarray(lens), 0.125)
     assert_close(cupy, got, ops.paged_attention(q, cache, tables, lens, 0.125))
 
 
@@ -543,7 +546,7 @@ def test_paged_attention_int8_underflowing_tile(cupy, rng, d):
             p = np.exp(s[64:128] - s.max()) * v_scale[64:128]
             assert 0 < p.max() < 1e-34, p.max()
     lens = np.array(context_lens, np.int32)
-    got = ops.paged_attention(q_d, cache_d, tables_d, cupy.asarray(lens), scale)
+    got = kernels.paged_attention(q_d, cache_d, tables_d, cupy.asarray(lens), scale)
     assert_close(cupy, got, ops.paged_attention(q, cache, tables, lens, scale))
 
 
@@ -562,8 +565,32 @@ def test_prefill_attention(cupy, rng, nq, nkv, d, chunks, dtype):
     q, q_d = f16(cupy, rng.normal(size=(int(cu[-1]), nq, d)))
     lens = np.array(context_lens, np.int32)
     scale = d ** -0.5
-    got = ops.prefill_attention(q_d, cache_d, cupy.asarray(cu), tables_d, cupy.asarray(lens), scale)
+    got = kernels.prefill_attention(q_d, cache_d, cupy.asarray(cu), tables_d, cupy.asarray(lens), scale)
     assert_close(cupy, got, ops.prefill_attention(q, cache, cu, tables, lens, scale))
+
+
+def test_a_gpu_shard_runs_the_kernels(cupy):
+    """shard.op_set's choice on a GPU is kernels.CUDA, every op of which is a kernel: none is
+    left at its NumPy default."""
+    assert shard.op_set("gpu", invariant=False) is kernels.CUDA
+    members = {f.name: getattr(kernels.CUDA, f.name) for f in dataclasses.fields(ops.OpSet) if f.type is not bool}
+    assert {name: op.__module__ for name, op in members.items() if op.__module__ != kernels.__name__} == {}
+
+
+@pytest.mark.parametrize("decodes, chunks", [(2, []), (0, [(5, 5), (20, 40)]), (2, [(5, 5), (20, 40)])])
+def test_step_attention(cupy, rng, decodes, chunks):
+    """The CUDA set's attention on a step of decode rows, of prefill chunks, or of both (decode
+    rows first): every row as ops.attention computes it."""
+    nq, nkv, d = 4, 2, 64
+    lens = [37, 300][:decodes] + [ctx for _, ctx in chunks]
+    (cache, tables), (cache_d, _) = make_cache(cupy, rng, lens, nkv, d, 16)
+    cu = np.concatenate([[0], np.cumsum([n for n, _ in chunks])]).astype(np.int32)
+    q, q_d = f16(cupy, rng.normal(size=(decodes + int(cu[-1]), nq, d)))
+    batch = SimpleNamespace(num_decodes=decodes, cu_seqlens_q=cu, block_tables=tables,
+                            context_lens=np.array(lens, np.int32))
+    batch_d = SimpleNamespace(num_decodes=decodes, **{name: cupy.asarray(getattr(batch, name))
+                                                      for name in ("cu_seqlens_q", "block_tables", "context_lens")})
+    assert_close(cupy, kernels.attention(q_d, cache_d, batch_d, d ** -0.5), ops.attention(q, cache, batch, d ** -0.5))
 
 
 @pytest.mark.parametrize("dtype", CACHE_DTYPES)
@@ -581,14 +608,14 @@ def test_every_attention_instantiation(cupy, rng, d, group, dtype):
     scale = d ** -0.5
     q, q_d = f16(cupy, rng.normal(size=(len(decode_lens), nq, d)))
     lens = np.array(decode_lens, np.int32)
-    got = ops.paged_attention(q_d, cache_d, tables_d[:3], cupy.asarray(lens), scale)
+    got = kernels.paged_attention(q_d, cache_d, tables_d[:3], cupy.asarray(lens), scale)
     assert_close(cupy, got, ops.paged_attention(q, cache, tables[:3], lens, scale))
-    got = ops.paged_attention(q_d[2:], cache_d, tables_d[2:3], cupy.asarray(lens[2:]), scale)
+    got = kernels.paged_attention(q_d[2:], cache_d, tables_d[2:3], cupy.asarray(lens[2:]), scale)
     assert_close(cupy, got, ops.paged_attention(q[2:], cache, tables[2:3], lens[2:], scale))
     cu = np.array([0, 5, 25], np.int32)
     q, q_d = f16(cupy, rng.normal(size=(25, nq, d)))
     lens = np.array([ctx for _, ctx in chunks], np.int32)
-    got = ops.prefill_attention(q_d, cache_d, cupy.asarray(cu), tables_d[3:], cupy.asarray(lens), scale)
+    got = kernels.prefill_attention(q_d, cache_d, cupy.asarray(cu), tables_d[3:], cupy.asarray(lens), scale)
     assert_close(cupy, got, ops.prefill_attention(q, cache, cu, tables[3:], lens, scale))
 
 
@@ -647,11 +674,11 @@ def test_attention_over_a_pool_past_2_31_elements(cupy, rng, dtype):
     (cache, tables), (huge, huge_tables, _) = huge_cache(cupy, rng, [40, 300, 20, 100], dtype)
     q, q_d = f16(cupy, rng.normal(size=(2, 4, 64)))
     lens = np.array([40, 300], np.int32)
-    got = ops.paged_attention(q_d, huge, huge_tables[:2], cupy.asarray(lens), 0.125)
+    got = kernels.paged_attention(q_d, huge, huge_tables[:2], cupy.asarray(lens), 0.125)
     assert_close(cupy, got, ops.paged_attention(q, cache, tables[:2], lens, 0.125))
     cu, lens = np.array([0, 20, 50], np.int32), np.array([20, 100], np.int32)
     q, q_d = f16(cupy, rng.normal(size=(50, 4, 64)))
-    got = ops.prefill_attention(q_d, huge, cupy.asarray(cu), huge_tables[2:], cupy.asarray(lens), 0.125)
+    got = kernels.prefill_attention(q_d, huge, cupy.asarray(cu), huge_tables[2:], cupy.asarray(lens), 0.125)
     assert_close(cupy, got, ops.prefill_attention(q, cache, cu, tables[2:], lens, 0.125))
 
 
@@ -668,7 +695,7 @@ def test_cache_writes_into_a_pool_past_2_31_elements(cupy, rng, dtype):
     def split(a):
         return a[:, :nq], a[:, nq:nq + nkv], a[:, nq + nkv:]
     ref_q = ops.rope_store_kvcache(*split(qkv), positions, cos_sin, cache, slots)
-    got_q = ops.rope_store_kvcache(*split(qkv_d), cupy.asarray(positions), cupy.asarray(cos_sin), huge,
+    got_q = kernels.rope_store_kvcache(*split(qkv_d), cupy.asarray(positions), cupy.asarray(cos_sin), huge,
                                    cupy.asarray(slots + offset * 16))
     assert_close(cupy, got_q, ref_q)
     if dtype == "int8":
@@ -687,8 +714,8 @@ def test_swaps_in_a_pool_past_2_31_elements(cupy, dtype):
     values = np.arange(2 * 8 * 2048).astype(dtype).reshape(1, 2, 8, 2, 16, 64)
     pool[:, :, -8:] = cupy.asarray(values)
     src = np.array([HUGE_BLOCKS - 1, HUGE_BLOCKS - 8, HUGE_BLOCKS - 5], np.int32)
-    staging = ops.gather_blocks(pool, cupy.asarray(src))
+    staging = kernels.gather_blocks(pool, cupy.asarray(src))
     np.testing.assert_array_equal(cupy.asnumpy(staging), values[:, :, src - HUGE_BLOCKS + 8])
     dst = np.array([HUGE_BLOCKS - 2, HUGE_BLOCKS - 3, HUGE_BLOCKS - 4], np.int32)
-    ops.scatter_blocks(pool, cupy.asarray(dst), staging)
+    kernels.scatter_blocks(pool, cupy.asarray(dst), staging)
     np.testing.assert_array_equal(cupy.asnumpy(pool[:, :, dst]), values[:, :, src - HUGE_BLOCKS + 8])

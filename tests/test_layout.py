@@ -205,16 +205,24 @@ def test_the_forward_pass_runs_the_ops_it_is_given():
     assert readers == ["config.py", "shard.py"], f"the batch-invariant flag is read in {readers}"
 
 
+def test_the_numpy_ops_never_look_for_a_device():
+    """ops.py is NumPy alone: no op asks what arrays it was given or reaches for the kernels
+    (the set a run uses is chosen once, shard.op_set)."""
+    gpu = {m for m in imported_modules(NANO / "ops.py") if m.split(".")[0] == "cupy" or m.startswith("nano.kernels")}
+    assert not gpu, f"ops.py imports {sorted(gpu)}"
+    assert "__cuda_array_interface__" not in (NANO / "ops.py").read_text(), "an op tests its arrays' type"
+
+
 # What one reader can hold: the engine's own work (scheduling with FCFS, the policy interface
 # other policies plug into, the forward pass on two devices, TP ranks that end together, BLAS
 # threads that survive a busy machine, user text that never becomes a special token, the
 # batch-invariant CPU path that int8 runs by default, the never-fit rule a disaggregated
 # router shares with the scheduler, prompt logprobs scored from the prefill rows across
 # chunks, cache hits and recomputes, the prefix cache's stored and evicted blocks as events
-# for a data-parallel router) in 4,090 lines: deep dives live in docs/, helpers only add-ons
+# for a data-parallel router) in 4,080 lines: deep dives live in docs/, helpers only add-ons
 # use live with them. The figure is never raised: growing past it means moving something out
 # first.
-CORE_LINES = 4090
+CORE_LINES = 4080
 # Of those, one step's path (STEP_PATH), prompt logprobs included, which every stage of a
 # step carries (the plan's rows, the packed logits rows, the scoring, the cache hits a
 # scoring request may not take): 1,900 lines.

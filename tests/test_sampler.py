@@ -128,7 +128,7 @@ def test_sampler_rows_params_and_logits():
               SamplingParams(temperature=1.0, top_p=0.5, seed=-3)]
     seqs = [Sequence(i, "", [1, 2, 3], p, 0.0, seed=-3 if i == 2 else 10 + i) for i, p in enumerate(params)]
     seqs[1].token_ids.append(4)  # one output token so far: counter 1
-    tokens, kept = Sampler(Device("cpu")).sample(logits, StepRows(seqs, [s.num_output_tokens for s in seqs], [0, 1, 2]))
+    tokens, kept = Sampler(Device("cpu"), ops.REFERENCE).sample(logits, StepRows(seqs, [s.num_output_tokens for s in seqs], [0, 1, 2]))
     assert tokens[0] == int(logits[0].argmax())
     assert tokens[1] == ops.sample(logits[1:2], np.float32([0.9]), np.int32([5]), np.float32([1.0]),
                                    np.uint64([11]), np.int32([1]))[0]
