@@ -13,14 +13,12 @@
 //   d) are views into the fused QKV output: rows strided (q_stride, kv_stride elements),
 //   heads and dims contiguous. positions (T,) int32; cos_sin (max_pos, d) float32 = [cos |
 //   sin]; slot_mapping (T,) int32, slot = block * block_size + offset, -1 = token already
-//   cached (K/V not written). k_channel_scale (nkv, d) float32, read when channel_scaled:
-//   the rotated K is divided by it per channel and q multiplied (query head h by KV head h /
-//   group's row); then, when rotate is set, K and q are multiplied by H, the orthonormal
-//   Hadamard matrix (ops.hadamard; d a power of two): q . k is unchanged either way.
+//   cached (K/V not written). When rotate is set, K and q are multiplied by H, the
+//   orthonormal Hadamard matrix (ops.hadamard; d a power of two): q . k is unchanged.
 //   q_out (T, nq, d) contiguous gets the rotated q.
 //   int8: K and V are quantized per (token, KV head) exactly as ops.quantize: scale =
 //   float16(max |x| / 127), value = rint(x / scale) clamped to +-127 (scale 0 -> 0), from
-//   the float32 rotated (and channel-scaled) values: nothing is rounded twice. k_scales /
+//   the float32 rotated values: nothing is rounded twice. k_scales /
 //   v_scales: one layer's (num_blocks, nkv, block_size) float16 (empty for float16).
 //   Grid T blocks (one per token), 128 threads. Work item = 8 (x[i], x[i + d/2]) pairs of one
 //   head (q, k or v; two 16-byte loads); a head's d/16 items sit on neighbouring lanes of one
@@ -62,9 +60,7 @@ __global__ void rope_store_kvcache(const __half* __restrict__ q, const __half* _
                                    const __half* __restrict__ v, long long q_stride,
                                    long long kv_stride, const int* __restrict__ positions,
                                    const float* __restrict__ cos_sin,
-                                   const int* __restrict__ slot_mapping,
-                                   const float* __restrict__ k_channel_scale, int channel_scaled,
-                                   int rotate,
+                                   const int* __restrict__ slot_mapping, int rotate,
                                    __half* __restrict__ q_out, CacheT* __restrict__ k_cache,
                                    CacheT* __restrict__ v_cache, __half* __restrict__ k_scales,
                                    __half* __restrict__ v_scales, int nq, int nkv,
@@ -98,16 +94,6 @@ __global__ void rope_store_kvcache(const __half* __restrict__ q, const __half* _
                 for (int j = 0; j < 8; j++) {
                     y1[j] = x1[j] * cos[j] - x2[j] * sin[j];
                     y2[j] = x2[j] * cos[j] + x1[j] * sin[j];
-                }
-                if (channel_scaled) {
-                    const float* s = k_channel_scale + (long long)(is_q ? head / (nq / nkv) : kv) * head_dim;
-                    float s1[8], s2[8];
-                    load8f(s + i, s1);
-                    load8f(s + half_dim + i, s2);
-                    for (int j = 0; j < 8; j++) {
-                        y1[j] = is_q ? y1[j] * s1[j] : y1[j] / s1[j];
-                        y2[j] = is_q ? y2[j] * s2[j] : y2[j] / s2[j];
-                    }
                 }
             }
         }

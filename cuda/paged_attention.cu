@@ -195,13 +195,11 @@ struct DecodePath<HEAD_DIM, GROUP, __half> {
 // int -> float conversions): q * scale is put in 15-bit fixed point per head once per block,
 // and p' = p * scale_v per head and tile, each split into a hi and a lo int8 (x = 256 hi +
 // lo). Both sums are then exact; the only rounding is that of q and p' to 15 bits, relative
-// 2^-16 of each one's largest element. That is far below float16 output rounding except
-// where q's elements differ widely in size: under the "channel" key scheme q arrives
-// multiplied by channel scales down to 2^-6, its small channels keep fewer bits, and K / s
-// makes their keys large. Measured on the emulator against the float32 reference (keys whose
-// channels do not follow the calibration, scales 2^-6 to 1): decode error up to 1.6e-3 max /
-// 9e-4 relative L2, against ~3e-4 / 2.3e-4 for the other schemes and for prefill
-// (docs/perf_notes.md); a third q byte would remove it at 50% more __dp4a in the scores.
+// 2^-16 of each one's largest element, far below float16 output rounding. Measured on the
+// emulator against the float32 reference: decode error 3.4-4.9e-4 max / 2.2-2.4e-4 relative
+// L2 for both key schemes, about prefill's (docs/perf_notes.md). A q whose elements differ
+// widely in size would keep fewer bits in its small ones; a third q byte would cover that at
+// 50% more __dp4a in the scores.
 template <int HEAD_DIM, int GROUP>
 struct DecodePath<HEAD_DIM, GROUP, int8_t> {
     // FIXED15 is the largest |x| whose hi and lo are int8: (x + 128) >> 8 and x - 256 hi.

@@ -146,7 +146,7 @@ def _rope_scaling(key: str, scaling) -> dict | None:
 TOKEN_BUDGET = 2048  # a step's tokens when --max-num-batched-tokens is not given, and then
 STEP_TARGET = 1.0    # seconds a step is kept near (by the step-time model): every stream's longest gap
 KV_CACHE_DTYPES = ("auto", "int8")   # vLLM's flag values: auto = the model's (device's) dtype
-KEY_SCHEMES = ("token", "channel", "rotate")  # int8 keys: as they are, channels pre-scaled, or Hadamard-rotated
+KEY_SCHEMES = ("token", "rotate")    # int8 keys: as they are, or Hadamard-rotated
 DEFAULT_KEY_SCHEME = "rotate"        # (kv_cache.py, docs/int8-kv.md)
 
 
@@ -165,7 +165,7 @@ class EngineConfig:
     watermark: float = 0.01                  # fraction of blocks kept free at admission
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"             # auto (the device's float dtype) | int8 (nano/kv_cache.py)
-    kv_int8_keys: str | None = None          # int8 keys: token | channel | rotate (None: DEFAULT_KEY_SCHEME)
+    kv_int8_keys: str | None = None          # int8 keys: token | rotate (None: DEFAULT_KEY_SCHEME)
     preemption: str = "auto"                 # swap | recompute | auto
     seed: int = 0                            # for requests without their own seed
     tp: int = 1                              # tensor-parallel ranks (under mpirun)

@@ -84,9 +84,9 @@ def _check(name, array, dtype):
 
 def _check_cache(cache, op: str):
     """One layer's LayerKV: k, v (num_blocks, nkv, block_size, d) float16 without scales, or
-    int8 with k_scale, v_scale (num_blocks, nkv, block_size) float16; k_channel_scale (nkv, d)
-    float32 or None; all contiguous. Returns (CacheT, scale arrays for the kernels: the real
-    ones, or empty float16 arrays the float16 instances never read)."""
+    int8 with k_scale, v_scale (num_blocks, nkv, block_size) float16; all contiguous. Returns
+    (CacheT, scale arrays for the kernels: the real ones, or empty float16 arrays the float16
+    instances never read)."""
     k, v = cache.k, cache.v
     if k.dtype != v.dtype or np.dtype(k.dtype) not in CACHE_TYPES:
         raise TypeError(f"{op}: KV cache must be float16 or int8 (k and v alike), got {k.dtype} / {v.dtype}")
@@ -108,12 +108,6 @@ def _check_cache(cache, op: str):
         raise ValueError(f"{op}: a float16 KV cache has no scales")
     if not (k.flags.c_contiguous and v.flags.c_contiguous):
         raise ValueError(f"{op}: KV caches must be contiguous")
-    channel = cache.k_channel_scale
-    if channel is not None:
-        _check("k_channel_scale", channel, cupy.float32)
-        if channel.shape != (k.shape[1], k.shape[3]) or not channel.flags.c_contiguous:
-            raise ValueError(f"{op}: k_channel_scale must be contiguous (nkv, head_dim) = "
-                             f"{(k.shape[1], k.shape[3])}, got {channel.shape}")
     if not quantized:
         scales = (cupy.empty(0, cupy.float16),) * 2  # never read by the float16 instances
     return CACHE_TYPES[np.dtype(k.dtype)], scales
@@ -232,9 +226,8 @@ def sample(logits, temperature, top_k, top_p, seeds, counters):
 def rope_store_kvcache(q, k, v, positions, cos_sin, cache, slot_mapping):
     """q, k, v may be views into the fused QKV output: rows strided (k and v alike), each
     row's heads and dims contiguous and 16-byte aligned. cache: one layer's LayerKV, float16
-    or int8 (quantized here, per (token, KV head)), with or without a key scheme (channel
-    scale, Hadamard rotation). Returns the rotated q (with the key scheme's change of basis,
-    if any), contiguous."""
+    or int8 (quantized here, per (token, KV head)), with or without the Hadamard key rotation.
+    Returns the rotated q (Hadamard-rotated too with the key rotation), contiguous."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check(name, x, cupy.float16)
     cache_type, (k_scale, v_scale) = _check_cache(cache, "rope_store_kvcache")
@@ -257,7 +250,6 @@ def rope_store_kvcache(q, k, v, positions, cos_sin, cache, slot_mapping):
     if cache.k.shape[1] != nkv or cache.k.shape[3] != d or nq % nkv:
         raise ValueError(f"rope_store_kvcache: {nq} query and {nkv} KV heads of {d} dims do not "
                          f"match the cache {cache.k.shape}")
-    channel = cache.k_channel_scale
     rotate = bool(getattr(cache, "k_rotate", False))
     if rotate and (d & (d - 1) or d > 512):
         raise ValueError(f"rope_store_kvcache: the Hadamard key rotation needs a power-of-two head_dim "
@@ -267,9 +259,7 @@ def rope_store_kvcache(q, k, v, positions, cos_sin, cache, slot_mapping):
         _kernel("cache.cu", f"rope_store_kvcache<{cache_type}>")(
             (tokens,), (128,), (q, k, v, np.int64(q.strides[0] // 2), np.int64(k.strides[0] // 2),
                                 cupy.ascontiguousarray(positions), cupy.ascontiguousarray(cos_sin),
-                                cupy.ascontiguousarray(slot_mapping),
-                                cupy.empty(0, cupy.float32) if channel is None else channel,
-                                np.int32(channel is not None), np.int32(rotate), out, cache.k, cache.v,
+                                cupy.ascontiguousarray(slot_mapping), np.int32(rotate), out, cache.k, cache.v,
                                 k_scale, v_scale,
                                 np.int32(nq), np.int32(nkv), np.int32(cache.k.shape[2]), np.int32(d)))
     return out

@@ -4,14 +4,13 @@ Layout (one pool per TP rank, holding that rank's KV heads):
   data:   (num_layers, 2, num_blocks, nkv, block_size, d)   [:, 0] keys, [:, 1] values
           the device's dtype (float16 GPU, float32 CPU), or int8 with --kv-cache-dtype int8
   scales: (num_layers, 2, num_blocks, nkv, block_size) float16, int8 pools only
-  k_channel_scale: (num_layers, nkv, d) float32, the "channel" key scheme only
 One block of one layer's K (or V) for one KV head is block_size * d contiguous values, so
 attention reads whole 16-byte runs (8 halfs, or 16 int8 values); its scales sit at the same
 (layer, k/v, block) index of `scales`, so whatever moves a block (swap, prefix-cache reuse,
 hand-off) moves data[:, :, b] and scales[:, :, b] together.
 
 int8: one float16 scale per (token, KV head), set when the token is written
-(ops.rope_store_kvcache); keys may first change basis ("channel", "rotate"), q with them.
+(ops.rope_store_kvcache); keys may first be rotated ("rotate"), q with them.
 The scheme, the key schemes and the measurement that chose the default: docs/int8-kv.md.
 """
 from dataclasses import dataclass
@@ -67,7 +66,6 @@ class LayerKV:
     v: object                       # (num_blocks, nkv, block_size, d)
     k_scale: object = None          # (num_blocks, nkv, block_size) float16, int8 only
     v_scale: object = None
-    k_channel_scale: object = None  # (nkv, d) float32: K divided, q multiplied by it
     k_rotate: bool = False          # K and q multiplied by the Hadamard matrix
 
 
@@ -82,15 +80,12 @@ class KVCache:
         # np.zeros maps pages lazily: swap space costs host memory only once used.
         self.data = xp.zeros(shape, dtype=np.int8 if int8 else dtype)
         self.scales = xp.zeros(shape[:-1], dtype=SCALE_DTYPE) if int8 else None
-        self.k_channel_scale = None  # set at load for the "channel" scheme (kv_calibration.py)
         self.k_rotate = key_scheme == "rotate"
 
     def layer(self, i: int) -> LayerKV:
         if self.scales is None:
             return LayerKV(self.data[i, 0], self.data[i, 1])
-        channels = None if self.k_channel_scale is None else self.k_channel_scale[i]
-        return LayerKV(self.data[i, 0], self.data[i, 1], self.scales[i, 0], self.scales[i, 1], channels,
-                       self.k_rotate)
+        return LayerKV(self.data[i, 0], self.data[i, 1], self.scales[i, 0], self.scales[i, 1], self.k_rotate)
 
     def block_arrays(self) -> list:
         """Every array indexed by block on axis 2: what moves when a block moves."""

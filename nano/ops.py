@@ -8,8 +8,7 @@ Shapes used below:
   S  sequences in the step       nq query heads       nkv  KV heads      d  head dim
   cache: one layer's LayerKV (nano/kv_cache.py, which also gives the int8 scheme):
     k, v (num_blocks, nkv, block_size, d) float or int8; with int8, k_scale, v_scale
-    (num_blocks, nkv, block_size) float16, and optionally a key scheme: k_channel_scale
-    (nkv, d) float32, or k_rotate
+    (num_blocks, nkv, block_size) float16, and optionally the key rotation k_rotate
   block_tables: (S, max_blocks) int32, -1 past each sequence's last block
 """
 import functools
@@ -85,8 +84,7 @@ def rope_store_kvcache(q, k, v, positions, cos_sin, cache: LayerKV, slot_mapping
     views into the fused QKV output, not modified; positions: (T,); cos_sin:
     (max_positions, d) with cos in [:, :d/2] and sin in [:, d/2:]; slot_mapping: (T,)
     int32, slot = block * block_size + offset, -1 for a token whose KV is already cached
-    (skipped). With a key channel scale s, K is stored as k / s and q is returned as q * s;
-    with k_rotate, K is stored as k H and q returned as q H (H = hadamard(d)).
+    (skipped). With k_rotate, K is stored as k H and q returned as q H (H = hadamard(d)).
     Returns the rotated q: (T, nq, d), on the CPU possibly a strided view."""
     half, nq = q.shape[-1] // 2, q.shape[1]
     cos = cos_sin[positions, None, :half]  # (T, 1, d/2)
@@ -103,9 +101,6 @@ def rope_store_kvcache(q, k, v, positions, cos_sin, cache: LayerKV, slot_mapping
         keep = slot_mapping >= 0
         keys, values, slots = keys[keep], v[keep], slot_mapping[keep]
     blocks, offsets = np.divmod(slots, cache.k.shape[2])
-    if cache.k_channel_scale is not None:
-        keys = keys / cache.k_channel_scale
-        q = q * np.repeat(cache.k_channel_scale, q.shape[1] // k.shape[1], axis=0)  # per query head
     if cache.k_rotate:
         h = hadamard(q.shape[-1])
         keys, q = keys @ h, q @ h

@@ -11,7 +11,6 @@ from nano import kv_cache, ops, parallel
 from nano.config import EngineConfig, ModelConfig, max_model_len
 from nano.device import Device, gpu_of, host_memory, select_device
 from nano.errors import NanoError
-from nano.kv_calibration import calibration_tokens, key_channel_scales
 from nano.runner import ModelRunner
 from nano.tokenizer import Tokenizer
 from nano.tp import Partition, load_model, partition
@@ -49,7 +48,7 @@ def load_shard(config: EngineConfig, group: parallel.Group) -> Shard:
         device = Device(kind, gpu_of(group.rank) if kind == "gpu" else 0)
         if config.key_scheme == "rotate" and cfg.head_dim & (cfg.head_dim - 1):
             raise NanoError(f"--kv-int8-keys rotate needs a power-of-two head dim, the model's is "
-                            f"{cfg.head_dim} (give --kv-int8-keys token or channel)")
+                            f"{cfg.head_dim} (give --kv-int8-keys token)")
         # Unless told, an int8 pool on the CPU runs the batch-invariant ops: its promise (the
         # same tokens whatever the batch) holds only with them (docs/int8-kv.md).
         default = kind == "cpu" and config.kv_cache_dtype == "int8"
@@ -73,10 +72,6 @@ def load_shard(config: EngineConfig, group: parallel.Group) -> Shard:
                          # MPI all-reduces run on the host: a TP step cannot be captured
                          cuda_graphs=not config.enforce_eager and group.world == 1,
                          max_num_seqs=config.max_num_seqs, max_model_len=context)
-    if config.key_scheme == "channel":  # every rank at once: the forward pass has all-reduces
-        tokens = group.broadcast(calibration_tokens(folder.tokenizer) if group.rank == 0 else None)
-        scales = key_channel_scales(model, device, tokens, config.block_size)
-        runner.kv_cache.k_channel_scale = device.put(scales, keep_float32=True)
     return Shard(folder.path, cfg, folder.tokenizer, context, partitions, device, runner, num_blocks,
                  num_swap_blocks, per_token, model.nbytes)
 

@@ -468,8 +468,8 @@ def check_rope_int8(cp, rng):
     positions = rng.integers(0, 64, size=tokens).astype(np.int32)
     shape = (4, nkv, block_size, d)
     ref = LayerKV(np.zeros(shape, np.int8), np.zeros(shape, np.int8), np.zeros(shape[:3], np.float16),
-                  np.zeros(shape[:3], np.float16), None, True)
-    dev = LayerKV(*(cp.asarray(a) for a in (ref.k, ref.v, ref.k_scale, ref.v_scale)), None, True)
+                  np.zeros(shape[:3], np.float16), True)
+    dev = LayerKV(*(cp.asarray(a) for a in (ref.k, ref.v, ref.k_scale, ref.v_scale)), True)
     split = (lambda a: (a[:, :nq], a[:, nq:nq + nkv], a[:, nq + nkv:]))
     cos_sin = rope_table(d, 64)
     got = kernels.rope_store_kvcache(*split(qkv_d), cp.asarray(positions), cp.asarray(cos_sin), dev, cp.asarray(slots))

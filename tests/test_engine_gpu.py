@@ -106,7 +106,6 @@ GPU_CONFIGS = {
     # An int8 pool, each key scheme, and its scales through prefix hits, chunks and swaps.
     "int8": INT8,
     "int8_token_keys": {**INT8, "kv_int8_keys": "token"},
-    "int8_channel_keys": {**INT8, "kv_int8_keys": "channel"},
     "int8_chunked_prefill": {**INT8, "max_num_batched_tokens": 24},
     "int8_preempt_swap": {**INT8, **TIGHT, "preemption": "swap"},
     "int8_preempt_recompute": {**INT8, **TIGHT, "preemption": "recompute"},

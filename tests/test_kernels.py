@@ -16,9 +16,7 @@ attends over the same int8 values and float16 scales in float32; the kernels do 
 anything more than the float16 path does, but for q and p' = p * scale_v, which the decode
 kernel puts in 15-bit fixed point for its exact integer products (relative 2^-16 ~ 1.5e-5
 of the largest element: ~30x below one float16 output rounding), and prefill's int8 -> half
-staging is exact. So the float16 bounds hold with the same margin (observed ~3e-4 max), but
-for decode under the "channel" key scheme: q * channel scale (down to 2^-6) loses bits in its
-small channels, up to 1.6e-3 max / 9e-4 relative L2 (cuda/paged_attention.cu).
+staging is exact. So the float16 bounds hold with the same margin (observed ~3e-4 max).
 The int8 cache writes (rope_store_kvcache) are compared dequantized: the kernel's rotated
 K may differ from NumPy's in the last float32 bit (FMA contraction on the GPU), which can
 move a scale by one float16 rounding (<= 2^-10 relative) and a value by one quantization
@@ -183,14 +181,6 @@ def test_rope_store_kvcache_on_strided_views(cupy, rng, nq, nkv, d):
     assert cupy.array_equal(qkv_d, before)  # inputs are not modified
 
 
-def channel_scales(rng, nkv, d):
-    """A key channel pre-scale as nano/kv_cache.py's "channel" scheme has it: > 0, shared by
-    the RoPE pair (i, i + d/2), a few outlier channels much larger."""
-    half = rng.uniform(0.5, 2.0, size=(nkv, d // 2))
-    half[:, rng.choice(d // 2, 3, replace=False)] *= 8
-    return np.concatenate([half, half], axis=1).astype(np.float32)
-
-
 def assert_quantized_close(cupy, got_values, got_scales, ref_values, ref_scales):
     """int8 cache rows against the reference's: scales within one float16 rounding, dequantized
     values within one quantization step (see the module docstring)."""
@@ -206,11 +196,11 @@ def assert_quantized_close(cupy, got_values, got_scales, ref_values, ref_scales)
 
 
 @pytest.mark.parametrize("nq, nkv, d", [(9, 3, 64), (32, 8, 128), (4, 1, 128)])
-@pytest.mark.parametrize("scheme", ["token", "channel", "rotate"])
+@pytest.mark.parametrize("scheme", ["token", "rotate"])
 def test_rope_store_kvcache_int8(cupy, rng, nq, nkv, d, scheme):
     """int8 cache: K and V quantized per (token, KV head) as ops.quantize does, after RoPE and
-    the key scheme's change of basis (channel pre-scale or Hadamard rotation; q comes back
-    with the same change); slot -1 tokens write nothing, and every other slot keeps its bits.
+    the key scheme's change of basis (Hadamard rotation under "rotate"; q comes back with the
+    same change); slot -1 tokens write nothing, and every other slot keeps its bits.
     Also a float16 cache under each key scheme."""
     tokens, num_blocks, block_size = 21, 6, 16
     qkv, qkv_d = f16(cupy, rng.normal(size=(tokens, (nq + 2 * nkv) * d)) * 2)
@@ -223,11 +213,9 @@ def test_rope_store_kvcache_int8(cupy, rng, nq, nkv, d, scheme):
     shape = (num_blocks, nkv, block_size, d)
     data = [rng.integers(-127, 128, size=shape).astype(np.int8) for _ in range(2)]
     scales = [rng.uniform(0.01, 0.1, size=shape[:3]).astype(np.float16) for _ in range(2)]
-    channels = channel_scales(rng, nkv, d) if scheme == "channel" else None
-    channels_d = None if channels is None else cupy.asarray(channels)
     rotate = scheme == "rotate"
-    ref = LayerKV(*(a.copy() for a in data + scales), channels, rotate)
-    dev = LayerKV(*(cupy.asarray(a) for a in data + scales), channels_d, rotate)
+    ref = LayerKV(*(a.copy() for a in data + scales), rotate)
+    dev = LayerKV(*(cupy.asarray(a) for a in data + scales), rotate)
 
     def split(a):
         return (a[:, :nq * d].reshape(tokens, nq, d), a[:, nq * d:(nq + nkv) * d].reshape(tokens, nkv, d),
@@ -242,13 +230,13 @@ def test_rope_store_kvcache_int8(cupy, rng, nq, nkv, d, scheme):
         off = assert_quantized_close(cupy, got_values, got_scales, ref_values, ref_scales)
         assert off < 0.01, off  # one step off only where float rounding order decides
     assert (cupy.asnumpy(dev.k_scale)[slots[3] // block_size, :, slots[3] % block_size] == 0).all()
-    if scheme != "token":  # float16 cache: K stored in the scheme's basis
+    if rotate:  # float16 cache: K stored in the scheme's basis
         k_cache, k_cache_d = f16(cupy, rng.normal(size=shape))
         v_cache, v_cache_d = f16(cupy, rng.normal(size=shape))
         ref_q = ops.rope_store_kvcache(*split(qkv), positions, cos_sin,
-                                       LayerKV(k_cache, v_cache, None, None, channels, rotate), slots)
+                                       LayerKV(k_cache, v_cache, None, None, rotate), slots)
         got_q = kernels.rope_store_kvcache(*split(qkv_d), cupy.asarray(positions), cupy.asarray(cos_sin),
-                                       LayerKV(k_cache_d, v_cache_d, None, None, channels_d, rotate),
+                                       LayerKV(k_cache_d, v_cache_d, None, None, rotate),
                                        cupy.asarray(slots))
         assert_close(cupy, got_q, ref_q)
         assert_close(cupy, k_cache_d, k_cache)
@@ -275,8 +263,6 @@ def test_int8_cache_checks(cupy, rng):
         kernels.paged_attention(q, LayerKV(k, k, s, s[:, :, :8]), tables, lens, 0.1)
     with pytest.raises(TypeError, match="k_scale must be float16"):
         kernels.paged_attention(q, LayerKV(k, k, s.astype(np.float32), s), tables, lens, 0.1)
-    with pytest.raises(ValueError, match="k_channel_scale must be contiguous"):
-        kernels.paged_attention(q, LayerKV(k, k, s, s, cupy.asarray(np.ones((1, 32), np.float32))), tables, lens, 0.1)
     half = cupy.asarray(np.zeros((3, 1, 16, 64), np.float16))
     with pytest.raises(ValueError, match="float16 KV cache has no scales"):
         kernels.paged_attention(q, LayerKV(half, half, s, s), tables, lens, 0.1)

@@ -77,8 +77,7 @@ def add_engine_arguments(e) -> None:
     e.add_argument("--kv-cache-dtype", default=ENGINE.kv_cache_dtype,
                    help="auto (float16 GPU, float32 CPU) | int8 (per-token scales; 2x / 4x the blocks)")
     e.add_argument("--kv-int8-keys", default=ENGINE.kv_int8_keys,
-                   help="int8 keys: token (as they are) | channel (channels pre-scaled, calibrated at "
-                        "load) | rotate (Hadamard-rotated); default " + DEFAULT_KEY_SCHEME)
+                   help="int8 keys: token (as they are) | rotate (Hadamard-rotated); default " + DEFAULT_KEY_SCHEME)
     e.add_argument("--tp", type=int, default=ENGINE.tp, help="tensor-parallel ranks: run under mpirun -n TP")
     e.add_argument("--enforce-eager", action="store_true", help="GPU: run decode steps eagerly, no CUDA graphs")
     e.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=ENGINE.batch_invariant,

@@ -1,11 +1,10 @@
 """How far one engine's next-token distributions are from another's, teacher-forced on real
 English text: the measure of the kv-quant and gqa experiments.
 
-Each evaluation text (nano/corpus.py: English prose shipped with Python, other topics than
-the ones the int8 "channel" key scheme calibrates on) is fed through the model in chunks of
-CHUNK tokens, each chunk a prefill over the blocks of the ones before, with logits at every
-position. Every query therefore attends to cached K/V only, its own chunk's included, as
-decode steps read the pool: an int8 pool quantizes each token once, when it is written,
+Each evaluation text (english_text: English prose shipped with Python, so nothing is
+downloaded) is fed through the model in chunks of CHUNK tokens, each chunk a prefill over
+the blocks of the ones before, with logits at every position. Every query therefore
+attends to cached K/V only, its own chunk's included, as decode steps read the pool: an int8 pool quantizes each token once, when it is written,
 and every later query reads it back quantized. Over every scored position (each text's
 tokens but the last):
   KLD     mean KL(p_reference || p) of the next-token distributions, nats
@@ -17,13 +16,10 @@ from pathlib import Path
 import numpy as np
 
 from nano.chat.template import render as render_chat
-from nano.corpus import english_text
 from nano.model import ForwardBatch
 from nano.sequence import SamplingParams
 
 CHUNK = 256
-# Other topics than the calibration's (corpus.CALIBRATION_TOPICS): a scheme is never scored
-# on the text it was calibrated on.
 EVALUATION_TOPICS = ("execmodel", "import", "customization")
 PROMPTS = Path(__file__).resolve().parents[2] / "prompts.txt"  # the checkout's example prompts
 
@@ -31,6 +27,13 @@ PROMPTS = Path(__file__).resolve().parents[2] / "prompts.txt"  # the checkout's 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     x = logits - logits.max(axis=-1, keepdims=True)
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def english_text(topic: str) -> str:
+    """One topic of the language reference that ships with Python (pydoc_data, the text
+    behind help()), whatever the running Python ships."""
+    from pydoc_data.topics import topics  # 0.5 MB of text: loaded only when asked for
+    return topics[topic]
 
 
 def evaluation_texts(tokenizer, tokens_per_text: int) -> list[np.ndarray]:

@@ -78,9 +78,9 @@ def check(rows: list[dict]) -> str | None:
 EXPERIMENT = Experiment(
     name="kv-quant",
     claim="An int8 KV cache holds ~3.9x the blocks of a float32 one (1.9x of float16) in the same memory, "
-          "and with rotated keys costs little accuracy; keys quantized as they are cost the most.",
-    varies="KV cache: full precision, or int8 values with keys quantized per token, per calibrated channel, "
-           "or Hadamard-rotated",
+          "and with rotated keys costs little accuracy; keys quantized as they are cost more.",
+    varies="KV cache: full precision, or int8 values with keys quantized per token as they are or "
+           "Hadamard-rotated",
     fixed="model, KV pool memory, evaluation texts (teacher-forced in 256-token chunks), prompts.txt",
     measures="mean KLD and top-1 agreement of the next-token distributions against full precision, "
              "perplexity, blocks in the pool, greedy answers identical to full precision's",
