@@ -7,9 +7,13 @@ from nano.errors import NanoError
 # The architectures nano runs: (model_type, its forward as errors name it, the config.json keys
 # of which that forward implements one value, the one a missing key means). A family added later
 # declares itself here and its tensors in tp.checkpoint_shapes. Keys that change no result are
-# not read (pretraining_tp: how transformers slices the same matmuls).
+# not read (pretraining_tp: how transformers slices the same matmuls; Qwen2's sliding_window and
+# max_window_layers, which count only with use_sliding_window). Qwen2 has no attention_bias key:
+# its q, k and v always carry biases, so true is the one value its forward implements.
 ARCHITECTURES = {"LlamaForCausalLM": ("llama", "Llama", {"hidden_act": "silu", "mlp_bias": False,
-                                                         "sliding_window": None})}
+                                                         "sliding_window": None}),
+                 "Qwen2ForCausalLM": ("qwen2", "Qwen2", {"hidden_act": "silu", "attention_bias": True,
+                                                         "use_sliding_window": False})}
 # The RoPE types the forward pass implements (tp.rope_cos_sin), with the numbers each needs.
 ROPE_TYPES = {"default": (), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                                         "original_max_position_embeddings")}
@@ -45,6 +49,7 @@ class ModelConfig:
         if missing:
             raise NanoError(f"config.json is not a Llama-family config: no {missing[0]!r}")
         architecture = _architecture(cfg)
+        cfg = ARCHITECTURES[architecture][2] | cfg  # a fixed key missing means its one value
 
         def count(key, default=None, high=None):
             return checks.integer(f"config.json {key}", cfg.get(key, default), 1, high)

@@ -55,7 +55,8 @@ def test_model_config_rope_types():
 
 
 # ---- the architecture: one nano runs, or a clear no before any weights load
-RUNS = "it runs LlamaForCausalLM (model_type llama)"
+RUNS = "it runs LlamaForCausalLM (model_type llama), Qwen2ForCausalLM (model_type qwen2)"
+QWEN2 = {**LLAMA, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
 
 
 @pytest.mark.parametrize("edit,message", [
@@ -74,6 +75,11 @@ RUNS = "it runs LlamaForCausalLM (model_type llama)"
     ({"sliding_window": 4096}, "sliding_window 4096 is not implemented by the Llama forward"),
     ({"sliding_window": 0}, "sliding_window 0 is not implemented by the Llama forward"),
     ({"attention_bias": "yes"}, "attention_bias must be true or false, got 'yes'"),
+    # Qwen2: no sliding window yet; its q/k/v biases are not optional
+    ({**QWEN2, "use_sliding_window": True}, "use_sliding_window True is not implemented by the Qwen2 forward"),
+    ({**QWEN2, "attention_bias": False}, "attention_bias False is not implemented by the Qwen2 forward"),
+    ({**QWEN2, "hidden_act": "gelu"}, "hidden_act 'gelu' is not implemented by the Qwen2 forward"),
+    ({**QWEN2, "model_type": "llama"}, "model_type 'llama' is not Qwen2ForCausalLM's ('qwen2')"),
     ({"hidden_size": 66}, "hidden_size (66) must be a multiple of num_attention_heads (4)"),
 ])
 def test_model_config_architecture_and_forward_keys_refused(edit, message):
@@ -91,7 +97,20 @@ def test_model_config_architecture_and_forward_keys_refused(edit, message):
     {"hidden_size": 66, "head_dim": 16},  # an explicit head_dim need not divide hidden_size
 ])
 def test_model_config_llama_spellings_accepted(edit):
-    assert ModelConfig.from_hf({**LLAMA, **edit}).architecture == "LlamaForCausalLM"
+    config = ModelConfig.from_hf({**LLAMA, **edit})
+    assert config.architecture == "LlamaForCausalLM" and config.attention_bias == edit.get("attention_bias", False)
+
+
+@pytest.mark.parametrize("cfg", [
+    QWEN2, {**LLAMA, "model_type": "qwen2"},  # no architectures: the one of its model_type
+    {**QWEN2, "hidden_act": "silu", "attention_bias": True, "use_sliding_window": False},
+    # without use_sliding_window, the window's keys change nothing (as in transformers): not read
+    {**QWEN2, "sliding_window": 4096, "max_window_layers": 28},
+    {**QWEN2, "sliding_window": None, "max_window_layers": "any"},
+])
+def test_model_config_qwen2_spellings_accepted(cfg):
+    config = ModelConfig.from_hf(cfg)
+    assert config.architecture == "Qwen2ForCausalLM" and config.attention_bias  # q/k/v biases, always
 
 
 # ---- RoPE: rope_theta + rope_scaling, or transformers 5's rope_parameters, read the same

@@ -425,6 +425,8 @@ QWEN3_NORMS = [f"model.layers.{i}.self_attn.{n}_norm.weight" for i in range(2) f
      "checkpoint tensor model.layers.0.self_attn.k_proj.bias is not used by the Llama forward (5 more)"),
     ({}, dict(attention_bias=True),
      "checkpoint has no tensor model.layers.0.self_attn.k_proj.bias, which the Llama forward reads (5 more)"),
+    ({}, dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", attention_bias=True),  # Qwen2 has q/k/v biases
+     "checkpoint has no tensor model.layers.0.self_attn.k_proj.bias, which the Qwen2 forward reads (5 more)"),
     ({}, dict(drop=["model.layers.1.mlp.up_proj.weight"]),
      "checkpoint has no tensor model.layers.1.mlp.up_proj.weight, which the Llama forward reads"),
     ({}, dict(tie_word_embeddings=False), "checkpoint has no tensor lm_head.weight, which the Llama forward reads"),
