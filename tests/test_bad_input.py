@@ -109,6 +109,12 @@ def test_bad_bench_flags():
     assert main_error("--bench", "--num-seqs", "0") == "--num-seqs must be an integer >= 1, got 0"
 
 
+def test_server_flags_without_serve():
+    assert main_error("--prompt-file", "p.txt", "--port", "9000") == "--port: the HTTP server's, which needs --serve"
+    assert main_error("--bench", "--api-key", "k", "--log-level", "debug") == (
+        "--api-key, --log-level: the HTTP server's, which needs --serve")
+
+
 def test_endless_or_blocking_prompt_files(tmp_path):
     """/dev/zero is one endless line; a FIFO that nothing writes to would block open() for ever
     (under mpirun, every rank with it): each is one line, at once."""
