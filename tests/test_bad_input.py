@@ -107,6 +107,9 @@ def test_bad_bench_flags():
     assert main_error("--bench", "--tenants", "4") == ("--tenants and --prefix-len go together: N tenants, each with "
                                                        "a system prompt of LEN tokens")
     assert main_error("--bench", "--num-seqs", "0") == "--num-seqs must be an integer >= 1, got 0"
+    assert main_error("--prompt-file", "p.txt", "--num-seqs", "5", "--seeds", "2") == (
+        "--num-seqs, --seeds: --bench's workload, which needs --bench")
+    assert main_error("--capacity", "--input-len", "5:10") == "--input-len: --bench's workload, which needs --bench"
 
 
 def test_server_flags_without_serve():

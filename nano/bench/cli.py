@@ -6,7 +6,7 @@ import sys
 
 from nano import checks
 from nano.bench import workload
-from nano.cli.flags import parse_range
+from nano.cli.flags import given, parse_range
 from nano.cli.offline import generate, run_all, warm_up
 from nano.cli.output import describe, metrics_writer, write_summary
 from nano.cli.prompts import Workload
@@ -47,6 +47,9 @@ def check_args(args, config: EngineConfig) -> None:
                            (args.request_rate is not None and not estimate_disagg)):
         raise NanoError("--policy-compare, --request-rate, --tenants, --dp-compare and --disagg-compare are "
                         "--bench modes: add --bench")
+    workload = ("input_len", "output_len", "request_rate") if estimate_disagg else ()
+    if not args.bench and (flags := given(args, add_arguments, ("bench", "capacity") + workload)):
+        raise NanoError(f"{', '.join(flags)}: --bench's workload, which needs --bench")
     if args.summary_json and args.policy_compare:
         raise NanoError("--policy-compare prints its matrix: drop --summary-json")
 

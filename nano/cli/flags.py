@@ -24,6 +24,15 @@ class Parser(argparse.ArgumentParser):
         raise NanoError(message)
 
 
+def given(args, add_arguments, skip=()) -> list[str]:
+    """The flags of one package's add_arguments that args holds at other than their defaults
+    (a mode's flags given without its mode are refused, never parsed and ignored)."""
+    defaults = argparse.ArgumentParser()
+    add_arguments(defaults)
+    return [f"--{dest.replace('_', '-')}" for dest, default in vars(defaults.parse_args([])).items()
+            if dest not in skip and getattr(args, dest) != default]
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     io = p.add_argument_group("prompts and output")
     io.add_argument("--prompt-file", help="one prompt per line (blank lines skipped); a .jsonl file "

@@ -4,12 +4,11 @@ Under mpirun there is no grace period: mpirun, on SIGTERM or Ctrl-C, passes SIGT
 every rank and kills them all 0.25 s later (Open MPI 5: SIGCONT, then SIGTERM 0.25 s on,
 then SIGKILL 0.25 s after that, however the ranks handle the signals). So open requests end
 at once, a stream with an error event and [DONE], rather than be cut mid-stream."""
-import argparse
 import os
 import sys
 
 from nano import checks, parallel
-from nano.cli.flags import parse_bytes
+from nano.cli.flags import given, parse_bytes
 from nano.cli.output import metrics_writer
 from nano.errors import NanoError
 from nano.server.limits import LOG_LEVELS, SHUTDOWN_TIMEOUT, Limits
@@ -49,12 +48,8 @@ def add_arguments(p) -> None:
 def check_args(args) -> None:
     """The server's flags, before the model loads."""
     if not args.serve:
-        defaults = argparse.ArgumentParser()
-        add_arguments(defaults)
-        given = [f"--{dest.replace('_', '-')}" for dest, default in vars(defaults.parse_args([])).items()
-                 if getattr(args, dest) != default]
-        if given:  # never parsed and ignored
-            raise NanoError(f"{', '.join(given)}: the HTTP server's, which needs --serve")
+        if flags := given(args, add_arguments):
+            raise NanoError(f"{', '.join(flags)}: the HTTP server's, which needs --serve")
         return
     checks.integer("--port", args.port, 0, 65535)
     checks.integer("--max-queued-requests", args.max_queued_requests, low=1)
