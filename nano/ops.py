@@ -6,9 +6,7 @@ is chosen once, by device (OpSet, at the end).
 Shapes used below:
   T  tokens in the step          H  hidden size       V  vocab size
   S  sequences in the step       nq query heads       nkv  KV heads      d  head dim
-  cache: one layer's LayerKV (nano/kv_cache.py, which also gives the int8 scheme):
-    k, v (num_blocks, nkv, block_size, d) float or int8; with int8, k_scale, v_scale
-    (num_blocks, nkv, block_size) float16, and optionally the key rotation k_rotate
+  cache: one layer's LayerKV (nano/kv_cache.py: its arrays' shapes, the int8 scheme)
   block_tables: (S, max_blocks) int32, -1 past each sequence's last block
 """
 import functools
