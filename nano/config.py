@@ -7,12 +7,12 @@ from nano.errors import NanoError
 # The architectures nano runs: (model_type, its forward as errors name it, the config.json keys
 # of which that forward implements one value, the one a missing key means). A family added later
 # declares itself here and its tensors in tp.checkpoint_shapes. Keys that change no result are
-# not read (pretraining_tp: how transformers slices the same matmuls; Qwen2's sliding_window and
-# max_window_layers, which count only with use_sliding_window). Qwen2 has no attention_bias key:
-# its q, k and v always carry biases, so true is the one value its forward implements.
+# not read. Which keys each family fixes, and why: docs/models.md.
 ARCHITECTURES = {"LlamaForCausalLM": ("llama", "Llama", {"hidden_act": "silu", "mlp_bias": False,
                                                          "sliding_window": None}),
                  "Qwen2ForCausalLM": ("qwen2", "Qwen2", {"hidden_act": "silu", "attention_bias": True,
+                                                         "use_sliding_window": False}),
+                 "Qwen3ForCausalLM": ("qwen3", "Qwen3", {"hidden_act": "silu", "attention_bias": False,
                                                          "use_sliding_window": False})}
 # The RoPE types the forward pass implements (tp.rope_cos_sin), with the numbers each needs.
 ROPE_TYPES = {"default": (), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
@@ -36,6 +36,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     attention_bias: bool = False            # q, k, v carry a bias (an o_proj bias is a tensor no forward reads)
+    qk_norm: bool = False                   # an RMSNorm of each q and k head before RoPE (Qwen3)
     architecture: str = "LlamaForCausalLM"  # a key of ARCHITECTURES
 
     @classmethod
@@ -50,6 +51,8 @@ class ModelConfig:
             raise NanoError(f"config.json is not a Llama-family config: no {missing[0]!r}")
         architecture = _architecture(cfg)
         cfg = ARCHITECTURES[architecture][2] | cfg  # a fixed key missing means its one value
+        if qwen3 := architecture == "Qwen3ForCausalLM":  # q/k norms; a missing head_dim is 128, as in transformers
+            cfg = {"head_dim": 128} | cfg
 
         def count(key, default=None, high=None):
             return checks.integer(f"config.json {key}", cfg.get(key, default), 1, high)
@@ -85,6 +88,7 @@ class ModelConfig:
                                             cfg.get("tie_word_embeddings", False)),
             eos_token_ids=tuple(checks.integer("config.json eos_token_id", t, 0, vocab - 1) for t in eos),
             attention_bias=checks.flag("config.json attention_bias", cfg.get("attention_bias", False)),
+            qk_norm=qwen3,
             architecture=architecture,
         )
 
