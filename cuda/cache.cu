@@ -16,8 +16,8 @@
 //   cached (K/V not written). When qk_norm is set (Qwen3), each q and k head is first
 //   RMS-normalized: x * rsqrt(mean(x^2) + eps) * weight, weight q_norm or k_norm (d,)
 //   float16, in float32 like the rest (d a power of two: its sum is a shuffle reduction).
-//   When rotate is set, K and q are multiplied by H, the
-//   orthonormal Hadamard matrix (ops.hadamard; d a power of two): q . k is unchanged.
+//   When rotate is set, K and q are multiplied by H, the orthonormal Hadamard matrix
+//   (ops.hadamard; d a power of two): q . k is unchanged.
 //   q_out (T, nq, d) contiguous gets the rotated q.
 //   int8: K and V are quantized per (token, KV head) exactly as ops.quantize: scale =
 //   float16(max |x| / 127), value = rint(x / scale) clamped to +-127 (scale 0 -> 0), from
@@ -27,8 +27,8 @@
 //   head (q, k or v; two 16-byte loads); a head's d/16 items sit on neighbouring lanes of one
 //   warp (d/16 divides 32 for d 64 and 128, the int8 head dims, and for every power-of-two
 //   d the norm and the rotation allow), so its sum of squares and max |x| are shuffle
-//   reductions over them, and the rotation's butterflies across those lanes are shuffles too. The loop runs whole rounds
-//   of 128 items, so every lane reaches every shuffle.
+//   reductions over them, and the rotation's butterflies across those lanes are shuffles
+//   too. The loop runs whole rounds of 128 items, so every lane reaches every shuffle.
 // gather_blocks<Unit> / scatter_blocks<Unit>: between a pool (L, 2, num_blocks, *rest), any
 //   element type (K/V data or scales), and a contiguous staging buffer (L, 2, n, *rest);
 //   block_ids (n,) int32. Arrays are passed as bytes; Unit is the copy unit: uint4 when a
