@@ -2,8 +2,7 @@
 
 Each rank owns a contiguous range of KV heads with their query heads (attention needs no
 communication), gate/up by output rows, o_proj and down by input columns: their partial sums
-are a layer's two all-reduces. Embedding and LM head are replicated, and so are Qwen3's q/k
-norms, one weight for every head (docs/tensor-parallel.md).
+are a layer's two all-reduces. Embedding, LM head and q/k norms are replicated (docs/tensor-parallel.md).
 """
 from dataclasses import dataclass
 
