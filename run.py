@@ -32,6 +32,7 @@ from nano.errors import NanoError
 from nano.lab import cli as lab
 from nano.server import cli as server
 from nano.telemetry import heartbeat
+from nano.telemetry.watchdog import abort_all
 
 
 def build_parser() -> flags.Parser:
@@ -152,10 +153,10 @@ if __name__ == "__main__":
         exit_on_error(e, 2)
     except BrokenPipeError:  # stdout's reader went away (| head): end quietly, as cat does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush into it
-        parallel.abort_all(141)
+        abort_all(141)
     except Terminated:  # said already (on_sigterm)
         sys.stdout.flush()
-        parallel.abort_all(143)
+        abort_all(143)
     except KeyboardInterrupt as e:  # here, or on another rank (PeerInterrupted): every rank ends
         exit_on_error(NanoError("interrupted"), 130, e.args[0] if e.args else None)
     except Exception as e:  # a bug: alone, show the traceback; under MPI, end every rank

@@ -13,8 +13,11 @@
 //   d) are views into the fused QKV output: rows strided (q_stride, kv_stride elements),
 //   heads and dims contiguous. positions (T,) int32; cos_sin (max_pos, d) float32 = [cos |
 //   sin]; slot_mapping (T,) int32, slot = block * block_size + offset, -1 = token already
-//   cached (K/V not written). When rotate is set, K and q are multiplied by H, the
-//   orthonormal Hadamard matrix (ops.hadamard; d a power of two): q . k is unchanged.
+//   cached (K/V not written). When qk_norm is set (Qwen3), each q and k head is first
+//   RMS-normalized: x * rsqrt(mean(x^2) + eps) * weight, weight q_norm or k_norm (d,)
+//   float16, in float32 like the rest (d a power of two: its sum is a shuffle reduction).
+//   When rotate is set, K and q are multiplied by H, the orthonormal Hadamard matrix
+//   (ops.hadamard; d a power of two): q . k is unchanged.
 //   q_out (T, nq, d) contiguous gets the rotated q.
 //   int8: K and V are quantized per (token, KV head) exactly as ops.quantize: scale =
 //   float16(max |x| / 127), value = rint(x / scale) clamped to +-127 (scale 0 -> 0), from
@@ -23,9 +26,9 @@
 //   Grid T blocks (one per token), 128 threads. Work item = 8 (x[i], x[i + d/2]) pairs of one
 //   head (q, k or v; two 16-byte loads); a head's d/16 items sit on neighbouring lanes of one
 //   warp (d/16 divides 32 for d 64 and 128, the int8 head dims, and for every power-of-two
-//   d the rotation allows), so its max |x| is a shuffle reduction over them, and the
-//   rotation's butterflies across those lanes are shuffles too. The loop runs whole rounds
-//   of 128 items, so every lane reaches every shuffle.
+//   d the norm and the rotation allow), so its sum of squares and max |x| are shuffle
+//   reductions over them, and the rotation's butterflies across those lanes are shuffles
+//   too. The loop runs whole rounds of 128 items, so every lane reaches every shuffle.
 // gather_blocks<Unit> / scatter_blocks<Unit>: between a pool (L, 2, num_blocks, *rest), any
 //   element type (K/V data or scales), and a contiguous staging buffer (L, 2, n, *rest);
 //   block_ids (n,) int32. Arrays are passed as bytes; Unit is the copy unit: uint4 when a
@@ -60,7 +63,9 @@ __global__ void rope_store_kvcache(const __half* __restrict__ q, const __half* _
                                    const __half* __restrict__ v, long long q_stride,
                                    long long kv_stride, const int* __restrict__ positions,
                                    const float* __restrict__ cos_sin,
-                                   const int* __restrict__ slot_mapping, int rotate,
+                                   const int* __restrict__ slot_mapping,
+                                   const __half* __restrict__ q_norm, const __half* __restrict__ k_norm,
+                                   int qk_norm, float eps, int rotate,
                                    __half* __restrict__ q_out, CacheT* __restrict__ k_cache,
                                    CacheT* __restrict__ v_cache, __half* __restrict__ k_scales,
                                    __half* __restrict__ v_scales, int nq, int nkv,
@@ -86,15 +91,29 @@ __global__ void rope_store_kvcache(const __half* __restrict__ q, const __half* _
                                      : (is_v ? v : k) + token * kv_stride + (long long)kv * head_dim;
             load8(src + i, y1);
             load8(src + half_dim + i, y2);
-            if (!is_v) {
-                float x1[8], x2[8], cos[8], sin[8];
-                for (int j = 0; j < 8; j++) x1[j] = y1[j], x2[j] = y2[j];
-                load8f(cs + i, cos);
-                load8f(cs + half_dim + i, sin);
-                for (int j = 0; j < 8; j++) {
-                    y1[j] = x1[j] * cos[j] - x2[j] * sin[j];
-                    y2[j] = x2[j] * cos[j] + x1[j] * sin[j];
-                }
+        }
+        if (qk_norm) {
+            // Sum of squares over the head: this item's 16 values (zeros past the end), then
+            // its pieces' lanes; every lane takes part. V heads compute it and leave it.
+            float sum_sq = 0.0f;
+            for (int j = 0; j < 8; j++) sum_sq += y1[j] * y1[j] + y2[j] * y2[j];
+            for (int o = 1; o < pieces; o <<= 1) sum_sq += __shfl_xor_sync(0xffffffff, sum_sq, o);
+            if (p < items && !is_v) {
+                const float inv_rms = rsqrtf(sum_sq / head_dim + eps);
+                float w1[8], w2[8];
+                load8((is_q ? q_norm : k_norm) + i, w1);
+                load8((is_q ? q_norm : k_norm) + half_dim + i, w2);
+                for (int j = 0; j < 8; j++) y1[j] *= inv_rms * w1[j], y2[j] *= inv_rms * w2[j];
+            }
+        }
+        if (p < items && !is_v) {
+            float x1[8], x2[8], cos[8], sin[8];
+            for (int j = 0; j < 8; j++) x1[j] = y1[j], x2[j] = y2[j];
+            load8f(cs + i, cos);
+            load8f(cs + half_dim + i, sin);
+            for (int j = 0; j < 8; j++) {
+                y1[j] = x1[j] * cos[j] - x2[j] * sin[j];
+                y2[j] = x2[j] * cos[j] + x1[j] * sin[j];
             }
         }
         if (rotate) {

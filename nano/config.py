@@ -5,15 +5,17 @@ from nano import checks
 from nano.errors import NanoError
 
 # The architectures nano runs: (model_type, its forward as errors name it, the config.json keys
-# of which that forward implements one value, the one a missing key means). A family added later
-# declares itself here and its tensors in tp.checkpoint_shapes. Keys that change no result are
-# not read (pretraining_tp: how transformers slices the same matmuls; Qwen2's sliding_window and
-# max_window_layers, which count only with use_sliding_window). Qwen2 has no attention_bias key:
-# its q, k and v always carry biases, so true is the one value its forward implements.
+# of which that forward implements one value, the one a missing key means; transformers' values
+# of missing keys where they are not nano's). A family added later declares itself here and its
+# tensors in tp.checkpoint_shapes. Keys that change no result are not read. Which keys each
+# family fixes, and why: docs/models.md.
 ARCHITECTURES = {"LlamaForCausalLM": ("llama", "Llama", {"hidden_act": "silu", "mlp_bias": False,
-                                                         "sliding_window": None}),
+                                                         "sliding_window": None}, {}),
                  "Qwen2ForCausalLM": ("qwen2", "Qwen2", {"hidden_act": "silu", "attention_bias": True,
-                                                         "use_sliding_window": False})}
+                                                         "use_sliding_window": False}, {"num_key_value_heads": 32}),
+                 "Qwen3ForCausalLM": ("qwen3", "Qwen3", {"hidden_act": "silu", "attention_bias": False,
+                                                         "use_sliding_window": False},
+                                      {"num_key_value_heads": 32, "head_dim": 128})}
 # The RoPE types the forward pass implements (tp.rope_cos_sin), with the numbers each needs.
 ROPE_TYPES = {"default": (), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                                         "original_max_position_embeddings")}
@@ -36,6 +38,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     attention_bias: bool = False            # q, k, v carry a bias (an o_proj bias is a tensor no forward reads)
+    qk_norm: bool = False                   # an RMSNorm of each q and k head before RoPE (Qwen3)
     architecture: str = "LlamaForCausalLM"  # a key of ARCHITECTURES
 
     @classmethod
@@ -49,7 +52,8 @@ class ModelConfig:
         if missing:
             raise NanoError(f"config.json is not a Llama-family config: no {missing[0]!r}")
         architecture = _architecture(cfg)
-        cfg = ARCHITECTURES[architecture][2] | cfg  # a fixed key missing means its one value
+        _, _, fixed, defaults = ARCHITECTURES[architecture]
+        cfg = fixed | defaults | cfg  # a key missing means its one value, or transformers' default
 
         def count(key, default=None, high=None):
             return checks.integer(f"config.json {key}", cfg.get(key, default), 1, high)
@@ -85,6 +89,7 @@ class ModelConfig:
                                             cfg.get("tie_word_embeddings", False)),
             eos_token_ids=tuple(checks.integer("config.json eos_token_id", t, 0, vocab - 1) for t in eos),
             attention_bias=checks.flag("config.json attention_bias", cfg.get("attention_bias", False)),
+            qk_norm=architecture == "Qwen3ForCausalLM",
             architecture=architecture,
         )
 
@@ -98,7 +103,7 @@ def _architecture(cfg: dict) -> str:
         runs = ", ".join(f"{name} (model_type {family[0]})" for name, family in ARCHITECTURES.items())
         given = f"architectures {names}" if "architectures" in cfg else f"model_type {model_type!r}"
         raise NanoError(f"config.json {given:.80} is not one nano runs: it runs {runs}")
-    own_type, forward, fixed = ARCHITECTURES[names[0]]
+    own_type, forward, fixed, _ = ARCHITECTURES[names[0]]
     if model_type not in (None, own_type):
         raise NanoError(f"config.json model_type {model_type!r:.40} is not {names[0]}'s ({own_type!r})")
     for key, value in fixed.items():

@@ -27,10 +27,8 @@ def configure() -> None:
         share = str(max(1, (os.cpu_count() or 1) // int(os.environ["OMPI_COMM_WORLD_LOCAL_SIZE"])))
         for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
             os.environ.setdefault(var, share)
-    # On Zen 4 (AMD family 25), which runs each 512-bit operation as two 256-bit halves,
-    # OpenBLAS picks its SkylakeX (AVX-512) kernels, and its Zen (AVX2) ones are faster for the
-    # model's GEMMs there. Zen 5 (family 26) has full-width AVX-512 units: SkylakeX's, which
-    # OpenBLAS picks, run up to 2x faster than Zen's (both in docs/perf_notes.md).
+    # Zen 4 (AMD family 25) runs a 512-bit operation as two 256-bit halves: there OpenBLAS's Zen
+    # (AVX2) kernels beat the SkylakeX (AVX-512) ones it picks; not on Zen 5 (docs/perf_notes.md).
     cpu = _cpu_info()
     zen4 = cpu.get("vendor_id") == "AuthenticAMD" and cpu.get("cpu family") == "25"
     if zen4 and "avx512f" in cpu.get("flags", "").split():

@@ -223,11 +223,11 @@ def sample(logits, temperature, top_k, top_p, seeds, counters):
 
 # ---------------------------------------------------------------- cache.cu
 
-def rope_store_kvcache(q, k, v, positions, cos_sin, cache, slot_mapping):
+def rope_store_kvcache(q, k, v, positions, cos_sin, cache, slot_mapping, q_norm=None, k_norm=None, eps=0.0):
     """q, k, v may be views into the fused QKV output: rows strided (k and v alike), each
     row's heads and dims contiguous and 16-byte aligned. cache: one layer's LayerKV, float16
-    or int8 (quantized here, per (token, KV head)), with or without the Hadamard key rotation.
-    Returns the rotated q (Hadamard-rotated too with the key rotation), contiguous."""
+    or int8 (quantized here, per (token, KV head)), with or without the Hadamard key rotation;
+    q_norm, k_norm (d,) float16 or None. Returns the rotated q (Hadamard-rotated too), contiguous."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check(name, x, cupy.float16)
     cache_type, (k_scale, v_scale) = _check_cache(cache, "rope_store_kvcache")
@@ -250,16 +250,24 @@ def rope_store_kvcache(q, k, v, positions, cos_sin, cache, slot_mapping):
     if cache.k.shape[1] != nkv or cache.k.shape[3] != d or nq % nkv:
         raise ValueError(f"rope_store_kvcache: {nq} query and {nkv} KV heads of {d} dims do not "
                          f"match the cache {cache.k.shape}")
-    rotate = bool(getattr(cache, "k_rotate", False))
-    if rotate and (d & (d - 1) or d > 512):
-        raise ValueError(f"rope_store_kvcache: the Hadamard key rotation needs a power-of-two head_dim "
-                         f"up to 512, got {d}")
+    rotate, norms = bool(getattr(cache, "k_rotate", False)), q_norm is not None
+    if (rotate or norms) and (d & (d - 1) or d > 512):  # a head's lanes: a power of two up to a warp
+        raise ValueError(f"rope_store_kvcache: the Hadamard key rotation and the q/k norm need a "
+                         f"power-of-two head_dim up to 512, got {d}")
+    if norms:
+        for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+            _check(name, w, cupy.float16)
+            if w.shape != (d,) or not w.flags.c_contiguous:
+                raise ValueError(f"rope_store_kvcache: {name} must be contiguous ({d},), got {w.shape}")
+    else:
+        q_norm = k_norm = cupy.empty(0, cupy.float16)  # never read
     out = cupy.empty((tokens, nq, d), cupy.float16)
     if tokens:
         _kernel("cache.cu", f"rope_store_kvcache<{cache_type}>")(
             (tokens,), (128,), (q, k, v, np.int64(q.strides[0] // 2), np.int64(k.strides[0] // 2),
                                 cupy.ascontiguousarray(positions), cupy.ascontiguousarray(cos_sin),
-                                cupy.ascontiguousarray(slot_mapping), np.int32(rotate), out, cache.k, cache.v,
+                                cupy.ascontiguousarray(slot_mapping), q_norm, k_norm, np.int32(norms),
+                                np.float32(eps), np.int32(rotate), out, cache.k, cache.v,
                                 k_scale, v_scale,
                                 np.int32(nq), np.int32(nkv), np.int32(cache.k.shape[2]), np.int32(d)))
     return out

@@ -2,8 +2,9 @@
 the shard is loaded: NumPy or CUDA kernels, batch-invariant or not).
 
 One straight line per step: embed -> for each layer [RMSNorm (fused with the residual
-add), fused QKV, RoPE fused with the KV-cache write, attention, output projection,
-RMSNorm, fused gate/up, SiLU*up, down] -> final norm -> LM head on the logits rows (plan.StepRows).
+add), fused QKV, RoPE fused with the KV-cache write (Qwen3's q/k head norms first), attention,
+output projection, RMSNorm, fused gate/up, SiLU*up, down] -> final norm -> LM head on the logits rows
+(plan.StepRows).
 On the GPU a decode step of this function is captured once per batch-size bucket and
 replayed as a CUDA graph (nano/graphs.py), so it must stay free of host synchronisation:
 shapes and launch choices may depend only on array shapes, never on array values.
@@ -43,6 +44,8 @@ class LayerWeights:
     post_norm: object       # (H,)
     gate_up: object         # (2 I, H)  gate and up stacked
     down: object            # (H, I)
+    q_norm: object = None   # (d,) RMSNorm weight of every q head before RoPE (Qwen3), or None
+    k_norm: object = None   # (d,) of every k head, or None
 
 
 class LlamaModel:
@@ -81,8 +84,8 @@ class LlamaModel:
             k = qkv[:, q_size:q_size + kv_size].reshape(-1, self.num_kv_heads, d)
             v = qkv[:, q_size + kv_size:].reshape(-1, self.num_kv_heads, d)
             cache = kv_cache.layer(layer)
-            q = ops.rope_store_kvcache(q, k, v, batch.positions, self.cos_sin, cache,
-                                       batch.slot_mapping)                    # rotated q; K, V cached
+            q = ops.rope_store_kvcache(q, k, v, batch.positions, self.cos_sin, cache, batch.slot_mapping,
+                                       w.q_norm, w.k_norm, eps)            # rotated q (normed first); K, V cached
             o = ops.attention(q, cache, batch, self.scale)                   # (T, nq, d)
             h = self.all_reduce(ops.linear(o.reshape(-1, q_size), w.o_proj))  # (T, H)
             x, residual = ops.add_rms_norm(h, residual, w.post_norm, eps)

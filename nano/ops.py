@@ -6,9 +6,7 @@ is chosen once, by device (OpSet, at the end).
 Shapes used below:
   T  tokens in the step          H  hidden size       V  vocab size
   S  sequences in the step       nq query heads       nkv  KV heads      d  head dim
-  cache: one layer's LayerKV (nano/kv_cache.py, which also gives the int8 scheme):
-    k, v (num_blocks, nkv, block_size, d) float or int8; with int8, k_scale, v_scale
-    (num_blocks, nkv, block_size) float16, and optionally the key rotation k_rotate
+  cache: one layer's LayerKV (nano/kv_cache.py: its arrays' shapes, the int8 scheme)
   block_tables: (S, max_blocks) int32, -1 past each sequence's last block
 """
 import functools
@@ -78,18 +76,21 @@ def silu_mul(gate_up):
     return out
 
 
-def rope_store_kvcache(q, k, v, positions, cos_sin, cache: LayerKV, slot_mapping):
-    """Rotate-half RoPE on q and k, then write k and v into their cache slots (one kernel on
-    the GPU), quantized if the cache is int8. q: (T, nq, d), k, v: (T, nkv, d), possibly
-    views into the fused QKV output, not modified; positions: (T,); cos_sin:
-    (max_positions, d) with cos in [:, :d/2] and sin in [:, d/2:]; slot_mapping: (T,)
-    int32, slot = block * block_size + offset, -1 for a token whose KV is already cached
-    (skipped). With k_rotate, K is stored as k H and q returned as q H (H = hadamard(d)).
-    Returns the rotated q: (T, nq, d), on the CPU possibly a strided view."""
+def rope_store_kvcache(q, k, v, positions, cos_sin, cache: LayerKV, slot_mapping, q_norm=None, k_norm=None, eps=0.0):
+    """Rotate-half RoPE on q and k, then write k and v into their cache slots (one kernel on the
+    GPU), quantized if the cache is int8. q: (T, nq, d), k, v: (T, nkv, d), possibly views into
+    the fused QKV output, not modified; positions: (T,); cos_sin: (max_positions, d) with cos in
+    [:, :d/2] and sin in [:, d/2:]; slot_mapping: (T,) int32, slot = block * block_size + offset,
+    -1 for a token whose KV is already cached (skipped). With q_norm, k_norm (d,) (Qwen3), each q
+    and k head is RMS-normalized with them (and eps) first. With k_rotate, K is stored as k H and
+    q returned as q H (H = hadamard(d)). Returns the rotated q: (T, nq, d), on the CPU possibly a
+    strided view."""
     half, nq = q.shape[-1] // 2, q.shape[1]
     cos = cos_sin[positions, None, :half]  # (T, 1, d/2)
     sin = cos_sin[positions, None, half:]
     qk = np.concatenate([q, k], axis=1)  # q and k rotated together: one set of small ops, not two
+    if q_norm is not None:  # so normalized together too: each head's row by its weight, (nq + nkv, d)
+        qk = rms_norm(qk, np.stack([q_norm] * nq + [k_norm] * k.shape[1]), eps)
     rotated = np.empty_like(qk)
     x1, x2 = qk[..., :half], qk[..., half:]
     np.multiply(x1, cos, out=rotated[..., :half])

@@ -165,17 +165,7 @@ def tp_group() -> Group:
     return _group
 
 
-# ---- ending the run ------------------------------------------------------------------
+# ---- for ending the run (telemetry/watchdog.py, cli/output.py) -------------------------
 def started() -> Group | None:
     """Every rank of the run, if this process has made its groups yet (None: MPI untouched)."""
     return _world or _group
-
-
-def abort_all(code: int) -> None:
-    """End this process and every other rank now, from any thread (sys.exit would end only
-    the calling thread, and not the ranks waiting for this one)."""
-    group = started()
-    if group is None or group.world == 1:
-        os._exit(code)
-    time.sleep(0.2)  # for mpirun to pass the last line on before it prints its own abort notice
-    group.comm.Abort(code)

@@ -13,10 +13,8 @@ Every step respects one token budget (max_num_batched_tokens; by default also ke
 what the step-time model says fits STEP_TARGET, policy.py) and one sequence cap.
 A request is only considered once it has arrived (its arrival time has passed).
 
-This file is the mechanism; the choices it leaves open (admission and prefill order, how
-much prefill a step may carry, the victim and whether it is swapped or recomputed, which
-requests are rejected as late) are the policy's: an object made from the policy class the
-engine is given (policy.py: FCFS by default; nano/deadline's with --policy deadline).
+This file is the mechanism; the choices it leaves open (admission and prefill order, how much
+prefill a step may carry, the victim and swap or recompute, which late requests to reject) are policy.py's.
 """
 from collections import deque
 

@@ -2,7 +2,7 @@
 
 Each rank owns a contiguous range of KV heads with their query heads (attention needs no
 communication), gate/up by output rows, o_proj and down by input columns: their partial sums
-are a layer's two all-reduces. Embedding and LM head are replicated (docs/tensor-parallel.md).
+are a layer's two all-reduces. Embedding, LM head and q/k norms are replicated (docs/tensor-parallel.md).
 """
 from dataclasses import dataclass
 
@@ -77,6 +77,8 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
              "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h), "mlp.down_proj.weight": (h, inter)}
     if cfg.attention_bias:
         layer |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
+    if cfg.qk_norm:  # one weight for all q heads, one for all k heads
+        layer |= {"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}
     head = {} if cfg.tie_word_embeddings else {"lm_head.weight": (vocab, h)}
     return {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,), **head,
             **{f"model.layers.{i}.{name}": shape for i in range(cfg.num_layers) for name, shape in layer.items()}}
@@ -131,6 +133,8 @@ def load_model(reader, cfg: ModelConfig, part: Partition, to_device, max_positio
             post_norm=to_device(get(p + "post_attention_layernorm.weight")),
             gate_up=weight(gate_up),
             down=weight(get(p + "mlp.down_proj.weight", cols=part.inter)),
+            q_norm=to_device(get(p + "self_attn.q_norm.weight")) if cfg.qk_norm else None,
+            k_norm=to_device(get(p + "self_attn.k_norm.weight")) if cfg.qk_norm else None,
         ))
     # Replicated, not split by vocabulary: the model and the sampler stay unaware of TP.
     tied = cfg.tie_word_embeddings

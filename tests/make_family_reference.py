@@ -48,6 +48,20 @@ STEPS, TOP, MIN_GAP = 16, 5, 1e-3
 DIGITS = 7  # significant digits kept: float32 holds about 7
 MIN_EFFECT = 1e-3  # ten times the 1e-4 a float32 forward is held to
 
+
+def _without_qk_norms(name: str, tensor):
+    """Every tensor but Qwen3's q_norm and k_norm weights (dropped)."""
+    return None if name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")) else tensor
+
+
+def _swapped_norm(name: str, tensor):
+    """Qwen3's k_norm weight where its q_norm is and the other way round; other tensors as they are."""
+    for this, other in (("q_norm", "k_norm"), ("k_norm", "q_norm")):
+        if name.endswith(f"self_attn.{this}.weight"):
+            return families.weights("qwen3")[name.replace(this, other)]
+    return tensor
+
+
 # Each case's features, as changes to its v4 config (or a pair: that and a change to its
 # tensors, as variant() takes them): the model with one changed must compute other logprobs.
 FEATURES = {
@@ -55,7 +69,10 @@ FEATURES = {
     "llama3": {"no rope_scaling": {"rope_scaling": None}},
     "qwen2": {"no q/k/v biases": ({}, lambda name, tensor: 0 * tensor if name.endswith(".bias") else tensor),
               "sliding_window honoured": {"use_sliding_window": True, "max_window_layers": 0}},
-    "qwen3": {"rope_theta 1e6 -> 1e4": {"rope_theta": 1e4}},
+    "qwen3": {"rope_theta 1e6 -> 1e4": {"rope_theta": 1e4},
+              # transformers' Llama forward on the same weights less the norms: Qwen3's without them
+              "no q/k norms": ({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, _without_qk_norms),
+              "q_norm and k_norm swapped": ({}, _swapped_norm)},
     "mistral": {"sliding_window 16 -> 15": {"sliding_window": 15},
                 "sliding_window 16 -> 17": {"sliding_window": 17},
                 "no sliding window": {"sliding_window": None}},

@@ -201,12 +201,13 @@ def _byte_tokenizer(vocab: int):
 
 def make_random_model(dir: Path, *, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128,
                       vocab=512, max_pos=512, tie=True, bias=False, dtype="float32", seed=0,
-                      uniform=False) -> Path:
+                      uniform=False, qwen3=False) -> Path:
     """Write a random-weight HF Llama folder into `dir` and return it, with a byte-level
     tokenizer of exactly `vocab` ids (no download: it runs on the offline GPU machine too).
     Weights are normal draws; with `uniform`, uniform draws of the same mean and std, ~7x
     faster to make (the Llama-3.2-1B shape: ~6 s rather than ~40 on a 2-core VM): for models
-    in real shapes, whose weights need only be random and seeded."""
+    in real shapes, whose weights need only be random and seeded. With `qwen3`, a Qwen3 folder:
+    a q_norm and k_norm per layer too, std 0.5 around 1 (far from the identity)."""
     dir = Path(dir)
     dir.mkdir(parents=True, exist_ok=True)
     head_dim = hidden // heads
@@ -235,6 +236,8 @@ def make_random_model(dir: Path, *, hidden=64, layers=2, heads=4, kv_heads=2, in
         if bias:
             for n, rows in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
                 specs[p + f"self_attn.{n}_proj.bias"] = ((rows * head_dim,), 0.0, 0.1)
+        if qwen3:
+            specs |= {p + f"self_attn.{n}_norm.weight": ((head_dim,), 1.0, 0.5) for n in ("q", "k")}
     rng, draw = np.random.default_rng(seed), _uniform if uniform else _normal
     # the draws are made as the file is written, in the order of `specs`
     _write_safetensors(dir / "model.safetensors",
@@ -242,7 +245,8 @@ def make_random_model(dir: Path, *, hidden=64, layers=2, heads=4, kv_heads=2, in
                        dtype)
 
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "architectures": ["Qwen3ForCausalLM" if qwen3 else "LlamaForCausalLM"],
+        "model_type": "qwen3" if qwen3 else "llama", "hidden_act": "silu",
         "hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": max_pos,

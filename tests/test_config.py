@@ -55,13 +55,15 @@ def test_model_config_rope_types():
 
 
 # ---- the architecture: one nano runs, or a clear no before any weights load
-RUNS = "it runs LlamaForCausalLM (model_type llama), Qwen2ForCausalLM (model_type qwen2)"
-QWEN2 = {**LLAMA, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
+RUNS = ("it runs LlamaForCausalLM (model_type llama), Qwen2ForCausalLM (model_type qwen2), "
+        "Qwen3ForCausalLM (model_type qwen3)")
+QWEN2 = {**LLAMA, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_key_value_heads": 2}
+QWEN3 = {**LLAMA, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_key_value_heads": 2}
 
 
 @pytest.mark.parametrize("edit,message", [
-    ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"},
-     f"architectures ['Qwen3ForCausalLM'] is not one nano runs: {RUNS}"),
+    ({"architectures": ["MistralForCausalLM"], "model_type": "mistral"},
+     f"architectures ['MistralForCausalLM'] is not one nano runs: {RUNS}"),
     ({"model_type": "gemma3_text"}, f"model_type 'gemma3_text' is not one nano runs: {RUNS}"),
     ({"architectures": "LlamaForCausalLM"}, f"architectures LlamaForCausalLM is not one nano runs: {RUNS}"),
     ({"architectures": ["LlamaForCausalLM", "MistralForCausalLM"]},
@@ -80,6 +82,11 @@ QWEN2 = {**LLAMA, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
     ({**QWEN2, "attention_bias": False}, "attention_bias False is not implemented by the Qwen2 forward"),
     ({**QWEN2, "hidden_act": "gelu"}, "hidden_act 'gelu' is not implemented by the Qwen2 forward"),
     ({**QWEN2, "model_type": "llama"}, "model_type 'llama' is not Qwen2ForCausalLM's ('qwen2')"),
+    # Qwen3: no sliding window yet; no q/k/v biases (the key would add an o_proj bias too)
+    ({**QWEN3, "use_sliding_window": True}, "use_sliding_window True is not implemented by the Qwen3 forward"),
+    ({**QWEN3, "attention_bias": True}, "attention_bias True is not implemented by the Qwen3 forward"),
+    ({**QWEN3, "hidden_act": "gelu"}, "hidden_act 'gelu' is not implemented by the Qwen3 forward"),
+    ({**QWEN3, "model_type": "llama"}, "model_type 'llama' is not Qwen3ForCausalLM's ('qwen3')"),
     ({"hidden_size": 66}, "hidden_size (66) must be a multiple of num_attention_heads (4)"),
 ])
 def test_model_config_architecture_and_forward_keys_refused(edit, message):
@@ -102,7 +109,7 @@ def test_model_config_llama_spellings_accepted(edit):
 
 
 @pytest.mark.parametrize("cfg", [
-    QWEN2, {**LLAMA, "model_type": "qwen2"},  # no architectures: the one of its model_type
+    QWEN2, {**LLAMA, "model_type": "qwen2", "num_key_value_heads": 4},  # no architectures: its model_type's
     {**QWEN2, "hidden_act": "silu", "attention_bias": True, "use_sliding_window": False},
     # without use_sliding_window, the window's keys change nothing (as in transformers): not read
     {**QWEN2, "sliding_window": 4096, "max_window_layers": 28},
@@ -111,6 +118,34 @@ def test_model_config_llama_spellings_accepted(edit):
 def test_model_config_qwen2_spellings_accepted(cfg):
     config = ModelConfig.from_hf(cfg)
     assert config.architecture == "Qwen2ForCausalLM" and config.attention_bias  # q/k/v biases, always
+    assert not config.qk_norm
+
+
+@pytest.mark.parametrize("cfg,head_dim", [
+    (QWEN3, 128), ({**LLAMA, "model_type": "qwen3", "num_key_value_heads": 4}, 128),  # no head_dim: transformers' 128
+    ({**QWEN3, "head_dim": 32}, 32),  # not hidden_size / num_attention_heads (16)
+    ({**QWEN3, "hidden_act": "silu", "attention_bias": False, "use_sliding_window": False, "head_dim": 16}, 16),
+    # without use_sliding_window, the window's keys change nothing (as in transformers): not read
+    ({**QWEN3, "sliding_window": 4096, "max_window_layers": 28, "head_dim": 16}, 16),
+])
+def test_model_config_qwen3_spellings_accepted(cfg, head_dim):
+    config = ModelConfig.from_hf(cfg)
+    assert config.architecture == "Qwen3ForCausalLM" and config.qk_norm and not config.attention_bias
+    assert config.head_dim == head_dim
+
+
+@pytest.mark.parametrize("architecture,head_dim", [("LlamaForCausalLM", 64), ("Qwen2ForCausalLM", 64),
+                                                   ("Qwen3ForCausalLM", 128)])
+def test_model_config_keys_left_out_mean_what_transformers_reads(architecture, head_dim):
+    """Llama's missing num_key_value_heads is one per query head, Qwen2's and Qwen3's 32 (their
+    configs' default); Qwen3's missing head_dim is 128, the others' hidden_size / heads. A Qwen
+    config whose query heads 32 KV heads do not divide is refused, not read some other way."""
+    cfg = {**LLAMA, "architectures": [architecture], "hidden_size": 4096, "num_attention_heads": 64}
+    config = ModelConfig.from_hf(cfg)
+    assert (config.num_kv_heads, config.head_dim) == (64 if architecture == "LlamaForCausalLM" else 32, head_dim)
+    if architecture != "LlamaForCausalLM":
+        with pytest.raises(NanoError, match=r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(32\)"):
+            ModelConfig.from_hf({**LLAMA, "architectures": [architecture]})
 
 
 # ---- RoPE: rope_theta + rope_scaling, or transformers 5's rope_parameters, read the same

@@ -2,9 +2,9 @@
 run: float16 weights and KV cache, every kernel, cuBLAS through nano/cublas.py's ctypes calls
 (the stand-in library), device sampling, CUDA graphs for decode steps (recorded and replayed
 by the CuPy stand-in), prompt logprobs on device arrays, disaggregated KV handoffs between two
-GPU pools, and tensor parallelism's all-reduce on device arrays under mpirun -n 2. These are
-tests/test_engine_gpu.py's, test_graphs_gpu.py's and test_disagg.py's GPU checks, in a small
-shape (head dim 64, GQA group 2).
+GPU pools, a Qwen3 model (its q/k head norms), and tensor parallelism's all-reduce on device
+arrays under mpirun -n 2. These are tests/test_engine_gpu.py's, test_graphs_gpu.py's and
+test_disagg.py's GPU checks, in a small shape (head dim 64, GQA group 2).
 
 Each runs in a subprocess (this file as a script) in which the emulator's CuPy stand-in is
 `cupy` (cupy_stub.install), so that nano's GPU code takes it for the real one.
@@ -36,7 +36,8 @@ def test_gpu_engine_path_matches_cpu_on_the_emulator(tmp_path):
     done = subprocess.run([sys.executable, __file__, "engine", str(tmp_path)], capture_output=True,
                           text=True, timeout=600, cwd=TESTS.parent)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    for what in ("configs agree", "graphs agree", "prompt logprobs agree", "disaggregated handoffs agree"):
+    for what in ("configs agree", "graphs agree", "prompt logprobs agree", "disaggregated handoffs agree",
+                 "qwen3 agrees"):
         assert what in done.stdout, what
 
 
@@ -79,6 +80,10 @@ def engine_checks(workdir: str) -> None:
     for kv in ("auto", "int8"):
         check_gpu_handoff(model_dir, kv)
     print("disaggregated handoffs agree")
+    qwen3 = make_random_model(Path(workdir) / "qwen3", max_pos=1024, dtype="float16", seed=7, qwen3=True, **SHAPE)
+    for name in ("default", "int8"):  # its q/k head norms in the cache-writing kernel, eager and in graphs
+        check_gpu_config(qwen3, prompts, name, cpu_runs)
+    print("qwen3 agrees")
     with pytest.raises(NanoError, match="--batch-invariant is CPU-only"):
         LLMEngine(EngineConfig(model=str(model_dir), device="gpu", batch_invariant=True))
 

@@ -5,6 +5,7 @@ greedy steps (tokens, logprobs, top 5) within TOL, whatever the schedule (alone,
 chunked, from the prefix cache, under --tp 2) and whichever config.json spelling. The other
 families are refused, one line naming the architecture, before any weights load."""
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from test_tp import launch, needs_mpi
 from tests import families
 
 TOL = 1e-4       # float32 sums in another order than transformers' (its own float64 gap is ~2e-6)
-SUPPORTED = ("llama", "llama3", "qwen2")
+SUPPORTED = ("llama", "llama3", "qwen2", "qwen3")
 REFUSED = tuple(case for case in families.CASES if case not in SUPPORTED)
 SCORING = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, return_logits=True, prompt_logprobs=0)
 GREEDY = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, return_logits=True)
@@ -127,6 +128,17 @@ def test_tp2(folders, tmp_path):
     for case in SUPPORTED:
         for ref, got in zip(reference(case)["prompts"], results[case], strict=True):
             check(ref, got["token_ids"], got["logits"], got["prompt_logprobs"])
+
+
+def test_a_qwen3_folder_said_to_be_a_llama_is_refused(folders, tmp_path):
+    """Its config.json edited to Llama's: its q/k norms are tensors the Llama forward would not
+    read, so the folder is refused with one line rather than run without them."""
+    folder = shutil.copytree(folders("qwen3"), tmp_path / "m")
+    cfg = load_config(folder) | {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(NanoError) as e:
+        LLM(model=str(folder), device="cpu")
+    assert str(e.value) == "checkpoint tensor model.layers.0.self_attn.k_norm.weight is not used by the Llama forward (5 more)"
 
 
 @pytest.mark.parametrize("case", REFUSED)

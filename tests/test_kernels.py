@@ -153,13 +153,31 @@ def rope_table(d, positions=4096):
     return np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
 
 
-@pytest.mark.parametrize("nq, nkv, d", [(9, 3, 64), (32, 8, 128), (4, 1, 128)])
-def test_rope_store_kvcache_on_strided_views(cupy, rng, nq, nkv, d):
+def qk_norms(cupy, rng, with_norm, d):
+    """(reference args, kernel args) for rope_store_kvcache's per-head q/k RMSNorm (Qwen3):
+    q_norm, k_norm (d,) far from 1 and from each other, and eps; none without it."""
+    if not with_norm:
+        return (), ()
+    (q_norm, q_norm_d), (k_norm, k_norm_d) = (f16(cupy, rng.uniform(low, low + 1.5, size=d)) for low in (0.2, 0.6))
+    return (q_norm, k_norm, 1e-6), (q_norm_d, k_norm_d, 1e-6)
+
+
+def heads_of_many_scales(rng, tokens, heads, d):
+    """(tokens, heads * d) normal values, each head's row scaled by its own factor in [0.05, 5]:
+    an RMSNorm of each head is far from the identity."""
+    return (rng.normal(size=(tokens, heads, d)) * rng.uniform(0.05, 5, size=(tokens, heads, 1))).reshape(tokens, -1)
+
+
+@pytest.mark.parametrize("nq, nkv, d", [(9, 3, 64), (32, 8, 128), (4, 1, 128), (5, 1, 32)])
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_rope_store_kvcache_on_strided_views(cupy, rng, nq, nkv, d, with_norm):
     """q, k, v are views into one fused QKV output, as the model produces them; slot -1
     tokens are rotated (q) but write nothing. One KV head (a TP rank's share, or MQA): CuPy
-    gives the length-1 heads axis of k and v the row stride."""
+    gives the length-1 heads axis of k and v the row stride. With the q/k norm, each q and k
+    head is RMS-normalized with its weight first."""
     tokens, num_blocks, block_size = 21, 6, 16
-    qkv, qkv_d = f16(cupy, rng.normal(size=(tokens, (nq + 2 * nkv) * d)))
+    qkv, qkv_d = f16(cupy, heads_of_many_scales(rng, tokens, nq + 2 * nkv, d))
+    norms, norms_d = qk_norms(cupy, rng, with_norm, d)
     before = qkv_d.copy()
     positions = rng.integers(0, 4096, size=tokens).astype(np.int32)
     slots = rng.permutation(num_blocks * block_size)[:tokens].astype(np.int32)
@@ -172,9 +190,9 @@ def test_rope_store_kvcache_on_strided_views(cupy, rng, nq, nkv, d):
         return (a[:, :nq * d].reshape(tokens, nq, d), a[:, nq * d:(nq + nkv) * d].reshape(tokens, nkv, d),
                 a[:, (nq + nkv) * d:].reshape(tokens, nkv, d))
 
-    ref_q = ops.rope_store_kvcache(*split(qkv), positions, cos_sin, LayerKV(k_cache, v_cache), slots)
+    ref_q = ops.rope_store_kvcache(*split(qkv), positions, cos_sin, LayerKV(k_cache, v_cache), slots, *norms)
     got_q = kernels.rope_store_kvcache(*split(qkv_d), cupy.asarray(positions), cupy.asarray(cos_sin),
-                                   LayerKV(k_cache_d, v_cache_d), cupy.asarray(slots))
+                                   LayerKV(k_cache_d, v_cache_d), cupy.asarray(slots), *norms_d)
     assert_close(cupy, got_q, ref_q)
     assert_close(cupy, k_cache_d, k_cache)  # untouched slots too: they keep their random values
     np.testing.assert_array_equal(cupy.asnumpy(v_cache_d).astype(np.float32), v_cache)
@@ -197,13 +215,15 @@ def assert_quantized_close(cupy, got_values, got_scales, ref_values, ref_scales)
 
 @pytest.mark.parametrize("nq, nkv, d", [(9, 3, 64), (32, 8, 128), (4, 1, 128)])
 @pytest.mark.parametrize("scheme", ["token", "rotate"])
-def test_rope_store_kvcache_int8(cupy, rng, nq, nkv, d, scheme):
-    """int8 cache: K and V quantized per (token, KV head) as ops.quantize does, after RoPE and
-    the key scheme's change of basis (Hadamard rotation under "rotate"; q comes back with the
-    same change); slot -1 tokens write nothing, and every other slot keeps its bits.
-    Also a float16 cache under each key scheme."""
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_rope_store_kvcache_int8(cupy, rng, nq, nkv, d, scheme, with_norm):
+    """int8 cache: K and V quantized per (token, KV head) as ops.quantize does, after the q/k
+    norm (if any), RoPE and the key scheme's change of basis (Hadamard rotation under
+    "rotate"; q comes back with the same change); slot -1 tokens write nothing, and every
+    other slot keeps its bits. Also a float16 cache under each key scheme."""
     tokens, num_blocks, block_size = 21, 6, 16
-    qkv, qkv_d = f16(cupy, rng.normal(size=(tokens, (nq + 2 * nkv) * d)) * 2)
+    qkv, qkv_d = f16(cupy, heads_of_many_scales(rng, tokens, nq + 2 * nkv, d) * 2)
+    norms, norms_d = qk_norms(cupy, rng, with_norm, d)
     qkv[3, nq * d:] = 0  # a token whose K and V are all zero: scale 0, values 0
     qkv_d[3, nq * d:] = 0
     positions = rng.integers(0, 4096, size=tokens).astype(np.int32)
@@ -221,9 +241,9 @@ def test_rope_store_kvcache_int8(cupy, rng, nq, nkv, d, scheme):
         return (a[:, :nq * d].reshape(tokens, nq, d), a[:, nq * d:(nq + nkv) * d].reshape(tokens, nkv, d),
                 a[:, (nq + nkv) * d:].reshape(tokens, nkv, d))
 
-    ref_q = ops.rope_store_kvcache(*split(qkv), positions, cos_sin, ref, slots)
+    ref_q = ops.rope_store_kvcache(*split(qkv), positions, cos_sin, ref, slots, *norms)
     got_q = kernels.rope_store_kvcache(*split(qkv_d), cupy.asarray(positions), cupy.asarray(cos_sin), dev,
-                                   cupy.asarray(slots))
+                                   cupy.asarray(slots), *norms_d)
     assert_close(cupy, got_q, ref_q)
     for got_values, got_scales, ref_values, ref_scales in ((dev.k, dev.k_scale, ref.k, ref.k_scale),
                                                           (dev.v, dev.v_scale, ref.v, ref.v_scale)):
@@ -234,10 +254,10 @@ def test_rope_store_kvcache_int8(cupy, rng, nq, nkv, d, scheme):
         k_cache, k_cache_d = f16(cupy, rng.normal(size=shape))
         v_cache, v_cache_d = f16(cupy, rng.normal(size=shape))
         ref_q = ops.rope_store_kvcache(*split(qkv), positions, cos_sin,
-                                       LayerKV(k_cache, v_cache, None, None, rotate), slots)
+                                       LayerKV(k_cache, v_cache, None, None, rotate), slots, *norms)
         got_q = kernels.rope_store_kvcache(*split(qkv_d), cupy.asarray(positions), cupy.asarray(cos_sin),
                                        LayerKV(k_cache_d, v_cache_d, None, None, rotate),
-                                       cupy.asarray(slots))
+                                       cupy.asarray(slots), *norms_d)
         assert_close(cupy, got_q, ref_q)
         assert_close(cupy, k_cache_d, k_cache)
         np.testing.assert_array_equal(cupy.asnumpy(v_cache_d).astype(np.float32), v_cache)
@@ -279,12 +299,13 @@ def paged_call(cupy, q_shape, k, v=None, block_size=16):
     return kernels.paged_attention(z(cupy, q_shape), cache, z(cupy, (1, 1), np.int32), z(cupy, 1, np.int32), 0.1)
 
 
-def rope_call(cupy, q, k, v, cache):
-    """kernels.rope_store_kvcache of two tokens; q, k, v views of arrays of zeros (or shapes)."""
+def rope_call(cupy, q, k, v, cache, norms=()):
+    """kernels.rope_store_kvcache of two tokens; q, k, v views of arrays of zeros (or shapes);
+    q_norm, k_norm arrays of zeros of the shapes and dtypes norms gives, if any."""
     q, k, v = (z(cupy, a) if isinstance(a, tuple) else a for a in (q, k, v))
     d = cache.k.shape[3]
     return kernels.rope_store_kvcache(q, k, v, z(cupy, 2, np.int32), cupy.asarray(rope_table(d, 8)), cache,
-                                  z(cupy, 2, np.int32))
+                                  z(cupy, 2, np.int32), *(z(cupy, *n) for n in norms), *([1e-6] if norms else []))
 
 
 def cache_of(cupy, shape, rotate=False):
@@ -317,6 +338,15 @@ BAD_CALLS = {  # what -> (the call, the error, its message): refused before any 
     "a Hadamard rotation of 48 dims": (lambda c: rope_call(c, (2, 4, 48), (2, 2, 48), (2, 2, 48),
                                                            cache_of(c, (3, 2, 16, 48), rotate=True)),
                                        ValueError, "power-of-two head_dim"),
+    "a q/k norm of 48 dims": (lambda c: rope_call(c, (2, 4, 48), (2, 2, 48), (2, 2, 48), cache_of(c, (3, 2, 16, 48)),
+                                                  [(48,), (48,)]),
+                              ValueError, "the q/k norm need a power-of-two head_dim"),
+    "a q/k norm of another size": (lambda c: rope_call(c, (2, 4, 64), (2, 2, 64), (2, 2, 64),
+                                                       cache_of(c, (3, 2, 16, 64)), [(64,), (32,)]),
+                                   ValueError, "k_norm must be contiguous \\(64,\\)"),
+    "a float32 q/k norm": (lambda c: rope_call(c, (2, 4, 64), (2, 2, 64), (2, 2, 64), cache_of(c, (3, 2, 16, 64)),
+                                               [((64,), np.float32), ((64,), np.float32)]),
+                           TypeError, "q_norm must be float16"),
     "staging of another dtype": (lambda c: kernels.scatter_blocks(z(c, (1, 2, 4, 8)), z(c, 1, np.int32),
                                                               z(c, (1, 2, 1, 8), np.float32)),
                                  TypeError, "staging must be float16"),

@@ -427,6 +427,8 @@ QWEN3_NORMS = [f"model.layers.{i}.self_attn.{n}_norm.weight" for i in range(2) f
      "checkpoint has no tensor model.layers.0.self_attn.k_proj.bias, which the Llama forward reads (5 more)"),
     ({}, dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", attention_bias=True),  # Qwen2 has q/k/v biases
      "checkpoint has no tensor model.layers.0.self_attn.k_proj.bias, which the Qwen2 forward reads (5 more)"),
+    ({}, dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=16),  # Qwen3 has q/k norms
+     "checkpoint has no tensor model.layers.0.self_attn.k_norm.weight, which the Qwen3 forward reads (3 more)"),
     ({}, dict(drop=["model.layers.1.mlp.up_proj.weight"]),
      "checkpoint has no tensor model.layers.1.mlp.up_proj.weight, which the Llama forward reads"),
     ({}, dict(tie_word_embeddings=False), "checkpoint has no tensor lm_head.weight, which the Llama forward reads"),
@@ -446,12 +448,15 @@ def test_tensors_that_carry_nothing_the_forward_needs_are_let_be(tmp_path):
     assert open_model(folder, tokenizer=False).config.tie_word_embeddings
 
 
-@pytest.mark.parametrize("kw", [{}, {"tie": False, "bias": True}])
+@pytest.mark.parametrize("kw", [{}, {"tie": False, "bias": True}, "qwen3"])
 def test_the_loader_reads_exactly_the_checked_tensors(tmp_path, kw):
-    """checkpoint_shapes is the one list: load_model reads every tensor of it and no other."""
+    """checkpoint_shapes is the one list: load_model reads every tensor of it and no other
+    (Qwen3: its q/k norms too, whole on each rank)."""
     from nano.tp import checkpoint_shapes, load_model, partition
+    from tests import families
 
-    folder = open_model(make_random_model(tmp_path, **kw), tokenizer=False)
+    model = families.make_model(kw, tmp_path) if kw == "qwen3" else make_random_model(tmp_path, **kw)
+    folder = open_model(model, tokenizer=False)
     read = set()
 
     class Recording:

@@ -13,6 +13,7 @@ from tqdm import tqdm
 from nano import kv_cache, ops, parallel, tp
 from nano.errors import NanoError
 from nano.telemetry.export import MetricsWriter, writing
+from nano.telemetry.watchdog import abort_all
 
 
 def exit_on_error(error: Exception, code: int, rank: int | None = None) -> None:
@@ -27,7 +28,7 @@ def exit_on_error(error: Exception, code: int, rank: int | None = None) -> None:
             print(f"error: {message}", file=sys.stderr, flush=True)
         sys.exit(code)
     print(f"error: rank {group.rank if rank is None else rank}: {message}", file=sys.stderr, flush=True)
-    parallel.abort_all(code)
+    abort_all(code)
 
 
 def describe(engine) -> str:

@@ -15,6 +15,7 @@ there the ranks' heartbeats judge (heartbeat.py) and a driver only hands them it
 Either way the driver is told first (on_stall: the server turns /health to 503 and gives
 every waiting client an error), then after a grace period for those errors to reach the
 clients one line is printed and every rank ends, with exit status 1."""
+import os
 import sys
 import threading
 import time
@@ -34,7 +35,17 @@ def end_stalled(message: str, on_stall=()) -> None:
     if on_stall:
         time.sleep(GRACE)
     print(f"error: {message}", file=sys.stderr, flush=True)
-    parallel.abort_all(1)
+    abort_all(1)
+
+
+def abort_all(code: int) -> None:
+    """End this process and every other rank now, from any thread (sys.exit would end only
+    the calling thread, and not the ranks waiting for this one)."""
+    group = parallel.started()
+    if group is None or group.world == 1:
+        os._exit(code)
+    time.sleep(0.2)  # for mpirun to pass the last line on before it prints its own abort notice
+    group.comm.Abort(code)
 
 
 class Stillness:
