@@ -1,23 +1,10 @@
 """The paged KV cache's bookkeeping: which block holds which tokens, who shares it.
 
-The KV pool is num_blocks fixed-size blocks of block_size tokens (the arrays
-themselves live in runner.py; this module only hands out block ids). A
-sequence's block_table lists its blocks in order: token t lives in block
-block_table[t // block_size] at offset t % block_size.
-
-Prefix caching: once a block is full of computed tokens it is registered
-under a hash chained over (parent block's hash, this block's tokens), so one
-hash names the whole prefix up to that block. A new sequence whose prompt
-starts with the same full blocks shares them (ref count + 1) instead of
-recomputing. A hit is verified against the stored tokens, so a hash
-collision costs a miss, never a wrong answer. A block whose ref count drops
-to 0 keeps its contents and hash in the free queue and can still be hit
-until it is reused for something else, least recently freed first.
-Once cache_events is a list (LLMEngine.take_cache_events) it gets (True, hash) for each
-block registered and (False, hash) for each evicted: a data-parallel router's (nano/dp).
-
-Swap space: a second, host-side pool of blocks that a preempted sequence's KV is
-copied into, by the runner, from the (device, host) pairs returned here.
+The KV pool is num_blocks fixed-size blocks of block_size tokens (the arrays live in
+runner.py; this module only hands out block ids). A sequence's block_table lists its blocks
+in order: token t lives in block block_table[t // block_size] at offset t % block_size.
+Full blocks are shared by a hash of the prefix they end (prefix caching), and a preempted
+sequence's blocks may be copied to a host-side swap pool: docs/how-it-works.md says how.
 """
 from collections import OrderedDict
 
