@@ -9,11 +9,13 @@ from nano.errors import NanoError
 # declares itself here and its tensors in tp.checkpoint_shapes. Keys that change no result are
 # not read (pretraining_tp: how transformers slices the same matmuls; Qwen2's sliding_window and
 # max_window_layers, which count only with use_sliding_window). Qwen2 has no attention_bias key:
-# its q, k and v always carry biases, so true is the one value its forward implements.
+# its q, k and v always carry biases, so true is the one value its forward implements; Mistral's
+# never do. Mistral reads sliding_window (every layer's window; ModelConfig.from_hf).
 ARCHITECTURES = {"LlamaForCausalLM": ("llama", "Llama", {"hidden_act": "silu", "mlp_bias": False,
                                                          "sliding_window": None}),
                  "Qwen2ForCausalLM": ("qwen2", "Qwen2", {"hidden_act": "silu", "attention_bias": True,
-                                                         "use_sliding_window": False})}
+                                                         "use_sliding_window": False}),
+                 "MistralForCausalLM": ("mistral", "Mistral", {"hidden_act": "silu", "attention_bias": False})}
 # The RoPE types the forward pass implements (tp.rope_cos_sin), with the numbers each needs.
 ROPE_TYPES = {"default": (), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                                         "original_max_position_embeddings")}
@@ -35,6 +37,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
+    windows: tuple[int | None, ...]         # per layer: a sliding window of that many keys, None = all keys
     attention_bias: bool = False            # q, k, v carry a bias (an o_proj bias is a tensor no forward reads)
     architecture: str = "LlamaForCausalLM"  # a key of ARCHITECTURES
 
@@ -69,10 +72,13 @@ class ModelConfig:
             raise NanoError(f"config.json head dimension must be even (RoPE rotates pairs), got {head_dim}")
         (rope_theta, rope_scaling), eos, vocab = _rope(cfg), cfg.get("eos_token_id"), count("vocab_size")
         eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+        # A missing sliding_window is 4096 (transformers' default); Qwen2's counts only with use_sliding_window.
+        window = None if "use_sliding_window" in ARCHITECTURES[architecture][2] else checks.integer(
+            "config.json sliding_window", cfg.get("sliding_window", 4096), 1, checks.INT32_MAX, optional=True)
         return cls(
             hidden_size=hidden,
             intermediate_size=count("intermediate_size"),
-            num_layers=count("num_hidden_layers"),
+            num_layers=(layers := count("num_hidden_layers")),
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
@@ -84,6 +90,7 @@ class ModelConfig:
             tie_word_embeddings=checks.flag("config.json tie_word_embeddings",
                                             cfg.get("tie_word_embeddings", False)),
             eos_token_ids=tuple(checks.integer("config.json eos_token_id", t, 0, vocab - 1) for t in eos),
+            windows=(window,) * layers,
             attention_bias=checks.flag("config.json attention_bias", cfg.get("attention_bias", False)),
             architecture=architecture,
         )

@@ -83,7 +83,7 @@ class LlamaModel:
             cache = kv_cache.layer(layer)
             q = ops.rope_store_kvcache(q, k, v, batch.positions, self.cos_sin, cache,
                                        batch.slot_mapping)                    # rotated q; K, V cached
-            o = ops.attention(q, cache, batch, self.scale)                   # (T, nq, d)
+            o = ops.attention(q, cache, batch, self.scale, self.cfg.windows[layer])  # (T, nq, d)
             h = self.all_reduce(ops.linear(o.reshape(-1, q_size), w.o_proj))  # (T, H)
             x, residual = ops.add_rms_norm(h, residual, w.post_norm, eps)
             h = self.all_reduce(ops.linear(ops.silu_mul(ops.linear(x, w.gate_up)), w.down))

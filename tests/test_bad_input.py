@@ -236,7 +236,8 @@ def test_an_architecture_nano_does_not_run_is_refused_before_any_weights(tmp_pat
     (tmp_path / "p.txt").write_text("hi\n")
     assert_one_line_error(run_cli("--prompt-file", tmp_path / "p.txt", "--model", folder, *FAST),
                           "config.json architectures ['Qwen3ForCausalLM'] is not one nano runs: it runs "
-                          "LlamaForCausalLM (model_type llama), Qwen2ForCausalLM (model_type qwen2)")
+                          "LlamaForCausalLM (model_type llama), Qwen2ForCausalLM (model_type qwen2), "
+                          "MistralForCausalLM (model_type mistral)")
 
 
 # ---- 3. output and metrics paths --------------------------------------------------------

@@ -55,8 +55,10 @@ def test_model_config_rope_types():
 
 
 # ---- the architecture: one nano runs, or a clear no before any weights load
-RUNS = "it runs LlamaForCausalLM (model_type llama), Qwen2ForCausalLM (model_type qwen2)"
+RUNS = ("it runs LlamaForCausalLM (model_type llama), Qwen2ForCausalLM (model_type qwen2), "
+        "MistralForCausalLM (model_type mistral)")
 QWEN2 = {**LLAMA, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
+MISTRAL = {**LLAMA, "architectures": ["MistralForCausalLM"], "model_type": "mistral"}
 
 
 @pytest.mark.parametrize("edit,message", [
@@ -80,6 +82,14 @@ QWEN2 = {**LLAMA, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
     ({**QWEN2, "attention_bias": False}, "attention_bias False is not implemented by the Qwen2 forward"),
     ({**QWEN2, "hidden_act": "gelu"}, "hidden_act 'gelu' is not implemented by the Qwen2 forward"),
     ({**QWEN2, "model_type": "llama"}, "model_type 'llama' is not Qwen2ForCausalLM's ('qwen2')"),
+    # Mistral: a window of at least one key, or none; no q/k/v biases
+    ({**MISTRAL, "sliding_window": 0}, "sliding_window must be an integer in [1, 2147483647], got 0"),
+    ({**MISTRAL, "sliding_window": -4}, "sliding_window must be an integer in [1, 2147483647], got -4"),
+    ({**MISTRAL, "sliding_window": 16.0}, "sliding_window must be an integer in [1, 2147483647], got 16.0"),
+    ({**MISTRAL, "sliding_window": True}, "sliding_window must be an integer in [1, 2147483647], got True"),
+    ({**MISTRAL, "sliding_window": 2**31}, "sliding_window must be an integer in [1, 2147483647], got 2147483648"),
+    ({**MISTRAL, "attention_bias": True}, "attention_bias True is not implemented by the Mistral forward"),
+    ({**MISTRAL, "hidden_act": "gelu"}, "hidden_act 'gelu' is not implemented by the Mistral forward"),
     ({"hidden_size": 66}, "hidden_size (66) must be a multiple of num_attention_heads (4)"),
 ])
 def test_model_config_architecture_and_forward_keys_refused(edit, message):
@@ -111,6 +121,24 @@ def test_model_config_llama_spellings_accepted(edit):
 def test_model_config_qwen2_spellings_accepted(cfg):
     config = ModelConfig.from_hf(cfg)
     assert config.architecture == "Qwen2ForCausalLM" and config.attention_bias  # q/k/v biases, always
+
+
+@pytest.mark.parametrize("edit, windows", [
+    ({"sliding_window": 16}, (16, 16)),
+    ({"sliding_window": None}, (None, None)),  # Mistral 7B v0.2 on: no window
+    ({}, (4096, 4096)),  # transformers' default for a missing key
+    ({"sliding_window": 1, "head_dim": None}, (1, 1)),  # head_dim null: hidden_size / heads, as in transformers
+])
+def test_model_config_mistral_windows(edit, windows):
+    config = ModelConfig.from_hf({**MISTRAL, **edit})
+    assert config.architecture == "MistralForCausalLM" and config.windows == windows
+    assert config.head_dim == 16 and not config.attention_bias
+
+
+def test_only_a_family_that_reads_the_window_has_one():
+    """Llama's window must be null; Qwen2's counts only with use_sliding_window (refused for now)."""
+    assert ModelConfig.from_hf(LLAMA).windows == (None, None)
+    assert ModelConfig.from_hf({**QWEN2, "sliding_window": 16}).windows == (None, None)
 
 
 # ---- RoPE: rope_theta + rope_scaling, or transformers 5's rope_parameters, read the same
