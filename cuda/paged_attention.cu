@@ -1,9 +1,11 @@
 // Decode attention over a paged KV cache: each sequence's one new query token attends to
-// its whole cached context. The engine calls this kernel for the first num_decodes rows of
-// a step and prefill_attention (cuda/prefill_attention.cu) for the rest: one launch per kind.
+// its cached context, or with a sliding window of W keys to the last W of it. The engine
+// calls this kernel for the first num_decodes rows of a step and prefill_attention
+// (cuda/prefill_attention.cu) for the rest: one launch per kind.
 //
 // paged_attention_kernel<HEAD_DIM, GROUP, CacheT>: for every query head,
-//   out = softmax(scale * q K^T) V over the sequence's context_lens tokens.
+//   out = softmax(scale * q K^T) V over the sequence's keys first .. ctx - 1, where ctx =
+//   context_lens and first = max(0, ctx - window): the window's keys, the only ones read.
 // CacheT is __half (float16 cache) or int8_t (int8 cache, nano/kv_cache.py).
 // Arguments (float16 unless noted):
 //   q             (S, nq, d)                    query head h*GROUP+g belongs to KV head h
@@ -13,6 +15,8 @@
 //                                               empty, never read
 //   block_tables  (S, max_blocks) int32         physical block of each logical block, -1 past the end
 //   context_lens  (S,) int32                    tokens in cache, this step's token included (>= 1)
+//   window        int                           keys the query sees, its own included (>= 1;
+//                                               at least max_blocks * block_size: all)
 //   out           (S, nq, d)                    written when gridDim.z == 1
 //   partial_out   (S, nq, gridDim.z, d) float32 split-KV only (gridDim.z > 1): each
 //   partial_max/partial_sum (S, nq, gridDim.z) float32  partition's normalised output,
@@ -23,13 +27,13 @@
 // offset) index of k_scales / v_scales.
 //
 // Grid (nkv, S, partitions), block 128 threads: one thread block per (KV head, sequence,
-// partition of partition_size tokens) computes all GROUP query heads that share the KV head,
-// so each K/V row is read from memory once per group, not once per query head. Static
-// shared memory: the tile's scores (GROUP x 64 floats), block ids and softmax state (3 x
-// GROUP floats), and the cache type's buffers (DecodePath below): float16, q as floats
-// (GROUP x d) and 64 K and 64 V rows of d + 8 halfs; int8, 64 K rows of d + 16 bytes, 64 V
-// rows of d bytes, q and p' in fixed point (GROUP x (d + 128) bytes) and 2 x (64 + GROUP)
-// float scales.
+// partition of partition_size tokens, counted from the window's first key) computes all
+// GROUP query heads that share the KV head, so each K/V row is read from memory once per
+// group, not once per query head. Static shared memory: the tile's scores (GROUP x 64
+// floats), block ids and softmax state (3 x GROUP floats), and the cache type's buffers
+// (DecodePath below): float16, q as floats (GROUP x d) and 64 K and 64 V rows of d + 8
+// halfs; int8, 64 K rows of d + 16 bytes, 64 V rows of d bytes, q and p' in fixed point
+// (GROUP x (d + 128) bytes) and 2 x (64 + GROUP) float scales.
 // Per tile of 64 tokens:
 //   1. look up each row's physical block (-1: row skipped),
 //   2. stage K and V rows in shared memory with 16-byte loads,
@@ -448,7 +452,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS<HEAD_DIM, CacheT>) pag
         const CacheT* __restrict__ v_cache, const __half* __restrict__ k_scales,
         const __half* __restrict__ v_scales, const int* __restrict__ block_tables,
         const int* __restrict__ context_lens, int max_blocks, int log2_block_size,
-        int partition_size, float scale) {
+        int partition_size, int window, float scale) {
     using Path = DecodePath<HEAD_DIM, GROUP, CacheT>;
     const typename Path::Shared s = Path::shared();
     __shared__ float s_p[GROUP][TILE];  // scores, then (float16) probabilities
@@ -458,8 +462,8 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS<HEAD_DIM, CacheT>) pag
     const int kv_head = blockIdx.x, seq = blockIdx.y, part = blockIdx.z;
     const int nkv = gridDim.x, nq = nkv * GROUP, num_parts = gridDim.z;
     const int ctx = context_lens[seq];
-    const int begin = part * partition_size;
-    if (begin >= ctx) return;  // this sequence is shorter than the longest one
+    const int begin = max(0, ctx - window) + part * partition_size;  // keys before the window: never read
+    if (begin >= ctx) return;  // this sequence's window is shorter than the longest one
     const int end = min(ctx, begin + partition_size);
     const int* table = block_tables + (long long)seq * max_blocks;
 
@@ -518,8 +522,10 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS<HEAD_DIM, CacheT>) pag
 
 // Combines the partitions of one (sequence, query head): out = sum_p w_p partial_out_p /
 // sum_p w_p with w_p = partial_sum_p * exp(partial_max_p - max over partitions). Only the
-// ceil(ctx / partition_size) partitions that exist for this sequence are read. Grid (nq, S),
-// block 128 threads striding over the head's dims; no shared memory.
+// ceil(ctx / partition_size) partitions that exist for this sequence are read, at most
+// num_parts (with a window W shorter than ctx, the ceil(W / partition_size) = num_parts that
+// nano/kernels.py chose for it). Grid (nq, S), block 128 threads striding over the head's
+// dims; no shared memory.
 extern "C" __global__ void paged_attention_merge(
         __half* __restrict__ out, const float* __restrict__ partial_out,
         const float* __restrict__ partial_max, const float* __restrict__ partial_sum,

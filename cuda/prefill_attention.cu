@@ -2,7 +2,8 @@
 // context, causally. The chunk's own K/V were written to the cache (rope_store_kvcache) before
 // the call, so every key comes from the cache. A chunk may start mid-sequence (a later
 // chunk, or after a prefix-cache hit): with chunk length n and context length ctx, its
-// queries sit at positions ctx - n .. ctx - 1 and query i sees keys 0 .. ctx - n + i.
+// queries sit at positions ctx - n .. ctx - 1 and query i sees keys 0 .. ctx - n + i, or
+// with a sliding window of W keys the last W of them (from ctx - n + i - W + 1).
 //
 // The engine calls paged_attention (cuda/paged_attention.cu) for the first num_decodes rows
 // of a step and this kernel for the rest: one launch per kind.
@@ -17,6 +18,7 @@
 //   cu_seqlens_q  (S+1,) int32        chunk i is q[cu_seqlens_q[i] : cu_seqlens_q[i+1]]
 //   block_tables  (S, max_blocks) int32, -1 past the end
 //   context_lens  (S,) int32          tokens in cache, the chunk included
+//   window        int                 keys a query sees, its own included (>= 1; INT_MAX: all)
 //   out           (T, nq, d)
 // KV cache layout: one sequence's block for one KV head is block_size * d contiguous values
 // (halfs or int8), so neighbouring threads load neighbouring 16-byte chunks of K/V rows
@@ -30,7 +32,8 @@
 //   16-byte loads, 3. scores: each thread computes 8 rows x 1 key in float32, masked
 //   causally, 4. online softmax, one thread per row (running max and sum-exp in
 //   registers), 5. acc = acc * alpha + P @ V, each thread owning a dim pair of 8 or 16 rows.
-// Key tiles past the block's last query position are never visited (fully masked).
+// Key tiles past the block's last query position are never visited (fully masked), nor keys
+// before its first query's window: the tiles start at that window's first key.
 // int8 cache: step 2 converts the int8 values to halfs in shared memory (exact) and stages
 // each key's two scales; step 3 multiplies a key's scores by its K scale, step 4 its
 // probabilities by its V scale (after the sum-exp, which is of p): nothing is dequantized
@@ -56,7 +59,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS<HEAD_DIM, CacheT>) pre
         const CacheT* __restrict__ k_cache, const CacheT* __restrict__ v_cache,
         const __half* __restrict__ k_scales, const __half* __restrict__ v_scales,
         const int* __restrict__ cu_seqlens_q, const int* __restrict__ block_tables,
-        const int* __restrict__ context_lens, int max_blocks, int log2_block_size, float scale) {
+        const int* __restrict__ context_lens, int max_blocks, int log2_block_size, int window, float scale) {
     constexpr bool INT8 = sizeof(CacheT) == 1;
     constexpr int TOKENS = ROWS / GROUP;  // query tokens per block; rows past TOKENS*GROUP idle
     constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks per row
@@ -84,6 +87,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS<HEAD_DIM, CacheT>) pre
     const int tokens = min(TOKENS, q_len - first);
     const int pos0 = context_lens[seq] - q_len + first;  // position of that token
     const int last_key = pos0 + tokens - 1;              // no row sees a later key
+    const int first_key = max(0, pos0 - window + 1);     // nor an earlier one
     const int* table = block_tables + (long long)seq * max_blocks;
 
     // Row r is token r / GROUP, head r % GROUP; a token's GROUP heads are contiguous in q.
@@ -108,7 +112,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS<HEAD_DIM, CacheT>) pre
     // Score slice: key `kr` of rows sr0 .. sr0 + SCORE_ROWS - 1 (a warp shares its rows).
     const int kr = threadIdx.x % KEYS, sr0 = threadIdx.x / KEYS * SCORE_ROWS;
 
-    for (int key0 = 0; key0 <= last_key; key0 += KEYS) {
+    for (int key0 = first_key; key0 <= last_key; key0 += KEYS) {
         // 1-2. Physical block of each key, then K and V rows into shared memory.
         // An int8 cache's values are staged as halfs (exact); its scales are folded in below.
         stage_kv_tile<KEYS, HEAD_DIM, ROW, ROW, NUM_THREADS>(
@@ -141,7 +145,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS<HEAD_DIM, CacheT>) pre
 #pragma unroll
         for (int i = 0; i < SCORE_ROWS; i++) {
             const int t = (sr0 + i) / GROUP;  // t >= tokens: padding row, fully masked
-            const bool visible = key_ok && t < tokens && key <= pos0 + t;
+            const bool visible = key_ok && t < tokens && key <= pos0 + t && key > pos0 + t - window;
             s_p[sr0 + i][kr] = visible ? score[i] * key_scale : NEG_INF;
         }
         __syncthreads();

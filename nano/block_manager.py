@@ -1,19 +1,10 @@
 """The paged KV cache's bookkeeping: which block holds which tokens, who shares it.
 
-The KV pool is num_blocks fixed-size blocks of block_size tokens (the arrays
-themselves live in runner.py; this module only hands out block ids). A
-sequence's block_table lists its blocks in order: token t lives in block
-block_table[t // block_size] at offset t % block_size.
-
-Prefix caching: a block full of computed tokens is registered under a hash chained over
-(parent block's hash, its tokens); a new sequence whose prompt starts with the same full
-blocks shares them (ref count + 1). How a hit is verified and which freed block goes first:
-docs/how-it-works.md#prefix-caching.
-Once cache_events is a list (LLMEngine.take_cache_events) it gets (True, hash) for each
-block registered and (False, hash) for each evicted: a data-parallel router's (nano/dp).
-
-Swap space: a second, host-side pool of blocks that a preempted sequence's KV is
-copied into, by the runner, from the (device, host) pairs returned here.
+The KV pool is num_blocks fixed-size blocks of block_size tokens (the arrays live in
+runner.py; this module only hands out block ids). A sequence's block_table lists its blocks
+in order: token t lives in block block_table[t // block_size] at offset t % block_size.
+Full blocks are shared by a hash of the prefix they end (prefix caching), and a preempted
+sequence's blocks may be copied to a host-side swap pool: docs/how-it-works.md says how.
 """
 from collections import OrderedDict
 

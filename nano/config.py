@@ -15,7 +15,9 @@ ARCHITECTURES = {"LlamaForCausalLM": ("llama", "Llama", {"hidden_act": "silu", "
                                                          "use_sliding_window": False}, {"num_key_value_heads": 32}),
                  "Qwen3ForCausalLM": ("qwen3", "Qwen3", {"hidden_act": "silu", "attention_bias": False,
                                                          "use_sliding_window": False},
-                                      {"num_key_value_heads": 32, "head_dim": 128})}
+                                      {"num_key_value_heads": 32, "head_dim": 128}),
+                 "MistralForCausalLM": ("mistral", "Mistral", {"hidden_act": "silu", "attention_bias": False},
+                                        {"num_key_value_heads": 8, "sliding_window": 4096})}
 # The RoPE types the forward pass implements (tp.rope_cos_sin), with the numbers each needs.
 ROPE_TYPES = {"default": (), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                                         "original_max_position_embeddings")}
@@ -37,6 +39,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
+    windows: tuple[int | None, ...]         # per layer: a sliding window of that many keys, None = all keys
     attention_bias: bool = False            # q, k, v carry a bias (an o_proj bias is a tensor no forward reads)
     qk_norm: bool = False                   # an RMSNorm of each q and k head before RoPE (Qwen3)
     architecture: str = "LlamaForCausalLM"  # a key of ARCHITECTURES
@@ -73,10 +76,13 @@ class ModelConfig:
             raise NanoError(f"config.json head dimension must be even (RoPE rotates pairs), got {head_dim}")
         (rope_theta, rope_scaling), eos, vocab = _rope(cfg), cfg.get("eos_token_id"), count("vocab_size")
         eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+        # Qwen2's and Qwen3's sliding_window counts only with use_sliding_window (fixed false).
+        window = None if "use_sliding_window" in fixed else checks.integer(
+            "config.json sliding_window", cfg.get("sliding_window"), 1, checks.INT32_MAX, optional=True)
         return cls(
             hidden_size=hidden,
             intermediate_size=count("intermediate_size"),
-            num_layers=count("num_hidden_layers"),
+            num_layers=(layers := count("num_hidden_layers")),
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
@@ -88,6 +94,7 @@ class ModelConfig:
             tie_word_embeddings=checks.flag("config.json tie_word_embeddings",
                                             cfg.get("tie_word_embeddings", False)),
             eos_token_ids=tuple(checks.integer("config.json eos_token_id", t, 0, vocab - 1) for t in eos),
+            windows=(window,) * layers,
             attention_bias=checks.flag("config.json attention_bias", cfg.get("attention_bias", False)),
             qk_norm=architecture == "Qwen3ForCausalLM",
             architecture=architecture,

@@ -6,9 +6,8 @@ Under tensor parallelism (parallel.py) this engine is rank 0: it owns the tokeni
 scheduler and the sampler, and its runner sends each step's packed plan to the other ranks,
 which replay it on their shards (worker.Worker).
 
-Add-ons use only its public methods and LLMEngine.PUBLISHED (tests/test_layout.py): what is the
-user's to read, and the forward pass. Scheduler, block manager and runner stay inside: the order
-of their calls (a KV handoff: hold, reserve, write, register, resume) is the engine's alone.
+Add-ons use only its public methods and LLMEngine.PUBLISHED (tests/test_layout.py): the order
+of the scheduler's, block manager's and runner's calls is the engine's alone.
 """
 import numpy as np
 

@@ -15,6 +15,7 @@ import cupy
 import numpy as np
 
 from nano import cublas, ops
+from nano.checks import INT32_MAX
 
 CUDA_DIR = Path(__file__).resolve().parent.parent / "cuda"
 
@@ -324,10 +325,11 @@ def decode_partitions(num_blocks: int, max_context: int, num_sms: int) -> tuple:
     return -(-max_context // size), size
 
 
-def paged_attention(q, cache, block_tables, context_lens, scale):
+def paged_attention(q, cache, block_tables, context_lens, scale, window=None):
     """Decode attention (cuda/paged_attention.cu) over one layer's LayerKV, float16 or int8.
     Grid (nkv, S, partitions), 128 threads; with more than one partition, a merge kernel
-    with grid (nq, S) follows."""
+    with grid (nq, S) follows. A window bounds the keys each sequence reads, so the partitions
+    are chosen for the window's length, not the context's."""
     seqs, nq, d = q.shape
     nkv = cache.k.shape[1]
     group, log2_block_size, cache_type, (k_scale, v_scale) = _check_attention(q, cache, nq, d, "paged_attention")
@@ -338,7 +340,8 @@ def paged_attention(q, cache, block_tables, context_lens, scale):
     if seqs == 0:
         return out
     max_blocks = block_tables.shape[1]
-    parts, size = decode_partitions(seqs * nkv, max_blocks << log2_block_size, _num_sms())
+    window = min(window or INT32_MAX, max_blocks << log2_block_size)  # keys read: at most the whole table
+    parts, size = decode_partitions(seqs * nkv, window, _num_sms())
     if parts == 1:
         partial_out = partial_max = partial_sum = cupy.empty(0, cupy.float32)  # unused
     else:
@@ -348,7 +351,8 @@ def paged_attention(q, cache, block_tables, context_lens, scale):
     _kernel("paged_attention.cu", f"paged_attention_kernel<{d}, {group}, {cache_type}>")(
         (nkv, seqs, parts), (128,),
         (out, partial_out, partial_max, partial_sum, q, cache.k, cache.v, k_scale, v_scale, block_tables,
-         context_lens, np.int32(max_blocks), np.int32(log2_block_size), np.int32(size), np.float32(scale)))
+         context_lens, np.int32(max_blocks), np.int32(log2_block_size), np.int32(size), np.int32(window),
+         np.float32(scale)))
     if parts > 1:
         _kernel("paged_attention.cu", "paged_attention_merge")(
             (nq, seqs), (128,), (out, partial_out, partial_max, partial_sum, context_lens,
@@ -356,7 +360,7 @@ def paged_attention(q, cache, block_tables, context_lens, scale):
     return out
 
 
-def prefill_attention(q, cache, cu_seqlens_q, block_tables, context_lens, scale):
+def prefill_attention(q, cache, cu_seqlens_q, block_tables, context_lens, scale, window=None):
     """Prefill attention (cuda/prefill_attention.cu) over one layer's LayerKV, float16 or
     int8. Grid (ceil(T / tokens per block), nkv, S), 256 threads, tokens per block =
     64 // group. The x extent is sized for the longest possible chunk (all T tokens) because
@@ -377,13 +381,14 @@ def prefill_attention(q, cache, cu_seqlens_q, block_tables, context_lens, scale)
     _kernel("prefill_attention.cu", f"prefill_attention_kernel<{d}, {group}, {cache_type}>")(
         (-(-tokens // per_block), nkv, seqs), (256,),
         (out, q, cache.k, cache.v, k_scale, v_scale, cu_seqlens_q, block_tables, context_lens,
-         np.int32(block_tables.shape[1]), np.int32(log2_block_size), np.float32(scale)))
+         np.int32(block_tables.shape[1]), np.int32(log2_block_size), np.int32(window or INT32_MAX),
+         np.float32(scale)))
     return out
 
 
-def attention(q, cache, batch, scale):
+def attention(q, cache, batch, scale, window=None):
     """A step's attention (ops.step_attention) through these two kernels."""
-    return ops.step_attention(q, cache, batch, scale, paged_attention, prefill_attention, cupy.concatenate)
+    return ops.step_attention(q, cache, batch, scale, window, paged_attention, prefill_attention, cupy.concatenate)
 
 
 CUDA = ops.OpSet(linear, attention, fixed_threads=False, embedding=embedding, add_rms_norm=add_rms_norm,

@@ -9,8 +9,7 @@ attention reads whole 16-byte runs (8 halfs, or 16 int8 values); its scales sit 
 (layer, k/v, block) index of `scales`, so whatever moves a block (swap, prefix-cache reuse,
 hand-off) moves data[:, :, b] and scales[:, :, b] together.
 
-int8: one float16 scale per (token, KV head), set as the token is written (ops.rope_store_kvcache),
-keys rotated first under "rotate" (q with them). The schemes, and why the default: docs/int8-kv.md.
+int8's scales are set as each token is written (ops.rope_store_kvcache): docs/int8-kv.md.
 """
 from dataclasses import dataclass
 

@@ -1,10 +1,9 @@
 """The Llama-family forward pass, written once against a set of ops (ops.OpSet, chosen when
 the shard is loaded: NumPy or CUDA kernels, batch-invariant or not).
 
-One straight line per step: embed -> for each layer [RMSNorm (fused with the residual
-add), fused QKV, RoPE fused with the KV-cache write (Qwen3's q/k head norms first), attention,
-output projection, RMSNorm, fused gate/up, SiLU*up, down] -> final norm -> LM head on the logits rows
-(plan.StepRows).
+One straight line per step: embed -> per layer [RMSNorm (+ residual), fused QKV, (q/k head
+norms,) RoPE + KV-cache write, attention (in the layer's window, if any), output projection,
+RMSNorm, fused gate/up, SiLU*up, down] -> final norm -> LM head on the rows of plan.StepRows.
 On the GPU a decode step of this function is captured once per batch-size bucket and
 replayed as a CUDA graph (nano/graphs.py), so it must stay free of host synchronisation:
 shapes and launch choices may depend only on array shapes, never on array values.
@@ -86,7 +85,7 @@ class LlamaModel:
             cache = kv_cache.layer(layer)
             q = ops.rope_store_kvcache(q, k, v, batch.positions, self.cos_sin, cache, batch.slot_mapping,
                                        w.q_norm, w.k_norm, eps)            # rotated q (normed first); K, V cached
-            o = ops.attention(q, cache, batch, self.scale)                   # (T, nq, d)
+            o = ops.attention(q, cache, batch, self.scale, self.cfg.windows[layer])  # (T, nq, d)
             h = self.all_reduce(ops.linear(o.reshape(-1, q_size), w.o_proj))  # (T, H)
             x, residual = ops.add_rms_norm(h, residual, w.post_norm, eps)
             h = self.all_reduce(ops.linear(ops.silu_mul(ops.linear(x, w.gate_up)), w.down))

@@ -8,6 +8,7 @@ Shapes used below:
   S  sequences in the step       nq query heads       nkv  KV heads      d  head dim
   cache: one layer's LayerKV (nano/kv_cache.py: its arrays' shapes, the int8 scheme)
   block_tables: (S, max_blocks) int32, -1 past each sequence's last block
+  window: W keys, the layer's sliding window (position p sees keys p - W + 1 .. p), or None
 """
 import functools
 from dataclasses import dataclass
@@ -77,14 +78,13 @@ def silu_mul(gate_up):
 
 
 def rope_store_kvcache(q, k, v, positions, cos_sin, cache: LayerKV, slot_mapping, q_norm=None, k_norm=None, eps=0.0):
-    """Rotate-half RoPE on q and k, then write k and v into their cache slots (one kernel on the
-    GPU), quantized if the cache is int8. q: (T, nq, d), k, v: (T, nkv, d), possibly views into
-    the fused QKV output, not modified; positions: (T,); cos_sin: (max_positions, d) with cos in
-    [:, :d/2] and sin in [:, d/2:]; slot_mapping: (T,) int32, slot = block * block_size + offset,
-    -1 for a token whose KV is already cached (skipped). With q_norm, k_norm (d,) (Qwen3), each q
-    and k head is RMS-normalized with them (and eps) first. With k_rotate, K is stored as k H and
-    q returned as q H (H = hadamard(d)). Returns the rotated q: (T, nq, d), on the CPU possibly a
-    strided view."""
+    """Rotate-half RoPE on q and k (each head RMS-normed first with q_norm, k_norm (d,) if given:
+    Qwen3), then write k and v into their cache slots (one kernel on the GPU), quantized if the
+    cache is int8. q: (T, nq, d), k, v: (T, nkv, d), possibly views into the fused QKV output, not
+    modified; positions: (T,); cos_sin: (max_positions, d), cos in [:, :d/2], sin in [:, d/2:];
+    slot_mapping: (T,) int32, slot = block * block_size + offset, -1 for a token whose KV is
+    already cached (skipped). With k_rotate, K is stored as k H and q returned as q H (H =
+    hadamard(d)). Returns the rotated q: (T, nq, d), on the CPU possibly a strided view."""
     half, nq = q.shape[-1] // 2, q.shape[1]
     cos = cos_sin[positions, None, :half]  # (T, 1, d/2)
     sin = cos_sin[positions, None, half:]
@@ -148,9 +148,16 @@ def _gather_context(cache, block_table, context_len):
     return blocks.reshape(nkv, num_blocks * block_size, *cache.shape[3:])[:, :context_len]
 
 
-def _attend(q, keys, values, query_positions, scale, k_scale=None, v_scale=None):
+def _seen(keys, positions, window):
+    """Which keys the queries see: key positions (..., n) against query positions p broadcast
+    to them, e.g. (q, 1, ..., 1) -> (q, ..., n) bool: keys 0 .. p, or the last `window` of them."""
+    seen = keys <= positions
+    return seen if window is None else seen & (keys > positions - window)
+
+
+def _attend(q, keys, values, query_positions, scale, window, k_scale=None, v_scale=None):
     """q: (n, nq, d) at query_positions (n,); keys/values: (nkv, ctx, d) float or int8, with
-    k_scale/v_scale (nkv, ctx) for int8. Each query attends to keys 0..its own position.
+    k_scale/v_scale (nkv, ctx) for int8. Each query attends to the keys _seen by its position.
     Returns (n, nq, d)."""
     n, nq, d = q.shape
     nkv, ctx, _ = keys.shape
@@ -159,7 +166,7 @@ def _attend(q, keys, values, query_positions, scale, k_scale=None, v_scale=None)
     scores = qg @ keys.transpose(0, 2, 1).astype(np.float32, copy=False)  # (nkv, n*group, ctx)
     scores *= scale if k_scale is None else scale * k_scale[:, None, :].astype(np.float32)
     pos = np.repeat(query_positions, group)  # row r belongs to query r // group
-    scores = np.where(np.arange(ctx)[None, :] <= pos[:, None], scores, -np.inf)
+    scores = np.where(_seen(np.arange(ctx), pos[:, None], window), scores, -np.inf)
     scores -= scores.max(axis=-1, keepdims=True)
     probs = np.exp(scores)
     probs /= probs.sum(axis=-1, keepdims=True)
@@ -176,8 +183,8 @@ DECODE_GROUP = 32
 DECODE_GROUP_TOKENS = 8192
 
 
-def paged_attention(q, cache: LayerKV, block_tables, context_lens, scale):
-    """Decode attention: one new query token per sequence over its whole cached context.
+def paged_attention(q, cache: LayerKV, block_tables, context_lens, scale, window=None):
+    """Decode attention: one new query token per sequence over its cached context (or its window).
     q: (S, nq, d); context_lens: (S,) tokens in cache including this step's -> (S, nq, d)."""
     out = np.empty_like(q)
     # A few sequences at a time, padded to the longest: one batched product instead of S
@@ -185,7 +192,7 @@ def paged_attention(q, cache: LayerKV, block_tables, context_lens, scale):
     group = max(1, min(DECODE_GROUP, DECODE_GROUP_TOKENS // max(int(context_lens.max(initial=1)), 1)))
     for lo in range(0, q.shape[0], group):
         hi = min(lo + group, q.shape[0])
-        out[lo:hi] = _decode_group(q[lo:hi], cache, block_tables[lo:hi], context_lens[lo:hi], scale)
+        out[lo:hi] = _decode_group(q[lo:hi], cache, block_tables[lo:hi], context_lens[lo:hi], scale, window)
     return out
 
 
@@ -196,7 +203,7 @@ def _gather_tables(array, tables):
     return array[tables[:, None, :], heads].reshape(tables.shape[0], array.shape[1], -1, *array.shape[3:])
 
 
-def _decode_group(q, cache: LayerKV, block_tables, context_lens, scale):
+def _decode_group(q, cache: LayerKV, block_tables, context_lens, scale, window):
     s, nq, d = q.shape
     nkv, block_size = cache.k.shape[1], cache.k.shape[2]
     num_blocks = -(-int(context_lens.max()) // block_size)
@@ -213,7 +220,7 @@ def _decode_group(q, cache: LayerKV, block_tables, context_lens, scale):
     qg = q.reshape(s, nkv, nq // nkv, d)
     scores = np.matvec(rows(cache.k), qg)                             # (s, nkv, group, length)
     scores *= scale if cache.k_scale is None else scale * gather(cache.k_scale)[:, :, None].astype(np.float32)
-    valid = np.arange(length)[None, :] < context_lens[:, None]      # (s, length)
+    valid = _seen(np.arange(length), context_lens[:, None] - 1, window)  # (s, length)
     np.copyto(scores, -np.inf, where=~valid[:, None, None, :])  # in place, as below: no more temporaries
     scores -= scores.max(axis=-1, keepdims=True)
     probs = np.exp(scores, out=scores)
@@ -229,8 +236,8 @@ def _decode_group(q, cache: LayerKV, block_tables, context_lens, scale):
 PREFILL_SCORE_BYTES = 8 * 2**20
 
 
-def prefill_attention(q, cache: LayerKV, cu_seqlens_q, block_tables, context_lens, scale):
-    """A chunk of query tokens per sequence over that sequence's cached blocks, causal.
+def prefill_attention(q, cache: LayerKV, cu_seqlens_q, block_tables, context_lens, scale, window=None):
+    """A chunk of query tokens per sequence over that sequence's cached blocks, causal (and windowed).
     The chunk's own K/V are already in the cache; a chunk may start mid-sequence (a later
     chunk, or after a prefix-cache hit): its queries sit at positions
     context_len - chunk_len .. context_len - 1.
@@ -245,30 +252,30 @@ def prefill_attention(q, cache: LayerKV, cu_seqlens_q, block_tables, context_len
         for lo in range(start, end, rows):  # a few queries at a time: the scores stay small
             hi = min(lo + rows, end)
             out[lo:hi] = _attend(q[lo:hi], context[0], context[1], positions[lo - start:hi - start], scale,
-                                 *context[2:])
+                                 window, *context[2:])
     return out
 
 
-def attention(q, cache: LayerKV, batch, scale):
+def attention(q, cache: LayerKV, batch, scale, window=None):
     """A step's attention (batch: model.ForwardBatch) through this module's two attentions."""
-    return step_attention(q, cache, batch, scale, paged_attention, prefill_attention, np.concatenate)
+    return step_attention(q, cache, batch, scale, window, paged_attention, prefill_attention, np.concatenate)
 
 
-def step_attention(q, cache: LayerKV, batch, scale, paged, prefill, concatenate):
+def step_attention(q, cache: LayerKV, batch, scale, window, paged, prefill, concatenate):
     """A step's attention from a set's paged and prefill attention (and its arrays' concatenate):
     the step's decode rows, which come first, through paged, its prefill chunks through prefill."""
-    nd = batch.num_decodes
+    nd, tables, lens = batch.num_decodes, batch.block_tables, batch.context_lens
     if nd == q.shape[0]:
-        return paged(q, cache, batch.block_tables, batch.context_lens, scale)
-    chunks = prefill(q[nd:], cache, batch.cu_seqlens_q, batch.block_tables[nd:], batch.context_lens[nd:], scale)
+        return paged(q, cache, tables, lens, scale, window)
+    chunks = prefill(q[nd:], cache, batch.cu_seqlens_q, tables[nd:], lens[nd:], scale, window)
     if nd == 0:
         return chunks
-    return concatenate([paged(q[:nd], cache, batch.block_tables[:nd], batch.context_lens[:nd], scale), chunks])
+    return concatenate([paged(q[:nd], cache, tables[:nd], lens[:nd], scale, window), chunks])
 
 
-def invariant_attention(q, cache: LayerKV, batch, scale):
-    """Batch-invariant attention, decode and prefill rows alike: row t attends to keys
-    0..positions[t] of its own sequence, through the same fixed-shape steps whatever the
+def invariant_attention(q, cache: LayerKV, batch, scale, window=None):
+    """Batch-invariant attention, decode and prefill rows alike: row t attends to the keys
+    _seen by positions[t] in its own sequence, through the same fixed-shape steps whatever the
     other rows are: scores and sums per cache block of block_size keys, then the blocks
     added in order (np.cumsum), so that a block past the row's context (exp(-inf) = 0)
     changes nothing; a max is exact in any order. q: (T, nq, d) -> (T, nq, d)."""
@@ -280,11 +287,11 @@ def invariant_attention(q, cache: LayerKV, batch, scale):
     rows = max(1, 2**20 // (4 * q.shape[-1] * cache.k.shape[1] * (int(positions.max()) + 16)))
     for lo in range(0, q.shape[0], rows):
         part = slice(lo, lo + rows)
-        out[part] = _invariant_rows(q[part], cache, tables[part], positions[part], scale)
+        out[part] = _invariant_rows(q[part], cache, tables[part], positions[part], scale, window)
     return out
 
 
-def _invariant_rows(q, cache: LayerKV, tables, positions, scale):
+def _invariant_rows(q, cache: LayerKV, tables, positions, scale, window):
     t, nq, d = q.shape
     nkv, bs = cache.k.shape[1:3]
     nb = int(positions.max()) // bs + 1
@@ -295,7 +302,7 @@ def _invariant_rows(q, cache: LayerKV, tables, positions, scale):
 
     scores = np.matvec(blocks(cache.k), q.reshape(t, nkv, nq // nkv, 1, d))   # (t, nkv, group, nb, bs)
     scores *= scale if cache.k_scale is None else scale * blocks(cache.k_scale)
-    valid = np.arange(nb * bs).reshape(nb, bs) <= positions[:, None, None]   # (t, nb, bs)
+    valid = _seen(np.arange(nb * bs).reshape(nb, bs), positions[:, None, None], window)  # (t, nb, bs)
     scores = np.where(valid[:, None, None], scores, -np.inf)
     probs = np.exp(scores - scores.max(axis=(-2, -1), keepdims=True))       # masked: exactly 0
     total = np.cumsum(probs.sum(axis=-1), axis=-1)[..., -1:]                # (t, nkv, group, 1)

@@ -1,20 +1,13 @@
 """The scheduler: which sequences run in the next forward pass, and how many tokens each.
 
-The batch is re-decided before every step (iteration-level batching):
-  1. running sequences first: decodes (1 token each), then unfinished prompts,
-     which get a chunk of whatever token budget is left (chunked prefill);
-     a decode that needs a new block and finds none preempts a victim;
-  2. then swapped sequences come back, before any new admission;
-  3. then waiting requests are admitted, each only if the free blocks after its
-     allocation stay above the watermark. A request that could never fit (longer
-     than the model context, or than the whole pool) is rejected at once instead
-     of blocking the queue behind it.
-Every step respects one token budget (max_num_batched_tokens; by default also kept to
-what the step-time model says fits STEP_TARGET, policy.py) and one sequence cap.
-A request is only considered once it has arrived (its arrival time has passed).
-
-This file is the mechanism; the choices it leaves open (admission and prefill order, how much
-prefill a step may carry, the victim and swap or recompute, which late requests to reject) are policy.py's.
+The batch is re-decided before every step (iteration-level batching): running decodes
+first, then unfinished prompts (a chunk each of the token budget left: chunked prefill),
+then swapped sequences coming back, then arrived requests admitted above the watermark;
+a request that could never fit is rejected at once (docs/how-it-works.md). A decode that
+finds no free block preempts a victim. This file is the mechanism; the choices it leaves
+open (admission and prefill order, the prefill a step may carry, the victim and swap or
+recompute, late requests) are the policy's, made from the class the engine is given
+(policy.py: FCFS by default; nano/deadline's with --policy deadline).
 """
 from collections import deque
 

@@ -73,7 +73,7 @@ def random_pool(kv_dtype, scheme, rng):
     return pool
 
 
-def attention(cache, parts, num_decodes):
+def attention(cache, parts, num_decodes, window=None):
     """The model's attention in batch-invariant mode over parts [(table, positions, q rows)],
     the first num_decodes of one row each -> their rows, concatenated."""
     width = max(len(t) for t, _, _ in parts)
@@ -82,33 +82,35 @@ def attention(cache, parts, num_decodes):
                          num_decodes=num_decodes, context_lens=np.array([p[-1] + 1 for _, p, _ in parts]),
                          block_tables=tables, logits_indices=None,
                          cu_seqlens_q=np.cumsum([0] + [len(p) for _, p, _ in parts[num_decodes:]]))
-    return ops.BATCH_INVARIANT.attention(np.concatenate([q for _, _, q in parts]), cache, batch, D ** -0.5)
+    return ops.BATCH_INVARIANT.attention(np.concatenate([q for _, _, q in parts]), cache, batch, D ** -0.5, window)
 
 
+@pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("kv_dtype, scheme", POOLS)
-def test_an_attention_row_is_the_same_in_any_schedule(kv_dtype, scheme):
+def test_an_attention_row_is_the_same_in_any_schedule(kv_dtype, scheme, window):
     """A row of sequence 0 by decode (alone, or among longer and shorter sequences' decodes
-    and a prefill), by a whole prefill and by a chunk of it, is bitwise the same; in the
-    decodes, the cache past the row's position holds other values (not yet written)."""
+    and a prefill), by a whole prefill and by a chunk of it, is bitwise the same, with a
+    sliding window too; in the decodes, the cache past the row's position holds other values
+    (not yet written)."""
     rng = np.random.default_rng(2)
     pool = random_pool(kv_dtype, scheme, rng)
     blocks = rng.permutation(20)
     tables = [blocks[:7], blocks[7:17], blocks[17:18]]
     q = [rng.normal(size=(n, NQ, D)).astype(np.float32) for n in LENGTHS]
-    whole = attention(pool.layer(0), [(tables[0], np.arange(100), q[0])], 0)
+    whole = attention(pool.layer(0), [(tables[0], np.arange(100), q[0])], 0, window)
     other = [(tables[i], np.array([LENGTHS[i] - 1]), q[i][-1:]) for i in (1, 2)]
     for p in POSITIONS:
         row = (tables[0], np.array([p]), q[0][p:p + 1])
         chunk = (tables[0], np.arange(max(0, p - 5), p + 1), q[0][max(0, p - 5):p + 1])
-        got = {"chunk": attention(pool.layer(0), [chunk], 0)[-1],
-               "chunk among decodes": attention(pool.layer(0), other + [chunk], 2)[-1]}
+        got = {"chunk": attention(pool.layer(0), [chunk], 0, window)[-1],
+               "chunk among decodes": attention(pool.layer(0), other + [chunk], 2, window)[-1]}
         later = random_pool(kv_dtype, scheme, rng)  # the cache a decode at p sees: later slots unwritten
         kept = np.ones((20, BS), bool)  # (block, offset): the slots that hold the same as in pool
         kept[tables[0]] = (np.arange(7 * BS) <= p).reshape(7, BS)
         for new, old in zip(later.block_arrays(), pool.block_arrays()):
             np.copyto(new, old, where=kept[:, None, :].reshape(20, 1, BS, *[1] * (new.ndim - 5)))
-        got["decode"] = attention(later.layer(0), [row], 1)[0]
-        got["decode among others"] = attention(later.layer(0), [other[0], row, other[1]], 3)[1]
+        got["decode"] = attention(later.layer(0), [row], 1, window)[0]
+        got["decode among others"] = attention(later.layer(0), [other[0], row, other[1]], 3, window)[1]
         for name, out in got.items():
             np.testing.assert_array_equal(out, whole[p], err_msg=f"row {p}, {name}")
 

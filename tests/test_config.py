@@ -56,14 +56,15 @@ def test_model_config_rope_types():
 
 # ---- the architecture: one nano runs, or a clear no before any weights load
 RUNS = ("it runs LlamaForCausalLM (model_type llama), Qwen2ForCausalLM (model_type qwen2), "
-        "Qwen3ForCausalLM (model_type qwen3)")
+        "Qwen3ForCausalLM (model_type qwen3), MistralForCausalLM (model_type mistral)")
 QWEN2 = {**LLAMA, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_key_value_heads": 2}
 QWEN3 = {**LLAMA, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_key_value_heads": 2}
+MISTRAL = {**LLAMA, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "num_key_value_heads": 2}
 
 
 @pytest.mark.parametrize("edit,message", [
-    ({"architectures": ["MistralForCausalLM"], "model_type": "mistral"},
-     f"architectures ['MistralForCausalLM'] is not one nano runs: {RUNS}"),
+    ({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"},
+     f"architectures ['Gemma3ForCausalLM'] is not one nano runs: {RUNS}"),
     ({"model_type": "gemma3_text"}, f"model_type 'gemma3_text' is not one nano runs: {RUNS}"),
     ({"architectures": "LlamaForCausalLM"}, f"architectures LlamaForCausalLM is not one nano runs: {RUNS}"),
     ({"architectures": ["LlamaForCausalLM", "MistralForCausalLM"]},
@@ -87,6 +88,14 @@ QWEN3 = {**LLAMA, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", 
     ({**QWEN3, "attention_bias": True}, "attention_bias True is not implemented by the Qwen3 forward"),
     ({**QWEN3, "hidden_act": "gelu"}, "hidden_act 'gelu' is not implemented by the Qwen3 forward"),
     ({**QWEN3, "model_type": "llama"}, "model_type 'llama' is not Qwen3ForCausalLM's ('qwen3')"),
+    # Mistral: a window of at least one key, or none; no q/k/v biases
+    ({**MISTRAL, "sliding_window": 0}, "sliding_window must be an integer in [1, 2147483647], got 0"),
+    ({**MISTRAL, "sliding_window": -4}, "sliding_window must be an integer in [1, 2147483647], got -4"),
+    ({**MISTRAL, "sliding_window": 16.0}, "sliding_window must be an integer in [1, 2147483647], got 16.0"),
+    ({**MISTRAL, "sliding_window": True}, "sliding_window must be an integer in [1, 2147483647], got True"),
+    ({**MISTRAL, "sliding_window": 2**31}, "sliding_window must be an integer in [1, 2147483647], got 2147483648"),
+    ({**MISTRAL, "attention_bias": True}, "attention_bias True is not implemented by the Mistral forward"),
+    ({**MISTRAL, "hidden_act": "gelu"}, "hidden_act 'gelu' is not implemented by the Mistral forward"),
     ({"hidden_size": 66}, "hidden_size (66) must be a multiple of num_attention_heads (4)"),
 ])
 def test_model_config_architecture_and_forward_keys_refused(edit, message):
@@ -134,18 +143,38 @@ def test_model_config_qwen3_spellings_accepted(cfg, head_dim):
     assert config.head_dim == head_dim
 
 
-@pytest.mark.parametrize("architecture,head_dim", [("LlamaForCausalLM", 64), ("Qwen2ForCausalLM", 64),
-                                                   ("Qwen3ForCausalLM", 128)])
-def test_model_config_keys_left_out_mean_what_transformers_reads(architecture, head_dim):
-    """Llama's missing num_key_value_heads is one per query head, Qwen2's and Qwen3's 32 (their
-    configs' default); Qwen3's missing head_dim is 128, the others' hidden_size / heads. A Qwen
-    config whose query heads 32 KV heads do not divide is refused, not read some other way."""
+@pytest.mark.parametrize("architecture,kv_heads,head_dim", [
+    ("LlamaForCausalLM", 64, 64), ("Qwen2ForCausalLM", 32, 64), ("Qwen3ForCausalLM", 32, 128),
+    ("MistralForCausalLM", 8, 64)])
+def test_model_config_keys_left_out_mean_what_transformers_reads(architecture, kv_heads, head_dim):
+    """Llama's missing num_key_value_heads is one per query head, Qwen2's and Qwen3's 32 and
+    Mistral's 8 (their configs' defaults); Qwen3's missing head_dim is 128, the others' hidden_size
+    / heads. A config whose query heads those KV heads do not divide is refused, not read some
+    other way."""
     cfg = {**LLAMA, "architectures": [architecture], "hidden_size": 4096, "num_attention_heads": 64}
     config = ModelConfig.from_hf(cfg)
-    assert (config.num_kv_heads, config.head_dim) == (64 if architecture == "LlamaForCausalLM" else 32, head_dim)
+    assert (config.num_kv_heads, config.head_dim) == (kv_heads, head_dim)
     if architecture != "LlamaForCausalLM":
-        with pytest.raises(NanoError, match=r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(32\)"):
+        with pytest.raises(NanoError, match=rf"num_attention_heads \(4\) must be a multiple of num_key_value_heads \({kv_heads}\)"):
             ModelConfig.from_hf({**LLAMA, "architectures": [architecture]})
+
+
+@pytest.mark.parametrize("edit, windows", [
+    ({"sliding_window": 16}, (16, 16)),
+    ({"sliding_window": None}, (None, None)),  # Mistral 7B v0.2 on: no window
+    ({}, (4096, 4096)),  # transformers' default for a missing key
+    ({"sliding_window": 1, "head_dim": None}, (1, 1)),  # head_dim null: hidden_size / heads, as in transformers
+])
+def test_model_config_mistral_windows(edit, windows):
+    config = ModelConfig.from_hf({**MISTRAL, **edit})
+    assert config.architecture == "MistralForCausalLM" and config.windows == windows
+    assert config.head_dim == 16 and not config.attention_bias
+
+
+def test_only_a_family_that_reads_the_window_has_one():
+    """Llama's window must be null; Qwen2's counts only with use_sliding_window (refused for now)."""
+    assert ModelConfig.from_hf(LLAMA).windows == (None, None)
+    assert ModelConfig.from_hf({**QWEN2, "sliding_window": 16}).windows == (None, None)
 
 
 # ---- RoPE: rope_theta + rope_scaling, or transformers 5's rope_parameters, read the same

@@ -2,14 +2,16 @@
 tests/families.py, and what transformers computed for exactly those weights
 (tests/data/families/<case>.json). For each family nano runs: the prompt logprobs and 16
 greedy steps (tokens, logprobs, top 5) within TOL, whatever the schedule (alone, batched,
-chunked, from the prefix cache, under --tp 2) and whichever config.json spelling. The other
-families are refused, one line naming the architecture, before any weights load."""
+chunked, from the prefix cache, batch-invariant, under --tp 2) and whichever config.json
+spelling. The other families are refused, one line naming the architecture, before any weights
+load."""
 import json
 import shutil
 
 import numpy as np
 import pytest
 
+from nano import ops
 from nano.config import ARCHITECTURES, ModelConfig
 from nano.errors import NanoError
 from nano.llm import LLM
@@ -20,7 +22,7 @@ from test_tp import launch, needs_mpi
 from tests import families
 
 TOL = 1e-4       # float32 sums in another order than transformers' (its own float64 gap is ~2e-6)
-SUPPORTED = ("llama", "llama3", "qwen2", "qwen3")
+SUPPORTED = ("llama", "llama3", "qwen2", "qwen3", "mistral")
 REFUSED = tuple(case for case in families.CASES if case not in SUPPORTED)
 SCORING = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, return_logits=True, prompt_logprobs=0)
 GREEDY = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, return_logits=True)
@@ -102,6 +104,15 @@ def test_chunked_prefill(case, folders):
     prompts = [ref["prompt_ids"] for ref in reference(case)["prompts"]]
     assert sum(len(p) > 7 for p in prompts) == len(prompts) - 1
     check_all(case, LLM(model=str(folders(case)), device="cpu", max_num_batched_tokens=7).generate(prompts, SCORING))
+
+
+@pytest.mark.parametrize("case", SUPPORTED)
+def test_batch_invariant_mode(case, folders):
+    """The batch-invariant op set (ops.BATCH_INVARIANT: its own GEMMs and attention), the
+    prompts batched."""
+    llm = LLM(model=str(folders(case)), device="cpu", batch_invariant=True)
+    assert llm.engine.runner.model.ops is ops.BATCH_INVARIANT
+    check_all(case, llm.generate([ref["prompt_ids"] for ref in reference(case)["prompts"]], SCORING))
 
 
 @pytest.mark.parametrize("case", SUPPORTED)

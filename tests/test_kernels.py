@@ -585,6 +585,92 @@ def test_prefill_attention(cupy, rng, nq, nkv, d, chunks, dtype):
     assert_close(cupy, got, ops.prefill_attention(q, cache, cu, tables, lens, scale))
 
 
+# Sliding windows (ops.py: the query at position p sees keys p - W + 1 .. p): shorter and longer
+# than the context, the window's first key at a block edge and off one.
+WINDOW_HEADS = [(9, 3, 64), (8, 8, 64), (64, 8, 128)]  # groups 3, 1, 8
+
+
+@pytest.mark.parametrize("dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("nq, nkv, d", WINDOW_HEADS)
+@pytest.mark.parametrize("context_lens, block_size, window", [
+    ([1, 16, 17, 40, 100, 333], 16, 16),    # first keys 0, 0, 1, 24, 84, 317: on and off block edges
+    ([33, 48, 100, 5], 16, 17),             # 17, 32 (an edge), 84, 0
+    ([8200, 8192, 1000], 16, 2496),         # split-KV, many partitions from 5704, 5696 (an edge) and 0
+    ([300, 64], 16, 1000),                  # longer than every context: all keys
+    ([250, 3, 129], 32, 1),                 # one key: the query's own
+    ([5, 70, 2], 1, 7),                     # block_size 1
+])
+def test_paged_attention_window(cupy, rng, nq, nkv, d, context_lens, block_size, window, dtype):
+    (cache, tables), (cache_d, tables_d) = make_cache(cupy, rng, context_lens, nkv, d, block_size, dtype)
+    q, q_d = f16(cupy, rng.normal(size=(len(context_lens), nq, d)))
+    lens = np.array(context_lens, np.int32)
+    if context_lens[0] == 8200:
+        assert kernels.decode_partitions(len(context_lens) * nkv, window, 132)[0] >= 8
+    got = kernels.paged_attention(q_d, cache_d, tables_d, cupy.asarray(lens), d ** -0.5, window)
+    assert_close(cupy, got, ops.paged_attention(q, cache, tables, lens, d ** -0.5, window))
+
+
+@pytest.mark.parametrize("dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("nq, nkv, d", WINDOW_HEADS)
+@pytest.mark.parametrize("chunks, window", [
+    ([(37, 37), (50, 300), (1, 90)], 16),      # (chunk length, context length): a block's width
+    ([(64, 64), (130, 1000), (21, 21)], 45),   # off tile and block edges
+    ([(40, 40), (7, 300)], 1),                 # one key: the query's own
+    ([(50, 300), (20, 20)], 500),              # longer than every context: all keys
+])
+def test_prefill_attention_window(cupy, rng, nq, nkv, d, chunks, window, dtype):
+    context_lens = [ctx for _, ctx in chunks]
+    (cache, tables), (cache_d, tables_d) = make_cache(cupy, rng, context_lens, nkv, d, 16, dtype)
+    cu = np.concatenate([[0], np.cumsum([n for n, _ in chunks])]).astype(np.int32)
+    q, q_d = f16(cupy, rng.normal(size=(int(cu[-1]), nq, d)))
+    lens = np.array(context_lens, np.int32)
+    got = kernels.prefill_attention(q_d, cache_d, cupy.asarray(cu), tables_d, cupy.asarray(lens), d ** -0.5, window)
+    assert_close(cupy, got, ops.prefill_attention(q, cache, cu, tables, lens, d ** -0.5, window))
+
+
+def poisoned_before(cupy, cache, tables, first_keys):
+    """The device cache with every key and value before first_keys[i] of sequence i NaN (an
+    int8 cache's scales: its values cannot be): a kernel that reads one, even to mask it out,
+    returns NaN (a masked value's weight is 0, and 0 * NaN is NaN)."""
+    block_size = cache.k.shape[2]
+    arrays = [a.copy() for a in (cache.k, cache.v, cache.k_scale, cache.v_scale) if a is not None]
+    for table, first in zip(tables, first_keys):
+        for t in range(first):
+            for a in arrays[-2:]:  # float16: K and V; int8: their scales
+                a[table[t // block_size], :, t % block_size] = np.nan
+    if cache.k_scale is None:
+        return LayerKV(*(cupy.asarray(a.astype(np.float16)) for a in arrays))
+    return LayerKV(*(cupy.asarray(a) for a in arrays))
+
+
+@pytest.mark.parametrize("dtype", CACHE_DTYPES)
+def test_attention_reads_nothing_before_the_window(cupy, rng, dtype, monkeypatch):
+    """With the keys and values before each window NaN, both kernels return finite outputs equal
+    to the reference over the clean cache: decode from the window's first key (ctx - W), with
+    and without split-KV; prefill from its chunk's first query's (ctx - n - W + 1). Decode's
+    partitions are chosen for the W keys it reads, not for the context (one, not several)."""
+    chosen, choose = [], kernels.decode_partitions
+    monkeypatch.setattr(kernels, "decode_partitions", lambda *args: chosen.append(choose(*args)) or chosen[-1])
+    nq, nkv, d, window = 8, 2, 64, 20
+    decode_lens, chunks = [300, 37, 64, 3000], [(50, 300), (37, 37), (20, 100)]
+    context_lens = decode_lens + [ctx for _, ctx in chunks]
+    (cache, tables), (_, tables_d) = make_cache(cupy, rng, context_lens, nkv, d, 16, dtype)
+    firsts = [max(0, ctx - window) for ctx in decode_lens] + [max(0, ctx - n - window + 1) for n, ctx in chunks]
+    poisoned = poisoned_before(cupy, cache, tables, firsts)
+    scale = d ** -0.5
+    q, q_d = f16(cupy, rng.normal(size=(len(decode_lens), nq, d)))
+    for seqs in (slice(0, 3), slice(3, 4)):  # no split; one long context, split
+        lens = np.array(decode_lens[seqs], np.int32)
+        got = kernels.paged_attention(q_d[seqs], poisoned, tables_d[seqs], cupy.asarray(lens), scale, window)
+        assert_close(cupy, got, ops.paged_attention(q[seqs], cache, tables[seqs], lens, scale, window))
+    assert choose(nkv, 3000, 132)[0] > 1 and [parts for parts, _ in chosen] == [1, 1]
+    cu = np.concatenate([[0], np.cumsum([n for n, _ in chunks])]).astype(np.int32)
+    q, q_d = f16(cupy, rng.normal(size=(int(cu[-1]), nq, d)))
+    lens = np.array([ctx for _, ctx in chunks], np.int32)
+    got = kernels.prefill_attention(q_d, poisoned, cupy.asarray(cu), tables_d[4:], cupy.asarray(lens), scale, window)
+    assert_close(cupy, got, ops.prefill_attention(q, cache, cu, tables[4:], lens, scale, window))
+
+
 def test_a_gpu_shard_runs_the_kernels(cupy):
     """shard.op_set's choice on a GPU is kernels.CUDA, every op of which is a kernel: none is
     left at its NumPy default."""
@@ -593,10 +679,11 @@ def test_a_gpu_shard_runs_the_kernels(cupy):
     assert {name: op.__module__ for name, op in members.items() if op.__module__ != kernels.__name__} == {}
 
 
+@pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("decodes, chunks", [(2, []), (0, [(5, 5), (20, 40)]), (2, [(5, 5), (20, 40)])])
-def test_step_attention(cupy, rng, decodes, chunks):
+def test_step_attention(cupy, rng, decodes, chunks, window):
     """The CUDA set's attention on a step of decode rows, of prefill chunks, or of both (decode
-    rows first): every row as ops.attention computes it."""
+    rows first): every row as ops.attention computes it, over all keys or a sliding window."""
     nq, nkv, d = 4, 2, 64
     lens = [37, 300][:decodes] + [ctx for _, ctx in chunks]
     (cache, tables), (cache_d, _) = make_cache(cupy, rng, lens, nkv, d, 16)
@@ -606,7 +693,8 @@ def test_step_attention(cupy, rng, decodes, chunks):
                             context_lens=np.array(lens, np.int32))
     batch_d = SimpleNamespace(num_decodes=decodes, **{name: cupy.asarray(getattr(batch, name))
                                                       for name in ("cu_seqlens_q", "block_tables", "context_lens")})
-    assert_close(cupy, kernels.attention(q_d, cache_d, batch_d, d ** -0.5), ops.attention(q, cache, batch, d ** -0.5))
+    assert_close(cupy, kernels.attention(q_d, cache_d, batch_d, d ** -0.5, window),
+                 ops.attention(q, cache, batch, d ** -0.5, window))
 
 
 @pytest.mark.parametrize("dtype", CACHE_DTYPES)

@@ -29,7 +29,8 @@ def config(num_heads: int, num_kv_heads: int, intermediate: int = 1536) -> Model
     return ModelConfig(hidden_size=64 * num_heads, intermediate_size=intermediate, num_layers=2,
                        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64, vocab_size=100,
                        rms_norm_eps=1e-5, rope_theta=1e4, rope_scaling=None,
-                       max_position_embeddings=128, tie_word_embeddings=True, eos_token_ids=())
+                       max_position_embeddings=128, tie_word_embeddings=True, eos_token_ids=(),
+                       windows=(None, None))
 
 
 @pytest.mark.parametrize("nq,nkv", [(9, 3), (32, 8), (12, 4), (8, 1), (6, 6), (14, 2)])
