@@ -49,7 +49,8 @@ def shard_num_params(cfg: ModelConfig, part: Partition, bias: bool, tied: bool) 
     h, d, inter = cfg.hidden_size, cfg.head_dim, part.inter.stop - part.inter.start
     qkv_rows = (part.num_heads + 2 * part.num_kv_heads) * d
     per_layer = (qkv_rows * h + bias * qkv_rows + h * part.num_heads * d  # qkv (+ bias), o_proj
-                 + 3 * h * inter + 2 * h)                                  # gate/up/down, norms
+                 + 3 * h * inter + 2 * h                                   # gate/up/down, norms
+                 + 2 * d * cfg.qk_norm)                                    # q/k head norms (Qwen3)
     return cfg.num_layers * per_layer + cfg.vocab_size * h * (1 if tied else 2) + h
 
 
@@ -68,9 +69,18 @@ class CapacityReport:
     full_precision_blocks: int | None  # an int8 pool sized by memory: what the device's dtype would get
     bandwidth: float                  # bytes/s
     contexts: list[int] = field(default_factory=list)
+    windows: tuple = ()               # per layer: its sliding window of keys, None = all (ModelConfig.windows)
 
     def ceiling(self, context: int) -> int:
         return self.num_blocks // -(-context // self.block_size)
+
+    def windowed_ceiling(self, context: int) -> int:
+        """The ceiling were each sliding-window layer to keep only the blocks its window can
+        span (ceil(W / block_size) + 1, a window rarely starting on a block boundary) instead of
+        the whole context, as nano's pool, one block table for every layer, does."""
+        full = -(-context // self.block_size)
+        blocks = sum(full if w is None else min(full, -(-w // self.block_size) + 1) for w in self.windows)
+        return self.num_blocks * len(self.windows) // blocks
 
     def leftover_tokens(self, context: int) -> int:
         per_seq = -(-context // self.block_size)
@@ -94,17 +104,22 @@ def format_report(p: CapacityReport) -> str:
         *([f"                    {p.num_blocks / p.full_precision_blocks:.2f}x the {p.full_precision_blocks} blocks "
            f"a full-precision pool gets from the same memory"] if p.full_precision_blocks else []),
         f"bandwidth           {p.bandwidth / 1e9:.1f} GB/s (measured copy, read + write)",
+        *([f"sliding window      {sum(w is not None for w in p.windows)} of {len(p.windows)} layers see only their "
+           f"last {', '.join(sorted({str(w) for w in p.windows if w is not None}))} keys; nano keeps every block "
+           f"of a sequence (the last column: if those layers kept only their window's)"] if any(p.windows) else []),
         "",
-        f"{'context':>8} {'ceiling':>8} {'left over':>10} {'step floor':>11} {'per token':>10} {'floor tok/s':>12}",
+        f"{'context':>8} {'ceiling':>8} {'left over':>10} {'step floor':>11} {'per token':>10} {'floor tok/s':>12}"
+        + (f" {'windowed':>9}" if any(p.windows) else ""),
     ]
     for c in p.contexts:
         n = p.ceiling(c)
+        windowed = f" {p.windowed_ceiling(c):>9}" if any(p.windows) else ""
         if n == 0:
-            lines.append(f"{c:>8} {0:>8} {'-':>10} {'does not fit':>11}")
+            lines.append(f"{c:>8} {0:>8} {'-':>10} {'does not fit':>11}" + (f" {'':>10} {'':>12}{windowed}" if windowed else ""))
             continue
         step = p.step_floor(n, c)
         lines.append(f"{c:>8} {n:>8} {p.leftover_tokens(c):>7} tok {1e3 * step:>8.2f} ms "
-                     f"{1e6 * step / n:>7.1f} us {n / step:>12.0f}")
+                     f"{1e6 * step / n:>7.1f} us {n / step:>12.0f}{windowed}")
     lines.append("ceiling: sequences of that context that fit at once; left over: pool tokens unused "
                  "at the ceiling; floor: (weights + KV read) / bandwidth for one decode step at the ceiling")
     return "\n".join(lines)
@@ -139,4 +154,4 @@ def capacity_report(config: EngineConfig) -> CapacityReport:
         full_precision_blocks=None if config.kv_cache_dtype == "auto" or config.num_blocks else kv_cache.blocks_for_memory(
             memory, kv_cache.bytes_per_token(cfg, shards[0].num_kv_heads, "auto", device.itemsize), config.block_size),
         bandwidth=measure_copy_bandwidth(device.xp),
-        contexts=sorted({c for c in CONTEXTS if c < context} | {context}))
+        contexts=sorted({c for c in CONTEXTS if c < context} | {context}), windows=cfg.windows)
