@@ -77,6 +77,15 @@ def silu_mul(gate_up):
     return out
 
 
+def gelu_tanh_mul(gate_up):
+    """gate_up: (T, 2I) = [gate | up] -> gelu_tanh(gate) * up: (T, I), GeGLU (Gemma), with
+    gelu_tanh(g) = g / 2 * (1 + tanh(sqrt(2 / pi) * (g + 0.044715 g^3)))."""
+    inter = gate_up.shape[-1] // 2
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    inner = np.tanh(np.float32(np.sqrt(2 / np.pi)) * (gate + np.float32(0.044715) * gate ** 3))
+    return np.float32(0.5) * gate * (1 + inner) * up
+
+
 def rope_store_kvcache(q, k, v, positions, cos_sin, cache: LayerKV, slot_mapping, q_norm=None, k_norm=None, eps=0.0):
     """Rotate-half RoPE on q and k (each head RMS-normed first with q_norm, k_norm (d,) if given:
     Qwen3), then write k and v into their cache slots (one kernel on the GPU), quantized if the
@@ -427,6 +436,7 @@ class OpSet:
     add_rms_norm: Callable = add_rms_norm
     rope_store_kvcache: Callable = rope_store_kvcache
     silu_mul: Callable = silu_mul
+    gelu_tanh_mul: Callable = gelu_tanh_mul
     sample: Callable = sample
     gather_blocks: Callable = gather_blocks
     scatter_blocks: Callable = scatter_blocks
