@@ -17,7 +17,13 @@ ARCHITECTURES = {"LlamaForCausalLM": ("llama", "Llama", {"hidden_act": "silu", "
                                                          "use_sliding_window": False},
                                       {"num_key_value_heads": 32, "head_dim": 128}),
                  "MistralForCausalLM": ("mistral", "Mistral", {"hidden_act": "silu", "attention_bias": False},
-                                        {"num_key_value_heads": 8, "sliding_window": 4096})}
+                                        {"num_key_value_heads": 8, "sliding_window": 4096}),
+                 "Gemma3ForCausalLM": ("gemma3_text", "Gemma3", {
+                     "hidden_activation": "gelu_pytorch_tanh", "attention_bias": False, "attn_logit_softcapping": None,
+                     "final_logit_softcapping": None, "use_bidirectional_attention": False}, {
+                     "num_key_value_heads": 4, "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+                     "sliding_window_pattern": 6, "max_position_embeddings": 131072, "tie_word_embeddings": True})}
+GEMMA3 = "Gemma3ForCausalLM"  # the family whose forward differs most from Llama's (docs/models.md)
 # The RoPE types the forward pass implements (tp.rope_cos_sin), with the numbers each needs.
 ROPE_TYPES = {"default": (), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                                         "original_max_position_embeddings")}
@@ -41,7 +47,13 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     windows: tuple[int | None, ...]         # per layer: a sliding window of that many keys, None = all keys
     attention_bias: bool = False            # q, k, v carry a bias (an o_proj bias is a tensor no forward reads)
-    qk_norm: bool = False                   # an RMSNorm of each q and k head before RoPE (Qwen3)
+    qk_norm: bool = False                   # an RMSNorm of each q and k head before RoPE (Qwen3, Gemma 3)
+    local_rope_theta: float | None = None   # RoPE base of the sliding-window layers (Gemma 3); None: rope_theta
+    query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power, not head_dim's (Gemma 3)
+    activation: str = "silu"                # the MLP's gate: silu (SwiGLU) or gelu_tanh (GeGLU, Gemma 3)
+    embed_scale: float = 1.0                # embedding rows times this (Gemma 3: sqrt(hidden_size))
+    sandwich_norms: bool = False            # RMSNorms on the attention's and MLP's outputs too (Gemma 3)
+    norm_offset: float = 0.0                # every RMSNorm multiplies by offset + weight (Gemma 3: 1 + w)
     architecture: str = "LlamaForCausalLM"  # a key of ARCHITECTURES
 
     @classmethod
@@ -74,15 +86,17 @@ class ModelConfig:
         head_dim = count("head_dim") if cfg.get("head_dim") is not None else hidden // heads
         if head_dim < 2 or head_dim % 2:
             raise NanoError(f"config.json head dimension must be even (RoPE rotates pairs), got {head_dim}")
-        (rope_theta, rope_scaling), eos, vocab = _rope(cfg), cfg.get("eos_token_id"), count("vocab_size")
+        gemma, eos, vocab = architecture == GEMMA3, cfg.get("eos_token_id"), count("vocab_size")
+        (rope_theta, rope_scaling), local_theta = _ropes(cfg, gemma)
         eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
         # Qwen2's and Qwen3's sliding_window counts only with use_sliding_window (fixed false).
         window = None if "use_sliding_window" in fixed else checks.integer(
             "config.json sliding_window", cfg.get("sliding_window"), 1, checks.INT32_MAX, optional=True)
+        layers = count("num_hidden_layers")
         return cls(
             hidden_size=hidden,
             intermediate_size=count("intermediate_size"),
-            num_layers=(layers := count("num_hidden_layers")),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
@@ -94,9 +108,15 @@ class ModelConfig:
             tie_word_embeddings=checks.flag("config.json tie_word_embeddings",
                                             cfg.get("tie_word_embeddings", False)),
             eos_token_ids=tuple(checks.integer("config.json eos_token_id", t, 0, vocab - 1) for t in eos),
-            windows=(window,) * layers,
+            windows=tuple(window if kind == "sliding_attention" else None for kind in _layer_types(cfg, layers, gemma)),
             attention_bias=checks.flag("config.json attention_bias", cfg.get("attention_bias", False)),
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=architecture in ("Qwen3ForCausalLM", GEMMA3),
+            local_rope_theta=local_theta,
+            query_pre_attn_scalar=number("query_pre_attn_scalar", None, 0) if gemma else None,
+            activation="gelu_tanh" if gemma else "silu",
+            embed_scale=hidden ** 0.5 if gemma else 1.0,
+            sandwich_norms=gemma,
+            norm_offset=1.0 if gemma else 0.0,
             architecture=architecture,
         )
 
@@ -125,11 +145,41 @@ def max_model_len(config: "EngineConfig", model: ModelConfig) -> int:
     return min(config.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
 
 
-def _rope(cfg: dict) -> tuple[float, dict | None]:
+def _layer_types(cfg: dict, layers: int, gemma: bool) -> list[str]:
+    """Each layer's attention. Gemma 3's: transformers 5's layer_types, else every sliding_window_pattern-th
+    layer global. The other families' layers are alike (sliding wherever a window is set)."""
+    if not gemma:
+        return ["sliding_attention"] * layers
+    pattern = checks.integer("config.json sliding_window_pattern", cfg.get("sliding_window_pattern"), 1)
+    kinds = cfg.get("layer_types") or [("full_attention" if (i + 1) % pattern == 0 else "sliding_attention")
+                                       for i in range(layers)]
+    if not (isinstance(kinds, list) and len(kinds) == layers
+            and set(kinds) <= {"full_attention", "sliding_attention"}):
+        raise NanoError(f"config.json layer_types must list full_attention or sliding_attention for each of "
+                        f"the {layers} layers, got {kinds!r:.60}")
+    return kinds
+
+
+def _ropes(cfg: dict, gemma: bool) -> tuple[tuple[float, dict | None], float | None]:
+    """The RoPE of the global layers, and the base of the sliding ones where it differs: Gemma 3's
+    rope_local_base_freq, or in transformers 5's spelling rope_parameters by layer type."""
+    if not gemma:
+        return _rope(cfg), None
+    by_type = cfg.get("rope_parameters") or {}
+    if not (isinstance(by_type, dict) and set(by_type) <= {"full_attention", "sliding_attention"}):
+        raise NanoError(f"config.json rope_parameters must be an object by layer type, got {by_type!r:.60}")
+    local = {"rope_theta": cfg.get("rope_local_base_freq"), "rope_parameters": by_type.get("sliding_attention")}
+    theta, scaling = _rope(local, 10000.0)
+    if scaling:
+        raise NanoError("config.json rope_parameters sliding_attention must be of rope_type default")
+    return _rope(cfg | {"rope_parameters": by_type.get("full_attention")}, 1e6), theta
+
+
+def _rope(cfg: dict, default: float = 10000.0) -> tuple[float, dict | None]:
     """rope_theta and rope_scaling, read the same from both spellings: those keys, and transformers
     5's rope_parameters (the scaling object with rope_theta inside). Both given must agree."""
     def theta(key, value):  # at most 1, frequencies would rise along a head
-        return checks.number(f"config.json {key}", 10000.0 if value is None else value, 1, open_low=True)
+        return checks.number(f"config.json {key}", default if value is None else value, 1, open_low=True)
 
     def used(scaling):  # what the forward reads of it (old configs name its type "type")
         return scaling and [scaling[key] for key in ("rope_type", *ROPE_TYPES[scaling["rope_type"]])]

@@ -1,9 +1,11 @@
 """The Llama-family forward pass, written once against a set of ops (ops.OpSet, chosen when
 the shard is loaded: NumPy or CUDA kernels, batch-invariant or not).
 
-One straight line per step: embed -> per layer [RMSNorm (+ residual), fused QKV, (q/k head
-norms,) RoPE + KV-cache write, attention (in the layer's window, if any), output projection,
-RMSNorm, fused gate/up, SiLU*up, down] -> final norm -> LM head on the rows of plan.StepRows.
+One straight line per step: embed (scaled, Gemma) -> per layer [RMSNorm (+ residual), fused QKV,
+(q/k head norms,) RoPE + KV-cache write, attention (in the layer's window, if any), output
+projection, (its norm, Gemma,) RMSNorm, fused gate/up, SiLU*up or GELU*up, down, (its norm,
+Gemma)] -> final norm -> LM head on the rows of plan.StepRows. What differs by family: the
+ModelConfig fields below windows (docs/models.md).
 On the GPU a decode step of this function is captured once per batch-size bucket and
 replayed as a CUDA graph (nano/graphs.py), so it must stay free of host synchronisation:
 shapes and launch choices may depend only on array shapes, never on array values.
@@ -43,8 +45,10 @@ class LayerWeights:
     post_norm: object       # (H,)
     gate_up: object         # (2 I, H)  gate and up stacked
     down: object            # (H, I)
-    q_norm: object = None   # (d,) RMSNorm weight of every q head before RoPE (Qwen3), or None
+    q_norm: object = None   # (d,) RMSNorm weight of every q head before RoPE (Qwen3, Gemma 3), or None
     k_norm: object = None   # (d,) of every k head, or None
+    attn_out_norm: object = None  # (H,) RMSNorm of the attention's output (Gemma 3), or None
+    mlp_out_norm: object = None   # (H,) of the MLP's output, or None
 
 
 class LlamaModel:
@@ -58,8 +62,9 @@ class LlamaModel:
         self.lm_head = lm_head          # (V, H), the embedding itself when tied
         self.final_norm = final_norm    # (H,)
         self.layers = layers
-        self.cos_sin = cos_sin          # (max_positions, d) float32
-        self.scale = cfg.head_dim ** -0.5
+        self.cos_sin = cos_sin          # per layer: (max_positions, d) float32, one table per RoPE base
+        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        self.act_mul = {"silu": ops.silu_mul, "gelu_tanh": ops.gelu_tanh_mul}[cfg.activation]
         self.all_reduce = all_reduce or (lambda x: x)  # sums partial outputs across TP ranks
 
     @property
@@ -75,6 +80,8 @@ class LlamaModel:
         d, eps, ops = self.cfg.head_dim, self.cfg.rms_norm_eps, self.ops
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         h = ops.embedding(batch.input_ids, self.embed)                       # (T, H)
+        if self.cfg.embed_scale != 1.0:
+            h = h * self.cfg.embed_scale
         residual = None
         for layer, w in enumerate(self.layers):
             x, residual = ops.add_rms_norm(h, residual, w.input_norm, eps)
@@ -83,11 +90,15 @@ class LlamaModel:
             k = qkv[:, q_size:q_size + kv_size].reshape(-1, self.num_kv_heads, d)
             v = qkv[:, q_size + kv_size:].reshape(-1, self.num_kv_heads, d)
             cache = kv_cache.layer(layer)
-            q = ops.rope_store_kvcache(q, k, v, batch.positions, self.cos_sin, cache, batch.slot_mapping,
+            q = ops.rope_store_kvcache(q, k, v, batch.positions, self.cos_sin[layer], cache, batch.slot_mapping,
                                        w.q_norm, w.k_norm, eps)            # rotated q (normed first); K, V cached
             o = ops.attention(q, cache, batch, self.scale, self.cfg.windows[layer])  # (T, nq, d)
             h = self.all_reduce(ops.linear(o.reshape(-1, q_size), w.o_proj))  # (T, H)
+            if w.attn_out_norm is not None:  # normed before it joins the residual stream
+                h, _ = ops.add_rms_norm(h, None, w.attn_out_norm, eps)
             x, residual = ops.add_rms_norm(h, residual, w.post_norm, eps)
-            h = self.all_reduce(ops.linear(ops.silu_mul(ops.linear(x, w.gate_up)), w.down))
+            h = self.all_reduce(ops.linear(self.act_mul(ops.linear(x, w.gate_up)), w.down))
+            if w.mlp_out_norm is not None:
+                h, _ = ops.add_rms_norm(h, None, w.mlp_out_norm, eps)
         x, _ = ops.add_rms_norm(h, residual, self.final_norm, eps)
         return ops.linear(x[batch.logits_indices], self.lm_head)             # (R, V)

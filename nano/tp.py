@@ -79,6 +79,8 @@ def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         layer |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
     if cfg.qk_norm:  # one weight for all q heads, one for all k heads
         layer |= {"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}
+    if cfg.sandwich_norms:  # post_attention_layernorm is then the attention output's norm
+        layer |= {"pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,)}
     head = {} if cfg.tie_word_embeddings else {"lm_head.weight": (vocab, h)}
     return {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,), **head,
             **{f"model.layers.{i}.{name}": shape for i in range(cfg.num_layers) for name, shape in layer.items()}}
@@ -112,6 +114,9 @@ def load_model(reader, cfg: ModelConfig, part: Partition, to_device, max_positio
     def weight(array):  # a (N, K) matrix that ops.linear multiplies by
         return to_device(array, cpu_column_major=True)
 
+    def norm(name, used=True):  # an RMSNorm weight as the ops multiply by it (Gemma stores w for 1 + w)
+        return to_device(get(name) + np.float32(cfg.norm_offset)) if used else None
+
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
@@ -125,31 +130,36 @@ def load_model(reader, cfg: ModelConfig, part: Partition, to_device, max_positio
                                              get(p + "self_attn.v_proj.bias", rows=kv_rows)]))
         gate_up = np.concatenate([get(p + "mlp.gate_proj.weight", rows=part.inter),
                                   get(p + "mlp.up_proj.weight", rows=part.inter)])
+        sandwich = cfg.sandwich_norms
         layers.append(LayerWeights(
-            input_norm=to_device(get(p + "input_layernorm.weight")),
+            input_norm=norm(p + "input_layernorm.weight"),
             qkv=weight(qkv),
             qkv_bias=bias,
             o_proj=weight(get(p + "self_attn.o_proj.weight", cols=q_rows)),
-            post_norm=to_device(get(p + "post_attention_layernorm.weight")),
+            post_norm=norm(p + ("pre_feedforward" if sandwich else "post_attention") + "_layernorm.weight"),
             gate_up=weight(gate_up),
             down=weight(get(p + "mlp.down_proj.weight", cols=part.inter)),
-            q_norm=to_device(get(p + "self_attn.q_norm.weight")) if cfg.qk_norm else None,
-            k_norm=to_device(get(p + "self_attn.k_norm.weight")) if cfg.qk_norm else None,
+            q_norm=norm(p + "self_attn.q_norm.weight", cfg.qk_norm),
+            k_norm=norm(p + "self_attn.k_norm.weight", cfg.qk_norm),
+            attn_out_norm=norm(p + "post_attention_layernorm.weight", sandwich),
+            mlp_out_norm=norm(p + "post_feedforward_layernorm.weight", sandwich),
         ))
     # Replicated, not split by vocabulary: the model and the sampler stay unaware of TP.
     tied = cfg.tie_word_embeddings
     embed = to_device(get("model.embed_tokens.weight"), cpu_column_major=tied)  # tied: the LM head too
     lm_head = embed if tied else weight(get("lm_head.weight"))
-    return LlamaModel(cfg, part.num_heads, part.num_kv_heads, embed, lm_head,
-                      to_device(get("model.norm.weight")), layers,
-                      to_device(rope_cos_sin(cfg, max_positions), keep_float32=True), ops, all_reduce)
+    local = [cfg.local_rope_theta is not None and window is not None for window in cfg.windows]
+    tables = {kind: to_device(rope_cos_sin(cfg, max_positions, kind), keep_float32=True) for kind in set(local)}
+    return LlamaModel(cfg, part.num_heads, part.num_kv_heads, embed, lm_head, norm("model.norm.weight"),
+                      layers, [tables[kind] for kind in local], ops, all_reduce)
 
 
-def rope_cos_sin(cfg: ModelConfig, max_positions: int) -> np.ndarray:
-    """(max_positions, d) float32: cos of each position's angles in [:, :d/2], sin in [:, d/2:]."""
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    if (cfg.rope_scaling or {}).get("rope_type") == "llama3":  # the types config.ROPE_TYPES lets through
+def rope_cos_sin(cfg: ModelConfig, max_positions: int, local: bool = False) -> np.ndarray:
+    """(max_positions, d) float32: cos of each position's angles in [:, :d/2], sin in [:, d/2:].
+    local: the table of the sliding-window layers' own base (cfg.local_rope_theta, unscaled)."""
+    d, theta = cfg.head_dim, cfg.local_rope_theta if local else cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    if not local and (cfg.rope_scaling or {}).get("rope_type") == "llama3":  # the types config.ROPE_TYPES lets through
         inv_freq = _llama3_scaled(inv_freq, cfg.rope_scaling)
     angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq)
     return np.concatenate([np.cos(angles), np.sin(angles)], axis=-1).astype(np.float32)

@@ -56,16 +56,18 @@ def test_model_config_rope_types():
 
 # ---- the architecture: one nano runs, or a clear no before any weights load
 RUNS = ("it runs LlamaForCausalLM (model_type llama), Qwen2ForCausalLM (model_type qwen2), "
-        "Qwen3ForCausalLM (model_type qwen3), MistralForCausalLM (model_type mistral)")
+        "Qwen3ForCausalLM (model_type qwen3), MistralForCausalLM (model_type mistral), "
+        "Gemma3ForCausalLM (model_type gemma3_text)")
 QWEN2 = {**LLAMA, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_key_value_heads": 2}
 QWEN3 = {**LLAMA, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_key_value_heads": 2}
 MISTRAL = {**LLAMA, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "num_key_value_heads": 2}
+GEMMA3 = {**LLAMA, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "num_key_value_heads": 2}
 
 
 @pytest.mark.parametrize("edit,message", [
-    ({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"},
-     f"architectures ['Gemma3ForCausalLM'] is not one nano runs: {RUNS}"),
-    ({"model_type": "gemma3_text"}, f"model_type 'gemma3_text' is not one nano runs: {RUNS}"),
+    ({"architectures": ["Phi3ForCausalLM"], "model_type": "phi3"},
+     f"architectures ['Phi3ForCausalLM'] is not one nano runs: {RUNS}"),
+    ({"model_type": "phi3"}, f"model_type 'phi3' is not one nano runs: {RUNS}"),
     ({"architectures": "LlamaForCausalLM"}, f"architectures LlamaForCausalLM is not one nano runs: {RUNS}"),
     ({"architectures": ["LlamaForCausalLM", "MistralForCausalLM"]},
      f"architectures ['LlamaForCausalLM', 'MistralForCausalLM'] is not one nano runs: {RUNS}"),
@@ -96,6 +98,23 @@ MISTRAL = {**LLAMA, "architectures": ["MistralForCausalLM"], "model_type": "mist
     ({**MISTRAL, "sliding_window": 2**31}, "sliding_window must be an integer in [1, 2147483647], got 2147483648"),
     ({**MISTRAL, "attention_bias": True}, "attention_bias True is not implemented by the Mistral forward"),
     ({**MISTRAL, "hidden_act": "gelu"}, "hidden_act 'gelu' is not implemented by the Mistral forward"),
+    # Gemma 3: no logit soft-capping, no bidirectional attention; its layer kinds and RoPE by kind checked
+    ({**GEMMA3, "attn_logit_softcapping": 50.0}, "attn_logit_softcapping 50.0 is not implemented by the Gemma3 forward"),
+    ({**GEMMA3, "final_logit_softcapping": 30.0}, "final_logit_softcapping 30.0 is not implemented by the Gemma3 forward"),
+    ({**GEMMA3, "use_bidirectional_attention": True},
+     "use_bidirectional_attention True is not implemented by the Gemma3 forward"),
+    ({**GEMMA3, "hidden_activation": "gelu"}, "hidden_activation 'gelu' is not implemented by the Gemma3 forward"),
+    ({**GEMMA3, "sliding_window": 0}, "sliding_window must be an integer in [1, 2147483647], got 0"),
+    ({**GEMMA3, "sliding_window_pattern": 0}, "sliding_window_pattern must be an integer >= 1, got 0"),
+    ({**GEMMA3, "query_pre_attn_scalar": 0}, "query_pre_attn_scalar must be a number > 0, got 0"),
+    ({**GEMMA3, "layer_types": ["full_attention"]}, "layer_types must list full_attention or sliding_attention "
+     "for each of the 2 layers, got ['full_attention']"),
+    ({**GEMMA3, "layer_types": ["full_attention", "chunked_attention"]}, "layer_types must list full_attention or "
+     "sliding_attention for each of the 2 layers, got ['full_attention', 'chunked_attention']"),
+    ({**GEMMA3, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+     "rope_parameters must be an object by layer type, got {'rope_type': 'default', 'rope_theta': 1000000.0}"),
+    ({**GEMMA3, "rope_parameters": {"sliding_attention": {**LLAMA3, "rope_theta": 1e4}}},
+     "rope_parameters sliding_attention must be of rope_type default"),
     ({"hidden_size": 66}, "hidden_size (66) must be a multiple of num_attention_heads (4)"),
 ])
 def test_model_config_architecture_and_forward_keys_refused(edit, message):
