@@ -58,7 +58,7 @@ def test_plan_pool_is_the_engine_pool_on_the_gpu(tiny_model):
     assert report.num_blocks == pytest.approx(engine.block_manager.num_blocks, rel=0.02)
 
 
-@pytest.mark.parametrize("case", ["llama", "llama3", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("case", ["llama", "llama3", "qwen2", "qwen3", "mistral", "gemma3_text"])
 def test_the_report_counts_each_familys_weights_and_kv_as_the_engine_loads_them(case, tmp_path):
     """--capacity works from shapes alone; the engine from the loaded arrays: the same bytes for
     every family (Qwen2's biases, Qwen3's head norms and head_dim, untied heads)."""

@@ -50,7 +50,8 @@ def shard_num_params(cfg: ModelConfig, part: Partition, bias: bool, tied: bool) 
     qkv_rows = (part.num_heads + 2 * part.num_kv_heads) * d
     per_layer = (qkv_rows * h + bias * qkv_rows + h * part.num_heads * d  # qkv (+ bias), o_proj
                  + 3 * h * inter + 2 * h                                   # gate/up/down, norms
-                 + 2 * d * cfg.qk_norm)                                    # q/k head norms (Qwen3)
+                 + 2 * h * cfg.sandwich_norms                              # output norms (Gemma 3)
+                 + 2 * d * cfg.qk_norm)                                    # q/k head norms (Qwen3, Gemma 3)
     return cfg.num_layers * per_layer + cfg.vocab_size * h * (1 if tied else 2) + h
 
 
