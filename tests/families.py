@@ -161,11 +161,12 @@ def _weight_shapes(cfg: dict) -> dict:
     return shapes
 
 
-def weights(case: str) -> dict[str, np.ndarray]:
-    """The case's tensors by checkpoint name: float64 normals from its seed, rounded to float32."""
+def weights(case: str, edit: dict | None = None) -> dict[str, np.ndarray]:
+    """The case's tensors by checkpoint name: float64 normals from its seed, rounded to float32
+    (edit: config keys changed first, for the shapes they give)."""
     rng = np.random.default_rng(CASES[case]["seed"])
     return {name: (mean + std * rng.standard_normal(shape)).astype(np.float32)
-            for name, (shape, mean, std) in _weight_shapes(CASES[case]["config"]).items()}
+            for name, (shape, mean, std) in _weight_shapes(CASES[case]["config"] | (edit or {})).items()}
 
 
 def weights_checksum(folder: Path) -> str:
@@ -197,12 +198,14 @@ def _tokenizer_config(case: str) -> dict:
             "model_max_length": cfg["max_position_embeddings"]}
 
 
-def make_model(case: str, folder: Path, spelling: str = "v4") -> Path:
-    """Write the case's model into `folder` (made if missing) and return it."""
+def make_model(case: str, folder: Path, spelling: str = "v4", edit: dict | None = None) -> Path:
+    """Write the case's model into `folder` (made if missing) and return it. edit: config keys
+    changed, the weights drawn in the shapes they give: the family in another shape (such as a
+    head_dim the CUDA kernels take), with no reference data."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config(case, spelling), indent=2) + "\n")
-    save_file(weights(case), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config(case, spelling) | (edit or {}), indent=2) + "\n")
+    save_file(weights(case, edit), str(folder / "model.safetensors"), metadata={"format": "pt"})
     tokenizer(case).save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(case), indent=2) + "\n")
     return folder

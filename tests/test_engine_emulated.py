@@ -2,7 +2,8 @@
 run: float16 weights and KV cache, every kernel, cuBLAS through nano/cublas.py's ctypes calls
 (the stand-in library), device sampling, CUDA graphs for decode steps (recorded and replayed
 by the CuPy stand-in), prompt logprobs on device arrays, disaggregated KV handoffs between two
-GPU pools, a Qwen3 model (its q/k head norms), and tensor parallelism's all-reduce on device
+GPU pools, a Qwen3 model (its q/k head norms), a Gemma 3 model (GeGLU, its norms, sliding
+and global layers with their own RoPE tables), and tensor parallelism's all-reduce on device
 arrays under mpirun -n 2. These are tests/test_engine_gpu.py's, test_graphs_gpu.py's and
 test_disagg.py's GPU checks, in a small shape (head dim 64, GQA group 2).
 
@@ -37,7 +38,7 @@ def test_gpu_engine_path_matches_cpu_on_the_emulator(tmp_path):
                           text=True, timeout=600, cwd=TESTS.parent)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     for what in ("configs agree", "graphs agree", "prompt logprobs agree", "disaggregated handoffs agree",
-                 "qwen3 agrees"):
+                 "qwen3 agrees", "gemma3 agrees"):
         assert what in done.stdout, what
 
 
@@ -65,6 +66,7 @@ def engine_checks(workdir: str) -> None:
     from test_graphs_gpu import check_graphs_keep_greedy_output, check_replay_with_padding
 
     from reference import make_random_model
+    from tests import families
     model_dir = make_random_model(Path(workdir) / "model", max_pos=1024, dtype="float16", seed=7, **SHAPE)
     prompts, cpu_runs = prompts_for(SHAPE["vocab"]), {}
     for name in GPU_CONFIGS:  # decode steps replay CUDA graphs (the default)
@@ -84,6 +86,10 @@ def engine_checks(workdir: str) -> None:
     for name in ("default", "int8"):  # its q/k head norms in the cache-writing kernel, eager and in graphs
         check_gpu_config(qwen3, prompts, name, cpu_runs)
     print("qwen3 agrees")
+    gemma3 = families.make_model("gemma3_text", Path(workdir) / "gemma3", edit={"head_dim": 64})
+    for name in ("default", "chunked_prefill", "int8"):  # GeGLU, sandwich norms, two RoPE tables, windows of 12
+        check_gpu_config(gemma3, prompts, name, cpu_runs)
+    print("gemma3 agrees")
     with pytest.raises(NanoError, match="--batch-invariant is CPU-only"):
         LLMEngine(EngineConfig(model=str(model_dir), device="gpu", batch_invariant=True))
 
