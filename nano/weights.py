@@ -1,8 +1,6 @@
-"""Model folders and the checkpoint reader.
-
-A model is a Hugging Face style folder (config.json, *.safetensors, tokenizer.json,
-tokenizer_config.json). The default one lives in weights/, made on first use by the
-nano/default_model package (run.py calls it before loading)."""
+"""Model folders and the checkpoint reader. A model is a Hugging Face style folder (config.json,
+*.safetensors, tokenizer.json, tokenizer_config.json). Those nano knows by name (FETCHED) live
+in weights/, made on first use by nano/default_model (run.py calls it before loading)."""
 
 from __future__ import annotations
 
@@ -20,16 +18,17 @@ from nano.tokenizer import Tokenizer
 from nano.tp import check_checkpoint
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+FETCHED = (DEFAULT_MODEL, "gemma-3-270m")  # the names nano/default_model fetches (its MODELS)
 WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
 def resolve_model(model: str | None) -> Path:
-    """Return the folder of `model`: the default name (or None) or a path to a HF folder."""
-    if model is None or model == DEFAULT_MODEL:
-        folder = WEIGHTS_DIR / DEFAULT_MODEL
+    """Return the folder of `model`: a name of FETCHED (None: the default) or a path to a HF folder."""
+    if model is None or model in FETCHED:
+        folder = WEIGHTS_DIR / (model or DEFAULT_MODEL)
         if not is_complete(folder):
-            raise NanoError(f"weights/{DEFAULT_MODEL} is not there yet: python -m nano.default_model "
+            raise NanoError(f"weights/{folder.name} is not there yet: python -m nano.default_model {folder.name} "
                             f"fetches and converts it (run.py does on first use)")
         return folder
     if not isinstance(model, (str, os.PathLike)):

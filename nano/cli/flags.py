@@ -67,7 +67,8 @@ def add_sampling_arguments(s) -> None:
 
 def add_engine_arguments(e) -> None:
     """EngineConfig's fields (engine_config maps them back)."""
-    e.add_argument("--model", default=ENGINE.model, help="Hugging Face Llama-family folder (default: SmolLM2-135M-Instruct)")
+    e.add_argument("--model", default=ENGINE.model, help="a Hugging Face model folder, or a name fetched "
+                   "into weights/ on first use: SmolLM2-135M-Instruct (the default), gemma-3-270m")
     e.add_argument("--device", default=ENGINE.device, help="auto | cpu | gpu")
     e.add_argument("--block-size", type=int, default=ENGINE.block_size)
     e.add_argument("--kv-cache-memory", type=parse_bytes, default=ENGINE.kv_cache_memory,
