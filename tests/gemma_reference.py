@@ -39,6 +39,8 @@ PROMPTS = [
     "Once upon a time, in a small village by the sea,",
     TURN.format("What is the capital of France?"),
     TURN.format("Write a haiku about autumn."),
+    # ~900 tokens: past the 512-key window of the sliding layers, so they drop its first keys
+    "".join(f"Day {i}: the weather was {['sunny', 'rainy', 'windy', 'cold'][i * 7 % 4]}. " for i in range(1, 80)),
 ]
 TEXTS = PROMPTS + [
     "  leading spaces", "trailing   ", "a\nb\n\nc\n\n\n", "tabs\tand\ttabs", "1234567890 3.14159 1e-6",
