@@ -39,7 +39,7 @@ PROMPTS = [
     "Once upon a time, in a small village by the sea,",
     TURN.format("What is the capital of France?"),
     TURN.format("Write a haiku about autumn."),
-    # ~900 tokens: past the 512-key window of the sliding layers, so they drop its first keys
+    # 783 tokens: past the 512-key window of the sliding layers, so they drop its first keys
     "".join(f"Day {i}: the weather was {['sunny', 'rainy', 'windy', 'cold'][i * 7 % 4]}. " for i in range(1, 80)),
 ]
 TEXTS = PROMPTS + [
