@@ -1,11 +1,6 @@
-"""LLMEngine: requests in, one step at a time, finished sequences out.
-
-    step() = schedule -> swap -> prepare inputs -> forward -> sample -> postprocess
-
-Under tensor parallelism (parallel.py) this engine is rank 0: it owns the tokenizer, the
-scheduler and the sampler, and its runner sends each step's packed plan to the other ranks,
-which replay it on their shards (worker.Worker).
-
+"""LLMEngine: requests in, one step at a time, finished sequences out; the step and the seams
+add-ons use: docs/how-it-works.md#one-step. Under tensor parallelism (parallel.py) this engine
+is rank 0, and its runner sends each step's packed plan to the other ranks (worker.Worker).
 Add-ons use only its public methods and LLMEngine.PUBLISHED (tests/test_layout.py): the order
 of the scheduler's, block manager's and runner's calls is the engine's alone.
 """

@@ -1,9 +1,6 @@
-"""The scheduling policy: the choices scheduler.py leaves open, FCFS's answers.
-
-Each step the scheduler (the mechanism) asks the questions FCFS's methods answer. FCFS is
-the interface: another policy subclasses it and overrides what it decides differently, and
-is chosen once, where the engine is built (LLMEngine(config, policy=...)), as the deadline
-policy is (nano/deadline; docs/how-it-works.md#how-a-policy-plugs-in).
+"""The scheduling policy: the choices scheduler.py leaves open, FCFS's answers. FCFS is the
+interface another policy subclasses, chosen where the engine is built, as nano/deadline's is
+(docs/how-it-works.md#how-a-policy-plugs-in).
 """
 import math
 from collections import deque
