@@ -54,9 +54,7 @@ class FCFS:
 
     def step_tokens(self, decode_time: float) -> int:
         """The prefill tokens one step carries beside decodes taking `decode_time`: the token
-        budget, or by default what keeps the step near STEP_TARGET, priced by the step-time
-        model: a step's length is every running stream's gap between two tokens, and on a busy
-        machine the model learns the slower steps and the steps get fewer tokens."""
+        budget, by default what keeps the step near STEP_TARGET (docs/how-it-works.md#admission-and-preemption)."""
         if self.config.max_num_batched_tokens:
             return self.config.max_num_batched_tokens
         return min(TOKEN_BUDGET, self._tokens_within(STEP_TARGET, decode_time))

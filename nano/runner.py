@@ -4,8 +4,7 @@ into device inputs, runs the model. It never sees a Sequence: what it runs is in
 KV memory (layouts in kv_cache.py):
   kv_cache:   KVCache of num_blocks blocks on the device
   host_cache: KVCache of num_swap_blocks blocks in host memory (swap space)
-A swap moves all of a step's blocks in one gather + one device-host copy per direction and
-per block array. On the GPU, decode-only steps replay CUDA graphs (graphs.py).
+On the GPU, decode-only steps replay CUDA graphs (graphs.py).
 """
 import time
 
@@ -44,10 +43,8 @@ class ModelRunner:
         self.blas_threads = BlasThreads() if device.kind == "cpu" and not model.ops.fixed_threads else None
 
     def touch_kv_cache(self) -> None:
-        """Write every page of the KV pool now. On the CPU np.zeros maps pages on first write,
-        which a step would otherwise pay as page faults whenever its sequences open new blocks
-        (docs/perf_notes.md): a server pays that once per block over its life, a benchmark
-        pays it before timing. A GPU pool is written by cupy.zeros already."""
+        """Write every page of the KV pool now: on the CPU np.zeros maps pages on first write,
+        which steps would pay as page faults (docs/perf_notes.md). cupy.zeros writes a GPU pool."""
         if self.device.kind == "cpu":
             self.kv_cache.fill(0)
 
