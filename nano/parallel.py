@@ -1,7 +1,5 @@
-"""The tensor-parallel ranks and what they say to each other, over MPI (mpi4py): two
-all-reduces per layer, and rank 0's packed step (plan.py) broadcast to the others, which
-replay it until a stop message. MPI is imported only under mpirun: a plain
-`python run.py` never initialises it. The whole picture: docs/tensor-parallel.md.
+"""The tensor-parallel ranks and what they say to each other, over MPI (mpi4py), imported only
+under mpirun (a plain `python run.py` never initialises it): docs/tensor-parallel.md.
 """
 import os
 import time

@@ -75,10 +75,8 @@ class ModelRunner:
 
     # ---- blocks read out and written in ------------------------------------------------
     def read_blocks(self, block_ids: list[int], out: np.ndarray | None = None) -> np.ndarray:
-        """Blocks of the pool as host bytes, one row per block: (n, block_bytes) uint8
-        (written into out if given), a row being that block's slice of each block array (KV,
-        then int8 scales), all layers: everything one block holds, for a KV handoff to
-        another engine's pool of the same layout."""
+        """Blocks of the pool as host bytes (into out if given), (n, block_bytes) uint8: a row is that
+        block's slice of each block array (KV, then int8 scales), all layers, for a pool of the same layout."""
         payload = out if out is not None else np.empty((len(block_ids), self.kv_cache.block_nbytes), np.uint8)
         ids = self.device.xp.asarray(np.asarray(block_ids, np.int32))
         for pool, rows in zip(self.kv_cache.block_arrays(), self._payload_rows(payload)):
