@@ -1,5 +1,4 @@
-"""The device side of a step: owns the KV memory, swaps blocks, turns a packed step (plan.py)
-into device inputs, runs the model. It never sees a Sequence: what it runs is in the arrays.
+"""The device side of a step, which never sees a Sequence (docs/how-it-works.md#one-step).
 
 KV memory (layouts in kv_cache.py):
   kv_cache:   KVCache of num_blocks blocks on the device
