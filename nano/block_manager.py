@@ -1,10 +1,7 @@
-"""The paged KV cache's bookkeeping: which block holds which tokens, who shares it.
-
-The KV pool is num_blocks fixed-size blocks of block_size tokens (the arrays live in
-runner.py; this module only hands out block ids). A sequence's block_table lists its blocks
-in order: token t lives in block block_table[t // block_size] at offset t % block_size.
-Full blocks are shared by a hash of the prefix they end (prefix caching), and a preempted
-sequence's blocks may be copied to a host-side swap pool: docs/how-it-works.md says how.
+"""The paged KV cache's bookkeeping: which block holds which tokens, who shares it. It only
+hands out block ids (the arrays live in runner.py); token t of a sequence is in block
+block_table[t // block_size] at offset t % block_size. Prefix caching and the host swap pool:
+docs/how-it-works.md#paged-kv-cache, #prefix-caching.
 """
 from collections import OrderedDict
 

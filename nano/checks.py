@@ -1,7 +1,6 @@
-"""Checks for values that come from users: Python API arguments, CLI flags, JSONL prompt
-fields, config.json entries. One function per kind of value; each returns the value or
-raises a NanoError, one line naming the value and saying what it must be, so that a
-mistake is reported where it is made instead of as a NumPy error deep inside a step."""
+"""Checks for values that come from users (API arguments, CLI flags, JSONL prompt fields,
+config.json entries), one function per kind of value: each returns the value or raises a one-line
+NanoError, so that a mistake is reported where it is made, not as a NumPy error inside a step."""
 import math
 import numbers
 

@@ -5,7 +5,6 @@ tokens, and (the deadline policy) how long a request's remaining work will take.
 Step time is linear in what the step does, fitted over a sliding window of measured steps
 with a prior (the starting coefficients) so it answers sensibly before the first step:
     t = c0 + c_prefill * prefill_tokens + c_decode * decode_seqs + c_ctx * decode_context_tokens
-(decode_context_tokens: the cached tokens the step's decodes attend to).
 """
 import itertools
 from collections import deque

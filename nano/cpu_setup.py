@@ -40,11 +40,9 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
 
 
 def _keep_freed_memory() -> None:
-    """A forward pass allocates and frees the same large temporaries (activations of
-    hundreds of KB to MBs) at every op. By default glibc maps those with mmap or trims them
-    off the heap when freed, so each new one is page-faulted in again (the cost is in
-    docs/perf_notes.md). Arrays over 32 MiB (glibc's cap) are still mapped. Not glibc
-    (macOS, musl): nothing to do."""
+    """A forward pass allocates and frees the same large temporaries at every op, which glibc
+    by default maps or trims off the heap, each new one page-faulted in again (docs/perf_notes.md).
+    Arrays over 32 MiB (glibc's cap) are still mapped. Not glibc (macOS, musl): nothing to do."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(M_MMAP_THRESHOLD, 32 * 2**20)
@@ -54,11 +52,9 @@ def _keep_freed_memory() -> None:
 
 
 class BlasThreads:
-    """BLAS threads for the cores this process can have now, since each GEMM's join waits for
-    a thread another process descheduled (docs/perf_notes.md). Between steps, at most every
-    CHECK seconds: the idle cores of this process's affinity plus its own CPU seconds per
-    second, rounded down past 3/4 (threadpoolctl). Nothing is changed where the user set
-    OPENBLAS_NUM_THREADS, or without threadpoolctl or /proc."""
+    """BLAS threads for the cores this process can have now, since each GEMM's join waits for a
+    thread another process descheduled (docs/perf_notes.md#blas-threads-beside-a-busy-process).
+    Nothing is changed where the user set OPENBLAS_NUM_THREADS, or without threadpoolctl or /proc."""
 
     CHECK = 0.5  # seconds between measurements
 

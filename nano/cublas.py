@@ -1,10 +1,9 @@
-"""cuBLAS called through ctypes: the GEMM behind ops.linear on the GPU, in eager and captured
-steps alike (CuPy refuses cuBLAS while a stream is being captured).
+"""cuBLAS called through ctypes: the GEMM behind ops.linear on the GPU, eager and captured.
 
 Row-major y (T, N) = x (T, K) @ w (N, K)^T is the column-major GEMM y^T = w x^T:
     m = N, n = T, k = K;  A = w read as (K, N) with lda = K, transposed (OP_T) -> (N, K);
     B = x read as (K, T) with ldb = x's row stride, not transposed;  C = y with ldc = N.
-Why ctypes, not cupy.matmul nor a kernel of our own, and the layout derived: docs/gpu-path.md.
+Why ctypes (CuPy refuses cuBLAS during a capture), and the layout derived: docs/gpu-path.md#cublas-through-ctypes.
 """
 import ctypes
 import functools

@@ -1,11 +1,6 @@
-"""LLMEngine: requests in, one step at a time, finished sequences out.
-
-    step() = schedule -> swap -> prepare inputs -> forward -> sample -> postprocess
-
-Under tensor parallelism (parallel.py) this engine is rank 0: it owns the tokenizer, the
-scheduler and the sampler, and its runner sends each step's packed plan to the other ranks,
-which replay it on their shards (worker.Worker).
-
+"""LLMEngine: requests in, one step at a time, finished sequences out; the step and the seams
+add-ons use: docs/how-it-works.md#one-step. Under tensor parallelism (parallel.py) this engine
+is rank 0, and its runner sends each step's packed plan to the other ranks (worker.Worker).
 Add-ons use only its public methods and LLMEngine.PUBLISHED (tests/test_layout.py): the order
 of the scheduler's, block manager's and runner's calls is the engine's alone.
 """
@@ -248,18 +243,17 @@ class LLMEngine:
         """A running seq out of the batch for another engine's adopt, its blocks kept until
         finish(seq, "handed_off"); returns their KV, a row per block (in take(nbytes)'s buffer)."""
         self.scheduler.hold(seq)
-        n, size = -(-seq.num_computed_tokens // self.config.block_size), self.runner.kv_cache.block_nbytes
+        n, size = self.block_manager.num_blocks_for(seq.num_computed_tokens), self.runner.kv_cache.block_nbytes
         return self.runner.read_blocks(seq.block_table[:n], take(n * size)[:n * size].reshape(n, size) if take else None)
 
     def adopt(self, seq: Sequence) -> str | bool:
-        """Blocks for another engine's handed-off seq, held for write_kv: False while the watermark
-        does not allow them (try again after a step), why not if it never could, else True."""
+        """Blocks for another engine's handed-off seq, held for write_kv (Scheduler.reserve's answer)."""
         return self.scheduler.reserve(seq)
 
     def write_kv(self, seq: Sequence, first: int, rows: np.ndarray) -> None:
         """hand_off's rows first.. into an adopted seq's blocks; after the last, seq joins the batch."""
         self.runner.write_blocks(seq.block_table[first:first + len(rows)], rows)
-        if first + len(rows) == -(-seq.num_computed_tokens // self.config.block_size):
+        if first + len(rows) == self.block_manager.num_blocks_for(seq.num_computed_tokens):
             self.block_manager.register_full_blocks(seq)
             self.scheduler.resume(seq)
 

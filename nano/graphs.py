@@ -1,11 +1,7 @@
-"""CUDA graphs for decode steps: one graph per batch-size bucket, captured on first use.
-
-A step with n decoding sequences replays the graph of the smallest bucket >= n, rows n..
-padded (token 0 at position 0, slot -1, context length 1 over block 0; outputs ignored).
-Each bucket's inputs are views into one static int32 device buffer, a packed step
-(plan.py), that one host-to-device copy fills before the replay; captures allocate from a
-memory pool of their own. Prefill and mixed steps stay eager. Why graphs, and why padding
-and the shared pool are safe: docs/gpu-path.md.
+"""CUDA graphs for decode steps: one graph per batch-size bucket, captured on first use. A step
+of n decoding sequences replays the smallest bucket >= n, rows n.. padded, its inputs views into
+the bucket's static int32 buffer (a packed step, plan.py); prefill and mixed steps stay eager.
+The buckets, the padding, the memory pool, and why they are safe: docs/gpu-path.md#cuda-graphs-for-decode-steps.
 """
 from dataclasses import dataclass
 

@@ -3,13 +3,10 @@
 Layout (one pool per TP rank, holding that rank's KV heads):
   data:   (num_layers, 2, num_blocks, nkv, block_size, d)   [:, 0] keys, [:, 1] values
           the device's dtype (float16 GPU, float32 CPU), or int8 with --kv-cache-dtype int8
-  scales: (num_layers, 2, num_blocks, nkv, block_size) float16, int8 pools only
-One block of one layer's K (or V) for one KV head is block_size * d contiguous values, so
-attention reads whole 16-byte runs (8 halfs, or 16 int8 values); its scales sit at the same
-(layer, k/v, block) index of `scales`, so whatever moves a block (swap, prefix-cache reuse,
-hand-off) moves data[:, :, b] and scales[:, :, b] together.
-
-int8's scales are set as each token is written (ops.rope_store_kvcache): docs/int8-kv.md.
+  scales: (num_layers, 2, num_blocks, nkv, block_size) float16, int8 pools only (docs/int8-kv.md)
+Why a block is contiguous per layer and KV head: docs/how-it-works.md#paged-kv-cache. A block's
+scales sit at the same (layer, k/v, block) index as its data, so whatever moves a block (swap,
+prefix-cache reuse, hand-off) moves data[:, :, b] and scales[:, :, b] together.
 """
 from dataclasses import dataclass
 

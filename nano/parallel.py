@@ -1,7 +1,5 @@
-"""The tensor-parallel ranks and what they say to each other, over MPI (mpi4py): two
-all-reduces per layer, and rank 0's packed step (plan.py) broadcast to the others, which
-replay it until a stop message. MPI is imported only under mpirun: a plain
-`python run.py` never initialises it. The whole picture: docs/tensor-parallel.md.
+"""The tensor-parallel ranks and what they say to each other, over MPI (mpi4py), imported only
+under mpirun (a plain `python run.py` never initialises it): docs/tensor-parallel.md.
 """
 import os
 import time
@@ -12,7 +10,7 @@ import numpy as np
 from nano.errors import NanoError
 
 STOP = -1  # a step message's length that means "no more steps"
-INTERRUPTED = 7  # the tag of a rank's message to rank 0 that it was interrupted
+INTERRUPTED = 7  # the tag of a rank's message to rank 0 that it was interrupted (cli/offline.py)
 # Set by the launcher in every process it starts (Open MPI, PMIx, MPICH/Hydra).
 _LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE")
 
@@ -20,11 +18,6 @@ _LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE")
 class SharedError(NanoError):
     """A failure that every rank raises at once (agreed in `together`): rank 0 prints it
     and all ranks exit normally, with no rank left waiting."""
-
-
-class PeerInterrupted(KeyboardInterrupt):
-    """On rank 0: another rank (args[0]) was interrupted. The run ends as after a Ctrl-C on
-    rank 0 (its finished outputs written in order), not killed from that rank."""
 
 
 class Group:
@@ -95,11 +88,6 @@ class Group:
     def tell_interrupted(self) -> None:
         """A rank > 0 got SIGINT: tell rank 0, without waiting (its steps go on until then)."""
         self.pending = self.comm.isend(self.rank, dest=0, tag=INTERRUPTED)
-
-    def check_interrupted(self) -> None:
-        """On rank 0, between steps: raise PeerInterrupted if another rank was interrupted."""
-        if self.world > 1 and self.comm.Iprobe(tag=INTERRUPTED):
-            raise PeerInterrupted(self.comm.recv(tag=INTERRUPTED))
 
     @contextmanager
     def together(self):

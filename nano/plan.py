@@ -1,10 +1,6 @@
-"""One step's plan: what the scheduler decided for the step (SchedulerOutput), which the
-runner, the engine, the metrics and the TP broadcast all read; and the packed step, the
-plan flattened into one int32 array laid out by StepSizes.fields().
-
-The packed step is what rank 0 broadcasts under TP (every rank unpacks the same array) and
-what one host-to-device copy moves before a forward pass; a CUDA graph's static input
-buffer (graphs.py) has the same layout.
+"""One step's plan, fixed when the scheduler is done (SchedulerOutput), and the packed step: the
+plan flattened into one int32 array laid out by StepSizes.fields(), which rank 0 broadcasts
+under TP and one host-to-device copy moves (docs/how-it-works.md#one-step).
 """
 from dataclasses import astuple, dataclass, field, fields
 

@@ -1,9 +1,6 @@
-"""The scheduling policy: the choices scheduler.py leaves open, FCFS's answers.
-
-Each step the scheduler (the mechanism) asks the questions FCFS's methods answer. FCFS is
-the interface: another policy subclasses it and overrides what it decides differently, and
-is chosen once, where the engine is built (LLMEngine(config, policy=...)), as the deadline
-policy is (nano/deadline; docs/how-it-works.md#how-a-policy-plugs-in).
+"""The scheduling policy: the choices scheduler.py leaves open, FCFS's answers. FCFS is the
+interface another policy subclasses, chosen where the engine is built, as nano/deadline's is
+(docs/how-it-works.md#how-a-policy-plugs-in).
 """
 import math
 from collections import deque
@@ -57,9 +54,7 @@ class FCFS:
 
     def step_tokens(self, decode_time: float) -> int:
         """The prefill tokens one step carries beside decodes taking `decode_time`: the token
-        budget, or by default what keeps the step near STEP_TARGET, priced by the step-time
-        model: a step's length is every running stream's gap between two tokens, and on a busy
-        machine the model learns the slower steps and the steps get fewer tokens."""
+        budget, by default what keeps the step near STEP_TARGET (docs/how-it-works.md#admission-and-preemption)."""
         if self.config.max_num_batched_tokens:
             return self.config.max_num_batched_tokens
         return min(TOKEN_BUDGET, self._tokens_within(STEP_TARGET, decode_time))

@@ -1,11 +1,9 @@
-"""The device side of a step: owns the KV memory, swaps blocks, turns a packed step (plan.py)
-into device inputs, runs the model. It never sees a Sequence: what it runs is in the arrays.
+"""The device side of a step, which never sees a Sequence (docs/how-it-works.md#one-step).
 
 KV memory (layouts in kv_cache.py):
   kv_cache:   KVCache of num_blocks blocks on the device
   host_cache: KVCache of num_swap_blocks blocks in host memory (swap space)
-A swap moves all of a step's blocks in one gather + one device-host copy per direction and
-per block array. On the GPU, decode-only steps replay CUDA graphs (graphs.py).
+On the GPU, decode-only steps replay CUDA graphs (graphs.py).
 """
 import time
 
@@ -44,10 +42,8 @@ class ModelRunner:
         self.blas_threads = BlasThreads() if device.kind == "cpu" and not model.ops.fixed_threads else None
 
     def touch_kv_cache(self) -> None:
-        """Write every page of the KV pool now. On the CPU np.zeros maps pages on first write,
-        which a step would otherwise pay as page faults whenever its sequences open new blocks
-        (docs/perf_notes.md): a server pays that once per block over its life, a benchmark
-        pays it before timing. A GPU pool is written by cupy.zeros already."""
+        """Write every page of the KV pool now: on the CPU np.zeros maps pages on first write,
+        which steps would pay as page faults (docs/perf_notes.md). cupy.zeros writes a GPU pool."""
         if self.device.kind == "cpu":
             self.kv_cache.fill(0)
 
@@ -78,10 +74,8 @@ class ModelRunner:
 
     # ---- blocks read out and written in ------------------------------------------------
     def read_blocks(self, block_ids: list[int], out: np.ndarray | None = None) -> np.ndarray:
-        """Blocks of the pool as host bytes, one row per block: (n, block_bytes) uint8
-        (written into out if given), a row being that block's slice of each block array (KV,
-        then int8 scales), all layers: everything one block holds, for a KV handoff to
-        another engine's pool of the same layout."""
+        """Blocks of the pool as host bytes (into out if given), (n, block_bytes) uint8: a row is that
+        block's slice of each block array (KV, then int8 scales), all layers, for a pool of the same layout."""
         payload = out if out is not None else np.empty((len(block_ids), self.kv_cache.block_nbytes), np.uint8)
         ids = self.device.xp.asarray(np.asarray(block_ids, np.int32))
         for pool, rows in zip(self.kv_cache.block_arrays(), self._payload_rows(payload)):

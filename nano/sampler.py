@@ -1,9 +1,6 @@
-"""Next-token choice (builds each row's sampling parameters, calls its op set's sample) and prompt scoring.
-
-A sequence's draws depend on its seed and output count, never on its batch (the algorithm:
-docs/how-it-works.md). On the GPU a step moves its parameters in with one copy and the
-sampled ids out with one; logits rows come to the host only for sequences that asked for
-them (return_logits). It writes into no Sequence: the engine appends what it returns."""
+"""Next-token choice (each row's sampling parameters, to its op set's sample) and prompt scoring.
+A sequence's draws depend on its seed and output count, never on its batch
+(docs/how-it-works.md#sampling). It writes into no Sequence: the engine appends what it returns."""
 import numpy as np
 
 from nano.ops import OpSet

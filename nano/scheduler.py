@@ -1,13 +1,8 @@
-"""The scheduler: which sequences run in the next forward pass, and how many tokens each.
-
-The batch is re-decided before every step (iteration-level batching): running decodes
-first, then unfinished prompts (a chunk each of the token budget left: chunked prefill),
-then swapped sequences coming back, then arrived requests admitted above the watermark;
-a request that could never fit is rejected at once (docs/how-it-works.md). A decode that
-finds no free block preempts a victim. This file is the mechanism; the choices it leaves
-open (admission and prefill order, the prefill a step may carry, the victim and swap or
-recompute, late requests) are the policy's, made from the class the engine is given
-(policy.py: FCFS by default; nano/deadline's with --policy deadline).
+"""The scheduler: which sequences run in the next forward pass, and how many tokens each,
+re-decided before every step (the order, the watermark, preemption and never-fit rejection:
+docs/how-it-works.md#one-step, #admission-and-preemption). This file is the mechanism; the
+choices it leaves open are the policy's, made from the class the engine is given (policy.py:
+FCFS by default; nano/deadline's with --policy deadline).
 """
 from collections import deque
 

@@ -27,9 +27,8 @@ class SamplingParams:
                 check(name, getattr(self, name))
 
 
-# What each field accepts (the one place each rule is written): SamplingParams.validate
-# applies them, and so does the JSONL prompt reader to each field of a line under its own
-# name (its latency targets are in ms, which the same rules fit).
+# What each field accepts, the one place each rule is written: SamplingParams.validate applies
+# them, and so does the JSONL prompt reader (its latency targets are in ms: the same rules fit).
 FIELD_RULES = {
     "temperature": lambda name, v: checks.number(name, v, low=0),
     "top_p": lambda name, v: checks.number(name, v, 0, 1, open_low=True),

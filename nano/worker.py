@@ -9,9 +9,6 @@ from nano.shard import load_shard
 
 
 class Worker:
-    """A TP rank > 0: its shard and KV pool, running the steps rank 0 (engine.LLMEngine)
-    schedules, samples and broadcasts."""
-
     def __init__(self, config: EngineConfig):
         self.group = parallel.tp_group()
         self.runner = load_shard(config, self.group).runner

@@ -9,6 +9,18 @@ from nano.telemetry.summary import format_summary, summarize
 from nano.telemetry.watchdog import Watchdog
 
 
+class PeerInterrupted(KeyboardInterrupt):
+    """On rank 0: another rank (args[0]) was interrupted. The run ends as after a Ctrl-C on
+    rank 0 (its finished outputs written in order), not killed from that rank."""
+
+
+def check_interrupted(group: parallel.Group) -> None:
+    """On rank 0, between steps: raise PeerInterrupted if another rank told it
+    (Group.tell_interrupted) that it was interrupted."""
+    if group.world > 1 and group.comm.Iprobe(tag=parallel.INTERRUPTED):
+        raise PeerInterrupted(group.comm.recv(tag=parallel.INTERRUPTED))
+
+
 def warm_up(engine) -> None:
     """First-use costs kept out of the figures: the whole KV pool written once (first-touch
     page faults, see ModelRunner.touch_kv_cache), then one short request (kernel compilation
@@ -32,7 +44,7 @@ def run_all(engine, inputs, per_request, arrivals=None, output=None, metrics=Non
     while engine.has_unfinished():
         with watchdog.step():
             finished = engine.step()
-        parallel.tp_group().check_interrupted()  # the engine's TP ranks: one got a SIGINT
+        check_interrupted(parallel.tp_group())  # the engine's TP ranks: one got a SIGINT
         progress.update(len(finished), engine.metrics.generated_tokens)
         if metrics:
             metrics.after_step(engine)

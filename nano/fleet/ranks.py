@@ -312,11 +312,12 @@ def launch(config, num_instances: int, wrong_size, make_requests, make_instance,
 def run_node(node: Node, world) -> None:
     """One instance's leader in an MPI run, to the end. A SIGINT on another rank is passed
     on to the router's, which ends the run (its finished outputs written in order)."""
+    from nano.cli import offline
     if not node.router:
         signal.signal(signal.SIGINT, lambda *_: world.tell_interrupted())
     while not node.done:
         if node.router:
-            world.check_interrupted()
+            offline.check_interrupted(world)
         busy = node.tick()
         if not busy:
             node.instance.link.wait(node.idle_time())
