@@ -23,7 +23,6 @@ ARCHITECTURES = {"LlamaForCausalLM": ("llama", "Llama", {"hidden_act": "silu", "
                      "final_logit_softcapping": None, "use_bidirectional_attention": False}, {
                      "num_key_value_heads": 4, "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
                      "sliding_window_pattern": 6, "max_position_embeddings": 131072, "tie_word_embeddings": True})}
-GEMMA3 = "Gemma3ForCausalLM"  # the family whose forward differs most from Llama's (docs/models.md)
 # The RoPE types the forward pass implements (tp.rope_cos_sin), with the numbers each needs.
 ROPE_TYPES = {"default": (), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                                         "original_max_position_embeddings")}
@@ -86,17 +85,16 @@ class ModelConfig:
         head_dim = count("head_dim") if cfg.get("head_dim") is not None else hidden // heads
         if head_dim < 2 or head_dim % 2:
             raise NanoError(f"config.json head dimension must be even (RoPE rotates pairs), got {head_dim}")
-        gemma, eos, vocab = architecture == GEMMA3, cfg.get("eos_token_id"), count("vocab_size")
+        gemma, eos, vocab = architecture == "Gemma3ForCausalLM", cfg.get("eos_token_id"), count("vocab_size")
         (rope_theta, rope_scaling), local_theta = _ropes(cfg, gemma)
         eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
         # Qwen2's and Qwen3's sliding_window counts only with use_sliding_window (fixed false).
         window = None if "use_sliding_window" in fixed else checks.integer(
             "config.json sliding_window", cfg.get("sliding_window"), 1, checks.INT32_MAX, optional=True)
-        layers = count("num_hidden_layers")
         return cls(
             hidden_size=hidden,
             intermediate_size=count("intermediate_size"),
-            num_layers=layers,
+            num_layers=(layers := count("num_hidden_layers")),
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
@@ -110,7 +108,7 @@ class ModelConfig:
             eos_token_ids=tuple(checks.integer("config.json eos_token_id", t, 0, vocab - 1) for t in eos),
             windows=tuple(window if kind == "sliding_attention" else None for kind in _layer_types(cfg, layers, gemma)),
             attention_bias=checks.flag("config.json attention_bias", cfg.get("attention_bias", False)),
-            qk_norm=architecture in ("Qwen3ForCausalLM", GEMMA3),
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             local_rope_theta=local_theta,
             query_pre_attn_scalar=number("query_pre_attn_scalar", None, 0) if gemma else None,
             activation="gelu_tanh" if gemma else "silu",
@@ -161,8 +159,7 @@ def _layer_types(cfg: dict, layers: int, gemma: bool) -> list[str]:
 
 
 def _ropes(cfg: dict, gemma: bool) -> tuple[tuple[float, dict | None], float | None]:
-    """The RoPE of the global layers, and the base of the sliding ones where it differs: Gemma 3's
-    rope_local_base_freq, or in transformers 5's spelling rope_parameters by layer type."""
+    """The global layers' RoPE; Gemma 3's sliding layers' base (rope_local_base_freq, or by layer type)."""
     if not gemma:
         return _rope(cfg), None
     by_type = cfg.get("rope_parameters") or {}

@@ -78,10 +78,8 @@ def silu_mul(gate_up):
 
 
 def gelu_tanh_mul(gate_up):
-    """gate_up: (T, 2I) = [gate | up] -> gelu_tanh(gate) * up: (T, I), GeGLU (Gemma), with
-    gelu_tanh(g) = g / 2 * (1 + tanh(sqrt(2 / pi) * (g + 0.044715 g^3)))."""
-    inter = gate_up.shape[-1] // 2
-    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    """gate_up: (T, 2I) = [gate | up] -> gelu_tanh(gate) * up: (T, I), GeGLU (Gemma)."""
+    gate, up = np.split(gate_up, 2, axis=-1)
     inner = np.tanh(np.float32(np.sqrt(2 / np.pi)) * (gate + np.float32(0.044715) * gate ** 3))
     return np.float32(0.5) * gate * (1 + inner) * up
 
