@@ -383,9 +383,11 @@ def test_linear_on_a_column_strided_x(cupy, rng):
     assert_close(cupy, kernels.linear(wide_d[:, ::2], w_d), ops.linear(wide[:, ::2], w))
 
 
-def test_silu_mul(cupy, rng):
-    gate_up, gate_up_d = f16(cupy, rng.normal(size=(17, 2 * 1544)) * 3)
-    assert_close(cupy, kernels.silu_mul(gate_up_d), ops.silu_mul(gate_up))
+@pytest.mark.parametrize("op", ["silu_mul", "gelu_tanh_mul"])
+@pytest.mark.parametrize("tokens, inter", [(17, 1544), (3, 2048)])  # 2048: Gemma 3 270M's
+def test_gated_mul(cupy, rng, op, tokens, inter):
+    gate_up, gate_up_d = f16(cupy, rng.normal(size=(tokens, 2 * inter)) * 3)
+    assert_close(cupy, getattr(kernels, op)(gate_up_d), getattr(ops, op)(gate_up))
 
 
 # ---------------------------------------------------------------- sampling
