@@ -29,12 +29,13 @@
 // Grid (nkv, S, partitions), block 128 threads: one thread block per (KV head, sequence,
 // partition of partition_size tokens, counted from the window's first key) computes all
 // GROUP query heads that share the KV head, so each K/V row is read from memory once per
-// group, not once per query head. Static shared memory: the tile's scores (GROUP x 64
+// group, not once per query head. Static shared memory: the tile's scores (GROUP x TILE
 // floats), block ids and softmax state (3 x GROUP floats), and the cache type's buffers
-// (DecodePath below): float16, q as floats (GROUP x d) and 64 K and 64 V rows of d + 8
-// halfs; int8, 64 K rows of d + 16 bytes, 64 V rows of d bytes, q and p' in fixed point
-// (GROUP x (d + 128) bytes) and 2 x (64 + GROUP) float scales.
-// Per tile of 64 tokens:
+// (DecodePath below): float16, q as floats (GROUP x d) and TILE K and TILE V rows of d + 8
+// halfs; int8, TILE K rows of d + 16 bytes, TILE V rows of d bytes, q and p' in fixed point
+// (GROUP x (d + 2 TILE) bytes) and 2 x (TILE + GROUP) float scales. TILE is 64 tokens, 32
+// at head dim 256 (TILE_TOKENS below).
+// Per tile of TILE tokens:
 //   1. look up each row's physical block (-1: row skipped),
 //   2. stage K and V rows in shared memory with 16-byte loads,
 //   3. scores for every (row, head) pair, float32,
@@ -50,7 +51,12 @@
 
 constexpr int NUM_THREADS = 128;
 constexpr int WARPS = NUM_THREADS / 32;
-constexpr int TILE = 64;  // context tokens staged in shared memory per step
+// Context tokens staged in shared memory per step (TILE in the paths and the kernel): 64,
+// but 32 at head dim 256, whose 64 float16 K and 64 V rows alone would take 66 KB, past the
+// 48 KB of static shared memory a block may have. nano/kernels.py cuts partitions in whole
+// multiples of 64 tokens (DECODE_TILE), so of either tile.
+template <int HEAD_DIM>
+constexpr int TILE_TOKENS = HEAD_DIM <= 128 ? 64 : 32;
 
 // The weight of a score: exp(score - max), 0 for a skipped row.
 __device__ __forceinline__ float softmax_weight(float score, float max) {
@@ -97,6 +103,7 @@ struct DecodePath;
 // float16 cache: everything in float32 from halfs, no scales.
 template <int HEAD_DIM, int GROUP>
 struct DecodePath<HEAD_DIM, GROUP, __half> {
+    static constexpr int TILE = TILE_TOKENS<HEAD_DIM>;
     static constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks per K/V row
     // Rows padded by 16 bytes: an odd number of 16-byte units per row means the 8 threads of
     // a quarter warp reading the same chunk of 8 different rows hit 8 different bank groups
@@ -211,6 +218,7 @@ struct DecodePath<HEAD_DIM, GROUP, int8_t> {
     static constexpr float MIN_PV = 0x1p-100f;  // the smallest tile maximum of p' that is kept
     __device__ __forceinline__ static int fixed15_hi(int x) { return (x + 128) >> 8; }
     __device__ __forceinline__ static int fixed15_lo(int x) { return x - fixed15_hi(x) * 256; }
+    static constexpr int TILE = TILE_TOKENS<HEAD_DIM>;
     static constexpr int CHUNKS = HEAD_DIM / 16;  // 16-byte chunks per K/V row
     // K rows padded to an odd number of 16-byte units (scores read one chunk of 32 different
     // rows); V rows unpadded (accumulate reads two neighbouring rows).
@@ -221,13 +229,13 @@ struct DecodePath<HEAD_DIM, GROUP, int8_t> {
     static constexpr int PV_SETS = GROUP <= 4 ? 1 : 2;                 // head sets
     static constexpr int PV_HEADS = (GROUP + PV_SETS - 1) / PV_SETS;   // heads per thread
     static constexpr int SPLITS = NUM_THREADS / (QUADS * PV_SETS);     // token splits
-    static constexpr int TOKEN_QUADS = TILE / 4;                       // quad i: tokens i + 16 e, e < 4
+    static constexpr int TOKEN_QUADS = TILE / 4;                       // quad i: tokens i + TOKEN_QUADS e, e < 4
     static_assert(QUADS * PV_SETS * SPLITS == NUM_THREADS && TOKEN_QUADS % SPLITS == 0 &&
                   QK_SETS * TILE == NUM_THREADS, "int8 thread layout");
 
     // q and p' in 15-bit fixed point ([0] hi bytes, [1] lo bytes) and the scales that turn
-    // them back into floats; p' bytes of token t at 4 * (t % 16) + t / 16, so that a token
-    // quad's 4 bytes are one word.
+    // them back into floats; p' bytes of token t at 4 * (t % TOKEN_QUADS) + t / TOKEN_QUADS,
+    // so that a token quad's 4 bytes are one word.
     struct Shared {
         int8_t (&k)[TILE * K_ROW];
         int8_t (&v)[TILE * V_ROW];
@@ -264,31 +272,42 @@ struct DecodePath<HEAD_DIM, GROUP, int8_t> {
         return RECOMPUTE_SET ? (int)(threadIdx.x / QUADS % PV_SETS) : held_set;
     }
 
-    // One warp per head: lane l holds dims 4l .. 4l + 3 and builds one word of hi bytes and
-    // one of lo bytes, relative to the head's largest |q * scale|.
+    // One warp per head: lane l holds dims 4l .. 4l + 3 (and 4l + 128 .. 4l + 131 at head dim
+    // 256) and builds one word of hi bytes and one of lo bytes per 4 dims, relative to the
+    // head's largest |q * scale|.
     __device__ __forceinline__ static void load_q(const Shared s, const __half* q_group, float scale) {
+        constexpr int LANE_QUADS = (HEAD_DIM / 4 + 31) / 32;  // 4-dim quads per lane
         const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
         for (int g = warp; g < GROUP; g += WARPS) {
-            float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            if (lane < HEAD_DIM / 4) {
-                const uint2 u = *reinterpret_cast<const uint2*>(q_group + g * HEAD_DIM + 4 * lane);
-                const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
-                const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
-                v[0] = a.x * scale, v[1] = a.y * scale, v[2] = b.x * scale, v[3] = b.y * scale;
-            }
-            const float m = warp_reduce(fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3]))),
-                                        Max());
-            const float inv = m > 0.0f ? FIXED15 / m : 0.0f;
-            if (lane < HEAD_DIM / 4) {
-                unsigned hi = 0, lo = 0;
+            float v[LANE_QUADS][4] = {};
+            float m = 0.0f;
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const int x = max(-FIXED15, min(FIXED15, (int)rintf(v[e] * inv)));
-                    hi |= (unsigned)(fixed15_hi(x) & 0xff) << (8 * e);
-                    lo |= (unsigned)(fixed15_lo(x) & 0xff) << (8 * e);
+            for (int j = 0; j < LANE_QUADS; j++) {
+                const int quad = lane + 32 * j;
+                if (quad < HEAD_DIM / 4) {
+                    const uint2 u = *reinterpret_cast<const uint2*>(q_group + g * HEAD_DIM + 4 * quad);
+                    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
+                    const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+                    v[j][0] = a.x * scale, v[j][1] = a.y * scale, v[j][2] = b.x * scale, v[j][3] = b.y * scale;
                 }
-                s.qw[g][0][lane] = hi;
-                s.qw[g][1][lane] = lo;
+                m = fmaxf(m, fmaxf(fmaxf(fabsf(v[j][0]), fabsf(v[j][1])), fmaxf(fabsf(v[j][2]), fabsf(v[j][3]))));
+            }
+            m = warp_reduce(m, Max());
+            const float inv = m > 0.0f ? FIXED15 / m : 0.0f;
+#pragma unroll
+            for (int j = 0; j < LANE_QUADS; j++) {
+                const int quad = lane + 32 * j;
+                if (quad < HEAD_DIM / 4) {
+                    unsigned hi = 0, lo = 0;
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int x = max(-FIXED15, min(FIXED15, (int)rintf(v[j][e] * inv)));
+                        hi |= (unsigned)(fixed15_hi(x) & 0xff) << (8 * e);
+                        lo |= (unsigned)(fixed15_lo(x) & 0xff) << (8 * e);
+                    }
+                    s.qw[g][0][quad] = hi;
+                    s.qw[g][1][quad] = lo;
+                }
             }
             if (lane == 0) s.qscale[g] = m / FIXED15;
         }
@@ -454,6 +473,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS<HEAD_DIM, CacheT>) pag
         const int* __restrict__ context_lens, int max_blocks, int log2_block_size,
         int partition_size, int window, float scale) {
     using Path = DecodePath<HEAD_DIM, GROUP, CacheT>;
+    constexpr int TILE = Path::TILE;
     const typename Path::Shared s = Path::shared();
     __shared__ float s_p[GROUP][TILE];  // scores, then (float16) probabilities
     __shared__ int s_block[TILE];
