@@ -512,7 +512,7 @@ BUGS = [
     ("read past the end of an input", "layers.cu", "if (i8 >= n8) return;", "if (i8 > n8) return;",
      "layers", "past the end of argument 'gate_up'"),
     ("GELU constant with a zero too many", "layers.cu", "0.044715f", "0.0044715f", "layers", None),
-    ("int8 split sums added without a barrier", "paged_attention.cu",
+    ("int8 split sums added without a barrier", "decode_paths.cuh",
      "            __syncthreads();\n        }\n        if (mine == SPLITS - 1) {",
      "        }\n        if (mine == SPLITS - 1) {", "paged_int8", "differs between thread orders"),
     ("partial last staging round not cut short", "common.cuh",
