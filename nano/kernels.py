@@ -25,7 +25,7 @@ CUDA_DIR = Path(__file__).resolve().parent.parent / "cuda"
 HEAD_DIMS = (64, 128, 256)
 GROUPS = (1, 2, 3, 4, 5, 6, 7, 8)
 CACHE_TYPES = {np.dtype(np.float16): "__half", np.dtype(np.int8): "int8_t"}  # dtype -> CacheT
-DECODE_TILE = 64  # TILE_TOKENS in cuda/decode_paths.cuh: tokens per step of the decode kernel (at most)
+DECODE_TILE = 64  # TILE_TOKENS in cuda/decode_paths.cuh: the decode kernel's largest tile, in tokens
 PREFILL_ROWS = 64  # ROWS in cuda/prefill_attention.cu: (token, head) rows per block
 SWAP_UNITS = {16: "uint4", 2: "unsigned short"}  # copy unit of gather/scatter_blocks, in bytes
 
