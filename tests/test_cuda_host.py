@@ -449,6 +449,7 @@ def check_layers(cp, rng):
     assert_close(cp, kernels.rms_norm(x_d, w_d, 1e-5), ops.rms_norm(x, w, 1e-5))
     gate_up, gate_up_d = f16(cp, rng.normal(size=(3, 2 * 72)))
     assert_close(cp, kernels.silu_mul(gate_up_d), ops.silu_mul(gate_up))
+    gate_up, gate_up_d = f16(cp, rng.normal(size=(5, 2 * 72)))
     assert_close(cp, kernels.gelu_tanh_mul(gate_up_d), ops.gelu_tanh_mul(gate_up))
 
 
