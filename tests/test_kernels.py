@@ -531,10 +531,11 @@ def test_paged_attention_many_sequences_no_split(cupy, rng, dtype):
 
 @pytest.mark.parametrize("d", kernels.HEAD_DIMS)
 def test_paged_attention_int8_underflowing_tile(cupy, rng, d):
-    """int8 cache, one key far above all others: in the tile after its own, every weight p is
-    ~e^-80, so p * scale_v (the decode kernel's p') is ~1e-36, below FIXED15 / FLT_MAX: a
-    fixed-point step computed from it would be inf, and inf or NaN converted to int. Such a
-    tile adds nothing. 8 query heads on 2 KV heads, contexts 300 (split-KV) and 70; the
+    """int8 cache, one key far above all others: in keys 64-127 (the tile after its own; at
+    head dim 256, whose tiles are 32 keys, the third and fourth), every weight p is ~e^-80, so
+    p * scale_v (the decode kernel's p') is ~1e-36, below FIXED15 / FLT_MAX: a fixed-point
+    step computed from it would be inf, and inf or NaN converted to int. Such a tile adds
+    nothing. 8 query heads on 2 KV heads, contexts 300 (split-KV) and 70; the
     sanitizer run (tests/test_cuda_host.py) catches the conversion."""
     nq, nkv, block_size, key, gap = 8, 2, 16, 5, 80.0
     context_lens = [300, 70]
