@@ -25,10 +25,11 @@
 //   v_scales: one layer's (num_blocks, nkv, block_size) float16 (empty for float16).
 //   Grid T blocks (one per token), 128 threads. Work item = 8 (x[i], x[i + d/2]) pairs of one
 //   head (q, k or v; two 16-byte loads); a head's d/16 items sit on neighbouring lanes of one
-//   warp (d/16 divides 32 for d 64 and 128, the int8 head dims, and for every power-of-two
-//   d the norm and the rotation allow), so its sum of squares and max |x| are shuffle
-//   reductions over them, and the rotation's butterflies across those lanes are shuffles
-//   too. The loop runs whole rounds of 128 items, so every lane reaches every shuffle.
+//   warp (d/16 divides 32 for d 64, 128 and 256, the int8 head dims, and for every
+//   power-of-two d the norm and the rotation allow), so its sum of squares and max |x|
+//   are shuffle reductions over them, and the rotation's butterflies across those lanes
+//   are shuffles too. The loop runs whole rounds of 128 items, so every lane reaches every
+//   shuffle.
 // gather_blocks<Unit> / scatter_blocks<Unit>: between a pool (L, 2, num_blocks, *rest), any
 //   element type (K/V data or scales), and a contiguous staging buffer (L, 2, n, *rest);
 //   block_ids (n,) int32. Arrays are passed as bytes; Unit is the copy unit: uint4 when a

@@ -1,5 +1,5 @@
-// Per-token layers: RMSNorm (plain and fused with the residual add), SiLU-and-multiply and
-// embedding gather. Float16 in and out, float32 math. (RoPE lives in cache.cu, fused with
+// Per-token layers: RMSNorm (plain and fused with the residual add), the gated activations
+// SiLU-and-multiply (SwiGLU) and GELU-and-multiply (GeGLU, Gemma) and embedding gather. Float16 in and out, float32 math. (RoPE lives in cache.cu, fused with
 // the KV-cache write; greedy argmax in sampling.cu, as the temperature-0 case of sampling.)
 //
 // All arrays are row-major and contiguous.
@@ -9,6 +9,7 @@
 //               both (T, H), written in one pass. Grid T, block 256; shared: 32 floats.
 // silu_mul:     gate_up (T, 2I) = [gate | up] -> out (T, I) = silu(gate) * up. One thread per
 //               8 outputs: grid ceil(T * I / 8 / 256), block 256; no shared memory.
+// gelu_tanh_mul: as silu_mul, out = gelu_tanh(gate) * up; both are gated() over an activation.
 // embedding:    ids (T,) int32, table (V, H) -> out (T, H) = table[ids]. Grid T, block 128;
 //               no shared memory.
 //
@@ -67,9 +68,21 @@ extern "C" __global__ void add_rms_norm(const __half* __restrict__ x,
     scale_row(new_residual + row, weight, out + row, hidden, inv_rms);
 }
 
-// out[t, j] = silu(gate[t, j]) * up[t, j], 8 outputs per thread; n8 = T * I / 8.
-extern "C" __global__ void silu_mul(const __half* __restrict__ gate_up, __half* __restrict__ out,
-                                    int inter, long long n8) {
+struct Silu {  // silu(g) = g * sigmoid(g)
+    __device__ float operator()(float g) const { return g / (1.0f + __expf(-g)); }
+};
+
+struct GeluTanh {  // gelu_tanh(g) = g / 2 * (1 + tanh(sqrt(2 / pi) * (g + 0.044715 g^3)))
+    __device__ float operator()(float g) const {
+        return 0.5f * g * (1.0f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g)));
+    }
+};
+
+// out[t, j] = act(gate[t, j]) * up[t, j], 8 outputs per thread; n8 = T * I / 8. A template
+// over the activation, so each entry point below inlines its own.
+template <typename Act>
+__device__ void gated(const __half* __restrict__ gate_up, __half* __restrict__ out, int inter,
+                      long long n8, Act act) {
     const long long i8 = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i8 >= n8) return;
     const long long token = i8 * 8 / inter;
@@ -77,8 +90,18 @@ extern "C" __global__ void silu_mul(const __half* __restrict__ gate_up, __half* 
     float g[8], u[8];
     load8(gate_up + token * 2 * inter + j, g);
     load8(gate_up + token * 2 * inter + inter + j, u);
-    for (int i = 0; i < 8; i++) g[i] = g[i] / (1.0f + __expf(-g[i])) * u[i];
+    for (int i = 0; i < 8; i++) g[i] = act(g[i]) * u[i];
     store8(out + token * inter + j, g);
+}
+
+extern "C" __global__ void silu_mul(const __half* __restrict__ gate_up, __half* __restrict__ out,
+                                    int inter, long long n8) {
+    gated(gate_up, out, inter, n8, Silu());
+}
+
+extern "C" __global__ void gelu_tanh_mul(const __half* __restrict__ gate_up, __half* __restrict__ out,
+                                         int inter, long long n8) {
+    gated(gate_up, out, inter, n8, GeluTanh());
 }
 
 // out[t] = table[ids[t]]. An id outside [0, vocab) gives a zero row instead of reading

@@ -27,7 +27,8 @@
 // Design (CUDA cores, no tensor cores): a thread block of 256 threads takes 64 query
 // rows = 64 / GROUP query tokens x the GROUP query heads of one KV head, so each K/V tile is
 // read once for the whole group. Grid (ceil(T / tokens per block), nkv, S); blocks past
-// the end of their chunk exit at once. Per tile of 32 keys:
+// the end of their chunk exit at once. Per tile of KEYS keys (32; 8 at head dim 256, see
+// KEYS_PER_TILE):
 //   1. physical block of each key (-1: key skipped), 2. stage K, V in shared memory with
 //   16-byte loads, 3. scores: each thread computes 8 rows x 1 key in float32, masked
 //   causally, 4. online softmax, one thread per row (running max and sum-exp in
@@ -39,14 +40,17 @@
 // probabilities by its V scale (after the sum-exp, which is of p): nothing is dequantized
 // in global memory, and steps 3 and 5 run the float16 code. Prefill is compute-bound (each
 // K/V tile serves 64 query rows), so the conversion's cost is small next to the products.
-// Static shared memory: the block's 64 q rows and a tile's 32 K and 32 V rows, d + 8 halfs
-// each (padded, see step 3); scores 64 x 33 floats; alpha and sum-exp per row (2 x 64 floats);
-// 32 block ids; int8 cache also 2 x 32 float scales.
+// Static shared memory: the block's 64 q rows and a tile's KEYS K and KEYS V rows, d + 8
+// halfs each (padded, see step 3); scores 64 x (KEYS + 1) floats; alpha and sum-exp per row
+// (2 x 64 floats); KEYS block ids; int8 cache also 2 x KEYS float scales.
 #include "common.cuh"
 
 constexpr int NUM_THREADS = 256;
 constexpr int ROWS = 64;  // query rows (token, head) per thread block
-constexpr int KEYS = 32;  // keys per tile
+// Keys per tile: 32, but 8 at head dim 256, where the 64 q rows alone take 33 KB of the 48 KB
+// of static shared memory a block may have (and 32 K and 32 V rows would take 34 more).
+template <int HEAD_DIM>
+constexpr int KEYS_PER_TILE = HEAD_DIM <= 128 ? 32 : 8;
 
 // Blocks per SM that the int8 instances' registers must allow (__launch_bounds__'s second
 // argument, see paged_attention.cu); 0 (none) for float16.
@@ -61,13 +65,14 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS<HEAD_DIM, CacheT>) pre
         const int* __restrict__ cu_seqlens_q, const int* __restrict__ block_tables,
         const int* __restrict__ context_lens, int max_blocks, int log2_block_size, int window, float scale) {
     constexpr bool INT8 = sizeof(CacheT) == 1;
+    constexpr int KEYS = KEYS_PER_TILE<HEAD_DIM>;
     constexpr int TOKENS = ROWS / GROUP;  // query tokens per block; rows past TOKENS*GROUP idle
     constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks per row
     constexpr int ROW = HEAD_DIM + 8;     // padded: conflict-free 16-byte reads, see step 3
-    constexpr int SCORE_ROWS = ROWS / (NUM_THREADS / KEYS);  // score rows per thread: 8
-    constexpr int PAIR_COLS = HEAD_DIM / 2;                   // dim pairs per row: 32 or 64
-    constexpr int ROW_STEP = NUM_THREADS / PAIR_COLS;          // 8 or 4
-    constexpr int OUT_ROWS = ROWS / ROW_STEP;                  // output rows per thread: 8 or 16
+    constexpr int SCORE_ROWS = ROWS / (NUM_THREADS / KEYS);  // score rows per thread: 8 (2 at 256)
+    constexpr int PAIR_COLS = HEAD_DIM / 2;                   // dim pairs per row: 32, 64 or 128
+    constexpr int ROW_STEP = NUM_THREADS / PAIR_COLS;          // 8, 4 or 2
+    constexpr int OUT_ROWS = ROWS / ROW_STEP;                  // output rows per thread: 8, 16 or 32
     static_assert(ROWS * CHUNKS % NUM_THREADS == 0, "the q staging loop assumes whole rounds");
 
     __shared__ __align__(16) __half s_q[ROWS * ROW];
@@ -109,7 +114,8 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS<HEAD_DIM, CacheT>) pre
     const int d2 = threadIdx.x % PAIR_COLS, r0 = threadIdx.x / PAIR_COLS;
     float2 acc[OUT_ROWS];
     for (int i = 0; i < OUT_ROWS; i++) acc[i] = make_float2(0.0f, 0.0f);
-    // Score slice: key `kr` of rows sr0 .. sr0 + SCORE_ROWS - 1 (a warp shares its rows).
+    // Score slice: key `kr` of rows sr0 .. sr0 + SCORE_ROWS - 1 (with 32 keys a warp shares
+    // its rows; with 8, four sets of rows).
     const int kr = threadIdx.x % KEYS, sr0 = threadIdx.x / KEYS * SCORE_ROWS;
 
     for (int key0 = first_key; key0 <= last_key; key0 += KEYS) {
@@ -119,7 +125,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS<HEAD_DIM, CacheT>) pre
             s_k, s_v, s_kscale, s_vscale, s_block, k_cache, v_cache, k_scales, v_scales, table,
             max_blocks, key0, last_key - key0 + 1, kv_head, nkv, log2_block_size);
 
-        // 3. Scores. Lanes read 32 different K rows at the same chunk: rows are an odd
+        // 3. Scores. Lanes read KEYS different K rows at the same chunk: rows are an odd
         // number of 16-byte units apart, so no bank conflicts; q rows are broadcast.
         float score[SCORE_ROWS];
         for (int i = 0; i < SCORE_ROWS; i++) score[i] = 0.0f;

@@ -22,10 +22,10 @@ CUDA_DIR = Path(__file__).resolve().parent.parent / "cuda"
 # Attention kernels are templates over the head dim, the GQA group size (query heads per KV
 # head) and the cache's element type, so their loops and register arrays have compile-time
 # bounds. An int8 cache needs one of HEAD_DIMS also for its writes (rope_store_kvcache).
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 GROUPS = (1, 2, 3, 4, 5, 6, 7, 8)
 CACHE_TYPES = {np.dtype(np.float16): "__half", np.dtype(np.int8): "int8_t"}  # dtype -> CacheT
-DECODE_TILE = 64  # TILE in cuda/paged_attention.cu: tokens per step of the decode kernel
+DECODE_TILE = 64  # TILE_TOKENS in cuda/decode_paths.cuh: the decode kernel's largest tile, in tokens
 PREFILL_ROWS = 64  # ROWS in cuda/prefill_attention.cu: (token, head) rows per block
 SWAP_UNITS = {16: "uint4", 2: "unsigned short"}  # copy unit of gather/scatter_blocks, in bytes
 
@@ -193,7 +193,7 @@ def linear(x, weight, bias=None):
     return out
 
 
-def silu_mul(gate_up):
+def _gated(kernel, gate_up):
     _check("gate_up", gate_up, cupy.float16)
     gate_up = cupy.ascontiguousarray(gate_up)
     tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
@@ -201,8 +201,16 @@ def silu_mul(gate_up):
     out = cupy.empty((tokens, inter), cupy.float16)
     n8 = tokens * inter // 8  # one thread per 8 outputs
     if n8:
-        _kernel("layers.cu", "silu_mul")(((n8 + 255) // 256,), (256,), (gate_up, out, np.int32(inter), np.int64(n8)))
+        _kernel("layers.cu", kernel)(((n8 + 255) // 256,), (256,), (gate_up, out, np.int32(inter), np.int64(n8)))
     return out
+
+
+def silu_mul(gate_up):
+    return _gated("silu_mul", gate_up)
+
+
+def gelu_tanh_mul(gate_up):
+    return _gated("gelu_tanh_mul", gate_up)
 
 
 def sample(logits, temperature, top_k, top_p, seeds, counters):
@@ -392,5 +400,5 @@ def attention(q, cache, batch, scale, window=None):
 
 
 CUDA = ops.OpSet(linear, attention, fixed_threads=False, embedding=embedding, add_rms_norm=add_rms_norm,
-                 rope_store_kvcache=rope_store_kvcache, silu_mul=silu_mul, sample=sample,
+                 rope_store_kvcache=rope_store_kvcache, silu_mul=silu_mul, gelu_tanh_mul=gelu_tanh_mul, sample=sample,
                  gather_blocks=gather_blocks, scatter_blocks=scatter_blocks)

@@ -47,9 +47,11 @@ def test_the_row_wise_ops_do_not_depend_on_the_other_rows():
     logits = rng.normal(size=(40, 4096)).astype(np.float32)
     params = [np.zeros(40, np.float32), np.zeros(40, np.int32), np.ones(40, np.float32),
               np.arange(40, dtype=np.uint64), np.zeros(40, np.int32)]
-    all_rows = (ops.add_rms_norm(x, res, w, 1e-5), ops.silu_mul(gate_up), ops.sample(logits, *params))
+    all_rows = (ops.add_rms_norm(x, res, w, 1e-5), ops.silu_mul(gate_up), ops.gelu_tanh_mul(gate_up),
+                ops.sample(logits, *params))
     for rows in (slice(0, 1), slice(7, 8), slice(3, 10), slice(39, 40)):
         some = (ops.add_rms_norm(x[rows], res[rows], w, 1e-5), ops.silu_mul(gate_up[rows]),
+                ops.gelu_tanh_mul(gate_up[rows]),
                 ops.sample(logits[rows], *(p[rows] for p in params)))
         for got, want in zip(some, all_rows):
             for g, a in zip(*((got, want) if isinstance(got, tuple) else ((got,), (want,)))):

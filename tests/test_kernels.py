@@ -168,7 +168,7 @@ def heads_of_many_scales(rng, tokens, heads, d):
     return (rng.normal(size=(tokens, heads, d)) * rng.uniform(0.05, 5, size=(tokens, heads, 1))).reshape(tokens, -1)
 
 
-@pytest.mark.parametrize("nq, nkv, d", [(9, 3, 64), (32, 8, 128), (4, 1, 128), (5, 1, 32)])
+@pytest.mark.parametrize("nq, nkv, d", [(9, 3, 64), (32, 8, 128), (4, 1, 128), (5, 1, 32), (4, 1, 256)])
 @pytest.mark.parametrize("with_norm", [False, True])
 def test_rope_store_kvcache_on_strided_views(cupy, rng, nq, nkv, d, with_norm):
     """q, k, v are views into one fused QKV output, as the model produces them; slot -1
@@ -213,7 +213,7 @@ def assert_quantized_close(cupy, got_values, got_scales, ref_values, ref_scales)
     return (got_values != ref_values).mean()  # the fraction of values one step off
 
 
-@pytest.mark.parametrize("nq, nkv, d", [(9, 3, 64), (32, 8, 128), (4, 1, 128)])
+@pytest.mark.parametrize("nq, nkv, d", [(9, 3, 64), (32, 8, 128), (4, 1, 128), (4, 1, 256)])
 @pytest.mark.parametrize("scheme", ["token", "rotate"])
 @pytest.mark.parametrize("with_norm", [False, True])
 def test_rope_store_kvcache_int8(cupy, rng, nq, nkv, d, scheme, with_norm):
@@ -383,9 +383,11 @@ def test_linear_on_a_column_strided_x(cupy, rng):
     assert_close(cupy, kernels.linear(wide_d[:, ::2], w_d), ops.linear(wide[:, ::2], w))
 
 
-def test_silu_mul(cupy, rng):
-    gate_up, gate_up_d = f16(cupy, rng.normal(size=(17, 2 * 1544)) * 3)
-    assert_close(cupy, kernels.silu_mul(gate_up_d), ops.silu_mul(gate_up))
+@pytest.mark.parametrize("op", ["silu_mul", "gelu_tanh_mul"])
+@pytest.mark.parametrize("tokens, inter", [(17, 1544), (3, 2048)])  # 2048: Gemma 3 270M's
+def test_gated_mul(cupy, rng, op, tokens, inter):
+    gate_up, gate_up_d = f16(cupy, rng.normal(size=(tokens, 2 * inter)) * 3)
+    assert_close(cupy, getattr(kernels, op)(gate_up_d), getattr(ops, op)(gate_up))
 
 
 # ---------------------------------------------------------------- sampling
@@ -492,7 +494,8 @@ def make_cache(cupy, rng, context_lens, nkv, d, block_size, dtype="float16"):
                            cupy.asarray(tables))
 
 
-HEADS = [(9, 3, 64), (8, 8, 64), (32, 8, 128), (64, 8, 128), (12, 4, 128), (24, 3, 64)]  # groups 3, 1, 4, 8, 3, 8
+# Groups 3, 1, 4, 8, 3, 8, 4: the last is Gemma 3 270M's (4 query heads on 1 KV head of 256 dims).
+HEADS = [(9, 3, 64), (8, 8, 64), (32, 8, 128), (64, 8, 128), (12, 4, 128), (24, 3, 64), (4, 1, 256)]
 
 
 @pytest.mark.parametrize("dtype", CACHE_DTYPES)
@@ -528,10 +531,11 @@ def test_paged_attention_many_sequences_no_split(cupy, rng, dtype):
 
 @pytest.mark.parametrize("d", kernels.HEAD_DIMS)
 def test_paged_attention_int8_underflowing_tile(cupy, rng, d):
-    """int8 cache, one key far above all others: in the tile after its own, every weight p is
-    ~e^-80, so p * scale_v (the decode kernel's p') is ~1e-36, below FIXED15 / FLT_MAX: a
-    fixed-point step computed from it would be inf, and inf or NaN converted to int. Such a
-    tile adds nothing. 8 query heads on 2 KV heads, contexts 300 (split-KV) and 70; the
+    """int8 cache, one key far above all others: in keys 64-127 (the tile after its own; at
+    head dim 256, whose tiles are 32 keys, the third and fourth), every weight p is ~e^-80, so
+    p * scale_v (the decode kernel's p') is ~1e-36, below FIXED15 / FLT_MAX: a fixed-point
+    step computed from it would be inf, and inf or NaN converted to int. Such a tile adds
+    nothing. 8 query heads on 2 KV heads, contexts 300 (split-KV) and 70; the
     sanitizer run (tests/test_cuda_host.py) catches the conversion."""
     nq, nkv, block_size, key, gap = 8, 2, 16, 5, 80.0
     context_lens = [300, 70]
@@ -587,7 +591,7 @@ def test_prefill_attention(cupy, rng, nq, nkv, d, chunks, dtype):
 
 # Sliding windows (ops.py: the query at position p sees keys p - W + 1 .. p): shorter and longer
 # than the context, the window's first key at a block edge and off one.
-WINDOW_HEADS = [(9, 3, 64), (8, 8, 64), (64, 8, 128)]  # groups 3, 1, 8
+WINDOW_HEADS = [(9, 3, 64), (8, 8, 64), (64, 8, 128), (4, 1, 256)]  # groups 3, 1, 8, 4 (Gemma 3 270M)
 
 
 @pytest.mark.parametrize("dtype", CACHE_DTYPES)
@@ -599,6 +603,7 @@ WINDOW_HEADS = [(9, 3, 64), (8, 8, 64), (64, 8, 128)]  # groups 3, 1, 8
     ([300, 64], 16, 1000),                  # longer than every context: all keys
     ([250, 3, 129], 32, 1),                 # one key: the query's own
     ([5, 70, 2], 1, 7),                     # block_size 1
+    ([1000, 512, 513, 528, 2000], 16, 512), # Gemma 3's window: 488, 0, 1, 16 and 1488 (edges)
 ])
 def test_paged_attention_window(cupy, rng, nq, nkv, d, context_lens, block_size, window, dtype):
     (cache, tables), (cache_d, tables_d) = make_cache(cupy, rng, context_lens, nkv, d, block_size, dtype)
@@ -617,6 +622,7 @@ def test_paged_attention_window(cupy, rng, nq, nkv, d, context_lens, block_size,
     ([(64, 64), (130, 1000), (21, 21)], 45),   # off tile and block edges
     ([(40, 40), (7, 300)], 1),                 # one key: the query's own
     ([(50, 300), (20, 20)], 500),              # longer than every context: all keys
+    ([(530, 530), (40, 1100)], 512),           # Gemma 3's window, inside a chunk and deep in one
 ])
 def test_prefill_attention_window(cupy, rng, nq, nkv, d, chunks, window, dtype):
     context_lens = [ctx for _, ctx in chunks]
