@@ -243,3 +243,19 @@ def test_gpu_prompt_logprobs_match_cpu(shaped_model):
     if shape != "smollm2_135m":
         pytest.skip("compared on the SmolLM2 shape")
     check_prompt_logprobs(model_dir, prompts_for(vocab, n=2))
+
+
+@pytest.fixture(scope="module", params=[64, 256])
+def gemma3_model(request, tmp_path_factory):
+    """The tiny Gemma 3 of tests/families.py at head dim 64 (the kernels' smallest) and 256
+    (Gemma 3's own): GeGLU, its norms, sliding (12 keys) and global layers with their own RoPE.
+    At 256 its query_pre_attn_scalar is Gemma's 256 too: the case's 24 would make scores ~3x
+    sharper than any Gemma's, and an int8 pool's rounding would then pass the tolerance."""
+    from tests import families
+    edit = {"head_dim": request.param} | ({"query_pre_attn_scalar": 256} if request.param == 256 else {})
+    return families.make_model("gemma3_text", tmp_path_factory.mktemp(f"gemma3-{request.param}"), edit=edit)
+
+
+@pytest.mark.parametrize("config", ["default", "chunked_prefill", "int8"])
+def test_gemma3_engine_matches_cpu(gemma3_model, config, cpu_runs):
+    check_gpu_config(gemma3_model, prompts_for(512), config, cpu_runs)
