@@ -8,6 +8,7 @@ import os
 import time
 
 USER_THREADS = "OPENBLAS_NUM_THREADS" in os.environ  # the user's own choice: kept as it is
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
 
 
 def _cpu_info() -> dict[str, str]:
@@ -33,16 +34,9 @@ def configure() -> None:
     zen4 = cpu.get("vendor_id") == "AuthenticAMD" and cpu.get("cpu family") == "25"
     if zen4 and "avx512f" in cpu.get("flags", "").split():
         os.environ.setdefault("OPENBLAS_CORETYPE", "Zen")
-    _keep_freed_memory()
-
-
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
-
-
-def _keep_freed_memory() -> None:
-    """A forward pass allocates and frees the same large temporaries at every op, which glibc
-    by default maps or trims off the heap, each new one page-faulted in again (docs/perf_notes.md).
-    Arrays over 32 MiB (glibc's cap) are still mapped. Not glibc (macOS, musl): nothing to do."""
+    # A forward pass allocates and frees the same large temporaries at every op, which glibc by
+    # default maps or trims off the heap, each new one page-faulted in again: keep them (arrays
+    # over 32 MiB, glibc's cap, are still mapped; docs/perf_notes.md). Not glibc: nothing to do.
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(M_MMAP_THRESHOLD, 32 * 2**20)

@@ -50,8 +50,6 @@ def host_memory() -> tuple[int, int]:
 
 
 class Device:
-    """Where arrays live: NumPy float32 on the CPU, CuPy float16 on the GPU."""
-
     def __init__(self, kind: str, index: int = 0):
         self.kind = kind
         if kind == "gpu":

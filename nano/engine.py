@@ -140,11 +140,10 @@ class LLMEngine:
         """Nothing could run: only requests that have not arrived yet are left; wait for one
         (or for whoever holds sequences' blocks, Scheduler.hold, to release them)."""
         arrival = self.scheduler.next_arrival()
-        if arrival is None and self.scheduler.held:
-            return  # a pool full of held blocks: their holder frees them between steps
-        if arrival is None:
+        if arrival is not None:
+            self.clock.sleep(arrival - now)
+        elif not self.scheduler.held:  # else a pool full of held blocks: their holder frees them between steps
             raise RuntimeError("scheduler made no progress")  # a bug, never a user error
-        self.clock.sleep(arrival - now)
 
     def stop_workers(self) -> None:
         if self.group.world > 1:
@@ -162,14 +161,13 @@ class LLMEngine:
             if i in kept:
                 seq.logits.append(kept[i])
             if seq.params.max_tokens == 0:  # it only scored its prompt: the token is not wanted
-                self.scheduler.finish(seq, "length")
-                finished.append(seq)
-                continue
-            seq.token_ids.append(token)
-            seq.token_times.append(now)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            reason = self._stop_reason(seq, token)
+                reason = "length"
+            else:
+                seq.token_ids.append(token)
+                seq.token_times.append(now)
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                reason = self._stop_reason(seq, token)
             if reason:
                 self.scheduler.finish(seq, reason)
                 finished.append(seq)

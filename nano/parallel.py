@@ -102,11 +102,9 @@ class Group:
             yield
         except NanoError as e:
             error = str(e)
-        errors = self.comm.allgather(error)
-        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-        if failed:
-            r, e = failed[0]
-            raise SharedError(f"rank {r}: {e}" if r else e)
+        for r, e in enumerate(self.comm.allgather(error)):  # the lowest failed rank's error
+            if e is not None:
+                raise SharedError(f"rank {r}: {e}" if r else e)
 
 
 _group: Group | None = None

@@ -1,10 +1,5 @@
-"""The device side of a step, which never sees a Sequence (docs/how-it-works.md#one-step).
-
-KV memory (layouts in kv_cache.py):
-  kv_cache:   KVCache of num_blocks blocks on the device
-  host_cache: KVCache of num_swap_blocks blocks in host memory (swap space)
-On the GPU, decode-only steps replay CUDA graphs (graphs.py).
-"""
+"""The device side of a step, which never sees a Sequence (docs/how-it-works.md#one-step): the
+forward pass, the KV pool on the device and swap space in host memory (layouts: kv_cache.py)."""
 import time
 
 import numpy as np

@@ -42,8 +42,7 @@ class Scheduler:
     def schedule(self, now: float) -> SchedulerOutput:
         self.now = now
         out = SchedulerOutput()
-        budget = self.config.token_budget
-        budget = self._schedule_running(out, budget)
+        budget = self._schedule_running(out, self.config.token_budget)
         if not out.preempted:  # a step that had to preempt has no room to bring anyone back
             budget = self._schedule_swapped(out, budget)
         if not self.swapped and not out.preempted:

@@ -1,9 +1,6 @@
-"""What every tensor-parallel rank loads: its slice of the model on its device and its KV
-pool (load_shard; LLMEngine on rank 0 and worker.Worker on the others both call it).
-
-Loading runs on every rank in step: its failures are shared (Group.together), and the
-ranks agree on one number of blocks, since rank 0 schedules for all of them.
-"""
+"""What every tensor-parallel rank loads (load_shard: LLMEngine on rank 0, worker.Worker on the
+others). Loading runs on every rank in step: its failures are shared (Group.together), and the
+ranks agree on one number of blocks, since rank 0 schedules for all of them."""
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +10,7 @@ from nano.device import Device, gpu_of, host_memory, select_device
 from nano.errors import NanoError
 from nano.runner import ModelRunner
 from nano.tokenizer import Tokenizer
-from nano.tp import Partition, load_model, partition
+from nano.tp import load_model, partition
 from nano.weights import open_model
 
 
@@ -25,7 +22,6 @@ class Shard:
     model_config: ModelConfig
     tokenizer: Tokenizer | None      # rank 0's alone
     max_model_len: int
-    partitions: list[Partition]      # every rank's heads and columns
     device: Device
     runner: ModelRunner
     num_blocks: int                  # the same on every rank
@@ -41,7 +37,7 @@ def load_shard(config: EngineConfig, group: parallel.Group) -> Shard:
         group.require(config.tp)
         folder = open_model(config.model, tokenizer=group.rank == 0)
         cfg, context = folder.config, max_model_len(config, folder.config)
-        partitions = [partition(cfg, r, group.world) for r in range(group.world)]
+        part = partition(cfg, group.rank, group.world)  # this rank's heads and columns
         kind = select_device(config.device)
         if config.batch_invariant and kind == "gpu":  # its ops are NumPy's (ops.BATCH_INVARIANT)
             raise NanoError("--batch-invariant is CPU-only")
@@ -53,11 +49,9 @@ def load_shard(config: EngineConfig, group: parallel.Group) -> Shard:
         # same tokens whatever the batch) holds only with them (docs/int8-kv.md).
         default = kind == "cpu" and config.kv_cache_dtype == "int8"
         invariant = default if config.batch_invariant is None else config.batch_invariant
-        model = load_model(folder.reader, cfg, partitions[group.rank], device.put, context, group.all_reduce,
-                           op_set(kind, invariant))
+        model = load_model(folder.reader, cfg, part, device.put, context, group.all_reduce, op_set(kind, invariant))
 
-    per_token = kv_cache.bytes_per_token(cfg, partitions[group.rank].num_kv_heads, config.kv_cache_dtype,
-                                         device.itemsize)
+    per_token = kv_cache.bytes_per_token(cfg, part.num_kv_heads, config.kv_cache_dtype, device.itemsize)
     block_bytes = per_token * config.block_size
     # Free memory measured once every rank has loaded its weights (the together block above).
     memory = kv_cache.pool_memory(config, device.kind, device.free_memory(), group.rank, group.world)
@@ -72,7 +66,7 @@ def load_shard(config: EngineConfig, group: parallel.Group) -> Shard:
                          # MPI all-reduces run on the host: a TP step cannot be captured
                          cuda_graphs=not config.enforce_eager and group.world == 1,
                          max_num_seqs=config.max_num_seqs, max_model_len=context)
-    return Shard(folder.path, cfg, folder.tokenizer, context, partitions, device, runner, num_blocks,
+    return Shard(folder.path, cfg, folder.tokenizer, context, device, runner, num_blocks,
                  num_swap_blocks, per_token, model.nbytes)
 
 

@@ -88,7 +88,7 @@ class CheckpointReader:
             files = sorted(set(map(str, weight_map.values())))
         else:
             files = ["model.safetensors"]
-        self._tensors = {}  # name -> (memmap of file, dtype string, shape, byte offset)
+        self._tensors = {}  # name -> (its bytes, memory-mapped; dtype string; shape)
         for fname in files:
             self._read_header(model_dir / fname)
 
@@ -125,7 +125,7 @@ class CheckpointReader:
                 raise damaged(f"tensor {name} ends at byte {end} of the data, which holds {size - base}")
             if itemsize and (min(shape, default=0) < 0 or end - start != math.prod(shape) * itemsize):
                 raise damaged(f"tensor {name} of shape {shape} has {end - start} bytes")
-            self._tensors[name] = (data, dtype, shape, base + start)
+            self._tensors[name] = (data[base + start:base + end], dtype, shape)
 
     def names(self) -> list[str]:
         return list(self._tensors)
@@ -135,12 +135,10 @@ class CheckpointReader:
 
     def get(self, name, rows: slice | None = None, cols: slice | None = None) -> np.ndarray:
         """The tensor (or a slice of it) as C-contiguous float32."""
-        data, dtype, shape, offset = self._entry(name)
+        data, dtype, shape = self._entry(name)
         if dtype not in self._DTYPES:
             raise NanoError(f"unsupported dtype {dtype} for tensor {name}")
-        np_dtype = self._DTYPES[dtype]
-        n = int(np.prod(shape))
-        arr = data[offset:offset + n * np_dtype.itemsize].view(np_dtype).reshape(shape)
+        arr = data.view(self._DTYPES[dtype]).reshape(shape)
         if rows is not None:
             arr = arr[rows]
         if cols is not None:
