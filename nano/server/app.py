@@ -8,9 +8,10 @@
     GET /metrics (Prometheus text, vLLM's names: the registry --metrics-prom writes),
     GET /openapi.json (each route's body, and the statuses it answers, as sent)
 
-Two threads. uvicorn's event loop speaks HTTP: it validates a request (pydantic; unknown
-fields are tolerated, wrong types and ranges are a 400), tokenizes it in a worker thread,
-and hands the engine thread (engine_thread.py) one Job per choice. Nothing the engine does
+Two threads. uvicorn's event loop speaks HTTP: it validates a request (pydantic; a wrong
+type or range, a field nano does not implement (fields.py) or an unknown one is a 400 naming
+it), tokenizes it in a worker thread, and hands the engine thread (engine_thread.py) one Job
+per choice. Nothing the engine does
 blocks the event loop: /health answers while the engine is saturated, and /metrics from the
 snapshot the engine thread publishes between steps. A client that goes away has its jobs
 aborted: the engine drops them before its next step, blocks freed.
@@ -68,9 +69,13 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
         first = next((e for e in errors if e["type"] == "text"), errors[0])
         if first["type"] == "json_invalid":
             return error_response(f"the body is not valid JSON: {first['ctx']['error']}")
-        # The fields' path; a union member's name (list[int], function-after[...]) is not a field.
-        where = ".".join(str(p) for p in first["loc"] if p != "body" and (isinstance(p, int) or p.isidentifier()))
-        return error_response(f"{where}: {first['msg']}" if where else first["msg"], param=where or None)
+        # The fields' path; a union member's name (list[int], function-after[...]) is not a field, but
+        # an unknown field's name, whatever its spelling, is.
+        path, unknown = first["loc"][1:], first["type"] == "extra_forbidden"
+        where = ".".join(str(p) for i, p in enumerate(path)
+                         if isinstance(p, int) or p.isidentifier() or (unknown and i == len(path) - 1))
+        message = "an unknown field: neither OpenAI's nor vLLM's" if unknown else first["msg"]
+        return error_response(f"{where}: {message}" if where else message, param=where or None)
 
     @app.exception_handler(HTTPException)  # Starlette's and FastAPI's: 404, 405 (with Allow), 413, a body not parsed
     async def http_error(_, exc: HTTPException):
@@ -130,7 +135,8 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
             raise BadRequest("this model has no chat template: use /v1/completions")
         top = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens or engine.max_model_len
-        jobs = await server.submit(body, [await server.tokenize_chat(body.messages)], stops, top, max_tokens)
+        prompt = await server.tokenize_chat(body.messages, body.add_generation_prompt)
+        jobs = await server.submit(body, [prompt], stops, top, max_tokens)
         return await respond(server, request, body, jobs, "chat.completion", "chatcmpl")
 
     @tokenizer.post("/tokenize")
