@@ -2,13 +2,14 @@
 vLLM's chat-completions and completions requests is either honoured (200) or, set to a value
 that asks for something, a 400 whose param names it (nano/server/fields.py); so are unknown
 fields. The table below has a row for every field of the request models, so that a field added
-to a model without a row fails here. Also vLLM's range checks. The real server on a loopback
-port."""
+to a model without a row fails here. Also vLLM's range checks, GET /version and GET|POST
+/ping. The real server on a loopback port."""
 import pytest
 
 from test_server import Running, httpx  # (it skips without the server's packages)
 from test_server_abuse import assert_openai_error
 
+from nano.server import __version__  # noqa: E402
 from nano.server.fields import refused  # noqa: E402
 from nano.server.schemas import ChatRequest, CompletionRequest, Message  # noqa: E402
 
@@ -156,3 +157,13 @@ def test_the_edges_of_the_ranges_are_taken(srv, path, body):
     r = httpx.post(srv.url + path, json={**BASE[path], **body}, timeout=120)
     assert r.status_code == 200, r.text
 
+
+def test_version_and_ping(srv):
+    r = httpx.get(srv.url + "/version")
+    assert r.status_code == 200 and r.json() == {"version": __version__}
+    for method in ("GET", "POST"):
+        r = httpx.request(method, srv.url + "/ping")
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
+    ids = [op["operationId"] for ops in httpx.get(srv.url + "/openapi.json").json()["paths"].values()
+           for op in ops.values()]
+    assert len(ids) == len(set(ids)), ids

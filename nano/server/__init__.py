@@ -11,3 +11,5 @@
   limits.py         what one request may ask for (the --serve flags' defaults)
   cli.py            run.py --serve: its flags, their checks, the server started
 """
+
+__version__ = "0.1.0"  # GET /version's (nano has no release yet; the first would set it here)

@@ -4,7 +4,7 @@
     mpirun -n 2 python run.py --serve --tp 2          (rank 0 serves, rank 1 replays its steps)
 
     POST /v1/completions, POST /v1/chat/completions (stream or not), GET /v1/models[/{id}],
-    POST /tokenize, POST /detokenize (vLLM's), GET /health,
+    POST /tokenize, POST /detokenize (vLLM's), GET /health, GET|POST /ping, GET /version (vLLM's),
     GET /metrics (Prometheus text, vLLM's names: the registry --metrics-prom writes),
     GET /openapi.json (each route's body, and the statuses it answers, as sent)
 
@@ -25,6 +25,7 @@ every request is one line on the "nano.server" logger (AccessLog), escaped (LogF
 """
 import asyncio
 import secrets
+import warnings
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -34,6 +35,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from nano.server import __version__
 from nano.server.limits import SHUTDOWN_TIMEOUT, Limits
 from nano.server.middleware import AccessLog, BodyLimit, HostCheck, log_config
 from nano.server.responses import respond
@@ -93,6 +95,15 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
     @app.get("/health", responses=errors(503))
     async def health():
         return server.stopped() or {"status": "ok"}
+
+    # One route for both methods, so that a 405 on /ping names both (two routes' would name one).
+    @app.api_route("/ping", methods=["GET", "POST"], responses=errors(503))
+    async def ping():  # vLLM's (SageMaker's health check): /health's answer
+        return await health()
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
 
     @app.get("/metrics", response_class=Response, responses=METRICS)
     async def metrics():
@@ -165,11 +176,16 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
 
 def _without_422(openapi):
     """FastAPI's openapi(), less the 422 it documents for every route with a body or a path
-    parameter: this server answers a body it cannot validate with 400 (the handler above)."""
+    parameter: this server answers a body it cannot validate with 400 (the handler above). Each
+    operation's id is made unique by its method: FastAPI gives a route's methods one id (and
+    warns of it)."""
     def documented() -> dict:
-        schema = openapi()  # built once, then FastAPI's cached copy
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Duplicate Operation ID")
+            schema = openapi()  # built once, then FastAPI's cached copy
         for operations in schema["paths"].values():
-            for operation in operations.values():
+            for method, operation in operations.items():
+                operation["operationId"] = f"{operation['operationId'].rsplit('_', 1)[0]}_{method}"
                 operation["responses"].pop("422", None)
         for name in ("HTTPValidationError", "ValidationError"):
             schema["components"]["schemas"].pop(name, None)
