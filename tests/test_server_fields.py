@@ -152,6 +152,8 @@ def test_vllms_range_checks(srv, path, body, param, text):
     (CHAT, {"top_logprobs": 0}),                             # asks for no alternatives: fine without logprobs
     (COMPLETIONS, {"stream_options": {}}),                   # vLLM's check is on a non-empty object
     (CHAT, {"seed": 2**63 - 1}), (COMPLETIONS, {"seed": -2**63}), (COMPLETIONS, {"top_k": 0}),
+    (CHAT, {"temperature": None, "top_p": None, "top_k": None, "n": None, "stream": None, "logprobs": None}),
+    (COMPLETIONS, {"max_tokens": None, "echo": None, "seed": None, "stop": None}),  # null: the default, as in vLLM
 ])
 def test_the_edges_of_the_ranges_are_taken(srv, path, body):
     r = httpx.post(srv.url + path, json={**BASE[path], **body}, timeout=120)

@@ -76,7 +76,7 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
         path, unknown = first["loc"][1:], first["type"] == "extra_forbidden"
         where = ".".join(str(p) for i, p in enumerate(path)
                          if isinstance(p, int) or p.isidentifier() or (unknown and i == len(path) - 1))
-        message = "an unknown field: neither OpenAI's nor vLLM's" if unknown else first["msg"]
+        message = "an unknown field (nano refuses what it would ignore)" if unknown else first["msg"]
         return error_response(f"{where}: {message}" if where else message, param=where or None)
 
     @app.exception_handler(HTTPException)  # Starlette's and FastAPI's: 404, 405 (with Allow), 413, a body not parsed

@@ -7,7 +7,8 @@ what the check accepts."""
 from typing import Annotated, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, ValidationInfo, field_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, ValidationInfo, field_validator,
+                      model_validator)
 from pydantic_core import PydanticCustomError
 
 from nano import checks
@@ -113,6 +114,12 @@ class Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # vLLM's: the prompt's, scored
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, body):
+        # As vLLM reads it (temperature, n, stream, ... are Optional there): clients send "top_p": null.
+        return {k: v for k, v in body.items() if v is not None} if isinstance(body, dict) else body
 
     @field_validator("stream_options")
     @classmethod
