@@ -5,11 +5,12 @@ null, or the value vLLM reads as "off": 0 for a penalty, {"type": "text"} for a 
 format, ...); any other value is a 400 whose param names the field, never a 200 that drops it.
 A field in neither schema is a 400 too (the models forbid extra fields: vLLM logs and ignores
 them, nano refuses what it would ignore). The mixins below are the table: schemas.py's
-request models inherit them, so /openapi.json lists these fields too."""
+request models inherit them (and set their config: strict, no extra fields), so /openapi.json
+lists these fields too."""
 import json
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel
 from pydantic_core import PydanticCustomError
 
 
@@ -43,7 +44,6 @@ JSON = dict[str, Any]
 
 class RefusedSampling(BaseModel):
     """Both endpoints' (OpenAI's, then vLLM's sampling and extra parameters)."""
-    model_config = ConfigDict(extra="forbid", strict=True)
     frequency_penalty: off(float, 0.0) = None
     presence_penalty: off(float, 0.0) = None
     logit_bias: off(dict[str, float], {}) = None
@@ -123,7 +123,6 @@ class RefusedChat(RefusedSampling):
 
 class RefusedMessage(BaseModel):
     """A chat message's fields that the chat template does not receive (yet)."""
-    model_config = ConfigDict(extra="forbid", strict=True)
     name: off(str) = None
     tool_calls: off(list[JSON], []) = None
     tool_call_id: off(str) = None
