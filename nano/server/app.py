@@ -4,13 +4,14 @@
     mpirun -n 2 python run.py --serve --tp 2          (rank 0 serves, rank 1 replays its steps)
 
     POST /v1/completions, POST /v1/chat/completions (stream or not), GET /v1/models[/{id}],
-    POST /tokenize, POST /detokenize (vLLM's), GET /health,
+    POST /tokenize, POST /detokenize (vLLM's), GET /health, GET|POST /ping, GET /version (vLLM's),
     GET /metrics (Prometheus text, vLLM's names: the registry --metrics-prom writes),
     GET /openapi.json (each route's body, and the statuses it answers, as sent)
 
-Two threads. uvicorn's event loop speaks HTTP: it validates a request (pydantic; unknown
-fields are tolerated, wrong types and ranges are a 400), tokenizes it in a worker thread,
-and hands the engine thread (engine_thread.py) one Job per choice. Nothing the engine does
+Two threads. uvicorn's event loop speaks HTTP: it validates a request (pydantic; a wrong
+type or range, a field nano does not implement (fields.py) or an unknown one is a 400 naming
+it), tokenizes it in a worker thread, and hands the engine thread (engine_thread.py) one Job
+per choice. Nothing the engine does
 blocks the event loop: /health answers while the engine is saturated, and /metrics from the
 snapshot the engine thread publishes between steps. A client that goes away has its jobs
 aborted: the engine drops them before its next step, blocks freed.
@@ -24,6 +25,7 @@ every request is one line on the "nano.server" logger (AccessLog), escaped (LogF
 """
 import asyncio
 import secrets
+import warnings
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -33,6 +35,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from nano.server import __version__
 from nano.server.limits import SHUTDOWN_TIMEOUT, Limits
 from nano.server.middleware import AccessLog, BodyLimit, HostCheck, log_config
 from nano.server.responses import respond
@@ -68,9 +71,13 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
         first = next((e for e in errors if e["type"] == "text"), errors[0])
         if first["type"] == "json_invalid":
             return error_response(f"the body is not valid JSON: {first['ctx']['error']}")
-        # The fields' path; a union member's name (list[int], function-after[...]) is not a field.
-        where = ".".join(str(p) for p in first["loc"] if p != "body" and (isinstance(p, int) or p.isidentifier()))
-        return error_response(f"{where}: {first['msg']}" if where else first["msg"], param=where or None)
+        # The fields' path; a union member's name (list[int], function-after[...]) is not a field, but
+        # an unknown field's name, whatever its spelling, is.
+        path, unknown = first["loc"][1:], first["type"] == "extra_forbidden"
+        where = ".".join(str(p) for i, p in enumerate(path)
+                         if isinstance(p, int) or p.isidentifier() or (unknown and i == len(path) - 1))
+        message = "an unknown field (nano refuses what it would ignore)" if unknown else first["msg"]
+        return error_response(f"{where}: {message}" if where else message, param=where or None)
 
     @app.exception_handler(HTTPException)  # Starlette's and FastAPI's: 404, 405 (with Allow), 413, a body not parsed
     async def http_error(_, exc: HTTPException):
@@ -88,6 +95,15 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
     @app.get("/health", responses=errors(503))
     async def health():
         return server.stopped() or {"status": "ok"}
+
+    # One route for both methods, so that a 405 on /ping names both (two routes' would name one).
+    @app.api_route("/ping", methods=["GET", "POST"], responses=errors(503))
+    async def ping():  # vLLM's (SageMaker's health check): /health's answer
+        return await health()
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
 
     @app.get("/metrics", response_class=Response, responses=METRICS)
     async def metrics():
@@ -130,7 +146,8 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
             raise BadRequest("this model has no chat template: use /v1/completions")
         top = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens or engine.max_model_len
-        jobs = await server.submit(body, [await server.tokenize_chat(body.messages)], stops, top, max_tokens)
+        prompt = await server.tokenize_chat(body.messages, body.add_generation_prompt)
+        jobs = await server.submit(body, [prompt], stops, top, max_tokens)
         return await respond(server, request, body, jobs, "chat.completion", "chatcmpl")
 
     @tokenizer.post("/tokenize")
@@ -159,11 +176,16 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
 
 def _without_422(openapi):
     """FastAPI's openapi(), less the 422 it documents for every route with a body or a path
-    parameter: this server answers a body it cannot validate with 400 (the handler above)."""
+    parameter: this server answers a body it cannot validate with 400 (the handler above). Each
+    operation's id is made unique by its method: FastAPI gives a route's methods one id (and
+    warns of it)."""
     def documented() -> dict:
-        schema = openapi()  # built once, then FastAPI's cached copy
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Duplicate Operation ID")
+            schema = openapi()  # built once, then FastAPI's cached copy
         for operations in schema["paths"].values():
-            for operation in operations.values():
+            for method, operation in operations.items():
+                operation["operationId"] = f"{operation['operationId'].rsplit('_', 1)[0]}_{method}"
                 operation["responses"].pop("422", None)
         for name in ("HTTPValidationError", "ValidationError"):
             schema["components"]["schemas"].pop(name, None)

@@ -1,19 +1,23 @@
-"""What the server takes: OpenAI's request bodies (pydantic models; top_k and ignore_eos are
-extensions, as in vLLM), every text field through the command line's text check, and
-errors in OpenAI's shape. The models are also /openapi.json's schemas: a field checked by a
-function of ours names the JSON it takes (json_schema_input_type), so that the schema says
+"""What the server takes: OpenAI's request bodies (pydantic models; top_k, ignore_eos and
+prompt_logprobs are extensions, as in vLLM; a field nano does not implement, or an unknown
+one, is a 400 naming it: fields.py), every text field through the command line's text check,
+and errors in OpenAI's shape. The models are also /openapi.json's schemas: a field checked by
+a function of ours names the JSON it takes (json_schema_input_type), so that the schema says
 what the check accepts."""
 from typing import Annotated, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, ValidationInfo, field_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, ValidationInfo, field_validator,
+                      model_validator)
 from pydantic_core import PydanticCustomError
 
 from nano import checks
 from nano.errors import NanoError
+from nano.server.fields import RefusedChat, RefusedCompletion, RefusedMessage
 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+INT64 = 2**63  # vLLM's seed range: [-INT64, INT64)
 ROLES = ("system", "developer", "user", "assistant", "tool")  # the chat roles OpenAI takes
 
 
@@ -87,21 +91,23 @@ def _content(value, info: ValidationInfo) -> str | None:
     return "\n".join(texts)
 
 
-# ---- requests (what OpenAI's API takes; top_k and ignore_eos are extensions, as in vLLM) ----
+# ---- requests (OpenAI's; top_k, ignore_eos, prompt_logprobs, add_generation_prompt: vLLM's) ----
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
 class Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)  # unknown fields: tolerated
+    """The fields both endpoints honour."""
+    model_config = ConfigDict(extra="forbid", strict=True)  # an unknown field: a 400, never ignored
     model: Text | None = None
+    user: Text | None = None  # the end user's id, for OpenAI's abuse monitoring: asks nothing of the model
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-INT64, lt=INT64)
     stop: Text | list[Text] | None = None
     n: int = Field(1, ge=1, le=128)
     stream: bool = False
@@ -109,17 +115,31 @@ class Sampling(BaseModel):
     ignore_eos: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # vLLM's: the prompt's, scored
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, body):
+        # As vLLM reads it (temperature, n, stream, ... are Optional there): clients send "top_p": null.
+        return {k: v for k, v in body.items() if v is not None} if isinstance(body, dict) else body
 
-class CompletionRequest(Sampling):
+    @field_validator("stream_options")
+    @classmethod
+    def _streaming(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        # vLLM's check (and wording): options set, even to their defaults, without a stream
+        if options is not None and options.model_fields_set and not info.data.get("stream"):
+            raise PydanticCustomError("stream_options", "Stream options can only be defined when `stream=True`.")
+        return options
+
+
+class CompletionRequest(Sampling, RefusedCompletion):
     prompt: Annotated[list[str | list[int]], PlainValidator(_prompts, json_schema_input_type=PromptInput)]
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False  # the text and logprobs start with the prompt's (scored by the engine)
     max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: the prompt scored, nothing generated
 
 
-class Message(BaseModel):
+class Message(RefusedMessage):
     # The schema: content may be null or absent in an assistant's message only.
-    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={
         "if": {"properties": {"role": {"const": "assistant"}}},
         "else": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}})
     role: Literal[ROLES]
@@ -129,16 +149,24 @@ class Message(BaseModel):
                                        json_schema_input_type=str | list[TextPart] | None)(_content)
 
 
-class ChatRequest(Sampling):
+class ChatRequest(Sampling, RefusedChat):
     messages: list[Message] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     max_completion_tokens: int | None = Field(None, ge=1)
+    add_generation_prompt: bool = True  # vLLM's: the template's opening of the assistant's turn
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _with_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top and not info.data.get("logprobs"):  # vLLM's check and wording
+            raise PydanticCustomError("top_logprobs", "when using `top_logprobs`, `logprobs` must be set to true.")
+        return top
 
 
 class TokenizeRequest(BaseModel):
     """vLLM's /tokenize: a completion's prompt, or a chat's messages in the model's template."""
-    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra={"oneOf": [  # one of the two, not null
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"oneOf": [  # one of the two, not null
         {"required": [name], "properties": {name: {"not": {"type": "null"}}}} for name in ("prompt", "messages")]})
     model: Text | None = None
     prompt: Text | None = None
@@ -147,7 +175,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
     model: Text | None = None
     tokens: list[int]
 
