@@ -226,18 +226,19 @@ def test_config_fields_of_the_wrong_type_or_value(tmp_path, tiny_model, edit, me
 
 
 def test_an_architecture_nano_does_not_run_is_refused_before_any_weights(tmp_path, tiny_model):
-    """A Gemma 3 folder: one line naming it and what nano runs, exit 2, before the checkpoint is
+    """A Gemma 2 folder: one line naming it and what nano runs, exit 2, before the checkpoint is
     read (its file here is damaged, which would be the error otherwise)."""
     folder = shutil.copytree(tiny_model, tmp_path / "m")
     config = json.loads((folder / "config.json").read_text())
-    damage(folder, "config.json", lambda _: json.dumps({**config, "architectures": ["Gemma3ForCausalLM"],
-                                                        "model_type": "gemma3_text"}).encode())
+    damage(folder, "config.json", lambda _: json.dumps({**config, "architectures": ["Gemma2ForCausalLM"],
+                                                        "model_type": "gemma2"}).encode())
     damage(folder, "model.safetensors", lambda b: b[:100])
     (tmp_path / "p.txt").write_text("hi\n")
     assert_one_line_error(run_cli("--prompt-file", tmp_path / "p.txt", "--model", folder, *FAST),
-                          "config.json architectures ['Gemma3ForCausalLM'] is not one nano runs: it runs "
+                          "config.json architectures ['Gemma2ForCausalLM'] is not one nano runs: it runs "
                           "LlamaForCausalLM (model_type llama), Qwen2ForCausalLM (model_type qwen2), "
-                          "Qwen3ForCausalLM (model_type qwen3), MistralForCausalLM (model_type mistral)")
+                          "Qwen3ForCausalLM (model_type qwen3), MistralForCausalLM (model_type mistral), "
+                          "Gemma3ForCausalLM (model_type gemma3_text)")
 
 
 # ---- 3. output and metrics paths --------------------------------------------------------
