@@ -1,6 +1,6 @@
 """Bad input of every kind gets one clean answer and costs no finished work: one `error:` line
 and exit code 2 from the CLI (before the model loads, where the input allows), a NanoError
-from the Python API that leaves the LLM usable. Each class of the project's issue 11: JSONL
+from the Python API that leaves the LLM usable. Each class of bad input: JSONL
 fields and flags, model folders, output paths, resource requests, the API; a fuzz test of
 malformed JSONL. Signals under mpirun are in test_tp.py, the default model's repair and
 stale downloads in test_weights.py."""

@@ -1,4 +1,4 @@
-"""Nothing a client sends is silently ignored (issue 40, item 1): every field of OpenAI's and
+"""Nothing a client sends is silently ignored: every field of OpenAI's and
 vLLM's chat-completions and completions requests is either honoured (200) or, set to a value
 that asks for something, a 400 whose param names it (nano/server/fields.py); so are unknown
 fields. The table below has a row for every field of the request models, so that a field added
@@ -22,7 +22,8 @@ BASE = {COMPLETIONS: {"prompt": "The sky is", "max_tokens": 2},
 SAMPLING = {"model", "user", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
             "stream_options", "ignore_eos", "prompt_logprobs"}
 HONOURED = {COMPLETIONS: SAMPLING | {"prompt", "logprobs", "echo"},
-            CHAT: SAMPLING | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "add_generation_prompt"}}
+            CHAT: SAMPLING | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "add_generation_prompt",
+                              "safety_identifier"}}
 
 # A value for each field that asks for something (not its default, nor "off").
 JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}

@@ -94,7 +94,6 @@ class RefusedChat(RefusedSampling):
     service_tier: off(str, "auto", "default") = None
     prompt_cache_key: off(str) = None
     prompt_cache_retention: off(str) = None
-    safety_identifier: off(str) = None
     verbosity: off(str) = None
     web_search_options: off(JSON) = None
     reasoning_effort: off(str) = None

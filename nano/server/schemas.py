@@ -155,6 +155,7 @@ class ChatRequest(Sampling, RefusedChat):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     max_completion_tokens: int | None = Field(None, ge=1)
     add_generation_prompt: bool = True  # vLLM's: the template's opening of the assistant's turn
+    safety_identifier: Text | None = None  # OpenAI's successor to `user`: an end user's id, asks nothing of the model
 
     @field_validator("top_logprobs")
     @classmethod
