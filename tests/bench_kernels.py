@@ -36,7 +36,7 @@ from nano.kv_cache import LayerKV  # noqa: E402
 
 BLOCK_SIZE = 16
 FLUSH = None  # allocated in main(), after the device is known to work
-DECODE_SHAPES = [(9, 3, 64), (32, 8, 128)]  # (nq, nkv, d): SmolLM2-135M, Llama-3-8B
+DECODE_SHAPES = [(9, 3, 64), (32, 8, 128), (4, 1, 256)]  # (nq, nkv, d): SmolLM2-135M, Llama-3-8B, Gemma 3 270M
 DECODE_SEQS = (1, 32, 256)
 DECODE_CONTEXTS = (512, 4096, 8192, 16384)
 TARGET = 1.6  # int8 / float16 speed-up wanted at contexts >= 4096
@@ -179,7 +179,7 @@ def main():
                             f"| {i8_ms:.3f} ms, {i8_gbs:.0f} GB/s = {i8_gbs / copy_gbs:.0%} "
                             f"| {speedup:.2f}x |")
                 print(rows[-1], flush=True)
-    for nq, nkv, d in [(32, 8, 128), (9, 3, 64)]:
+    for nq, nkv, d in [(32, 8, 128), (9, 3, 64), (4, 1, 256)]:
         ms, tflops = bench_prefill(8, 2048, nq, nkv, d)
         free()
         i8_ms, i8_tflops = bench_prefill(8, 2048, nq, nkv, d, "int8")
