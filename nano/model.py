@@ -63,7 +63,6 @@ class LlamaModel:
         self.layers = layers
         self.cos_sin = cos_sin          # per layer: (max_positions, d) float32, one table per RoPE base
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
-        self.act_mul = {"silu": ops.silu_mul, "gelu_tanh": ops.gelu_tanh_mul}[cfg.activation]
         self.all_reduce = all_reduce or (lambda x: x)  # sums partial outputs across TP ranks
 
     @property
@@ -77,6 +76,7 @@ class LlamaModel:
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> object:
         """kv_cache: the pool (nano/kv_cache.py). Returns logits (R, V) float32."""
         d, eps, ops = self.cfg.head_dim, self.cfg.rms_norm_eps, self.ops
+        act_mul = ops.gelu_tanh_mul if self.cfg.activation == "gelu_tanh" else ops.silu_mul  # GeGLU or SwiGLU
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         h = ops.embedding(batch.input_ids, self.embed)                       # (T, H)
         if self.cfg.embed_scale != 1.0:
@@ -96,7 +96,7 @@ class LlamaModel:
             if w.attn_out_norm is not None:  # normed before it joins the residual stream
                 h, _ = ops.add_rms_norm(h, None, w.attn_out_norm, eps)
             x, residual = ops.add_rms_norm(h, residual, w.post_norm, eps)
-            h = self.all_reduce(ops.linear(self.act_mul(ops.linear(x, w.gate_up)), w.down))
+            h = self.all_reduce(ops.linear(act_mul(ops.linear(x, w.gate_up)), w.down))
             if w.mlp_out_norm is not None:
                 h, _ = ops.add_rms_norm(h, None, w.mlp_out_norm, eps)
         x, _ = ops.add_rms_norm(h, residual, self.final_norm, eps)
