@@ -1,6 +1,7 @@
 // Per-token layers: RMSNorm (plain and fused with the residual add), the gated activations
-// SiLU-and-multiply (SwiGLU) and GELU-and-multiply (GeGLU, Gemma) and embedding gather. Float16 in and out, float32 math. (RoPE lives in cache.cu, fused with
-// the KV-cache write; greedy argmax in sampling.cu, as the temperature-0 case of sampling.)
+// SiLU-and-multiply (SwiGLU) and GELU-and-multiply (GeGLU, Gemma) and embedding gather.
+// Float16 in and out, float32 math. (RoPE lives in cache.cu, fused with the KV-cache write;
+// greedy argmax in sampling.cu, as the temperature-0 case of sampling.)
 //
 // All arrays are row-major and contiguous.
 // rms_norm:     x (T, H), weight (H,) -> out (T, H) = x * rsqrt(mean(x^2) + eps) * weight.
