@@ -130,3 +130,33 @@ class RefusedMessage(BaseModel):
     audio: off(JSON) = None
     reasoning: off(str) = None
     reasoning_content: off(str) = None
+
+
+class RefusedResponses(BaseModel):
+    """POST /v1/responses' (OpenAI's Responses API): nano keeps no responses (store, background,
+    previous_response_id, conversation), calls no tools and writes plain text only (text.format
+    "text": structured output is not implemented)."""
+    store: off(bool, False) = None  # OpenAI's default is true: nano stores nothing
+    background: off(bool, False) = None
+    background_options: off(JSON) = None
+    previous_response_id: off(str) = None
+    conversation: off(str | JSON) = None
+    context_management: off(list[JSON], []) = None
+    prompt: off(JSON) = None  # a stored prompt template's id
+    text: off(JSON, {}, {"format": {"type": "text"}}) = None
+    tools: off(list[JSON], []) = None
+    tool_choice: off(str | JSON, "none", "auto") = None
+    parallel_tool_calls: off(bool, True) = None
+    max_tool_calls: off(int) = None
+    reasoning: off(JSON, {}) = None
+    include: off(list[str], []) = None
+    truncation: off(str, "disabled") = None
+    top_logprobs: off(int, 0) = None
+    stream_options: off(JSON, {}, {"include_obfuscation": False}) = None  # nano pads no event
+    service_tier: off(str, "auto", "default") = None
+    prompt_cache_key: off(str) = None
+    prompt_cache_retention: off(str) = None
+    prompt_cache_options: off(JSON) = None
+    access_programs: off(JSON) = None
+    image: off(JSON) = None
+    moderation: off(JSON) = None

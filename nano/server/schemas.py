@@ -13,7 +13,7 @@ from pydantic_core import PydanticCustomError
 
 from nano import checks
 from nano.errors import NanoError
-from nano.server.fields import RefusedChat, RefusedCompletion, RefusedMessage
+from nano.server.fields import RefusedChat, RefusedCompletion, RefusedMessage, RefusedResponses
 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
@@ -163,6 +163,105 @@ class ChatRequest(Sampling, RefusedChat):
         if top and not info.data.get("logprobs"):  # vLLM's check and wording
             raise PydanticCustomError("top_logprobs", "when using `top_logprobs`, `logprobs` must be set to true.")
         return top
+
+
+# ---- POST /v1/responses (OpenAI's Responses API) ----
+INPUT_ROLES = ("user", "system", "developer", "assistant")
+
+
+class InputText(BaseModel):
+    """An input message's content part of the kinds this server takes (_input)."""
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class InputMessage(BaseModel):
+    """An input item of the one kind this server takes: a message (_input)."""
+    type: Literal["message"] = "message"
+    role: Literal[INPUT_ROLES]
+    content: str | list[InputText]
+
+
+# What an input item may hold beside role and content: an earlier response's output message,
+# sent back as it came (its id, status; its parts' annotations and logprobs describe it).
+_ITEM_KEYS, _PART_KEYS = {"type", "role", "content", "id", "status"}, {"type", "text", "annotations", "logprobs"}
+
+
+def _input(value) -> list[dict]:
+    """The Responses API's input as this server takes it: a string (one user message) or a list
+    of message items, each one's content a string or a list of input_text / output_text parts
+    (joined with newlines, as the chat endpoint joins its parts); returned as chat messages
+    ({"role", "content"}). Other items (function calls and their outputs, reasoning, ...) and
+    other parts (images, files, audio) are a 400 naming them."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": _checked_text(value)}]
+    if not isinstance(value, list) or not value:
+        raise PydanticCustomError("input", "must be a string or a non-empty list of message items")
+    messages = []
+    for i, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise PydanticCustomError("input", f"item {i} must be an object (a message)")
+        kind = item.get("type", "message")
+        if kind != "message":
+            raise PydanticCustomError("input", f"item {i} is of type {kind!r}: nano takes messages only "
+                                      "(function calls, their outputs and other items are not implemented)")
+        extra = sorted(set(item) - _ITEM_KEYS)
+        if extra:
+            raise PydanticCustomError("input", f"item {i}: {extra[0]!r} is an unknown field (nano refuses what it "
+                                      "would ignore)")
+        if item.get("role") not in INPUT_ROLES:
+            raise PydanticCustomError("input", f"item {i}: 'role' must be one of {', '.join(INPUT_ROLES)}")
+        content = item.get("content")
+        if isinstance(content, str):
+            text = _checked_text(content)
+        elif isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                part_kind = part.get("type") if isinstance(part, dict) else None
+                if part_kind not in ("input_text", "output_text"):
+                    raise PydanticCustomError("input", f"item {i}: content part {j} is of type {part_kind!r}: this "
+                                              "server takes text only ({'type': 'input_text', 'text': ...})")
+                if set(part) - _PART_KEYS:
+                    raise PydanticCustomError("input", f"item {i}: content part {j}: "
+                                              f"{sorted(set(part) - _PART_KEYS)[0]!r} is an unknown field")
+                if not isinstance(part.get("text"), str):
+                    raise PydanticCustomError("input", f"item {i}: content part {j}: 'text' must be a string")
+                texts.append(_checked_text(part["text"]))
+            text = "\n".join(texts)
+        else:
+            raise PydanticCustomError("input", f"item {i}: 'content' must be a string or a list of text parts")
+        messages.append({"role": item["role"], "content": text})
+    return messages
+
+
+class ResponsesRequest(RefusedResponses):
+    """OpenAI's Responses API request, as far as nano implements it: a conversation in, a text
+    out (fields.py's RefusedResponses: what it does not)."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: Text | None = None
+    input: Annotated[list[dict], PlainValidator(_input, json_schema_input_type=str | list[InputMessage])]
+    instructions: Text | None = None  # a system message before the input
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    stream: bool = False
+    metadata: dict[str, Text] | None = None  # echoed in the response: asks nothing of the model
+    user: Text | None = None  # an end user's id, for abuse monitoring: asks nothing of the model
+    safety_identifier: Text | None = None  # `user`'s successor: asks nothing of the model
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, body):  # as Sampling's: clients send "temperature": null
+        return {k: v for k, v in body.items() if v is not None} if isinstance(body, dict) else body
+
+    def sampling(self) -> Sampling:
+        """The request as the chat endpoint's sampling fields (what Server.check and submit take)."""
+        return Sampling(model=self.model, temperature=self.temperature, top_p=self.top_p, stream=self.stream)
+
+    def messages(self) -> list[Message]:
+        """The conversation the chat template gets: instructions first, as a system message."""
+        system = [] if self.instructions is None else [{"role": "system", "content": self.instructions}]
+        return [Message.model_validate(m) for m in system + self.input]
 
 
 class TokenizeRequest(BaseModel):
