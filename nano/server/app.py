@@ -3,8 +3,8 @@
     python run.py --serve --port 8000
     mpirun -n 2 python run.py --serve --tp 2          (rank 0 serves, rank 1 replays its steps)
 
-    POST /v1/completions, POST /v1/chat/completions (stream or not), GET /v1/models[/{id}],
-    POST /tokenize, POST /detokenize (vLLM's), GET /health, GET|POST /ping, GET /version (vLLM's),
+    POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (stream or not),
+    GET /v1/models[/{id}], POST /tokenize, POST /detokenize (vLLM's), GET /health, GET|POST /ping, GET /version (vLLM's),
     GET /metrics (Prometheus text, vLLM's names: the registry --metrics-prom writes),
     GET /openapi.json (each route's body, and the statuses it answers, as sent)
 
@@ -39,8 +39,9 @@ from nano.server import __version__
 from nano.server.limits import SHUTDOWN_TIMEOUT, Limits
 from nano.server.middleware import AccessLog, BodyLimit, HostCheck, log_config
 from nano.server.responses import respond
-from nano.server.schemas import (BadRequest, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                                 error_response, errors)
+from nano.server.responses_api import create as create_response
+from nano.server.schemas import (BadRequest, ChatRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest,
+                                 TokenizeRequest, error_response, errors)
 from nano.server.serving import Server
 
 # What /openapi.json says the routes answer beyond JSON: a generation, with "stream": true,
@@ -48,6 +49,11 @@ from nano.server.serving import Server
 GENERATION = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
                     "description": "The completion; with stream: true, server-sent events ending in data: [DONE]."},
               **errors(400, 404, 413, 500, 503)}
+RESPONSES = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+                   "description": "The response; with stream: true, OpenAI's response.* events as server-sent "
+                                  "events, ending in response.completed (or response.incomplete, or an error "
+                                  "event and response.failed)."},
+             **errors(400, 404, 413, 500, 503)}
 METRICS = {200: {"content": {"text/plain": {"schema": {"type": "string"}}},
                  "description": "Prometheus's text format: vLLM's series and nano's."}}
 
@@ -149,6 +155,10 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
         prompt = await server.tokenize_chat(body.messages, body.add_generation_prompt)
         jobs = await server.submit(body, [prompt], stops, top, max_tokens)
         return await respond(server, request, body, jobs, "chat.completion", "chatcmpl")
+
+    @v1.post("/responses", responses=RESPONSES)
+    async def responses(body: ResponsesRequest, request: Request):
+        return await create_response(server, request, body)
 
     @tokenizer.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
