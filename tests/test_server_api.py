@@ -328,7 +328,8 @@ def bodies(doc: dict, path: str) -> list[dict]:
     """A POST route's example bodies, each asking for 2 tokens where it may ask."""
     schema = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
     fields = doc["components"]["schemas"][schema["$ref"].split("/")[-1]]["properties"]
-    return [dict(body, max_tokens=2) if "max_tokens" in fields else body for body in examples(schema, doc)]
+    most = {name: 2 for name in ("max_tokens", "max_output_tokens") if name in fields}
+    return [dict(body, **most) for body in examples(schema, doc)]
 
 
 def test_every_route_the_server_answers_is_documented_and_405_names_the_methods(srv):
@@ -404,13 +405,15 @@ def test_every_status_the_server_sends_is_documented_and_every_documented_one_is
     assert_openai_error(invalid, 400, "temperature")  # FastAPI's default would be a 422
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize",
+                                  "/detokenize"])
 def test_bodies_built_from_the_request_schemas_are_served(srv, path):
     """What a schema-driven fuzzer sends first reaches generation: every alternative of each
     union (the prompt's four shapes, a message's content as a string or as parts) answers 200."""
     doc = spec(srv)
     made = bodies(doc, path)
-    assert len(made) >= {"/v1/completions": 4, "/v1/chat/completions": 2, "/tokenize": 3}.get(path, 1), made
+    assert len(made) >= {"/v1/completions": 4, "/v1/chat/completions": 2, "/v1/responses": 3,
+                         "/tokenize": 3}.get(path, 1), made
     for body in made:
         r = post(srv, path, body)
         assert r.status_code == 200, (body, r.text)
