@@ -222,3 +222,39 @@ def test_another_model_is_a_404_and_a_rejected_prompt_a_400(srv):
     long = " ".join(["word"] * (srv.engine.max_model_len + 10))
     assert_openai_error(post(srv, {**BASE, "input": long}), 400, "maximum context length")
     assert srv.idle()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engine_failure_is_a_500_or_an_error_event_then_response_failed(srv, monkeypatch, stream):
+    server = srv.app.state.server
+    submit = server.submit
+
+    async def failing(*args, **kw):  # the job's first event: the engine failed
+        jobs = await submit(*args, **kw)
+        jobs[0].events.put_nowait({"error": "planted", "status": 500})
+        return jobs
+    monkeypatch.setattr(server, "submit", failing)
+    r = post(srv, {"input": "Tell me a long story.", "max_output_tokens": 64, "stream": stream})
+    if not stream:
+        assert_openai_error(r, 500, "planted")
+    else:
+        events = events_of(r)
+        assert [e["type"] for e in events][-2:] == ["error", "response.failed"]
+        assert events[-2]["message"] == "planted" and events[-1]["response"]["status"] == "failed"
+        assert events[-1]["response"]["error"] == {"code": "server_error", "message": "planted"}
+        if Response is not None:
+            for event in events:
+                TypeAdapter(ResponseStreamEvent).validate_python(event)
+    assert srv.idle()
+
+
+def test_a_client_that_leaves_mid_stream_leaves_nothing_behind(srv):
+    with httpx.stream("POST", srv.url + PATH, timeout=60, json={
+            "input": "Count from 1 to 1000, one number per line.", "max_output_tokens": 3000, "temperature": 0,
+            "stream": True}) as r:
+        deltas = 0
+        for line in r.iter_lines():
+            deltas += '"response.output_text.delta"' in line and line.startswith("data:")
+            if deltas >= 3:
+                break  # closing the response drops the connection
+    assert deltas == 3 and srv.idle(timeout=5), srv.engine.scheduler.running
