@@ -84,7 +84,9 @@ def main(argv=None) -> int:
         return 0
     from nano.cli.output import describe
     from nano.engine import LLMEngine
+    from nano.telemetry.metrics import Metrics
     engine = LLMEngine(config, policy=policy)
+    Metrics.attach(engine)
     print(describe(engine), file=sys.stderr)
     if args.serve:
         return server.serve(args, engine)

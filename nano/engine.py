@@ -12,7 +12,6 @@ from nano.clock import Clock
 from nano.config import EngineConfig
 from nano.cost_model import CostModel
 from nano.errors import NanoError
-from nano.metrics import Metrics
 from nano.plan import SchedulerOutput
 from nano.policy import FCFS
 from nano.sampler import Sampler
@@ -22,7 +21,7 @@ from nano.shard import load_shard
 
 
 class LLMEngine:
-    PUBLISHED = ("config", "model_config", "tokenizer", "clock", "metrics", "device", "cost", "capacity",
+    PUBLISHED = ("config", "model_config", "tokenizer", "clock", "observers", "device", "cost", "capacity",
                  "max_model_len", "kv_bytes_per_token", "weight_bytes", "model_name", "ops", "added",
                  "forward")
 
@@ -46,7 +45,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len,
                                    self.kv_bytes_per_token, self.cost, policy)
         self.capacity = self.scheduler.capacity
-        self.metrics = Metrics(shard.num_blocks)
+        # What watches the run (nano/telemetry's Metrics): each gets on_step(plan, start, end,
+        # free_blocks, swap_bytes, all_reduce_seconds, all_reduce_bytes), on_finish(seq), on_abort(seq)
+        self.observers: list = []
         self.rng = np.random.default_rng(config.seed % 2**64)  # any int seed, as the sampler's
         self.next_id = 0
         self.added = 0  # requests queued, ever: less those still to arrive, the arrived count
@@ -82,9 +83,6 @@ class LLMEngine:
                        params, self.clock.now() if arrival_time is None else arrival_time, seed)
         self.next_id += 1
         return seq
-
-    def reset_metrics(self) -> None:
-        self.metrics = Metrics(self.block_manager.num_blocks, self.metrics.request_observers)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -183,16 +181,15 @@ class LLMEngine:
     def _observe(self, plan: SchedulerOutput, start: float, swap: tuple[int, float],
                  finished: list[Sequence]) -> None:
         now = self.clock.now()
-        seconds = now - start
         swap_bytes, swap_seconds = swap
         if plan.scheduled:
-            self.cost.observe_step(plan.prefill_tokens, plan.num_decodes, plan.decode_kv_tokens, seconds - swap_seconds)
-        self.metrics.step_log.append((start, now, plan.prefill_tokens, plan.num_decodes))
+            self.cost.observe_step(plan.prefill_tokens, plan.num_decodes, plan.decode_kv_tokens, now - start - swap_seconds)
         self.cost.observe_swap(swap_bytes, swap_seconds)
-        self.metrics.on_step(plan, seconds, self.block_manager.num_free_blocks, swap_bytes,
-                             *self.group.take_all_reduce_stats())
-        for seq in finished:
-            self.metrics.on_finish(seq)
+        all_reduce = self.group.take_all_reduce_stats()  # taken every step, watched or not
+        for o in self.observers:
+            o.on_step(plan, start, now, self.block_manager.num_free_blocks, swap_bytes, *all_reduce)
+            for seq in finished:
+                o.on_finish(seq)
 
     # ---- all at once --------------------------------------------------------------------
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams],
@@ -228,13 +225,15 @@ class LLMEngine:
         if not seq.is_finished:
             self.scheduler.finish(seq, reason)
             if reason != "handed_off":  # counted where it ends: another engine
-                self.metrics.on_finish(seq)
+                for o in self.observers:
+                    o.on_finish(seq)
 
     def abort(self, seq: Sequence) -> None:
         """Drop an unfinished request: out of its queue, its blocks freed; counted as aborted."""
         if not seq.is_finished:
             self.scheduler.finish(seq, "aborted")
-            self.metrics.aborted += 1
+            for o in self.observers:
+                o.on_abort(seq)
 
     # ---- a KV handoff between engines ---------------------------------------------------
     def hand_off(self, seq: Sequence, take=None) -> np.ndarray:

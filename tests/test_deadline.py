@@ -12,6 +12,7 @@ from nano.deadline.cli import policy_factory
 from nano.engine import LLMEngine
 from nano.sequence import SamplingParams
 from nano.telemetry.export import MetricsWriter
+from nano.telemetry.metrics import metrics_of
 from nano.telemetry.prometheus import EngineExport
 
 text_string_to_metric_families = pytest.importorskip("prometheus_client.parser").text_string_to_metric_families
@@ -130,7 +131,7 @@ def test_drop_late_rejects_what_cannot_make_it(tiny_model):
     fine = SamplingParams(temperature=0, max_tokens=4, ttft_slo=1.0)
     seqs = engine.generate([[5] * 30, [6] * 30], [hopeless, fine])
     assert seqs[0].finish_reason == "rejected" and seqs[0].error.startswith("late: cannot meet its time-to-first-token")
-    assert engine.metrics.rejected_late == 1 and engine.metrics.served_late == 0
+    assert metrics_of(engine).rejected_late == 1 and metrics_of(engine).served_late == 0
     assert seqs[1].finish_reason == "length" and seqs[1].met_slo()
 
 
@@ -149,7 +150,7 @@ def test_snapshot_counts_add_up(tiny_model, tmp_path):
         engine.step()
         writer.after_step(engine)
     snaps = [json.loads(line) for line in jsonl.read_text().splitlines()]
-    assert len(snaps) == engine.metrics.steps
+    assert len(snaps) == metrics_of(engine).steps
     for s in snaps:
         assert s["arrived"] == s["finished"] + s["running"] + s["waiting"] + s["swapped"] + s["rejected"]
         assert s["ttft_histogram"][-1] + s["rejected"] <= s["arrived"]
@@ -159,7 +160,7 @@ def test_snapshot_counts_add_up(tiny_model, tmp_path):
     assert any(s["queue_depth_tokens"] > 0 for s in snaps)
     samples = {(s.name, s.labels.get("finished_reason") or s.labels.get("kind")): s.value
                for f in text_string_to_metric_families(prom.read_text()) for s in f.samples}
-    m = engine.metrics
+    m = metrics_of(engine)
     assert samples[("nano_requests_arrived_total", None)] == 40
     assert samples[("nano_requests_rejected_total", None)] == m.rejected == last["rejected"]
     served = samples[("vllm:request_success_total", "stop")] + samples[("vllm:request_success_total", "length")]

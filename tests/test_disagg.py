@@ -17,6 +17,7 @@ from nano.disagg.serving import DecodeInstance, PrefillInstance, Router, parse_s
 from nano.engine import LLMEngine
 from nano.errors import NanoError
 from nano.sequence import SamplingParams, Sequence, Status
+from nano.telemetry.metrics import Metrics, metrics_of
 from test_stress import check_invariants, make_requests
 from test_tp import PROMPTS, assert_one_line_error, interrupt_one_rank, launch, needs_mpi
 
@@ -39,7 +40,9 @@ def cluster(prefill: list[EngineConfig], decode: list[EngineConfig], links=None)
     nodes = []
     for rank, config in enumerate(prefill + decode):
         kind = PrefillInstance if rank < len(prefill) else DecodeInstance
-        nodes.append(Node(kind(LLMEngine(config), links.link(rank))))
+        engine = LLMEngine(config)
+        Metrics.attach(engine)
+        nodes.append(Node(kind(engine, links.link(rank))))
     nodes[0].router = Router(links.link(0), len(prefill), len(decode), prefill[0].block_size,
                              nodes[0].instance.engine.clock)
     return nodes
@@ -261,7 +264,7 @@ def test_a_request_no_decode_pool_can_hold_is_rejected_before_its_prefill(tiny_m
     p = nodes[0].instance
     served = [len(q) for q, e in zip(prompts, expected) if e.finish_reason != "rejected"]
     assert p.received == len(served)  # the rejected ones never reached it
-    assert sum(prompt for _, _, prompt, _ in p.engine.metrics.step_log) == sum(served)  # no prefill spent on them
+    assert sum(prompt for _, _, prompt, _ in metrics_of(p.engine).step_log) == sum(served)  # no prefill spent on them
     assert_no_leaks(nodes, links)
 
 

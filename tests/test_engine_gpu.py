@@ -33,6 +33,7 @@ import nano.tp
 from nano.config import TOKEN_BUDGET, EngineConfig
 from nano.engine import LLMEngine
 from nano.sequence import SamplingParams
+from nano.telemetry.metrics import Metrics, metrics_of
 from reference import LLAMA_32_1B, SMOLLM2_135M, assert_greedy_runs_agree, make_random_model
 
 pytestmark = pytest.mark.gpu
@@ -89,6 +90,7 @@ MAX_TOKENS = 8
 
 def generate(model_dir, device, prompts, max_tokens=MAX_TOKENS, **engine_args):
     engine = LLMEngine(EngineConfig(model=str(model_dir), device=device, **engine_args))
+    Metrics.attach(engine)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, return_logits=True)
     return engine, engine.generate(prompts, params)
 
@@ -151,7 +153,7 @@ def check_gpu_config(model_dir, prompts, name, cpu_runs: dict, max_tokens=MAX_TO
     assert_greedy_runs_agree(cpu_runs[key], gpu, LOGIT_TOL)
     preempt = name.split("preempt_")[-1] if "preempt_" in name else None
     if preempt:
-        assert engine.metrics.preemptions[preempt] > 0, name
+        assert metrics_of(engine).preemptions[preempt] > 0, name
     return engine, gpu
 
 

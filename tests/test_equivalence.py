@@ -12,6 +12,7 @@ from nano.chat.template import render as render_chat
 from nano.config import EngineConfig
 from nano.engine import LLMEngine
 from nano.sequence import SamplingParams
+from nano.telemetry.metrics import Metrics, metrics_of
 from nano.tokenizer import Tokenizer
 from reference import DenseLlama, make_random_model
 
@@ -25,6 +26,7 @@ CHAT = ["What is the capital of France?", "Name three colours.",
 
 def run(model_dir, prompts, max_tokens, **engine_args):
     engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", **engine_args))
+    Metrics.attach(engine)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, return_logits=True)
     seqs = engine.generate(prompts, params)
     return engine, seqs
@@ -62,7 +64,7 @@ def test_tiny_model_matches_dense(tiny_model, tiny_dense, name):
     prompts = shared_prefix_prompts(512, rng)
     engine, seqs = run(tiny_model, prompts, max_tokens=24, **CONFIGS[name])
     check_against_dense(tiny_dense, prompts, seqs)
-    m = engine.metrics
+    m = metrics_of(engine)
     if name.startswith("preempt"):
         assert sum(m.preemptions.values()) > 0
     if name in ("preempt_swap", "preempt_recompute"):
@@ -78,11 +80,12 @@ def test_prefix_cache_hits_across_requests(tiny_model, tiny_dense):
     rng = np.random.default_rng(2)
     prompts = shared_prefix_prompts(512, rng, n=3, prefix_len=50)
     engine = LLMEngine(EngineConfig(model=str(tiny_model), device="cpu"))
+    metrics = Metrics.attach(engine)
     params = SamplingParams(temperature=0, max_tokens=8, return_logits=True)
     engine.generate(prompts, params)
-    hits_before = engine.metrics.prefix_hits
+    hits_before = metrics.prefix_hits
     seqs = engine.generate(prompts, params)
-    assert engine.metrics.prefix_hits - hits_before >= 3 * 48  # three full blocks per prompt
+    assert metrics.prefix_hits - hits_before >= 3 * 48  # three full blocks per prompt
     check_against_dense(tiny_dense, prompts, seqs)
 
 

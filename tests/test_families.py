@@ -16,6 +16,7 @@ from nano.config import ARCHITECTURES, ModelConfig
 from nano.errors import NanoError
 from nano.llm import LLM
 from nano.sequence import SamplingParams
+from nano.telemetry.metrics import metrics_of
 from nano.weights import load_config
 from test_family_reference import STEPS, TOP, reference
 from test_tp import launch, needs_mpi
@@ -122,7 +123,7 @@ def test_prefix_cache_hits(case, folders):
     llm = LLM(model=str(folders(case)), device="cpu", block_size=4)
     prompts = [ref["prompt_ids"] for ref in reference(case)["prompts"]]
     check_all(case, llm.generate(prompts, SCORING))
-    metrics = llm.engine.metrics
+    metrics = metrics_of(llm.engine)
     hits = metrics.prefix_hits
     check_all(case, llm.generate(prompts, GREEDY), scored=False)
     assert metrics.prefix_hits - hits == sum((len(p) - 1) // 4 * 4 for p in prompts)

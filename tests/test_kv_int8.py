@@ -19,6 +19,7 @@ from nano.bench.capacity import capacity_report
 from nano.config import KEY_SCHEMES, EngineConfig, ModelConfig
 from nano.engine import LLMEngine
 from nano.kv_cache import KVCache, bytes_per_token
+from nano.telemetry.metrics import Metrics, metrics_of
 from nano.tp import rope_cos_sin
 from nano.runner import ModelRunner
 from nano.sequence import SamplingParams
@@ -31,6 +32,7 @@ INT8_VS_FULL_TOL = 5e-2
 
 def run(model_dir, prompts, **engine_args):
     engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", **engine_args))
+    Metrics.attach(engine)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, return_logits=True)
     return engine, engine.generate(prompts, params)
 
@@ -61,7 +63,7 @@ def test_scheduling_features_on_an_int8_pool(tiny_model, prompts, int8_runs, nam
     engine, seqs = run(tiny_model, prompts, kv_cache_dtype="int8", kv_int8_keys=scheme, **CONFIGS[name])
     assert engine.runner.kv_cache.data.dtype == np.int8
     assert_greedy_runs_agree(int8_runs[scheme], seqs, INT8_SCHEDULE_TOL)
-    m = engine.metrics
+    m = metrics_of(engine)
     if name in ("preempt_swap", "preempt_recompute"):
         assert set(m.preemptions) == {name.removeprefix("preempt_")}
     if name in ("chunked_prefill", "preempt_auto_chunked"):

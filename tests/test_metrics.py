@@ -9,6 +9,7 @@ from nano.config import EngineConfig
 from nano.engine import LLMEngine
 from nano.sequence import SamplingParams
 from nano.telemetry.export import MetricsWriter, gauges, snapshot
+from nano.telemetry.metrics import Metrics, metrics_of, reset_metrics
 
 text_string_to_metric_families = pytest.importorskip(  # the export's requirement
     "prometheus_client.parser").text_string_to_metric_families
@@ -91,8 +92,8 @@ def test_vllms_series_count_what_the_engine_served(tiny_model, tmp_path):
         pytest.approx(value("vllm:request_inference_time_seconds_sum"))
     assert value("vllm:num_requests_running") == value("vllm:kv_cache_usage_perc") == 0
     assert value("nano_requests_arrived_total") == 3
-    assert value("vllm:prefix_cache_queries_total") == engine.metrics.prefix_queried > 0
-    assert value("vllm:prefix_cache_hits_total") == engine.metrics.prefix_hits
+    assert value("vllm:prefix_cache_queries_total") == metrics_of(engine).prefix_queried > 0
+    assert value("vllm:prefix_cache_hits_total") == metrics_of(engine).prefix_hits
     # vLLM's buckets (vllm/v1/metrics/loggers.py)
     bounds = {name: [float(s.labels["le"]) for s in f.samples if s.name.endswith("_bucket")]
               for f in text_string_to_metric_families(text) for name in [f.name]}
@@ -123,7 +124,7 @@ def test_counters_go_on_when_the_engines_metrics_start_afresh(tiny_model):
     engine, export = engine_with_export(tiny_model)
     engine.generate([[5, 6, 7]] * 2, SamplingParams(max_tokens=2, ignore_eos=True))
     export.update(snapshot(engine, engine.clock.now()))
-    engine.reset_metrics()
+    reset_metrics(engine)
     engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, ignore_eos=True))
     export.update(snapshot(engine, engine.clock.now()))
     export.update(snapshot(engine, engine.clock.now()))  # again: nothing new is counted twice
@@ -184,8 +185,40 @@ def test_prefix_cache_queries_are_the_prompt_tokens_looked_up(tiny_model):
     params = SamplingParams(max_tokens=2, ignore_eos=True)
     engine.generate([[5, 6, 7, 8, 9], [5, 6, 7]], params)
     engine.generate([[5, 6, 7, 8, 9]], params)
-    assert (engine.metrics.prefix_queried, engine.metrics.prefix_hits) == (5 + 3 + 5, 4)
+    assert (metrics_of(engine).prefix_queried, metrics_of(engine).prefix_hits) == (5 + 3 + 5, 4)
     export.update(snapshot(engine, engine.clock.now()))
     _, samples = parse(export.text().decode(), tiny_model.name)
     assert samples[("vllm:prefix_cache_queries_total", ())] == 13
     assert samples[("vllm:prefix_cache_hits_total", ())] == 4
+
+
+def test_the_engine_tells_its_observers_each_step_finish_and_abort(tiny_model):
+    """With no observer the engine runs as ever; one attached hears every step (start before
+    end), every request that ends and every abort, in that order, and Metrics counts the same."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model), device="cpu", num_blocks=64))
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    assert engine.observers == [] and engine.generate([[5, 6, 7]], params)[0].num_output_tokens == 3
+
+    class Heard:
+        def __init__(self):
+            self.calls = []
+
+        def on_step(self, plan, start, end, free_blocks, swap_bytes, all_reduce_seconds, all_reduce_bytes):
+            self.calls.append(("step", start <= end and 0 < free_blocks <= 64))
+
+        def on_finish(self, seq):
+            self.calls.append(("finish", seq.seq_id))
+
+        def on_abort(self, seq):
+            self.calls.append(("abort", seq.seq_id))
+    metrics, heard = Metrics.attach(engine), Heard()
+    engine.observers.append(heard)
+    kept, dropped = engine.add_request([5, 6, 7], params), engine.add_request([8, 9], params)
+    engine.step()
+    engine.abort(dropped)
+    while engine.has_unfinished():
+        engine.step()
+    assert heard.calls == [("step", True), ("abort", dropped.seq_id), ("step", True), ("step", True),
+                           ("finish", kept.seq_id)]
+    assert (metrics.steps, len(metrics.step_log), metrics.requests, metrics.aborted) == (3, 3, 1, 1)
+    assert metrics_of(engine) is metrics and reset_metrics(engine) is metrics_of(engine) is not metrics

@@ -9,6 +9,7 @@ from nano.config import EngineConfig
 from nano.engine import LLMEngine
 from nano.errors import NanoError
 from nano.sequence import SamplingParams
+from nano.telemetry.metrics import Metrics
 from test_equivalence import CONFIGS, shared_prefix_prompts
 
 TOL = 1e-4  # float32 logits summed in another order than the reference's
@@ -51,6 +52,7 @@ def test_prompt_logprobs_are_the_dense_log_softmax(tiny_model, tiny_dense, name)
     recompute (a recomputed prompt is scored once, even one preempted halfway)."""
     prompts = shared_prefix_prompts(512, np.random.default_rng(3))
     engine = LLMEngine(EngineConfig(model=str(tiny_model), device="cpu", **SCHEDULES[name]))
+    metrics = Metrics.attach(engine)
     preempt, scored_when_preempted = engine.scheduler._preempt, []
 
     def watched(seq, out):
@@ -67,7 +69,7 @@ def test_prompt_logprobs_are_the_dense_log_softmax(tiny_model, tiny_dense, name)
             check_scores(tiny_dense, prompt, seq.prompt_logprobs)
         assert seq.output_token_ids == tiny_dense.greedy(prompt, 24)  # sampling is untouched
     if name.startswith("preempt"):
-        assert set(engine.metrics.preemptions) == {name.split("_")[1]} and scored_when_preempted
+        assert set(metrics.preemptions) == {name.split("_")[1]} and scored_when_preempted
     if name == "preempt_recompute_chunked":  # a scoring request preempted with its prompt half scored
         assert any(1 < scored < prompt for scored, prompt in scored_when_preempted), scored_when_preempted
 
@@ -77,12 +79,13 @@ def test_a_warm_prefix_cache_does_not_drop_the_scores(tiny_model, tiny_dense):
     request skips the prefix cache for what it has not scored, and scores every token."""
     prompt = np.random.default_rng(4).integers(3, 512, 70).tolist()
     engine = LLMEngine(EngineConfig(model=str(tiny_model), device="cpu"))
+    metrics = Metrics.attach(engine)
     engine.generate([prompt], SamplingParams(temperature=0, max_tokens=2))
     for _ in range(2):
-        hits = engine.metrics.prefix_hits
+        hits = metrics.prefix_hits
         [seq] = engine.generate([prompt], scoring())
         check_scores(tiny_dense, prompt, seq.prompt_logprobs)
-        assert seq.num_cached_tokens == 0 and engine.metrics.prefix_hits == hits
+        assert seq.num_cached_tokens == 0 and metrics.prefix_hits == hits
     [plain] = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=2))
     assert plain.num_cached_tokens == 64  # the scoring requests' blocks serve the others
 

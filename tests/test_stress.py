@@ -8,6 +8,7 @@ import pytest
 from nano.config import EngineConfig
 from nano.engine import LLMEngine
 from nano.sequence import SamplingParams, Status
+from nano.telemetry.metrics import Metrics
 
 
 def check_invariants(engine: LLMEngine) -> None:
@@ -61,6 +62,7 @@ def test_stress_invariants(tiny_model, tiny_dense, preemption, seed):
                           # small enough that swap space runs out too
                           swap_space=24 * 8 * (2 * 2 * 2 * 16 * 4))
     engine = LLMEngine(config)
+    m = Metrics.attach(engine)
     prompts, params = make_requests(rng, 300, 512)
 
     schedule = engine.scheduler.schedule
@@ -88,7 +90,6 @@ def test_stress_invariants(tiny_model, tiny_dense, preemption, seed):
     assert reasons["rejected"] == 0
     for s in seqs:
         assert s.num_output_tokens == s.params.max_tokens or s.finish_reason == "stop"
-    m = engine.metrics
     assert sum(m.preemptions.values()) > 0 and m.prefix_hits > 0
     if preemption == "auto":
         assert "recompute:no_swap_space" in m.preemption_reasons or m.preemptions["swap"] > 0
@@ -105,12 +106,13 @@ def test_stress_invariants(tiny_model, tiny_dense, preemption, seed):
 def test_never_fits_is_rejected_without_blocking_others(tiny_model):
     engine = LLMEngine(EngineConfig(model=str(tiny_model), device="cpu", num_blocks=8, block_size=8,
                                     watermark=0.0, max_model_len=200))
+    metrics = Metrics.attach(engine)
     params = SamplingParams(temperature=0, max_tokens=4)
     prompts = [[5] * 10, [6] * 70, [7] * 300, [], [8] * 12]  # 70 > pool (64 slots), 300 > context
     seqs = engine.generate(prompts, params)
     assert [s.finish_reason for s in seqs] == ["length", "rejected", "rejected", "rejected", "length"]
     assert "KV blocks" in seqs[1].error and "context" in seqs[2].error and "empty" in seqs[3].error
-    assert engine.metrics.rejected == 3
+    assert metrics.rejected == 3
 
 
 def test_same_seed_same_output_whatever_the_batch(tiny_model):

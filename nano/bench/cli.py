@@ -13,6 +13,7 @@ from nano.cli.prompts import Workload
 from nano.config import EngineConfig
 from nano.errors import NanoError
 from nano.sequence import SamplingParams
+from nano.telemetry.metrics import Metrics, metrics_of
 from nano.telemetry.summary import format_summary, summarize
 
 
@@ -119,7 +120,7 @@ def run_bench(args, engine, params: SamplingParams) -> int:
     warm_up(engine)
     _, wall = generate(args.output, engine, [""] * len(inputs), inputs, per_request, metrics_writer(args, engine),
                        args.stall_timeout)
-    summary = summarize(engine.metrics, wall)
+    summary = summarize(metrics_of(engine), wall)
     print(format_summary(summary))
     write_summary(args.summary_json, summary)
     print(f"bench: {summary['output_tokens_per_s']:.1f} output tokens/s, "
@@ -136,12 +137,13 @@ def rate_bench(args, config: EngineConfig, params: SamplingParams, policies: dic
     results = {}
     for policy, policy_class in policies.items():
         engine = LLMEngine(config, policy=policy_class)
+        Metrics.attach(engine)
         if policy == "fcfs":
             print(describe(engine), file=sys.stderr)
         inputs, per_request = bench_requests(args, engine, params)
         warm_up(engine)
         _, wall = run_all(engine, inputs, per_request, arrivals, metrics=metrics_writer(args, engine))
-        results[policy] = summarize(engine.metrics, wall)
+        results[policy] = summarize(metrics_of(engine), wall)
         print(f"--- {policy}\n{format_summary(results[policy])}")
         pool = getattr(engine.device.xp, "get_default_memory_pool", None)  # CuPy only
         del engine
@@ -163,6 +165,7 @@ def policy_compare(args, config: EngineConfig, policies: dict) -> int:
     def make_engine(policy):
         gc.collect()  # free the previous engine's KV pool before this one sizes its own
         engine = LLMEngine(config, policy=policies[policy])
+        Metrics.attach(engine)
         warm_up(engine)
         return engine
 

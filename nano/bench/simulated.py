@@ -10,6 +10,7 @@ from nano.clock import Clock
 from nano.config import EngineConfig
 from nano.engine import LLMEngine
 from nano.policy import FCFS
+from nano.telemetry.metrics import Metrics
 
 # What every step costs on the simulated clock: a base, plus each prompt token and each decode.
 STEP_BASE, PER_PREFILL_TOKEN, PER_DECODE = 0.010, 0.001, 0.002
@@ -50,5 +51,6 @@ def simulated_engine(config: EngineConfig, step: tuple[float, float, float] = (S
         return timed_forward
 
     engine = LLMEngine(config, clock=clock, policy=policy, wrap_forward=timed)
+    Metrics.attach(engine)
     engine.cost.coef[:] = engine.cost.prior[:] = (base, per_token, per_decode, 0.0)
     return engine

@@ -5,6 +5,7 @@ from nano import parallel
 from nano.cli.output import OutputFile, Progress, metrics_writer, print_completions, write_summary
 from nano.cli.prompts import model_inputs
 from nano.sequence import SamplingParams
+from nano.telemetry.metrics import metrics_of, reset_metrics
 from nano.telemetry.summary import format_summary, summarize
 from nano.telemetry.watchdog import Watchdog
 
@@ -28,7 +29,7 @@ def warm_up(engine) -> None:
     300 ms instead of 70). Metrics start afresh."""
     engine.touch_kv_cache()
     engine.generate([list(range(3, 19))], SamplingParams(max_tokens=4, ignore_eos=True))
-    engine.reset_metrics()
+    reset_metrics(engine)
 
 
 def run_all(engine, inputs, per_request, arrivals=None, output=None, metrics=None, stall_timeout=None):
@@ -45,7 +46,7 @@ def run_all(engine, inputs, per_request, arrivals=None, output=None, metrics=Non
         with watchdog.step():
             finished = engine.step()
         check_interrupted(parallel.tp_group())  # the engine's TP ranks: one got a SIGINT
-        progress.update(len(finished), engine.metrics.generated_tokens)
+        progress.update(len(finished), metrics_of(engine).generated_tokens)
         if metrics:
             metrics.after_step(engine)
         if output:
@@ -75,7 +76,7 @@ def run_prompts(args, engine, requests) -> int:
     seqs, wall = generate(args.output, engine, prompts, inputs, [sp for _, sp in requests], metrics_writer(args, engine),
                           args.stall_timeout)
     print_completions(prompts, seqs, engine.detokenize)
-    summary = summarize(engine.metrics, wall)
+    summary = summarize(metrics_of(engine), wall)
     print(format_summary(summary))
     write_summary(args.summary_json, summary)
     return 0

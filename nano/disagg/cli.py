@@ -13,6 +13,7 @@ from nano.disagg import serving
 from nano.errors import NanoError
 from nano.fleet.cli import RankRun
 from nano.sequence import SamplingParams
+from nano.telemetry.metrics import Metrics
 from nano.telemetry.summary import format_summary
 
 
@@ -68,6 +69,7 @@ def disagg_compare(args, argv: list[str], config: EngineConfig, workload, engine
     from nano.disagg import compare
     from nano.engine import LLMEngine
     engine = LLMEngine(config, policy=engine_policy)
+    Metrics.attach(engine)
     print(describe(engine), file=sys.stderr)
     w = workload(engine)
     warm_up(engine)
@@ -96,6 +98,7 @@ def show_estimate(args, config: EngineConfig, params: SamplingParams) -> None:
     prompt_len, output_len = (sum(parse_range(r, name)) / 2 for r, name in
                               ((args.input_len, "--input-len"), (args.output_len, "--output-len")))
     engine = LLMEngine(config)
+    Metrics.attach(engine)
     warm_up(engine)
     print(f"\nfitting the step-time model on this machine ({engine.device.kind}, prompts of "
           f"{prompt_len:.0f} tokens) ...", file=sys.stderr)

@@ -21,14 +21,15 @@ from pathlib import Path
 
 from nano.disagg.metrics import decode_interference, format_slowdown
 from nano.errors import NanoError
+from nano.telemetry.metrics import metrics_of
 from nano.telemetry.summary import summarize
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout, where run.py is
 
 
 def colocated_summary(engine, seqs, wall: float) -> dict:
-    s = summarize(engine.metrics, wall)
-    s.update(decode_interference([(engine.metrics.step_log, [])]))
+    s = summarize(metrics_of(engine), wall)
+    s.update(decode_interference([(metrics_of(engine).step_log, [])]))
     return s
 
 

@@ -5,7 +5,7 @@ pool's signals for Prometheus (PoolExport)."""
 import numpy as np
 from prometheus_client import Counter, Gauge
 
-from nano.metrics import Metrics
+from nano.telemetry.metrics import Metrics
 from nano.telemetry.prometheus import Export
 from nano.telemetry.summary import percentile, summarize
 

@@ -49,6 +49,7 @@ from nano.fleet.ranks import Instance, InstanceStatus, Router as RouterBase, lau
 from nano.errors import NanoError
 from nano.policy import FCFS
 from nano.sequence import Sequence, Status
+from nano.telemetry.metrics import metrics_of
 
 STALL_FRACTION = 0.1  # of a decode step's time, given to receiving handoffs between two steps
 TAG_SPAN = 1 << 14   # payload tags cycle through this many (MPI guarantees 32767 tags)
@@ -194,7 +195,7 @@ class DecodeInstance(Instance):
             while a.pieces and self.ready(a):
                 self.receive_piece(a)
                 took = True
-        budget = STALL_FRACTION * self.engine.metrics.last_step_time if self.decoding() else np.inf
+        budget = STALL_FRACTION * metrics_of(self.engine).last_step_time if self.decoding() else np.inf
         spent, pieces = 0.0, 0
         while not pieces or spent + self.piece_seconds <= budget:
             if self.arriving is None and not self.adopt_next():

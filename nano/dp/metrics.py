@@ -4,7 +4,7 @@ per replica under an `engine` label (as vLLM labels its engines)."""
 import numpy as np
 from prometheus_client import Counter, Gauge
 
-from nano.metrics import Metrics
+from nano.telemetry.metrics import Metrics
 from nano.telemetry.prometheus import LABELS, Export
 from nano.telemetry.summary import percentile, summarize
 

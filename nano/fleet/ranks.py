@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from nano.capacity import Capacity
 from nano.policy import FCFS
 from nano.sequence import Sequence, Status
+from nano.telemetry.metrics import Metrics, metrics_of
 from nano.telemetry.summary import summarize
 
 ROUTER = 0
@@ -78,11 +79,11 @@ class Instance:
         whose pool is full of parked blocks has work but cannot run it)."""
         if not self.engine.has_unfinished():
             return False
-        steps = self.engine.metrics.steps
+        steps = metrics_of(self.engine).steps
         finished = self.engine.step()
         for seq in finished:
             self.end(seq)
-        return bool(finished) or self.engine.metrics.steps > steps
+        return bool(finished) or metrics_of(self.engine).steps > steps
 
     def end(self, seq: Sequence) -> None:
         self.seqs.pop(seq.seq_id, None)
@@ -103,7 +104,7 @@ class Instance:
                                                    used, num_blocks, **extra)))
 
     def finish_stop(self) -> None:
-        m, (num_blocks, free, num_swap_blocks, free_swap) = self.engine.metrics, self.engine.kv_blocks()
+        m, (num_blocks, free, num_swap_blocks, free_swap) = metrics_of(self.engine), self.engine.kv_blocks()
         report = Report(self.rank, summarize(m, self.engine.clock.now() - self.start), list(m.step_log),
                         self.stalls, num_blocks - free, num_swap_blocks - free_swap)
         self.tell_router(("final", report))
@@ -273,6 +274,7 @@ def start(config, num_instances: int, wrong_size, make_instance, make_router, ma
             worker = Worker(config)
         else:
             engine = LLMEngine(config, policy=engine_policy)
+            Metrics.attach(engine)
             seqs = make_requests(engine) if make_requests and leaders.rank == ROUTER else []
     if leaders is None:
         if warm_up:  # as the leader's warm-up does: page faults stay out of the figures

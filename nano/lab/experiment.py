@@ -14,6 +14,7 @@ from nano.engine import LLMEngine
 from nano.lab import tiny
 from nano.policy import FCFS
 from nano.sequence import SamplingParams, Sequence
+from nano.telemetry.metrics import Metrics
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ def engine(size: Size, policy=FCFS, **config_overrides) -> LLMEngine:
     first measured step pays no first-use cost."""
     eng = LLMEngine(EngineConfig(model=model_of(size), device=size.device, seed=size.seed,
                                  **config_overrides), policy=policy)
+    Metrics.attach(eng)
     warm_up(eng)
     return eng
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from nano.errors import NanoError
 from nano.sequence import Status
+from nano.telemetry.metrics import metrics_of
 
 # Latency histogram bucket bounds in seconds (Prometheus style: cumulative, then +Inf).
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -60,7 +61,7 @@ def gauges(engine, now: float) -> dict:
     """The engine's queues and KV pool as of now (between steps too: an abort frees blocks
     without a step): what a Prometheus export reads (prometheus.EngineExport.update) and, unlike
     the history snapshot() adds, cheap enough for the server to take after every step."""
-    m, queues = engine.metrics, queue_state(engine, now)
+    m, queues = metrics_of(engine), queue_state(engine, now)
     num_blocks, free_blocks, _, _ = engine.kv_blocks()
     return {
         "time": now, "step": m.steps, "arrived": queues.arrived,
@@ -73,7 +74,7 @@ def gauges(engine, now: float) -> dict:
 
 def snapshot(engine, now: float) -> dict:
     """The engine's gauges and the run's figures so far, as of now."""
-    m = engine.metrics
+    m = metrics_of(engine)
     return {
         **gauges(engine, now),
         "finished": m.requests - m.rejected, "rejected": m.rejected, "aborted": m.aborted,
@@ -100,7 +101,7 @@ class MetricsWriter:
     def after_step(self, engine) -> None:
         """Whoever drives the engine calls this after each step(): every interval-th step
         the engine ran is written (a call after an idle step(), which ran nothing, is not)."""
-        self._at(engine.metrics.steps, lambda: snapshot(engine, engine.clock.now()))
+        self._at(metrics_of(engine).steps, lambda: snapshot(engine, engine.clock.now()))
 
     def tick(self, snap: dict) -> None:
         """One more snapshot made elsewhere (a disaggregated run's router): every interval-th

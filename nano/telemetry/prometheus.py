@@ -7,12 +7,13 @@ Each export has a CollectorRegistry of its own: two engines in one process (test
 comparison run) never share a series. GET /metrics (generate_latest) and --metrics-prom
 (write_to_textfile) read the same registry. Per-request histograms are observed as each
 request ends (Metrics.request_observers, once per request); counters follow the sums the
-engine keeps (nano/metrics.py), never going down, and gauges are set from the engine's
+engine keeps (metrics.py), never going down, and gauges are set from the engine's
 (export.gauges) by whoever steps it: the server's engine thread after every step, so that
 GET /metrics renders the registry without waiting for one; --metrics-prom with each file."""
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, write_to_textfile
 
 from nano.telemetry.export import writing
+from nano.telemetry.metrics import metrics_of
 
 # vLLM's buckets, in seconds.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -127,7 +128,7 @@ class EngineExport(Export):
             self.counters[f"preemptions_{kind}"] = preemptions(kind=kind)
         self.seen, self.seen_of = {}, None  # the engine's sums already counted, and of which Metrics
         self.arrived_seen = 0
-        engine.metrics.request_observers.append(self.observe)
+        metrics_of(engine).request_observers.append(self.observe)
 
     def observe(self, seq) -> None:
         """A request that has ended (on the engine's thread, in its step)."""
@@ -160,7 +161,7 @@ class EngineExport(Export):
         self.kv_usage.set(snap["kv_occupancy"])
         self.queue_tokens.set(snap["queue_depth_tokens"])
         self.step_seconds.set(snap["step_time"])
-        m = self.engine.metrics
+        m = metrics_of(self.engine)
         if m is not self.seen_of:  # metrics started afresh (after a warm-up): count on from them
             self.seen, self.seen_of = {}, m
         sums = {key: getattr(m, key) for key in self.counters if not key.startswith("preemptions")}

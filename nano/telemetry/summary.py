@@ -1,8 +1,8 @@
-"""The end of a run: what the engine measured (nano/metrics.py), summed up (summarize) and
+"""The end of a run: what the engine measured (metrics.py), summed up (summarize) and
 printed (format_summary); the --summary-json file holds the same dict."""
 import numpy as np
 
-from nano.metrics import Metrics
+from nano.telemetry.metrics import Metrics
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -12,6 +12,7 @@ from nano.bench.workload import random_requests
 from nano.lab.experiment import Experiment, Size, serve
 from nano.lab.timing import clocked_engine
 from nano.telemetry.export import queue_state
+from nano.telemetry.metrics import metrics_of
 from nano.telemetry.summary import percentile
 
 RAMP = (0.25, 2.0)                  # offered rate at the start and the end, x capacity
@@ -69,7 +70,7 @@ def run(size: Size) -> list[dict]:
         samples.append((now - start, queue_state(eng, now).queue_tokens, 1 - free / num_blocks))
     end = samples[-1][0]
     edges = np.linspace(0, end, s["windows"] + 1)
-    steps = np.array([(a - start, b - start) for a, b, _, _ in eng.metrics.step_log])
+    steps = np.array([(a - start, b - start) for a, b, _, _ in metrics_of(eng).step_log])
     samples = np.array(samples)
     first = np.array([q.first_token_time - start for q in seqs])
     ttft = np.array([q.ttft for q in seqs])

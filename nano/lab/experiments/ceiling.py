@@ -17,6 +17,7 @@ from nano.bench.capacity import CapacityReport, capacity_report, shard_num_param
 from nano.config import EngineConfig, ModelConfig
 from nano.lab.experiment import Experiment, Size, engine, model_of, serve
 from nano.sequence import SamplingParams
+from nano.telemetry.metrics import metrics_of, reset_metrics
 from nano.tp import partition
 from nano.weights import open_model
 
@@ -75,7 +76,7 @@ def run(size: Size) -> list[dict]:
         eng = engine(size, max_num_batched_tokens=budget, **config)
         for c in contexts:
             ceiling = report.ceiling(c)
-            eng.reset_metrics()
+            reset_metrics(eng)
             vocab = eng.model_config.vocab_size
             seqs = serve(eng, [(rng.integers(3, vocab, c - 1).tolist(), SamplingParams(max_tokens=1, ignore_eos=True))
                                for _ in range(ceiling + 1)])
@@ -83,7 +84,7 @@ def run(size: Size) -> list[dict]:
                          "weights_GB": round(eng.weight_bytes / 1e9, 3),
                          "kv_bytes_per_token": eng.kv_bytes_per_token, "kv_pool_MB": round(memory / 1e6, 2),
                          "pool_blocks": eng.capacity.num_blocks, "computed_blocks": report.num_blocks,
-                         "ceiling": ceiling, "offered": len(seqs), "measured_peak": eng.metrics.peak_running,
+                         "ceiling": ceiling, "offered": len(seqs), "measured_peak": metrics_of(eng).peak_running,
                          "finished": sum(s.finish_reason == "length" for s in seqs)})
     return rows
 

@@ -13,6 +13,7 @@ from nano.bench.capacity import capacity_report
 from nano.config import EngineConfig
 from nano.lab.experiment import Experiment, Size, engine, model_of, serve
 from nano.sequence import SamplingParams
+from nano.telemetry.metrics import metrics_of
 
 BLOCK_SIZES = (8, 32)
 
@@ -52,12 +53,12 @@ def run(size: Size) -> list[dict]:
         seqs = serve(eng, [(p, SamplingParams(temperature=0, ignore_eos=True, max_tokens=n)) for p, n in requests])
         lengths = [s.num_tokens - 1 for s in seqs]  # the last token's KV is never written
         slots = [-(-n // block) * block for n in lengths]
-        decodes = [d for _, _, _, d in eng.metrics.step_log if d]
+        decodes = [d for _, _, _, d in metrics_of(eng).step_log if d]
         rows.append({"scheme": f"paged, {block}-token blocks", "side": "run", "block_size": block,
                      "pool_blocks": eng.capacity.num_blocks,
-                     "admitted_at_once": eng.metrics.peak_running,
+                     "admitted_at_once": metrics_of(eng).peak_running,
                      "mean_running": round(float(np.mean(decodes)), 1),
-                     "preemptions": sum(eng.metrics.preemptions.values()),
+                     "preemptions": sum(metrics_of(eng).preemptions.values()),
                      "waste_pct": round(100 * (1 - sum(lengths) / sum(slots)), 1)})
     lengths = [len(p) + n - 1 for p, n in requests]
     for name, reserve in (("contiguous, max_model_len", [s["max_model_len"]] * len(requests)),

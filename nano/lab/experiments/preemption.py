@@ -16,6 +16,7 @@ from nano.config import EngineConfig
 from nano.device import select_device
 from nano.lab.experiment import Experiment, Size, engine, serve
 from nano.sequence import SamplingParams
+from nano.telemetry.metrics import metrics_of, reset_metrics
 
 BLOCK = EngineConfig().block_size
 SWAP_SPACE = 512 * 2**20
@@ -35,9 +36,9 @@ def cost_rows(size: Size) -> list[dict]:
         blocks = -(-n // BLOCK)
         recompute, swap = [], []
         for _ in range(2 if size.quick else 1):  # quick: the lesser of two, less the machine's noise
-            eng.reset_metrics()
+            reset_metrics(eng)
             serve(eng, [(rng.integers(3, eng.model_config.vocab_size, n).tolist(), SamplingParams(max_tokens=1))])
-            start, end, _, _ = eng.metrics.step_log[0]
+            start, end, _, _ = metrics_of(eng).step_log[0]
             recompute.append(end - start)
             pairs = [(i, i) for i in range(blocks)]  # device block i <-> host block i; none in use now
             moved, out = eng.swap(pairs, [])
@@ -66,7 +67,7 @@ def forced_rows(size: Size) -> list[dict]:
         seqs = serve(eng, [(rng.integers(3, eng.model_config.vocab_size, prompt).tolist(),
                             SamplingParams(temperature=0, ignore_eos=True, max_tokens=output)) for _ in range(4)])
         outputs[mode] = [s.output_token_ids for s in seqs]
-        m = eng.metrics
+        m = metrics_of(eng)
         rows.append({"kind": "forced", "mode": mode, "preemptions": sum(m.preemptions.values()),
                      "reasons": dict(m.preemption_reasons), "swap_MB": round(m.swap_bytes / 1e6, 2),
                      "seconds": round(eng.clock.now() - start, 3), "batch_invariant": invariant,

@@ -10,6 +10,7 @@ import numpy as np
 from nano.config import EngineConfig
 from nano.lab.experiment import Experiment, Size, engine, serve
 from nano.sequence import SamplingParams
+from nano.telemetry.metrics import metrics_of
 
 BLOCK = EngineConfig().block_size
 SUFFIX, OUTPUT = 32, 4
@@ -37,7 +38,7 @@ def measure(size: Size, prefix: int, distinct: int, caching: bool) -> dict:
     shareable = prefix // BLOCK
     missed = sum(shareable - min(s.num_cached_tokens // BLOCK, shareable)
                  for i, s in enumerate(seqs) if which[i] in which[:i])
-    m = eng.metrics
+    m = metrics_of(eng)
     return {"prefix": prefix, "distinct": distinct, "requests": requests, "caching": "on" if caching else "off",
             "pool_blocks": resident, "working_set_blocks": distinct * shareable,
             "prefill_tokens": computed, "prompt_tokens": sum(s.num_prompt_tokens for s in seqs),

@@ -3,7 +3,7 @@ the step. The bytes come from the partition itself (nano/tp.py: each rank's quer
 heads and MLP columns; nano/bench/capacity.py counts the weights a partition loads); the
 times from real runs of `run.py --bench`, one rank and two ranks under mpirun (one BLAS
 thread per rank), each writing its summary: the mean step and the time rank 0 spends in
-all-reduces (engine.metrics.all_reduce_time, which includes waiting for the slower rank)."""
+all-reduces (Metrics.all_reduce_time, which includes waiting for the slower rank)."""
 import os
 
 from nano import kv_cache

@@ -13,6 +13,7 @@ import numpy as np
 from nano.config import EngineConfig
 from nano.lab.experiment import Experiment, Size, engine, serve
 from nano.sequence import SamplingParams
+from nano.telemetry.metrics import metrics_of
 
 BLOCK = EngineConfig().block_size
 WATERMARKS = (0.0, 0.1, 0.2, 0.3)
@@ -44,7 +45,7 @@ def measure(size: Size, watermark: float, never_fit: bool) -> dict:
     seqs = serve(eng, requests)
     seconds = eng.clock.now() - start
     others = seqs[1:] if never_fit else seqs
-    m = eng.metrics
+    m = metrics_of(eng)
     return {"watermark": watermark, "never_fit": "present" if never_fit else "absent", "pool_blocks": blocks,
             "rejected": m.rejected, "finished": sum(s.finish_reason == "length" for s in others),
             "preemptions": sum(m.preemptions.values()), "peak_running": m.peak_running,

@@ -1,5 +1,10 @@
-"""What the engine measures: latency per request, what each step did to the KV pool.
-Exported for autoscalers and dashboards by nano/telemetry."""
+"""What the engine measures: latency per request, what each step did to the KV pool; exported
+for autoscalers and dashboards by export.py and prometheus.py, summed up by summary.py.
+
+Metrics is one of the engine's observers (LLMEngine.observers). Whoever builds an engine
+attaches one (Metrics.attach(engine)) before its first step; code handed only an engine reads
+it with metrics_of(engine), which attaches one if none is (counting from then on);
+reset_metrics(engine) starts the figures afresh (after a warm-up), its request_observers kept."""
 from collections import Counter, deque
 
 from nano.plan import SchedulerOutput
@@ -44,8 +49,16 @@ class Metrics:
         # (how much prefill slows decodes); bounded, as a server's run has no end
         self.step_log: deque[tuple[float, float, int, int]] = deque(maxlen=STEP_LOG)
 
-    def on_step(self, plan: SchedulerOutput, seconds: float, free_blocks: int, swap_bytes: int,
+    @classmethod
+    def attach(cls, engine, request_observers=()) -> "Metrics":
+        metrics = cls(engine.kv_blocks()[0], request_observers)
+        engine.observers.append(metrics)
+        return metrics
+
+    def on_step(self, plan: SchedulerOutput, start: float, end: float, free_blocks: int, swap_bytes: int,
                 all_reduce_seconds: float = 0.0, all_reduce_bytes: int = 0) -> None:
+        seconds = end - start
+        self.step_log.append((start, end, plan.prefill_tokens, plan.num_decodes))
         self.steps += 1
         self.step_time += seconds
         self.last_step_time = seconds
@@ -81,3 +94,19 @@ class Metrics:
             self.ttft.append(seq.ttft)
         if seq.tpot is not None:
             self.tpot.append(seq.tpot)
+
+    def on_abort(self, seq: Sequence) -> None:
+        self.aborted += 1
+
+
+def metrics_of(engine) -> Metrics:
+    """The engine's Metrics observer; one attached if it has none."""
+    return next((o for o in engine.observers if isinstance(o, Metrics)), None) or Metrics.attach(engine)
+
+
+def reset_metrics(engine) -> Metrics:
+    """The engine's Metrics replaced by a fresh one (a warm-up's figures dropped), keeping its
+    request_observers."""
+    old = metrics_of(engine)
+    engine.observers.remove(old)
+    return Metrics.attach(engine, old.request_observers)
