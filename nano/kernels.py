@@ -213,21 +213,41 @@ def gelu_tanh_mul(gate_up):
     return _gated("gelu_tanh_mul", gate_up)
 
 
-def sample(logits, temperature, top_k, top_p, seeds, counters):
+def sample(logits, temperature, top_k, top_p, log_min_p, seeds, counters):
     """cuda/sampling.cu: grid R (one row per block), 1024 threads."""
     _check("logits", logits, cupy.float16)
-    for name, x, dtype in (("temperature", temperature, cupy.float32), ("top_k", top_k, cupy.int32),
-                           ("top_p", top_p, cupy.float32), ("seeds", seeds, cupy.uint64),
-                           ("counters", counters, cupy.int32)):
+    rows_params = (temperature, top_k, top_p, log_min_p, seeds, counters)
+    for name, x, dtype in zip(("temperature", "top_k", "top_p", "log_min_p", "seeds", "counters"), rows_params,
+                              (cupy.float32, cupy.int32, cupy.float32, cupy.float32, cupy.uint64, cupy.int32)):
         _check(name, x, dtype)
     logits = cupy.ascontiguousarray(logits)
     rows, vocab = logits.shape
     out = cupy.empty((rows,), cupy.int32)
     if rows:
         _kernel("sampling.cu", "sample")(
-            (rows,), (1024,), (logits, np.int32(vocab), *(cupy.ascontiguousarray(x) for x in
-                                                          (temperature, top_k, top_p, seeds, counters)), out))
+            (rows,), (1024,), (logits, np.int32(vocab), *(cupy.ascontiguousarray(x) for x in rows_params), out))
     return out
+
+
+def edit_logits(logits, rows, tokens, penalties, shifts):
+    """cuda/sampling.cu: a thread per edit, in place on contiguous float16 logits (the step's)."""
+    for name, x, dtype in zip(("logits", "rows", "tokens", "penalties", "shifts"), (logits, rows, tokens, penalties, shifts),
+                              (cupy.float16, cupy.int32, cupy.int32, cupy.float32, cupy.float32)):
+        _check(name, x, dtype)
+    if n := len(rows):
+        _kernel("sampling.cu", "edit_logits")(((n + 255) // 256,), (256,), (
+            logits, np.int32(logits.shape[1]), rows, tokens, penalties, shifts, np.int32(n)))
+    return logits
+
+
+def mask_logits(logits, rows, masks):
+    """cuda/sampling.cu: grid (M, ceil(V / 256)), a thread per token, in place."""
+    for name, x, dtype in (("logits", logits, cupy.float16), ("rows", rows, cupy.int32), ("masks", masks, cupy.int32)):
+        _check(name, x, dtype)
+    if len(rows):
+        _kernel("sampling.cu", "mask_logits")((len(rows), (logits.shape[1] + 255) // 256), (256,), (
+            logits, np.int32(logits.shape[1]), rows, masks))
+    return logits
 
 
 # ---------------------------------------------------------------- cache.cu
@@ -401,4 +421,4 @@ def attention(q, cache, batch, scale, window=None):
 
 CUDA = ops.OpSet(linear, attention, fixed_threads=False, embedding=embedding, add_rms_norm=add_rms_norm,
                  rope_store_kvcache=rope_store_kvcache, silu_mul=silu_mul, gelu_tanh_mul=gelu_tanh_mul, sample=sample,
-                 gather_blocks=gather_blocks, scatter_blocks=scatter_blocks)
+                 edit_logits=edit_logits, mask_logits=mask_logits, gather_blocks=gather_blocks, scatter_blocks=scatter_blocks)
