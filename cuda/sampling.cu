@@ -1,16 +1,23 @@
 // Next-token sampling on the device: one thread block of 1024 threads per row of logits.
 //
 // sample: logits (R, V) float16 -> out (R,) int32, with per-row temperature (R,) float32,
-//   top_k (R,) int32 (<= 0 or >= V: off), top_p (R,) float32 (1: off), seeds (R,) uint64,
-//   counters (R,) int32 (the sequence's output tokens so far). Grid R, block 1024.
+//   top_k (R,) int32 (<= 0 or >= V: off), top_p (R,) float32 (1: off), log_min_p (R,) float32
+//   (log of min_p, -inf: off), seeds (R,) uint64, counters (R,) int32 (the sequence's output
+//   tokens so far). Grid R, block 1024.
+// Before it, for the rows of requests that have a logits processor (nano/sampler.py):
+// edit_logits: sparse edits in place, x -> (x > 0 ? x / penalty : x * penalty) + shift for each
+//   (row, token) listed (E,), a thread each; mask_logits: x -> -inf where a row's allowed-token
+//   bitmask (M, ceil(V / 32)) int32 has the token's bit clear, grid (M, ceil(V / 256)).
 //
 // The algorithm, mirrored step for step by the NumPy reference ops.sample (nano/ops.py),
 // which is also what the CPU engine runs; x = the row's logits as float32:
 //   temperature 0: the index of the largest x, ties to the lowest index (greedy).
 //   else, with keys key(x) that order like the floats (an order-preserving float->uint32 map):
-//   1. top-k: threshold t = the largest key with count(key >= t) >= k, found by bisection
-//      on the 32-bit key range (at most 32 block reductions); exact: t is the k-th largest
-//      key, so every logit tied with the k-th largest stays allowed.
+//   0. min_p: t = key(max(x) + T * log(min_p)), the logits whose probability is at least
+//      min_p times the largest one's.
+//   1. top-k: t = the larger of t and the largest key with count(key >= it) >= k, found by
+//      bisection on the 32-bit key range (at most 32 block reductions); exact: it is the k-th
+//      largest key, so every logit tied with the k-th largest stays allowed.
 //   2. top-p: e = exp(x / T - max(x) / T); Z = sum of e over keys >= t; then t = the largest
 //      key >= t with sum(e over keys >= it) >= p * Z (bisection again): the nucleus.
 //   3. Gumbel-max: the token is the allowed i with the largest x_i / T - log(-log(u_i)),
@@ -98,8 +105,8 @@ __device__ float mass_at_least(const __half* row, int vocab, unsigned int t, flo
 extern "C" __global__ void __launch_bounds__(THREADS, 1) sample(
         const __half* __restrict__ logits, int vocab, const float* __restrict__ temperatures,
         const int* __restrict__ top_ks, const float* __restrict__ top_ps,
-        const unsigned long long* __restrict__ seeds, const int* __restrict__ counters,
-        int* __restrict__ out) {
+        const float* __restrict__ log_min_ps, const unsigned long long* __restrict__ seeds,
+        const int* __restrict__ counters, int* __restrict__ out) {
     __shared__ float f_shared[32];
     __shared__ unsigned int u_shared[32];
     __shared__ int i_shared[32];
@@ -129,7 +136,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sample(
 
     // Bisection for the largest key t in [lo, hi] that passes a test true at lo; 64-bit
     // arithmetic so hi - lo + 1 cannot wrap.
-    unsigned int threshold = 0;  // keys >= threshold are allowed
+    // keys >= threshold are allowed; rounded as NumPy rounds it (no fused multiply-add)
+    const float log_min_p = log_min_ps[r];
+    unsigned int threshold =
+        log_min_p > -CUDART_INF_F ? float_key(__fadd_rn(x_max, __fmul_rn(temperature, log_min_p))) : 0;
     const int top_k = top_ks[r];
     if (0 < top_k && top_k < vocab) {
         unsigned long long lo = 0, hi = key_max;
@@ -138,7 +148,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sample(
             if (count_at_least(row, vocab, (unsigned int)mid, u_shared) >= (unsigned int)top_k) lo = mid;
             else hi = mid - 1;
         }
-        threshold = (unsigned int)lo;
+        threshold = max(threshold, (unsigned int)lo);
     }
     const float top_p = top_ps[r];
     if (top_p < 1.0f) {
@@ -169,4 +179,23 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sample(
     }
     index = block_argmax(best, index, f_shared, i_shared);
     if (threadIdx.x == 0) out[r] = index;
+}
+
+extern "C" __global__ void edit_logits(__half* __restrict__ logits, int vocab, const int* __restrict__ rows,
+                                       const int* __restrict__ tokens, const float* __restrict__ penalties,
+                                       const float* __restrict__ shifts, int n) {
+    const int e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= n) return;
+    __half* at = logits + (long long)rows[e] * vocab + tokens[e];
+    const float x = __half2float(*at);
+    *at = __float2half(__fadd_rn(x > 0.0f ? __fdiv_rn(x, penalties[e]) : __fmul_rn(x, penalties[e]), shifts[e]));
+}
+
+extern "C" __global__ void mask_logits(__half* __restrict__ logits, int vocab, const int* __restrict__ rows,
+                                       const int* __restrict__ masks) {
+    const int t = blockIdx.y * blockDim.x + threadIdx.x;
+    if (t >= vocab) return;
+    const int words = (vocab + 31) / 32;
+    if (!((masks[(long long)blockIdx.x * words + t / 32] >> (t % 32)) & 1))
+        logits[(long long)rows[blockIdx.x] * vocab + t] = __float2half(-CUDART_INF_F);
 }

@@ -59,6 +59,12 @@ def text(name: str, value) -> str:
     return value
 
 
+def instance(name: str, value, types: type | tuple, kind: str):
+    if not isinstance(value, types):
+        raise NanoError(f"{name} must be {kind}, got {_show(value)}")
+    return value
+
+
 def token_ids(name: str, value, vocab_size: int) -> list[int]:
     """A list of token ids, each one a row of the embedding table."""
     if not isinstance(value, (list, tuple)):

@@ -172,7 +172,7 @@ class LLMEngine:
         return finished
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        if token in self.tokenizer.eos_token_ids and not seq.params.ignore_eos:
+        if (token in self.tokenizer.eos_token_ids and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:
             return "stop"
         if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

@@ -78,9 +78,10 @@ def _num_sms() -> int:
     return cupy.cuda.Device().attributes["MultiProcessorCount"]
 
 
-def _check(name, array, dtype):
-    if array.dtype != dtype:
-        raise TypeError(f"{name} must be {np.dtype(dtype).name}, got {array.dtype}")
+def _check(dtype, **arrays):
+    for name, array in arrays.items():
+        if array.dtype != dtype:
+            raise TypeError(f"{name} must be {np.dtype(dtype).name}, got {array.dtype}")
 
 
 def _check_cache(cache, op: str):
@@ -102,7 +103,7 @@ def _check_cache(cache, op: str):
         for name, s in zip(("k_scale", "v_scale"), scales):
             if s is None:
                 raise ValueError(f"{op}: an int8 KV cache needs {name}")
-            _check(name, s, cupy.float16)
+            _check(cupy.float16, **{name: s})
             if s.shape != k.shape[:3] or not s.flags.c_contiguous:
                 raise ValueError(f"{op}: {name} must be contiguous {k.shape[:3]}, got {s.shape}")
     elif any(s is not None for s in scales):
@@ -115,7 +116,7 @@ def _check_cache(cache, op: str):
 
 
 def _check_attention(q, cache, nq, d, op):
-    _check("q", q, cupy.float16)
+    _check(cupy.float16, q=q)
     cache_type, scales = _check_cache(cache, op)
     num_blocks, nkv, block_size, cache_d = cache.k.shape
     if cache_d != d:
@@ -136,8 +137,8 @@ def _check_rows(name, width):
 # ---------------------------------------------------------------- layers.cu
 
 def embedding(ids, table):
-    _check("ids", ids, cupy.int32)
-    _check("table", table, cupy.float16)
+    _check(cupy.int32, ids=ids)
+    _check(cupy.float16, table=table)
     vocab, hidden = table.shape
     _check_rows("hidden size", hidden)
     out = cupy.empty((ids.size, hidden), cupy.float16)
@@ -149,8 +150,7 @@ def embedding(ids, table):
 
 
 def rms_norm(x, weight, eps):
-    _check("x", x, cupy.float16)
-    _check("weight", weight, cupy.float16)
+    _check(cupy.float16, x=x, weight=weight)
     x = cupy.ascontiguousarray(x)
     tokens, hidden = x.shape
     _check_rows("hidden size", hidden)
@@ -164,9 +164,7 @@ def rms_norm(x, weight, eps):
 def add_rms_norm(x, residual, weight, eps):
     if residual is None:  # first layer: the residual stream starts as x
         return rms_norm(x, weight, eps), x
-    _check("x", x, cupy.float16)
-    _check("residual", residual, cupy.float16)
-    _check("weight", weight, cupy.float16)
+    _check(cupy.float16, x=x, residual=residual, weight=weight)
     x, residual = cupy.ascontiguousarray(x), cupy.ascontiguousarray(residual)
     tokens, hidden = x.shape
     _check_rows("hidden size", hidden)
@@ -180,8 +178,7 @@ def add_rms_norm(x, residual, weight, eps):
 def linear(x, weight, bias=None):
     """cuBLAS GemmEx through ctypes (nano/cublas.py): float16 operands, float32 accumulation,
     float16 result. Capturable into a CUDA graph, unlike cupy.matmul."""
-    _check("x", x, cupy.float16)
-    _check("weight", weight, cupy.float16)
+    _check(cupy.float16, x=x, weight=weight)
     if x.strides[1] != x.itemsize:
         x = cupy.ascontiguousarray(x)
     weight = cupy.ascontiguousarray(weight)
@@ -194,7 +191,7 @@ def linear(x, weight, bias=None):
 
 
 def _gated(kernel, gate_up):
-    _check("gate_up", gate_up, cupy.float16)
+    _check(cupy.float16, gate_up=gate_up)
     gate_up = cupy.ascontiguousarray(gate_up)
     tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
     _check_rows("intermediate size", inter)
@@ -213,21 +210,41 @@ def gelu_tanh_mul(gate_up):
     return _gated("gelu_tanh_mul", gate_up)
 
 
-def sample(logits, temperature, top_k, top_p, seeds, counters):
+def sample(logits, temperature, top_k, top_p, log_min_p, seeds, counters):
     """cuda/sampling.cu: grid R (one row per block), 1024 threads."""
-    _check("logits", logits, cupy.float16)
-    for name, x, dtype in (("temperature", temperature, cupy.float32), ("top_k", top_k, cupy.int32),
-                           ("top_p", top_p, cupy.float32), ("seeds", seeds, cupy.uint64),
-                           ("counters", counters, cupy.int32)):
-        _check(name, x, dtype)
+    _check(cupy.float16, logits=logits)
+    _check(cupy.float32, temperature=temperature, top_p=top_p, log_min_p=log_min_p)
+    _check(cupy.int32, top_k=top_k, counters=counters)
+    _check(cupy.uint64, seeds=seeds)
+    rows_params = (temperature, top_k, top_p, log_min_p, seeds, counters)
     logits = cupy.ascontiguousarray(logits)
     rows, vocab = logits.shape
     out = cupy.empty((rows,), cupy.int32)
     if rows:
         _kernel("sampling.cu", "sample")(
-            (rows,), (1024,), (logits, np.int32(vocab), *(cupy.ascontiguousarray(x) for x in
-                                                          (temperature, top_k, top_p, seeds, counters)), out))
+            (rows,), (1024,), (logits, np.int32(vocab), *(cupy.ascontiguousarray(x) for x in rows_params), out))
     return out
+
+
+def edit_logits(logits, rows, tokens, penalties, shifts):
+    """cuda/sampling.cu: a thread per edit, in place on contiguous float16 logits (the step's)."""
+    _check(cupy.float16, logits=logits)
+    _check(cupy.int32, rows=rows, tokens=tokens)
+    _check(cupy.float32, penalties=penalties, shifts=shifts)
+    if n := len(rows):
+        _kernel("sampling.cu", "edit_logits")(((n + 255) // 256,), (256,), (
+            logits, np.int32(logits.shape[1]), rows, tokens, penalties, shifts, np.int32(n)))
+    return logits
+
+
+def mask_logits(logits, rows, masks):
+    """cuda/sampling.cu: grid (M, ceil(V / 256)), a thread per token, in place."""
+    _check(cupy.float16, logits=logits)
+    _check(cupy.int32, rows=rows, masks=masks)
+    if len(rows):
+        _kernel("sampling.cu", "mask_logits")((len(rows), (logits.shape[1] + 255) // 256), (256,), (
+            logits, np.int32(logits.shape[1]), rows, masks))
+    return logits
 
 
 # ---------------------------------------------------------------- cache.cu
@@ -237,12 +254,10 @@ def rope_store_kvcache(q, k, v, positions, cos_sin, cache, slot_mapping, q_norm=
     row's heads and dims contiguous and 16-byte aligned. cache: one layer's LayerKV, float16
     or int8 (quantized here, per (token, KV head)), with or without the Hadamard key rotation;
     q_norm, k_norm (d,) float16 or None. Returns the rotated q (Hadamard-rotated too), contiguous."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _check(name, x, cupy.float16)
+    _check(cupy.float16, q=q, k=k, v=v)
     cache_type, (k_scale, v_scale) = _check_cache(cache, "rope_store_kvcache")
-    _check("positions", positions, cupy.int32)
-    _check("slot_mapping", slot_mapping, cupy.int32)
-    _check("cos_sin", cos_sin, cupy.float32)
+    _check(cupy.int32, positions=positions, slot_mapping=slot_mapping)
+    _check(cupy.float32, cos_sin=cos_sin)
     tokens, nq, d = q.shape
     nkv = k.shape[1]
     if d % 16:
@@ -264,8 +279,8 @@ def rope_store_kvcache(q, k, v, positions, cos_sin, cache, slot_mapping, q_norm=
         raise ValueError(f"rope_store_kvcache: the Hadamard key rotation and the q/k norm need a "
                          f"power-of-two head_dim up to 512, got {d}")
     if norms:
+        _check(cupy.float16, q_norm=q_norm, k_norm=k_norm)
         for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
-            _check(name, w, cupy.float16)
             if w.shape != (d,) or not w.flags.c_contiguous:
                 raise ValueError(f"rope_store_kvcache: {name} must be contiguous ({d},), got {w.shape}")
     else:
@@ -286,7 +301,7 @@ def _swap(kernel, pool, block_ids, staging):
     """One thread block per (block, layer * 2 + k/v); each copies one block of one layer's
     K or V (or their scales): prod(pool.shape[3:]) contiguous elements, moved as bytes in
     16-byte units where the block's bytes and both buffers allow, else 2-byte units."""
-    _check("block_ids", block_ids, cupy.int32)
+    _check(cupy.int32, block_ids=block_ids)
     if staging.dtype != pool.dtype:
         raise TypeError(f"gather/scatter_blocks: staging must be {pool.dtype}, got {staging.dtype}")
     if pool.ndim < 3 or staging.shape != pool.shape[:2] + (block_ids.size,) + pool.shape[3:]:
@@ -341,8 +356,7 @@ def paged_attention(q, cache, block_tables, context_lens, scale, window=None):
     seqs, nq, d = q.shape
     nkv = cache.k.shape[1]
     group, log2_block_size, cache_type, (k_scale, v_scale) = _check_attention(q, cache, nq, d, "paged_attention")
-    _check("block_tables", block_tables, cupy.int32)
-    _check("context_lens", context_lens, cupy.int32)
+    _check(cupy.int32, block_tables=block_tables, context_lens=context_lens)
     q, block_tables, context_lens = (cupy.ascontiguousarray(x) for x in (q, block_tables, context_lens))
     out = cupy.empty_like(q)
     if seqs == 0:
@@ -376,9 +390,7 @@ def prefill_attention(q, cache, cu_seqlens_q, block_tables, context_lens, scale,
     tokens, nq, d = q.shape
     nkv = cache.k.shape[1]
     group, log2_block_size, cache_type, (k_scale, v_scale) = _check_attention(q, cache, nq, d, "prefill_attention")
-    for name, x in (("cu_seqlens_q", cu_seqlens_q), ("block_tables", block_tables),
-                    ("context_lens", context_lens)):
-        _check(name, x, cupy.int32)
+    _check(cupy.int32, cu_seqlens_q=cu_seqlens_q, block_tables=block_tables, context_lens=context_lens)
     q, cu_seqlens_q, block_tables, context_lens = (
         cupy.ascontiguousarray(x) for x in (q, cu_seqlens_q, block_tables, context_lens))
     out = cupy.empty_like(q)
@@ -401,4 +413,4 @@ def attention(q, cache, batch, scale, window=None):
 
 CUDA = ops.OpSet(linear, attention, fixed_threads=False, embedding=embedding, add_rms_norm=add_rms_norm,
                  rope_store_kvcache=rope_store_kvcache, silu_mul=silu_mul, gelu_tanh_mul=gelu_tanh_mul, sample=sample,
-                 gather_blocks=gather_blocks, scatter_blocks=scatter_blocks)
+                 edit_logits=edit_logits, mask_logits=mask_logits, gather_blocks=gather_blocks, scatter_blocks=scatter_blocks)

@@ -332,18 +332,36 @@ def scatter_blocks(pool, block_ids, staging):
     pool[:, :, block_ids] = staging
 
 
-def sample(logits, temperature, top_k, top_p, seeds, counters):
+def edit_logits(logits, rows, tokens, penalties, shifts):
+    """Sparse edits, in place: for each e, x = logits[rows[e], tokens[e]] becomes
+    (x / penalties[e] if x > 0 else x * penalties[e]) + shifts[e]; -inf bans the token.
+    rows, tokens: (E,) int32, no (row, token) twice; penalties, shifts: (E,) float32."""
+    x = logits[rows, tokens].astype(np.float32)
+    logits[rows, tokens] = np.where(x > 0, x / penalties, x * penalties) + shifts
+    return logits
+
+
+def mask_logits(logits, rows, masks):
+    """In place: logits[rows[i], t] = -inf where bit t % 32 of masks[i, t // 32] is clear.
+    rows: (M,) int32, distinct; masks: (M, ceil(V / 32)) int32, bit set = token allowed."""
+    allowed = np.unpackbits(masks.view(np.uint8), axis=1, bitorder="little")[:, :logits.shape[1]]
+    logits[rows] = np.where(allowed.astype(bool), logits[rows], -np.inf)
+    return logits
+
+
+def sample(logits, temperature, top_k, top_p, log_min_p, seeds, counters):
     """One token per row. logits: (R, V); temperature: (R,) float32, 0 = greedy;
-    top_k: (R,) int32, <= 0 or >= V = off; top_p: (R,) float32, 1 = off; seeds: (R,) uint64;
-    counters: (R,) int32, the row's sequence's output tokens so far -> (R,) int32.
+    top_k: (R,) int32, <= 0 or >= V = off; top_p: (R,) float32, 1 = off; log_min_p: (R,)
+    float32, log of min_p (-inf = off); seeds: (R,) uint64; counters: (R,) int32, the row's
+    sequence's output tokens so far -> (R,) int32.
     Thresholds by bisection over order-preserving keys, then a Gumbel-max draw whose noise
     hashes (seed, counter, token id); cuda/sampling.cu runs the same steps (docs/how-it-works.md)."""
     logits = np.asarray(logits, np.float32)
     if not np.any(temperature):  # all greedy: one argmax for the step, not one per row
         return np.argmax(logits, axis=-1).astype(np.int32)
     seeds = np.asarray(seeds, np.uint64)
-    return np.array([_sample_row(x, np.float32(t), int(k), np.float32(p), int(seed), int(c))
-                     for x, t, k, p, seed, c in zip(logits, temperature, top_k, top_p, seeds, counters)],
+    return np.array([_sample_row(x, np.float32(t), int(k), np.float32(p), np.float32(m), int(seed), int(c))
+                     for x, t, k, p, m, seed, c in zip(logits, temperature, top_k, top_p, log_min_p, seeds, counters)],
                     dtype=np.int32).reshape(len(logits))
 
 
@@ -397,7 +415,7 @@ def _largest_passing(lo: int, hi: int, passes) -> int:
     return lo
 
 
-def _sample_row(x, t, top_k, top_p, seed, counter) -> int:
+def _sample_row(x, t, top_k, top_p, log_min_p, seed, counter) -> int:
     if t == 0:
         return int(np.argmax(x))
     noise = np.log(uniforms(seed, counter, x.size))  # Gumbel noise -log(-log u), in place
@@ -405,13 +423,14 @@ def _sample_row(x, t, top_k, top_p, seed, counter) -> int:
     np.log(noise, out=noise)
     scores = x / t
     scores -= noise
-    if not (0 < top_k < x.size or top_p < 1):  # the whole vocabulary is allowed
+    if not (0 < top_k < x.size or top_p < 1 or log_min_p > -np.inf):  # the whole vocabulary is allowed
         return int(np.argmax(scores))
     keys = float_keys(x)
     key_max = int(keys.max())
-    threshold = 0  # keys >= threshold are allowed
+    # min_p: p_i >= min_p * p_max  <=>  x_i >= max(x) + T * log(min_p); keys >= threshold are allowed
+    threshold = int(float_keys(x.max() + t * log_min_p)) if log_min_p > -np.inf else 0
     if 0 < top_k < x.size:
-        threshold = _largest_passing(0, key_max, lambda m: np.count_nonzero(keys >= m) >= top_k)
+        threshold = max(threshold, _largest_passing(0, key_max, lambda m: np.count_nonzero(keys >= m) >= top_k))
     if top_p < 1:
         e = np.exp(x / t - x.max() / t)
         target = top_p * e[keys >= threshold].sum(dtype=np.float32)
@@ -436,6 +455,8 @@ class OpSet:
     silu_mul: Callable = silu_mul
     gelu_tanh_mul: Callable = gelu_tanh_mul
     sample: Callable = sample
+    edit_logits: Callable = edit_logits
+    mask_logits: Callable = mask_logits
     gather_blocks: Callable = gather_blocks
     scatter_blocks: Callable = scatter_blocks
 

@@ -19,8 +19,29 @@ class Sampler:
             logits = logits[rows.sample_rows]
         keep = [i for i, seq in enumerate(rows.sampling) if seq.params.return_logits]
         kept = dict(zip(keep, self.device.to_host(logits[keep]).astype(np.float32))) if keep else {}
+        logits = self._process(logits, rows.sampling)
         tokens = self.ops.sample(logits, *self._parameters(rows.sampling, rows.counters))
         return self.device.to_host(tokens).tolist(), kept
+
+    def _process(self, logits, seqs: list[Sequence]):
+        """The rows' logits processors (sequence.LogitsProcessor), if any: their edits packed
+        into one ops.edit_logits, their masks into one ops.mask_logits (the raw logits were
+        kept above, as return_logits and logprobs report them)."""
+        edits, masks = [], []
+        for i, seq in enumerate(seqs):
+            if processor := seq.params.logits_processor:
+                if (edit := processor.edits(seq)) is not None:
+                    edits.append((np.full(len(edit[0]), i, np.int32), *edit))
+                if (mask := processor.mask(seq)) is not None:
+                    masks.append((i, mask))
+        xp = self.device.xp
+        if edits:
+            logits = self.ops.edit_logits(logits, *(xp.asarray(np.concatenate(a).astype(dtype)) for a, dtype in
+                                                     zip(zip(*edits), (np.int32, np.int32, np.float32, np.float32))))
+        if masks:
+            rows, bits = zip(*masks)
+            logits = self.ops.mask_logits(logits, xp.asarray(np.array(rows, np.int32)), xp.asarray(np.stack(bits)))
+        return logits
 
     def score(self, logits, rows: StepRows) -> list[tuple]:
         """Prompt logprobs: a step's logits (R, V) -> per row that scores a prompt token
@@ -42,15 +63,17 @@ class Sampler:
         return [(c, r, list(zip(t, v))[:seq.params.prompt_logprobs]) for seq, c, r, t, v in zip(rows.scoring, *out)]
 
     def _parameters(self, seqs: list[Sequence], counters: list[int]) -> tuple:
-        """The sample op's per-row arrays (temperature, top_k, top_p, seeds, counters), packed
-        into one uint32 host array so that the GPU gets them in one copy, then viewed."""
-        host = np.empty((6, len(seqs)), np.uint32)
+        """The sample op's per-row arrays (temperature, top_k, top_p, log_min_p, seeds,
+        counters), packed into one uint32 host array so that the GPU gets them in one copy, then viewed."""
+        host = np.empty((7, len(seqs)), np.uint32)
         host[0].view(np.float32)[:] = [s.params.temperature for s in seqs]
         host[1].view(np.int32)[:] = [s.params.top_k for s in seqs]
         host[2].view(np.float32)[:] = [s.params.top_p for s in seqs]
-        host[3].view(np.int32)[:] = counters
-        host[4:].reshape(-1).view(np.uint64)[:] = [s.seed % 2**64 for s in seqs]  # any int seed
+        with np.errstate(divide="ignore"):  # min_p 0: log -inf, off
+            host[3].view(np.float32)[:] = np.log(np.array([s.params.min_p for s in seqs], np.float32))
+        host[4].view(np.int32)[:] = counters
+        host[5:].reshape(-1).view(np.uint64)[:] = [s.seed % 2**64 for s in seqs]  # any int seed
         xp = self.device.xp
         packed = xp.asarray(host)
         return (packed[0].view(xp.float32), packed[1].view(xp.int32), packed[2].view(xp.float32),
-                packed[4:].reshape(-1).view(xp.uint64), packed[3].view(xp.int32))
+                packed[3].view(xp.float32), packed[5:].reshape(-1).view(xp.uint64), packed[4].view(xp.int32))

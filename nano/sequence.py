@@ -1,6 +1,6 @@
 """Sequence (one request's state as it moves through the engine) and SamplingParams."""
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -12,9 +12,12 @@ class SamplingParams:
     temperature: float = 1.0       # 0 = greedy
     top_p: float = 1.0             # nucleus mass, in (0, 1]
     top_k: int = -1                # -1 or 0 = off
+    min_p: float = 0.0             # drop tokens below min_p x the likeliest's probability; 0 = off
     max_tokens: int = 16           # 0 only with prompt_logprobs: the prompt scored, nothing generated
     seed: int | None = None        # same seed, same output, whatever the batch around it
     ignore_eos: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)  # each ends the output, as EOS does
+    logits_processor: "LogitsProcessor | None" = None  # penalties, grammars: nano/controls
     return_logits: bool = False    # keep the logits row behind every sampled token
     prompt_logprobs: int | None = None  # score the prompt: each token's logprob and this many top ones
     ttft_slo: float | None = None  # seconds from arrival to the first token (deadline policy)
@@ -33,14 +36,34 @@ FIELD_RULES = {
     "temperature": lambda name, v: checks.number(name, v, low=0),
     "top_p": lambda name, v: checks.number(name, v, 0, 1, open_low=True),
     "top_k": lambda name, v: checks.integer(name, v, -1, checks.INT32_MAX),
+    "min_p": lambda name, v: checks.number(name, v, 0, 1),
     "max_tokens": lambda name, v: checks.integer(name, v, 1, checks.INT32_MAX),
     "seed": lambda name, v: checks.integer(name, v, optional=True),  # any int: the sampler takes it mod 2**64
     "ignore_eos": checks.flag,
+    "stop_token_ids": lambda name, v: [checks.integer(f"{name}[{i}]", t, 0, checks.INT32_MAX)
+                                       for i, t in enumerate(checks.instance(name, v, (list, tuple), "a list"))],
+    "logits_processor": lambda name, v: checks.instance(name, v, (LogitsProcessor, type(None)), "a LogitsProcessor"),
     "return_logits": checks.flag,
     "prompt_logprobs": lambda name, v: checks.integer(name, v, 0, checks.INT32_MAX, optional=True),
     "ttft_slo": lambda name, v: checks.number(name, v, low=0, open_low=True, optional=True),
     "tpot_slo": lambda name, v: checks.number(name, v, low=0, open_low=True, optional=True),
 }
+
+
+class LogitsProcessor:
+    """A request's change to its next-token logits, from its sequence on the host before each
+    token it samples; the sampler applies every row's in one op each, so rows without one pay
+    nothing. Per-request state lives in seq.processor_state (one object may serve several
+    sequences). nano/controls implements it: penalties, logit_bias, min_tokens, grammars."""
+
+    def edits(self, seq: "Sequence") -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """(tokens (E,) int32, distinct; penalties (E,) float32; shifts (E,) float32): each
+        token's logit x becomes (x / penalty if x > 0 else x * penalty) + shift; -inf bans it."""
+        return None
+
+    def mask(self, seq: "Sequence") -> np.ndarray | None:
+        """(ceil(V / 32),) int32: token t is allowed where bit t % 32 of word t // 32 is set."""
+        return None
 
 
 class Status(enum.Enum):
@@ -77,6 +100,7 @@ class Sequence:
         # first) at [i]; the first token has none. Filled as prefill chunks run (engine._postprocess).
         self.prompt_logprobs: list = [None]
         self.seed = seed                             # with the output count, keys each random draw
+        self.processor_state = None                  # params.logits_processor's own, for this request
 
     @property
     def num_tokens(self) -> int:

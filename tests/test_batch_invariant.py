@@ -47,7 +47,7 @@ def test_the_row_wise_ops_do_not_depend_on_the_other_rows():
     gate_up = rng.normal(size=(40, 3072)).astype(np.float32)
     logits = rng.normal(size=(40, 4096)).astype(np.float32)
     params = [np.zeros(40, np.float32), np.zeros(40, np.int32), np.ones(40, np.float32),
-              np.arange(40, dtype=np.uint64), np.zeros(40, np.int32)]
+              np.full(40, -np.inf, np.float32), np.arange(40, dtype=np.uint64), np.zeros(40, np.int32)]
     all_rows = (ops.add_rms_norm(x, res, w, 1e-5), ops.silu_mul(gate_up), ops.gelu_tanh_mul(gate_up),
                 ops.sample(logits, *params))
     for rows in (slice(0, 1), slice(7, 8), slice(3, 10), slice(39, 40)):

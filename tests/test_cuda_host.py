@@ -454,11 +454,30 @@ def check_layers(cp, rng):
 
 
 def check_sample(cp, rng):
-    logits = (3 * rng.normal(size=(2, 1000))).astype(np.float16)
-    args = (np.full(2, 0.8, np.float32), np.full(2, 40, np.int32), np.full(2, 0.9, np.float32),
-            np.array([1, 2], np.uint64), np.array([0, 5], np.int32))
+    logits = (3 * rng.normal(size=(3, 1000))).astype(np.float16)
+    args = (np.full(3, 0.8, np.float32), np.int32([40, 40, -1]), np.float32([0.9, 0.9, 1.0]),
+            np.float32([-np.inf, np.log(0.3), np.log(0.1)]), np.array([1, 2, 3], np.uint64),
+            np.array([0, 5, 9], np.int32))
     got = cp.asnumpy(kernels.sample(cp.asarray(logits), *map(cp.asarray, args)))
     np.testing.assert_array_equal(got, ops.sample(logits.astype(np.float32), *args))
+
+
+def check_edit_and_mask_logits(cp, rng):
+    """The logits processors' two ops on a poisoned copy of odd-sized logits: the listed
+    (row, token) edits and the masked tokens change, nothing else."""
+    vocab = 1001  # not a multiple of 32 or 256: the last mask word and block are partial
+    logits = (3 * rng.normal(size=(4, vocab))).astype(np.float16)
+    rows = np.int32([0, 0, 2, 3, 3])
+    tokens = np.int32([5, 1000, 7, 0, 999])
+    penalties = np.float32([1.3, 2.0, 0.8, 1.0, 1.5])
+    shifts = np.float32([0.5, -1.0, 0.0, -np.inf, 2.0])
+    want = ops.edit_logits(logits.astype(np.float32), rows, tokens, penalties, shifts)
+    got = kernels.edit_logits(cp.asarray(logits), *map(cp.asarray, (rows, tokens, penalties, shifts)))
+    np.testing.assert_allclose(cp.asnumpy(got).astype(np.float32), want, rtol=2e-3, atol=2e-3)
+    masks = rng.integers(-2**31, 2**31, size=(2, (vocab + 31) // 32)).astype(np.int32)
+    want = ops.mask_logits(logits.astype(np.float32), np.int32([3, 1]), masks)
+    got = kernels.mask_logits(cp.asarray(logits), cp.asarray(np.int32([3, 1])), cp.asarray(masks))
+    np.testing.assert_array_equal(cp.asnumpy(got).astype(np.float32), want.astype(np.float16).astype(np.float32))
 
 
 def check_rope_int8(cp, rng):
@@ -481,6 +500,7 @@ def check_rope_int8(cp, rng):
 
 
 CHECKS = {"paged": check_paged, "prefill": check_prefill, "layers": check_layers, "sample": check_sample,
+          "logits": check_edit_and_mask_logits,
           "paged_int8": lambda cp, rng: check_paged(cp, rng, "int8"),
           "prefill_int8": lambda cp, rng: check_prefill(cp, rng, "int8"), "rope_int8": check_rope_int8}
 
@@ -510,6 +530,8 @@ BUGS = [
     ("shuffle mask leaves out the caller", "sampling.cu",
      "const float v = __shfl_xor_sync(0xffffffff, best, o);",
      "const float v = __shfl_xor_sync(0x0000ffff, best, o);", "sample", "leaves out its own lane"),
+    ("mask bits read from the wrong end of their word", "sampling.cu", ">> (t % 32)", ">> (31 - t % 32)",
+     "logits", None),
     ("read past the end of an input", "layers.cu", "if (i8 >= n8) return;", "if (i8 > n8) return;",
      "layers", "past the end of argument 'gate_up'"),
     ("GELU constant with a zero too many", "layers.cu", "0.044715f", "0.0044715f", "layers", None),

@@ -392,9 +392,11 @@ def test_gated_mul(cupy, rng, op, tokens, inter):
 
 # ---------------------------------------------------------------- sampling
 
-def sample_args(rows, temperature, top_k, top_p, rng):
+def sample_args(rows, temperature, top_k, top_p, rng, min_p=0.0):
+    with np.errstate(divide="ignore"):
+        log_min_p = np.full(rows, np.log(np.float32(min_p)), np.float32)
     return (np.full(rows, temperature, np.float32), np.full(rows, top_k, np.int32),
-            np.full(rows, top_p, np.float32), rng.integers(0, 2**63, rows).astype(np.uint64),
+            np.full(rows, top_p, np.float32), log_min_p, rng.integers(0, 2**63, rows).astype(np.uint64),
             rng.integers(0, 5000, rows).astype(np.int32))
 
 
@@ -411,20 +413,39 @@ def test_sample_greedy_ties_go_to_lowest_index(cupy, rng):
 
 
 @pytest.mark.parametrize("vocab", [49152, 128256, 1000])
-@pytest.mark.parametrize("temperature, top_k, top_p", [
-    (1.0, -1, 1.0), (0.7, -1, 1.0), (1.0, 40, 1.0), (0.8, -1, 0.9), (0.6, 50, 0.95), (1.3, 1, 1.0),
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p", [
+    (1.0, -1, 1.0, 0), (0.7, -1, 1.0, 0), (1.0, 40, 1.0, 0), (0.8, -1, 0.9, 0), (0.6, 50, 0.95, 0), (1.3, 1, 1.0, 0),
+    (1.0, -1, 1.0, 0.05), (0.8, 40, 0.9, 0.2),
 ])
-def test_sample_matches_reference(cupy, rng, vocab, temperature, top_k, top_p):
+def test_sample_matches_reference(cupy, rng, vocab, temperature, top_k, top_p, min_p):
     """Same algorithm, same float32 inputs: identical tokens, except where two allowed
     tokens' noisy scores are within float32 rounding (logf/expf vs NumPy, ~1 ulp) or a
     nucleus boundary is within summation-order rounding. With 64 random rows such cases
     have probability ~1e-4, so we allow at most one mismatching row."""
     rows = 64
     logits = (3 * rng.normal(size=(rows, vocab))).astype(np.float16)
-    args = sample_args(rows, temperature, top_k, top_p, rng)
+    args = sample_args(rows, temperature, top_k, top_p, rng, min_p)
     got = cupy.asnumpy(kernels.sample(cupy.asarray(logits), *map(cupy.asarray, args)))
     ref = ops.sample(logits.astype(np.float32), *args)
     assert (got != ref).sum() <= 1, np.flatnonzero(got != ref)
+
+
+@pytest.mark.parametrize("vocab", [49152, 1001])
+def test_edit_and_mask_logits_match_reference(cupy, rng, vocab):
+    """The logits processors' ops on fresh float16 logits: sparse edits (penalties, shifts,
+    bans) and allowed-token bitmasks on some rows; the other rows stay as they were."""
+    logits = (3 * rng.normal(size=(6, vocab))).astype(np.float16)
+    rows = np.repeat(np.int32([0, 2, 5]), 40)
+    tokens = np.concatenate([rng.choice(vocab, 40, replace=False) for _ in range(3)]).astype(np.int32)
+    penalties = rng.uniform(0.5, 2.0, 120).astype(np.float32)
+    shifts = np.where(rng.random(120) < 0.1, -np.inf, rng.normal(size=120)).astype(np.float32)
+    want = ops.edit_logits(logits.astype(np.float32), rows, tokens, penalties, shifts)
+    got = kernels.edit_logits(cupy.asarray(logits), *map(cupy.asarray, (rows, tokens, penalties, shifts)))
+    np.testing.assert_allclose(cupy.asnumpy(got).astype(np.float32), want, rtol=2e-3, atol=2e-3)
+    masks = rng.integers(-2**31, 2**31, size=(3, (vocab + 31) // 32)).astype(np.int32)
+    want = ops.mask_logits(logits.astype(np.float32), np.int32([4, 0, 1]), masks).astype(np.float16)
+    got = kernels.mask_logits(cupy.asarray(logits), cupy.asarray(np.int32([4, 0, 1])), cupy.asarray(masks))
+    np.testing.assert_array_equal(cupy.asnumpy(got), want)
 
 
 def test_sample_pinned_draws(cupy):

@@ -7,14 +7,14 @@ from nano import ops
 from nano.device import Device
 from nano.plan import StepRows
 from nano.sampler import Sampler
-from nano.sequence import SamplingParams, Sequence
+from nano.sequence import LogitsProcessor, SamplingParams, Sequence
 
 
 def draw(logits, n, temperature=1.0, top_k=-1, top_p=1.0, seed=7):
     """n draws from one row: the same seed, counters 0..n-1 (a sequence's n output tokens)."""
     rows = np.repeat(np.asarray(logits, np.float32)[None], n, axis=0)
     return ops.sample(rows, np.full(n, temperature, np.float32), np.full(n, top_k, np.int32),
-                      np.full(n, top_p, np.float32), np.full(n, seed, np.uint64),
+                      np.full(n, top_p, np.float32), np.full(n, -np.inf, np.float32), np.full(n, seed, np.uint64),
                       np.arange(n, dtype=np.int32))
 
 
@@ -29,7 +29,7 @@ def test_greedy_is_argmax_with_ties_to_lowest_index():
     logits[1, [700, 90, 999]] = 9.0
     logits[2, :] = -3.0
     got = ops.sample(logits, np.zeros(6, np.float32), np.full(6, 5, np.int32), np.full(6, 0.5, np.float32),
-                     np.arange(6, dtype=np.uint64), np.zeros(6, np.int32))
+                     np.full(6, np.log(0.5), np.float32), np.arange(6, dtype=np.uint64), np.zeros(6, np.int32))
     np.testing.assert_array_equal(got, logits.argmax(axis=1))
     assert got[1] == 90 and got[2] == 0
 
@@ -78,7 +78,8 @@ def test_same_seed_and_counter_same_token_whatever_the_rest_of_the_batch():
     rng = np.random.default_rng(3)
     logits = rng.normal(size=(5, 200)).astype(np.float32)
     args = (np.full(5, 1.0, np.float32), np.array([-1, 5, -1, 50, 0], np.int32),
-            np.array([1.0, 1.0, 0.9, 0.8, 1.0], np.float32), np.array([1, 2, 3, 2**63 + 5, 9], np.uint64),
+            np.array([1.0, 1.0, 0.9, 0.8, 1.0], np.float32), np.float32([-np.inf, -np.inf, np.log(0.05), -np.inf, -1]),
+            np.array([1, 2, 3, 2**63 + 5, 9], np.uint64),
             np.array([0, 4, 4, 100, 7], np.int32))
     batch = ops.sample(logits, *args)
     for r in range(5):
@@ -100,6 +101,7 @@ PINNED_LOGITS = np.repeat((np.arange(64, dtype=np.float32) / 16 - 2)[None], 8, a
 PINNED_ARGS = (np.float32([1.0, 0.7, 1.0, 0.8, 1.3, 1.0, 0.5, 2.0]),          # temperature
                np.int32([-1, -1, 10, -1, 3, -1, -1, 5]),                      # top_k
                np.float32([1, 1, 1, 0.9, 1, 0.5, 1, 0.8]),                    # top_p
+               np.full(8, -np.inf, np.float32),                               # log_min_p: off
                np.array([0, 1, 7, 2**32 + 1, 2**63, 2**64 - 1, 12345, 99], np.uint64),  # seeds
                np.int32([0, 3, 6, 9, 12, 15, 18, 2**31 - 1]))                 # counters
 PINNED_TOKENS = [62, 57, 62, 61, 61, 60, 59, 63]
@@ -130,9 +132,9 @@ def test_sampler_rows_params_and_logits():
     seqs[1].token_ids.append(4)  # one output token so far: counter 1
     tokens, kept = Sampler(Device("cpu"), ops.REFERENCE).sample(logits, StepRows(seqs, [s.num_output_tokens for s in seqs], [0, 1, 2]))
     assert tokens[0] == int(logits[0].argmax())
-    assert tokens[1] == ops.sample(logits[1:2], np.float32([0.9]), np.int32([5]), np.float32([1.0]),
+    assert tokens[1] == ops.sample(logits[1:2], np.float32([0.9]), np.int32([5]), np.float32([1.0]), np.float32([-np.inf]),
                                    np.uint64([11]), np.int32([1]))[0]
-    assert tokens[2] == ops.sample(logits[2:3], np.float32([1.0]), np.int32([-1]), np.float32([0.5]),
+    assert tokens[2] == ops.sample(logits[2:3], np.float32([1.0]), np.int32([-1]), np.float32([0.5]), np.float32([-np.inf]),
                                    np.uint64([2**64 - 3]), np.int32([0]))[0]
     assert list(kept) == [1] and not any(seq.logits for seq in seqs)  # the engine appends them
     np.testing.assert_array_equal(kept[1], logits[1])
@@ -142,5 +144,55 @@ def test_sampler_rows_params_and_logits():
 def test_edge_vocab_sizes(vocab):
     logits = np.random.default_rng(5).normal(size=(2, vocab)).astype(np.float32)
     got = ops.sample(logits, np.float32([0.7, 1.0]), np.int32([1, vocab]), np.float32([1.0, 1e-6]),
-                     np.uint64([1, 2]), np.int32([0, 0]))
+                     np.float32([-np.inf, -np.inf]), np.uint64([1, 2]), np.int32([0, 0]))
     assert got[0] == logits[0].argmax() and got[1] == logits[1].argmax()  # top-1 and a tiny nucleus
+
+
+def test_min_p_keeps_exactly_the_tokens_within_min_p_of_the_likeliest():
+    """min_p 0.2 at temperature 0.8: p_i >= 0.2 * p_max after temperature, as vLLM defines it.
+    Every such token shows up in 3000 draws and no other one does."""
+    logits = np.log(np.array([0.3, 0.25, 0.2, 0.1, 0.08, 0.05, 0.02], np.float32))
+    probs = softmax(logits, 0.8)
+    rows = np.repeat(logits[None], 3000, axis=0)
+    got = ops.sample(rows, np.full(3000, 0.8, np.float32), np.full(3000, -1, np.int32), np.ones(3000, np.float32),
+                     np.full(3000, np.log(0.2), np.float32), np.full(3000, 5, np.uint64), np.arange(3000, dtype=np.int32))
+    assert set(got.tolist()) == set(np.flatnonzero(probs >= 0.2 * probs.max()).tolist()) == {0, 1, 2, 3}
+
+
+def test_edit_logits_and_mask_logits():
+    logits = np.array([[2.0, -2.0, 1.0, 0.0], [3.0, 3.0, 3.0, 3.0]], np.float32)
+    ops.edit_logits(logits, np.int32([0, 0, 1]), np.int32([0, 1, 3]), np.float32([2.0, 2.0, 1.0]),
+                    np.float32([0.5, 0.0, -np.inf]))
+    np.testing.assert_array_equal(logits, [[1.5, -4.0, 1.0, 0.0], [3.0, 3.0, 3.0, -np.inf]])
+    masks = np.array([[0b1010]], np.int32)  # tokens 1 and 3 allowed
+    np.testing.assert_array_equal(ops.mask_logits(logits, np.int32([1]), masks)[1], [-np.inf, 3.0, -np.inf, -np.inf])
+    logits = np.zeros((1, 40), np.float32)
+    ops.mask_logits(logits, np.int32([0]), np.array([[-2**31, 1]], np.int32))  # bit 31 of word 0, bit 0 of word 1
+    assert np.flatnonzero(logits[0] == 0).tolist() == [31, 32]
+
+
+class BanAndAllow(LogitsProcessor):
+    """A stand-in processor: bans one token and allows only the first `allowed` tokens."""
+    def __init__(self, ban, allowed):
+        self.ban, self.allowed = ban, allowed
+
+    def edits(self, seq):
+        seq.processor_state = (seq.processor_state or 0) + 1  # its own per-sequence state
+        return np.int32([self.ban]), np.float32([1.0]), np.float32([-np.inf])
+
+    def mask(self, seq):
+        return np.packbits(np.arange(64) < self.allowed, bitorder="little").view(np.int32)
+
+
+def test_a_processor_changes_its_own_rows_only_and_logits_are_kept_raw():
+    logits = np.zeros((3, 64), np.float32)
+    logits[:, 10] = 5.0  # every row's argmax ...
+    logits[:, 12] = 4.0  # ... and runner-up
+    params = [SamplingParams(temperature=0, return_logits=True),
+              SamplingParams(temperature=0, return_logits=True, logits_processor=BanAndAllow(10, 64)),
+              SamplingParams(temperature=0, logits_processor=BanAndAllow(0, 12))]
+    seqs = [Sequence(i, "", [1, 2], p, 0.0, seed=i) for i, p in enumerate(params)]
+    tokens, kept = Sampler(Device("cpu"), ops.REFERENCE).sample(logits.copy(), StepRows(seqs, [0, 0, 0], [0, 1, 2]))
+    assert tokens == [10, 12, 10]  # row 1: 10 banned; row 2: 12 masked out, 10 kept
+    np.testing.assert_array_equal(kept[1], logits[1])  # raw, as return_logits and logprobs report them
+    assert [s.processor_state for s in seqs] == [None, 1, 1]

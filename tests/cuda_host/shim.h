@@ -209,6 +209,12 @@ inline __half2 floats_to_half2(float a, float b) {
 #define __half22float2(h) cuda_host::half2_to_float2(h)
 #define __floats2half2_rn(a, b) cuda_host::floats_to_half2(a, b)
 
+// IEEE operations rounded one at a time, never contracted into an FMA (noinline keeps
+// g++'s -ffp-contract=fast from fusing across them, as CUDA's _rn intrinsics forbid).
+__attribute__((noinline)) inline float __fadd_rn(float a, float b) { return a + b; }
+__attribute__((noinline)) inline float __fmul_rn(float a, float b) { return a * b; }
+__attribute__((noinline)) inline float __fdiv_rn(float a, float b) { return a / b; }
+
 // Integer min/max are device built-ins in CUDA; the float ones come from <cmath>.
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
