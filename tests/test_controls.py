@@ -82,7 +82,8 @@ def test_the_builder_checks_each_field_by_name(tiny_model):
     assert sampling_params(engine, temperature=0).logits_processor is None  # no control: no processor
     assert sampling_params(engine, presence_penalty=0.0, logit_bias={}, bad_words=[]).logits_processor is None
     assert isinstance(sampling_params(engine, logit_bias={"5": 1}).logits_processor, Controls)
-    for fields, field in (({"frequency_penalty": 5}, "frequency_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    for fields, field in (({"frequency_penalty": 5}, "frequency_penalty"),
+                          ({"repetition_penalty": 0}, "repetition_penalty"),
                           ({"presence_penalty": -2.5}, "presence_penalty"), ({"logit_bias": {512: 1}}, "logit_bias"),
                           ({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": {3: 101}}, "logit_bias"),
                           ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"), ({"bad_words": "x"}, "bad_words"),
@@ -163,7 +164,8 @@ def test_the_servers_controls(tiny_model):
     srv = test_server.Running(max_queued=8, model=str(tiny_model), device="cpu")
     try:
         def post(**fields):
-            body = {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0, **fields}
+            body = {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0,
+                    **fields}
             return test_server.httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
 
         def tokens(**fields):
@@ -181,7 +183,8 @@ def test_the_servers_controls(tiny_model):
         text = lambda **f: post(stop=["a"], logit_bias={str(a): 100}, **f).json()["choices"][0]["text"]  # noqa: E731
         assert (text(), text(include_stop_str_in_output=True)) == ("", "a")
         assert (text(min_tokens=3), text(min_tokens=3, include_stop_str_in_output=True)) == ("aa", "aaa")
-        for fields, param in (({"frequency_penalty": 5}, "frequency_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
+        for fields, param in (({"frequency_penalty": 5}, "frequency_penalty"),
+                              ({"repetition_penalty": 0}, "repetition_penalty"),
                               ({"min_p": 1.5}, "min_p"), ({"logit_bias": {"abc": 1}}, "logit_bias"),
                               ({"logit_bias": {"512": 1}}, "logit_bias"), ({"min_tokens": 7}, "min_tokens")):
             r = post(**fields)

@@ -199,7 +199,8 @@ class EngineThread(threading.Thread):
             searched = len(job.text)
             job.text += job.detok.add(new) if new else ""
             reason = seq.finish_reason
-            start, stop_end = job.stops.span(job.text, searched) if seq.num_output_tokens >= job.min_tokens else (-1, -1)
+            searching = seq.num_output_tokens >= job.min_tokens  # vLLM's rule: no stop before min_tokens
+            start, stop_end = job.stops.span(job.text, searched) if searching else (-1, -1)
             if start >= 0:  # a stop string: the text ends before it (or after it), the sequence ends now
                 job.text = job.text[:stop_end if job.include_stop else start]
                 if not seq.is_finished:

@@ -136,7 +136,8 @@ class Sampling(BaseModel):
     def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
         for key in bias or {}:
             if not (key.isascii() and key.isdigit()):
-                raise PydanticCustomError("logit_bias", f"keys must be token ids, as strings of digits: got {key!r:.40}")
+                raise PydanticCustomError("logit_bias", f"keys must be token ids, as strings of digits: got "
+                                          f"{key!r:.40}")
         return bias
 
     @field_validator("stream_options")
