@@ -20,7 +20,9 @@ BASE = {COMPLETIONS: {"prompt": "The sky is", "max_tokens": 2},
 
 # The fields each endpoint honours; every other field of its model is refused unless "off".
 SAMPLING = {"model", "user", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
-            "stream_options", "ignore_eos", "prompt_logprobs"}
+            "stream_options", "ignore_eos", "prompt_logprobs", "min_p", "presence_penalty", "frequency_penalty",
+            "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "include_stop_str_in_output",
+            "bad_words"}
 HONOURED = {COMPLETIONS: SAMPLING | {"prompt", "logprobs", "echo"},
             CHAT: SAMPLING | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "add_generation_prompt",
                               "safety_identifier"}}
@@ -32,13 +34,13 @@ VALUES = {
     # honoured
     "model": "MODEL", "user": "u", "max_tokens": 3, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "seed": 7,
     "stop": ["\n"], "n": 2, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
-    "prompt_logprobs": 1, "prompt": [1, 2, 3], "echo": True,
+    "prompt_logprobs": 1, "prompt": [1, 2, 3], "echo": True, "frequency_penalty": 0.5, "presence_penalty": -0.5,
+    "logit_bias": {"11": 100}, "min_p": 0.1, "repetition_penalty": 1.2, "stop_token_ids": [5],
+    "include_stop_str_in_output": True, "min_tokens": 2, "bad_words": ["x"],
     "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
     "top_logprobs": 2, "max_completion_tokens": 3, "add_generation_prompt": False,
     # refused (both endpoints)
-    "frequency_penalty": 0.5, "presence_penalty": -0.5, "logit_bias": {"11": 100}, "response_format": JSON_SCHEMA,
-    "use_beam_search": True, "min_p": 0.1, "repetition_penalty": 1.2, "length_penalty": 0.5,
-    "stop_token_ids": [5], "include_stop_str_in_output": True, "min_tokens": 2, "skip_special_tokens": False,
+    "response_format": JSON_SCHEMA, "use_beam_search": True, "length_penalty": 0.5, "skip_special_tokens": False,
     "spaces_between_special_tokens": False, "truncate_prompt_tokens": 8, "allowed_token_ids": [1, 2],
     "structured_outputs": {"regex": "[ab]+"}, "priority": 1, "request_id": "r1", "logits_processors": ["m.P"],
     "return_tokens_as_token_ids": True, "return_token_ids": True, "cache_salt": "salt", "kv_transfer_params": {},
@@ -52,7 +54,7 @@ VALUES = {
     "prediction": {"type": "content", "content": "x"}, "metadata": {"k": "v"}, "store": True, "service_tier": "flex",
     "prompt_cache_key": "k", "prompt_cache_retention": "24h", "safety_identifier": "s", "verbosity": "low",
     "web_search_options": {}, "reasoning_effort": "low", "thinking_token_budget": 8, "include_reasoning": False,
-    "watermarking": True, "logprob_token_ids": [1], "bad_words": ["x"], "continue_final_message": True,
+    "watermarking": True, "logprob_token_ids": [1], "continue_final_message": True,
     "documents": [{"title": "t", "text": "x"}], "chat_template": "{{ 'x' }}", "chat_template_kwargs": {"k": 1},
     "media_io_kwargs": {}, "mm_processor_kwargs": {}, "session_id": "s", "routed_experts_prompt_start": 1,
     "return_token_offsets": True, "return_prompt_text": True, "return_mm_kwargs": False, "ec_transfer_params": {},
@@ -142,6 +144,16 @@ def test_an_unknown_field_is_refused_by_name(srv, path, body, param):
     (CHAT, {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal"),
     (CHAT, {"n": 0}, "n", "greater than or equal"),
     (CHAT, {"max_completion_tokens": 0}, "max_completion_tokens", "greater than or equal"),
+    (CHAT, {"frequency_penalty": 5}, "frequency_penalty", "less than or equal"),
+    (COMPLETIONS, {"presence_penalty": -2.5}, "presence_penalty", "greater than or equal"),
+    (CHAT, {"repetition_penalty": 0}, "repetition_penalty", "greater than"),
+    (COMPLETIONS, {"min_p": 1.5}, "min_p", "less than or equal"),
+    (COMPLETIONS, {"min_tokens": -1}, "min_tokens", "greater than or equal"),
+    (CHAT, {"logit_bias": {"abc": 1}}, "logit_bias", "keys must be token ids"),
+    (COMPLETIONS, {"logit_bias": {"11": 101}}, "logit_bias", "less than or equal"),
+    (COMPLETIONS, {"logit_bias": {"99999999": 1}}, "logit_bias", "out of the vocabulary"),
+    (CHAT, {"stop_token_ids": [99999999]}, "stop_token_ids", "token ids must be in"),
+    (COMPLETIONS, {"min_tokens": 3}, "min_tokens", "at most max_tokens"),
 ])
 def test_vllms_range_checks(srv, path, body, param, text):
     r = httpx.post(srv.url + path, json={**BASE[path], **body}, timeout=120)

@@ -3,7 +3,7 @@
 warm-up every measured run starts with."""
 from nano import parallel
 from nano.cli.output import OutputFile, Progress, metrics_writer, print_completions, write_summary
-from nano.cli.prompts import model_inputs
+from nano.cli.prompts import bound, model_inputs
 from nano.sequence import SamplingParams
 from nano.telemetry.metrics import metrics_of, reset_metrics
 from nano.telemetry.summary import format_summary, summarize
@@ -73,7 +73,7 @@ def run_prompts(args, engine, requests) -> int:
     """--prompt-file: every prompt's completion printed, then the run's summary."""
     prompts = [p for p, _ in requests]
     inputs = model_inputs(engine.tokenizer, prompts, chat=not args.no_chat)
-    seqs, wall = generate(args.output, engine, prompts, inputs, [sp for _, sp in requests], metrics_writer(args, engine),
+    seqs, wall = generate(args.output, engine, prompts, inputs, bound(engine, requests), metrics_writer(args, engine),
                           args.stall_timeout)
     print_completions(prompts, seqs, engine.detokenize)
     summary = summarize(metrics_of(engine), wall)

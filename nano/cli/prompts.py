@@ -6,13 +6,14 @@ import json
 import os
 from typing import NamedTuple
 
-from nano import checks
+from nano import checks, controls
 from nano.chat.template import render as render_chat
 from nano.errors import NanoError
 from nano.sequence import FIELD_RULES, SamplingParams
 
 JSONL_FIELDS = {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p",
-                "top_k": "top_k", "seed": "seed", "ttft_slo_ms": "ttft_slo", "tpot_slo_ms": "tpot_slo"}
+                "top_k": "top_k", "min_p": "min_p", "seed": "seed", "stop_token_ids": "stop_token_ids",
+                "ttft_slo_ms": "ttft_slo", "tpot_slo_ms": "tpot_slo"}
 
 
 def ms(value: float | None) -> float | None:
@@ -77,16 +78,23 @@ def _jsonl_request(path: str, lineno: int, line: str, defaults: SamplingParams):
         raise NanoError(f"{where}: nested too deeply") from None
     if not isinstance(record, dict) or "prompt" not in record:
         raise NanoError(f'{where}: expected an object with a "prompt" string')
-    unknown = set(record) - set(JSONL_FIELDS) - {"prompt"}
+    unknown = set(record) - set(JSONL_FIELDS) - set(controls.OFF) - {"prompt"}
     if unknown:
         raise NanoError(f"{where}: unknown field {sorted(unknown)[0]!r}")
     prompt = checks.text(f"{where}: field prompt", record.pop("prompt"))
-    overrides = {}
+    overrides, pending = {}, {key: record.pop(key) for key in controls.OFF if key in record}
+    if pending or "stop_token_ids" in record:  # built once the model's tokenizer is loaded (bind)
+        overrides["logits_processor"] = controls.Pending(pending, f"{where}: field ")
     for key, value in record.items():
         field = JSONL_FIELDS[key]
         value = FIELD_RULES[field](f"{where}: field {key}", value)
         overrides[field] = ms(value) if key.endswith("_ms") else value
     return prompt, dataclasses.replace(defaults, **overrides)
+
+
+def bound(engine, requests) -> list[SamplingParams]:
+    """The requests' SamplingParams, their controls (nano/controls) built for the engine's model."""
+    return [controls.bind(engine, sp) for _, sp in requests]
 
 
 def model_inputs(tokenizer, prompts: list[str], chat: bool) -> list[str]:
@@ -111,5 +119,5 @@ def prompt_workload(requests, chat: bool):
     """The prompt file's requests for the engine that runs them: engine -> Workload."""
     def make(engine) -> Workload:
         prompts = [p for p, _ in requests]
-        return Workload(prompts, model_inputs(engine.tokenizer, prompts, chat), [sp for _, sp in requests])
+        return Workload(prompts, model_inputs(engine.tokenizer, prompts, chat), bound(engine, requests))
     return make

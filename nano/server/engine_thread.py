@@ -79,8 +79,13 @@ class StopStrings:
 
     def find(self, text: str, new_from: int) -> int:
         """Where the first stop string in text starts (-1: none), given that none was in text[:new_from]."""
+        return self.span(text, new_from)[0]
+
+    def span(self, text: str, new_from: int) -> tuple[int, int]:
+        """The first stop string's (start, end) in text ((-1, -1): none), as find."""
         start = max(0, new_from - self.hold)
-        return min((i for i in (text.find(s, start) for s in self.strings) if i >= 0), default=-1)
+        return min(((i, i + len(s)) for s in self.strings if (i := text.find(s, start)) >= 0), default=(-1, -1),
+                   key=lambda span: span[0])
 
 
 @dataclass(eq=False)
@@ -94,6 +99,8 @@ class Job:
     loop: asyncio.AbstractEventLoop
     echo: bool = False                   # the first event's text and logprobs start with the prompt's
     prompt_logprobs: int | None = None   # vLLM's prompt_logprobs, sent with the first event
+    min_tokens: int = 0                  # no stop string ends the output before this many tokens
+    include_stop: bool = False           # the text ends after the stop string found, not before it
     base: int = 0                        # text offset of the first output token (the echoed prompt's length)
     seq: Sequence | None = None
     tokens: int = 0                      # output tokens turned into text so far
@@ -192,9 +199,10 @@ class EngineThread(threading.Thread):
             searched = len(job.text)
             job.text += job.detok.add(new) if new else ""
             reason = seq.finish_reason
-            cut = job.stops.find(job.text, searched)
-            if cut >= 0:  # a stop string: the text ends before it, the sequence ends now
-                job.text = job.text[:cut]
+            searching = seq.num_output_tokens >= job.min_tokens  # vLLM's rule: no stop before min_tokens
+            start, stop_end = job.stops.span(job.text, searched) if searching else (-1, -1)
+            if start >= 0:  # a stop string: the text ends before it (or after it), the sequence ends now
+                job.text = job.text[:stop_end if job.include_stop else start]
                 if not seq.is_finished:
                     self.engine.finish(seq, "stop")
                 reason = "stop"

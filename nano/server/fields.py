@@ -44,17 +44,9 @@ JSON = dict[str, Any]
 
 class RefusedSampling(BaseModel):
     """Both endpoints' (OpenAI's, then vLLM's sampling and extra parameters)."""
-    frequency_penalty: off(float, 0.0) = None
-    presence_penalty: off(float, 0.0) = None
-    logit_bias: off(dict[str, float], {}) = None
     response_format: off(JSON, {"type": "text"}) = None
     use_beam_search: off(bool, False) = None
-    min_p: off(float, 0.0) = None
-    repetition_penalty: off(float, 1.0) = None
     length_penalty: off(float, 1.0) = None  # beam search's
-    stop_token_ids: off(list[int], []) = None
-    include_stop_str_in_output: off(bool, False) = None
-    min_tokens: off(int, 0) = None
     skip_special_tokens: off(bool, True) = None  # nano's text skips them
     spaces_between_special_tokens: off(bool, True) = None
     truncate_prompt_tokens: off(int) = None
@@ -101,7 +93,6 @@ class RefusedChat(RefusedSampling):
     include_reasoning: off(bool, True) = None
     watermarking: off(bool, False) = None
     logprob_token_ids: off(list[int]) = None
-    bad_words: off(list[str], []) = None
     echo: off(bool, False) = None  # vLLM's chat echo: the last message's text first
     continue_final_message: off(bool, False) = None
     add_special_tokens: off(bool, False) = None  # the template writes them

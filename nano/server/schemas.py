@@ -114,12 +114,31 @@ class Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # vLLM's: the prompt's, scored
+    # vLLM's sampling controls (nano/controls), with its ranges; a token id past the vocabulary is a 400 too
+    min_p: float = Field(0.0, ge=0, le=1)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # OpenAI's: {"50256": -100}
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    include_stop_str_in_output: bool = False  # a stop string found ends the text after it, not before
+    bad_words: list[Text] | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _null_is_the_default(cls, body):
         # As vLLM reads it (temperature, n, stream, ... are Optional there): clients send "top_p": null.
         return {k: v for k, v in body.items() if v is not None} if isinstance(body, dict) else body
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or {}:
+            if not (key.isascii() and key.isdigit()):
+                raise PydanticCustomError("logit_bias", f"keys must be token ids, as strings of digits: got "
+                                          f"{key!r:.40}")
+        return bias
 
     @field_validator("stream_options")
     @classmethod

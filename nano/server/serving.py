@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 
 from nano.chat import template
 from nano.errors import NanoError
-from nano.sequence import SamplingParams
+from nano.controls import OFF, ControlError, sampling_params
 from nano.server.engine_thread import EngineThread, Job, StopStrings
 from nano.server.limits import Limits
 from nano.server.schemas import BadRequest, Message, Sampling, error_response
@@ -87,15 +87,19 @@ class Server:
         for prompt, most in zip(prompts, capped):
             for i in range(body.n):
                 seed = None if body.seed is None else body.seed + i
-                params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                                        max_tokens=most, seed=seed, ignore_eos=body.ignore_eos,
-                                        return_logits=top_logprobs is not None, prompt_logprobs=max(asked, default=None))
                 try:
-                    params.validate()
+                    params = sampling_params(
+                        self.engine, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                        min_p=body.min_p, max_tokens=most, seed=seed, ignore_eos=body.ignore_eos,
+                        stop_token_ids=body.stop_token_ids or [], return_logits=top_logprobs is not None,
+                        prompt_logprobs=max(asked, default=None), **{k: getattr(body, k) for k in OFF})
+                except ControlError as e:
+                    raise BadRequest(str(e), param=e.field) from None
                 except NanoError as e:
                     raise BadRequest(str(e)) from None
                 jobs.append(Job(prompt, params, stops, top_logprobs, asyncio.Queue(), loop, echo,
-                                body.prompt_logprobs))
+                                body.prompt_logprobs, min_tokens=body.min_tokens,
+                                include_stop=body.include_stop_str_in_output))
         for job in jobs:
             self.thread.inbox.put(("add", job))
         self.open.update(jobs)
