@@ -5,8 +5,8 @@
 //   (log of min_p, -inf: off), seeds (R,) uint64, counters (R,) int32 (the sequence's output
 //   tokens so far). Grid R, block 1024.
 // Before it, for the rows of requests that have a logits processor (nano/sampler.py):
-// edit_logits: sparse edits in place, x -> (x > 0 ? x / penalty : x * penalty) + shift for each
-//   (row, token) listed (E,), a thread each; mask_logits: x -> -inf where a row's allowed-token
+// edit_logits: sparse edits in place, x -> x + bias, then (x > 0 ? x / penalty : x * penalty) +
+//   shift, for each (row, token) listed (E,), a thread each; mask_logits: x -> -inf where a row's allowed-token
 //   bitmask (M, ceil(V / 32)) int32 has the token's bit clear, grid (M, ceil(V / 256)).
 //
 // The algorithm, mirrored step for step by the NumPy reference ops.sample (nano/ops.py),
@@ -182,12 +182,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sample(
 }
 
 extern "C" __global__ void edit_logits(__half* __restrict__ logits, int vocab, const int* __restrict__ rows,
-                                       const int* __restrict__ tokens, const float* __restrict__ penalties,
-                                       const float* __restrict__ shifts, int n) {
+                                       const int* __restrict__ tokens, const float* __restrict__ biases,
+                                       const float* __restrict__ penalties, const float* __restrict__ shifts,
+                                       int n) {
     const int e = blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= n) return;
     __half* at = logits + (long long)rows[e] * vocab + tokens[e];
-    const float x = __half2float(*at);
+    const float x = __fadd_rn(__half2float(*at), biases[e]);
     *at = __float2half(__fadd_rn(x > 0.0f ? __fdiv_rn(x, penalties[e]) : __fmul_rn(x, penalties[e]), shifts[e]));
 }
 

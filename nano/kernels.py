@@ -226,14 +226,14 @@ def sample(logits, temperature, top_k, top_p, log_min_p, seeds, counters):
     return out
 
 
-def edit_logits(logits, rows, tokens, penalties, shifts):
+def edit_logits(logits, rows, tokens, biases, penalties, shifts):
     """cuda/sampling.cu: a thread per edit, in place on contiguous float16 logits (the step's)."""
     _check(cupy.float16, logits=logits)
     _check(cupy.int32, rows=rows, tokens=tokens)
-    _check(cupy.float32, penalties=penalties, shifts=shifts)
+    _check(cupy.float32, biases=biases, penalties=penalties, shifts=shifts)
     if n := len(rows):
         _kernel("sampling.cu", "edit_logits")(((n + 255) // 256,), (256,), (
-            logits, np.int32(logits.shape[1]), rows, tokens, penalties, shifts, np.int32(n)))
+            logits, np.int32(logits.shape[1]), rows, tokens, biases, penalties, shifts, np.int32(n)))
     return logits
 
 

@@ -332,11 +332,11 @@ def scatter_blocks(pool, block_ids, staging):
     pool[:, :, block_ids] = staging
 
 
-def edit_logits(logits, rows, tokens, penalties, shifts):
-    """Sparse edits, in place: for each e, x = logits[rows[e], tokens[e]] becomes
+def edit_logits(logits, rows, tokens, biases, penalties, shifts):
+    """Sparse edits, in place: for each e, x = logits[rows[e], tokens[e]] + biases[e] becomes
     (x / penalties[e] if x > 0 else x * penalties[e]) + shifts[e]; -inf bans the token.
-    rows, tokens: (E,) int32, no (row, token) twice; penalties, shifts: (E,) float32."""
-    x = logits[rows, tokens].astype(np.float32)
+    rows, tokens: (E,) int32, no (row, token) twice; biases, penalties, shifts: (E,) float32."""
+    x = logits[rows, tokens].astype(np.float32) + biases
     logits[rows, tokens] = np.where(x > 0, x / penalties, x * penalties) + shifts
     return logits
 

@@ -37,7 +37,7 @@ class Sampler:
         xp = self.device.xp
         if edits:
             logits = self.ops.edit_logits(logits, *(xp.asarray(np.concatenate(a).astype(dtype)) for a, dtype in
-                                                     zip(zip(*edits), (np.int32, np.int32, np.float32, np.float32))))
+                                                     zip(zip(*edits), (np.int32, np.int32, np.float32, np.float32, np.float32))))
         if masks:
             rows, bits = zip(*masks)
             logits = self.ops.mask_logits(logits, xp.asarray(np.array(rows, np.int32)), xp.asarray(np.stack(bits)))

@@ -56,9 +56,10 @@ class LogitsProcessor:
     nothing. Per-request state lives in seq.processor_state (one object may serve several
     sequences). nano/controls implements it: penalties, logit_bias, min_tokens, grammars."""
 
-    def edits(self, seq: "Sequence") -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """(tokens (E,) int32, distinct; penalties (E,) float32; shifts (E,) float32): each
-        token's logit x becomes (x / penalty if x > 0 else x * penalty) + shift; -inf bans it."""
+    def edits(self, seq: "Sequence") -> tuple[np.ndarray, ...] | None:
+        """(tokens (E,) int32, distinct; biases, penalties, shifts (E,) float32): each token's
+        logit x, plus its bias, becomes (x / penalty if x > 0 else x * penalty) + shift (vLLM's
+        order: logit_bias, then the repetition penalty, then the others); -inf bans it."""
         return None
 
     def mask(self, seq: "Sequence") -> np.ndarray | None:

@@ -28,9 +28,9 @@ def applied(controls: Controls, seq, logits):
     """The logits after the processor's edits, as the sampler applies them (ops.edit_logits)."""
     out = np.array([logits], np.float32)
     if (edit := controls.edits(seq)) is not None:
-        tokens, penalties, shifts = edit
+        tokens = edit[0]
         assert len(np.unique(tokens)) == len(tokens)  # distinct, as the seam requires
-        ops.edit_logits(out, np.zeros(len(tokens), np.int32), tokens, penalties, shifts)
+        ops.edit_logits(out, np.zeros(len(tokens), np.int32), *edit)
     return out[0]
 
 
@@ -54,12 +54,16 @@ def test_frequency_and_presence_penalties_count_output_tokens_only():
     assert Controls(frequency_penalty=1.0).edits(seq_of([1, 2], [])) is None  # nothing output yet: nothing to do
 
 
-def test_logit_bias_is_added_after_the_penalties():
-    got = applied(Controls(repetition_penalty=2.0, presence_penalty=1.0, logit_bias={15: 3.0, 0: -1.0}),
-                  seq_of([0], [15]), LOGITS)
+def test_logit_bias_comes_before_the_penalties_as_in_vllm():
+    """vLLM's sampler adds logit_bias, then applies the repetition penalty (to the biased
+    logit: its sign decides), then subtracts the frequency and presence penalties."""
+    got = applied(Controls(repetition_penalty=2.0, presence_penalty=1.0, logit_bias={15: 3.0, 0: -1.0, 9: -5.0}),
+                  seq_of([0, 9], [15]), LOGITS)
     want = LOGITS.copy()
-    want[15] = LOGITS[15] / 2 - 1.0 + 3.0
-    want[0] = LOGITS[0] * 2 - 1.0
+    assert LOGITS[15] > 0 and LOGITS[0] < 0 and 0 < LOGITS[9] < 5
+    want[15] = (LOGITS[15] + 3.0) / 2 - 1.0
+    want[0] = (LOGITS[0] - 1.0) * 2
+    want[9] = (LOGITS[9] - 5.0) * 2  # positive before its bias, negative after: multiplied
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 

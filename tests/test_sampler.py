@@ -161,9 +161,9 @@ def test_min_p_keeps_exactly_the_tokens_within_min_p_of_the_likeliest():
 
 def test_edit_logits_and_mask_logits():
     logits = np.array([[2.0, -2.0, 1.0, 0.0], [3.0, 3.0, 3.0, 3.0]], np.float32)
-    ops.edit_logits(logits, np.int32([0, 0, 1]), np.int32([0, 1, 3]), np.float32([2.0, 2.0, 1.0]),
-                    np.float32([0.5, 0.0, -np.inf]))
-    np.testing.assert_array_equal(logits, [[1.5, -4.0, 1.0, 0.0], [3.0, 3.0, 3.0, -np.inf]])
+    ops.edit_logits(logits, np.int32([0, 0, 1, 1]), np.int32([0, 1, 3, 0]), np.float32([0.0, 0.0, 0.0, -4.0]),
+                    np.float32([2.0, 2.0, 1.0, 2.0]), np.float32([0.5, 0.0, -np.inf, 0.0]))
+    np.testing.assert_array_equal(logits, [[1.5, -4.0, 1.0, 0.0], [-2.0, 3.0, 3.0, -np.inf]])  # (3 - 4) * 2
     masks = np.array([[0b1010]], np.int32)  # tokens 1 and 3 allowed
     np.testing.assert_array_equal(ops.mask_logits(logits, np.int32([1]), masks)[1], [-np.inf, 3.0, -np.inf, -np.inf])
     logits = np.zeros((1, 40), np.float32)
@@ -178,7 +178,7 @@ class BanAndAllow(LogitsProcessor):
 
     def edits(self, seq):
         seq.processor_state = (seq.processor_state or 0) + 1  # its own per-sequence state
-        return np.int32([self.ban]), np.float32([1.0]), np.float32([-np.inf])
+        return np.int32([self.ban]), np.float32([0.0]), np.float32([1.0]), np.float32([-np.inf])
 
     def mask(self, seq):
         return np.packbits(np.arange(64) < self.allowed, bitorder="little").view(np.int32)

@@ -73,12 +73,11 @@ def check_fields(fields: dict, where: str = "") -> dict:
 
 
 class Controls(LogitsProcessor):
-    """The controls of one request (or of several: nothing per sequence is kept here), as one
-    sparse edit per step: every token any control touches once, its penalty the repetition
-    penalty (prompt and output tokens), its shift -(frequency x count + presence) over the
-    output's tokens, plus logit_bias, or -inf for a banned one (min_tokens' stop tokens, a bad
-    word's last token). vLLM's order, save that logit_bias is added after the repetition
-    penalty (vLLM adds it first): the two differ only on tokens with both."""
+    """The controls of one request (or of several: per sequence it keeps only the prompt's
+    distinct tokens), as one sparse edit per step in vLLM's order: every token any control
+    touches once, its bias logit_bias's, its penalty the repetition penalty (prompt and output
+    tokens), its shift -(frequency x count + presence) over the output's tokens, or -inf for a
+    banned one (min_tokens' stop tokens, a bad word's last token)."""
 
     def __init__(self, repetition_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0,
                  logit_bias: dict[int, float] | None = None, min_tokens: int = 0, stop_ids=(),
@@ -105,9 +104,6 @@ class Controls(LogitsProcessor):
             seen, counts = np.unique(output, return_counts=True)
             parts.append(seen)
             shifts.append(-(self.frequency_penalty * counts + self.presence_penalty).astype(np.float32))
-        if self.bias_tokens.size:
-            parts.append(self.bias_tokens)
-            shifts.append(self.bias)
         banned = [self.bad_single]
         if output.size < self.min_tokens:
             banned.append(self.stop_ids)
@@ -117,17 +113,18 @@ class Controls(LogitsProcessor):
         if banned.size:
             parts.append(banned)
             shifts.append(np.full(banned.size, -np.inf, np.float32))
-        if repeated is None and not parts:
+        head = ([] if repeated is None else [repeated]) + [self.bias_tokens]
+        if sum(a.size for a in head + parts) == 0:
             return None
-        head = [] if repeated is None else [repeated]
         tokens, where = np.unique(np.concatenate(head + parts), return_inverse=True)
-        penalties = np.ones(tokens.size, np.float32)
+        biases, penalties = np.zeros(tokens.size, np.float32), np.ones(tokens.size, np.float32)
         total = np.zeros(tokens.size, np.float32)
-        if repeated is not None:
-            penalties[where[:repeated.size]] = self.repetition_penalty
+        n = 0 if repeated is None else repeated.size
+        penalties[where[:n]] = self.repetition_penalty
+        biases[where[n:n + self.bias_tokens.size]] = self.bias
         if parts:
-            np.add.at(total, where[0 if repeated is None else repeated.size:], np.concatenate(shifts))
-        return tokens.astype(np.int32), penalties, total
+            np.add.at(total, where[n + self.bias_tokens.size:], np.concatenate(shifts))
+        return tokens.astype(np.int32), biases, penalties, total
 
 
 def bad_words_ids(tokenizer, words: list[str]) -> list[list[int]]:
