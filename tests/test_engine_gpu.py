@@ -32,7 +32,7 @@ import nano.shard
 import nano.tp
 from nano.config import TOKEN_BUDGET, EngineConfig
 from nano.engine import LLMEngine
-from nano.sequence import SamplingParams
+from nano.sequence import LogitsProcessor, SamplingParams
 from nano.telemetry.metrics import Metrics, metrics_of
 from reference import LLAMA_32_1B, SMOLLM2_135M, assert_greedy_runs_agree, make_random_model
 
@@ -194,6 +194,37 @@ def test_gpu_sampling_is_seeded(shaped_model):
 
     assert run(5) == run(5)
     assert run(5) != run(6)
+
+
+class EvenTokensOnly(LogitsProcessor):
+    """Allows the even token ids alone and bans one more: a mask and an edit through the kernels."""
+    def __init__(self, vocab, ban):
+        self.bits, self.ban = np.packbits(np.arange(vocab) % 2 == 0, bitorder="little"), ban
+
+    def edits(self, seq):
+        return np.int32([self.ban]), np.float32([0.0]), np.float32([1.0]), np.float32([-np.inf])
+
+    def mask(self, seq):
+        return np.pad(self.bits, (0, -len(self.bits) % 4)).view(np.int32)
+
+
+def test_gpu_logits_processors_change_their_rows_only(shaped_model):
+    """Greedy rows: one with a processor (even ids only, its first greedy token banned), one
+    without, which keeps the tokens it gets alone; a min_p row stays within min_p's set."""
+    model_dir, vocab, _ = shaped_model
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device="gpu", num_blocks=256, enable_prefix_caching=False))
+    prompts = prompts_for(vocab, n=2)
+    alone = [s.output_token_ids for s in engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8))]
+    ban = alone[1][0] if alone[1][0] % 2 == 0 else 0
+    params = [SamplingParams(temperature=0, max_tokens=8),
+              SamplingParams(temperature=0, max_tokens=8, logits_processor=EvenTokensOnly(vocab, ban))]
+    plain, processed = [s.output_token_ids for s in engine.generate(prompts, params)]
+    assert plain == alone[0]
+    assert all(t % 2 == 0 and t != ban for t in processed), processed
+    sampled = engine.generate(prompts * 4, SamplingParams(temperature=1.0, min_p=0.5, max_tokens=4, return_logits=True))
+    for seq in sampled:  # every token within min_p of the likeliest, on the raw logits it was drawn from
+        for row, token in zip(seq.logits, seq.output_token_ids):
+            assert row[token] >= np.float32(row.max() + np.log(np.float32(0.5))), (token, row[token], row.max())
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
