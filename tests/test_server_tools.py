@@ -295,8 +295,15 @@ def test_forced_output_becomes_tool_calls():
     (["--tool-call-parser", "nope"], "--tool-call-parser 'nope': no such parser (known: hermes)"),
     (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser"),
     (["--chat-template", "no/such.jinja"], "--chat-template 'no/such.jinja' looks like a file path, but it failed"),
+    (["--chat-template", "{{ x }}", "--no-chat"], "--chat-template with --no-chat"),
 ])
 def test_the_flags_are_checked_at_startup(flags, message):
     import run
     with pytest.raises(NanoError, match=message.replace("(", r"\(").replace(")", r"\)")):
         run.main(["--serve", *flags])
+
+
+def test_the_command_lines_prompts_take_the_template_too(srv):
+    from nano.cli.prompts import model_inputs
+    assert model_inputs(srv.engine.tokenizer, ["Hi"], True, "[{{ messages[0].content }}]") == ["[Hi]"]
+    assert model_inputs(srv.engine.tokenizer, ["Hi"], False, "[{{ messages[0].content }}]") == ["Hi"]

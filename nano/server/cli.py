@@ -10,7 +10,6 @@ import sys
 from nano import checks, parallel
 from nano.cli.flags import given, parse_bytes
 from nano.cli.output import metrics_writer
-from nano.chat import template
 from nano.errors import NanoError
 from nano.server import tool_parsers
 from nano.server.limits import LOG_LEVELS, SHUTDOWN_TIMEOUT, Limits
@@ -42,8 +41,6 @@ def add_arguments(p) -> None:
                    help="chunks a stream may leave unread before its choices are aborted")
     h.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT,
                    help="seconds open requests get after SIGTERM or Ctrl-C; then they end with an error")
-    h.add_argument("--chat-template", help="the chat template in place of the model's: a file's path, or the "
-                   "template itself (as vLLM's flag)")
     h.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="tool_choice \"auto\" (the default with tools): the model's tool calls read back from its "
                         "text by --tool-call-parser")
@@ -71,8 +68,6 @@ def check_args(args) -> None:
     if parallel.launched_by_mpirun() and args.shutdown_timeout != SHUTDOWN_TIMEOUT:
         raise NanoError("--shutdown-timeout: under mpirun open requests end at once on SIGTERM or Ctrl-C "
                         "(mpirun kills every rank 0.25 s after passing SIGTERM on): drop it")
-    if args.chat_template is not None:
-        args.chat_template = template.load(args.chat_template)  # its text from here on
     if args.tool_call_parser is not None:
         try:
             tool_parsers.parser(args.tool_call_parser)
