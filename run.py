@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     if args.bench and args.policy_compare:
         return bench.policy_compare(args, config, deadline.policies(args.drop_late))
     workload = (bench.bench_workload(args, params) if args.bench
-                else prompt_workload(requests, chat=not args.no_chat))
+                else prompt_workload(requests, chat=not args.no_chat, chat_template=args.chat_template))
     if args.dp and args.serve:  # the server drives the replicas' router in place of an engine
         front = dp.make_front(args, config, policy)
         return 0 if front is None else server.serve(args, front, engine_metrics=False)

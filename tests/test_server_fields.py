@@ -25,7 +25,7 @@ SAMPLING = {"model", "user", "max_tokens", "temperature", "top_p", "top_k", "see
             "bad_words"}
 HONOURED = {COMPLETIONS: SAMPLING | {"prompt", "logprobs", "echo"},
             CHAT: SAMPLING | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "add_generation_prompt",
-                              "safety_identifier"}}
+                              "safety_identifier", "tools", "tool_choice", "parallel_tool_calls"}}
 
 # A value for each field that asks for something (not its default, nor "off").
 JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
@@ -49,7 +49,7 @@ VALUES = {
     "suffix": "end", "best_of": 3, "prompt_embeds": "AAAA", "max_repetition_pattern_size": 4,
     "min_repetition_pattern_size": 2, "repetition_min_count": 3,
     # refused (chat)
-    "tools": [TOOL], "tool_choice": "required", "parallel_tool_calls": False, "functions": [TOOL["function"]],
+    "tools": [TOOL], "tool_choice": "none", "parallel_tool_calls": False, "functions": [TOOL["function"]],
     "function_call": "auto", "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"}, "metadata": {"k": "v"}, "store": True, "service_tier": "flex",
     "prompt_cache_key": "k", "prompt_cache_retention": "24h", "safety_identifier": "s", "verbosity": "low",
@@ -62,10 +62,23 @@ VALUES = {
 }
 # Where the endpoints' fields differ in type (logprobs) or default (add_special_tokens).
 PER_ENDPOINT = {COMPLETIONS: {"logprobs": 2, "add_special_tokens": False}, CHAT: {"logprobs": True, "add_special_tokens": True}}
-COMPANIONS = {"stream_options": {"stream": True}, "top_logprobs": {"logprobs": True}}  # what the value needs beside it
-MESSAGE = {"role": "user", "content": "Hi", "name": "ann", "tool_calls": [{"id": "1"}], "tool_call_id": "1",
+# What the value needs beside it (tools alone ask for "auto", which needs the server's flags).
+COMPANIONS = {"stream_options": {"stream": True}, "top_logprobs": {"logprobs": True},
+              "tools": {"tool_choice": "none"}, "tool_choice": {"tools": [TOOL]}}
+TOOL_CALL = {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+MESSAGE = {"role": "user", "content": "Hi", "name": "ann", "tool_calls": [TOOL_CALL], "tool_call_id": "1",
            "function_call": {"name": "f"}, "refusal": "no", "audio": {"id": "a"}, "reasoning": "r",
            "reasoning_content": "r"}
+
+MESSAGE_HONOURED = {"role", "content", "name", "tool_calls", "tool_call_id"}  # what the template gets
+
+
+def test_a_messages_tool_fields_are_taken(srv):
+    call = {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]}
+    result = {"role": "tool", "content": "42", "tool_call_id": "1", "name": "f"}
+    r = httpx.post(srv.url + CHAT, json={**BASE[CHAT], "messages": [BASE[CHAT]["messages"][0], call, result]},
+                   timeout=120)
+    assert r.status_code == 200, r.text
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +98,7 @@ def test_the_table_has_a_row_for_every_field(path):
     fields = set(MODELS[path].model_fields)
     assert fields <= set(VALUES) | set(PER_ENDPOINT[path]), "fields without a row: add them to VALUES"
     assert set(refused(MODELS[path])) == fields - HONOURED[path]
-    assert set(MESSAGE) == set(Message.model_fields) and set(refused(Message)) == set(MESSAGE) - {"role", "content"}
+    assert set(MESSAGE) == set(Message.model_fields) and set(refused(Message)) == set(MESSAGE) - MESSAGE_HONOURED
 
 
 @pytest.mark.parametrize("path", MODELS)
@@ -110,7 +123,7 @@ def test_a_refused_field_set_off_is_taken(srv, path):
         assert r.status_code == 200, (body, r.text)
 
 
-@pytest.mark.parametrize("name", sorted(set(MESSAGE) - {"role", "content"}))
+@pytest.mark.parametrize("name", sorted(set(MESSAGE) - MESSAGE_HONOURED))
 def test_a_messages_field_the_template_does_not_get_is_refused(srv, name):
     r = httpx.post(srv.url + CHAT, json={**BASE[CHAT], "messages": [{"role": "user", "content": "Hi",
                                                                        name: MESSAGE[name]}]}, timeout=120)

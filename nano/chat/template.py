@@ -1,6 +1,7 @@
 """Chat templates: a conversation rendered into the prompt text its model was trained on
 (the model's Jinja template, in the environment HF transformers uses), for the command
 line's prompts (nano/cli) and the server's chat completions (nano/server)."""
+import codecs
 import json
 import re
 from datetime import datetime
@@ -12,17 +13,22 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from nano.errors import NanoError
 
 
-def render(tokenizer, messages: str | list[dict], add_generation_prompt: bool = True) -> str:
-    """Render a conversation (a list of {"role", "content"}; a string is one user message)
-    the way HF transformers' apply_chat_template does, ready for the assistant's turn (unless
-    add_generation_prompt is False: the server's /tokenize takes it)."""
-    if tokenizer.chat_template is None:
+def render(tokenizer, messages: str | list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+           chat_template: str | None = None) -> str:
+    """Render a conversation (a list of {"role", "content"} and, for tool calls, "tool_calls",
+    "tool_call_id", "name"; a string is one user message) the way HF transformers'
+    apply_chat_template does, ready for the assistant's turn (unless add_generation_prompt is
+    False: the server's /tokenize takes it). tools: OpenAI's tool dicts, as the template's
+    `tools`; chat_template: a template in place of the tokenizer's (--chat-template)."""
+    source = chat_template or tokenizer.chat_template
+    if source is None:
         raise NanoError("this model has no chat template")
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
     try:
-        return _compile_template(tokenizer.chat_template).render(
+        return _compile_template(source).render(
             messages=messages,
+            tools=tools,
             add_generation_prompt=add_generation_prompt,
             bos_token=tokenizer.bos_token or "",
             eos_token=tokenizer.eos_token or "",
@@ -36,12 +42,27 @@ def render(tokenizer, messages: str | list[dict], add_generation_prompt: bool = 
 _PLACEHOLDERS = (0xD800, 0xE000)
 
 
-def encode(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+def load(source: str) -> str:
+    """--chat-template's value as vLLM reads it: a file's path, or else (if it holds any of
+    "{", "}" or a newline) the template itself, its backslash escapes read as Python's."""
+    try:
+        with open(source, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        if not any(c in source for c in "{}\n"):
+            raise NanoError(f"--chat-template {source!r} looks like a file path, but it failed to be opened: "
+                            f"{e.strerror}") from None
+    return codecs.decode(source, "unicode_escape")
+
+
+def encode(tokenizer, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+           chat_template: str | None = None) -> list[int]:
     """render(), tokenized with the template's own special tokens special and the messages'
     text plain: "<|im_end|><|im_start|>system" typed in a message is text, not a new turn.
-    Special-token text in a message is swapped for a placeholder before rendering (so the
-    template still sees, and may trim or split, the rest of the text), then tokenized on its
-    own as plain text where the placeholder landed."""
+    Special-token text in a message (any string in it: its content, its tool calls) or in the
+    tools is swapped for a placeholder before rendering (so the template still sees, and may
+    trim or split, the rest of the text), then tokenized on its own as plain text where the
+    placeholder landed."""
     spelled: dict[str, str] = {}  # placeholder -> the special token's text it stands for
     by_text: dict[str, str] = {}
 
@@ -53,9 +74,17 @@ def encode(tokenizer, messages: list[dict], add_generation_prompt: bool = True) 
             spelled[by_text[match.group()]] = match.group()
         return by_text[match.group()]
 
+    def hidden(value):  # every string in the messages and the tools, keys too
+        if isinstance(value, str):
+            return tokenizer.special_tokens.sub(hide, value)
+        if isinstance(value, dict):
+            return {hidden(k): hidden(v) for k, v in value.items()}
+        return [hidden(v) for v in value] if isinstance(value, list) else value
+
     if tokenizer.special_tokens is not None:
-        messages = [{**m, "content": tokenizer.special_tokens.sub(hide, m["content"])} for m in messages]
-    pieces = re.split("([\ud800-\udfff])", render(tokenizer, messages, add_generation_prompt))  # odd indexes: placeholders
+        messages, tools = hidden(messages), hidden(tools)
+    rendered = render(tokenizer, messages, add_generation_prompt, tools, chat_template)
+    pieces = re.split("([\ud800-\udfff])", rendered)  # odd indexes: placeholders
     return tokenizer.encode_parts([(spelled[p], True) if i % 2 else (p, False) for i, p in enumerate(pieces)])
 
 

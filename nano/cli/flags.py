@@ -7,6 +7,7 @@ import math
 import os
 
 from nano import checks
+from nano.chat import template
 from nano.cli.output import check_writable
 from nano.cli.prompts import ms, read_requests
 from nano.config import DEFAULT_KEY_SCHEME, STEP_TARGET, TOKEN_BUDGET, EngineConfig
@@ -39,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     "holds one object per line: prompt, and optionally ttft_slo_ms, tpot_slo_ms, "
                     "max_tokens, temperature, top_p, top_k, seed")
     io.add_argument("--no-chat", action="store_true", help="send raw text, without the chat template")
+    io.add_argument("--chat-template", help="the chat template in place of the model's, for the prompts and the "
+                    "server's chats: a file's path, or the template itself (as vLLM's flag)")
     io.add_argument("--output", help="write one JSON object per prompt to this .jsonl file")
     add_sampling_arguments(p.add_argument_group("sampling"))
     e = p.add_argument_group("engine")
@@ -158,6 +161,10 @@ def check_args(args) -> SamplingParams:
     check_writable("--metrics-prom", args.metrics_prom, replaced=True)
     checks.integer("--metrics-interval", args.metrics_interval, low=1)
     checks.number("--stall-timeout", args.stall_timeout, low=0, open_low=True)
+    if args.chat_template is not None:
+        if args.no_chat:
+            raise NanoError("--chat-template with --no-chat: the prompts would not use it; drop one")
+        args.chat_template = template.load(args.chat_template)  # its text from here on
     return sampling_params(args)
 
 

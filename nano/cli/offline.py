@@ -72,7 +72,7 @@ def generate(path: str | None, engine, prompts, inputs, per_request, metrics=Non
 def run_prompts(args, engine, requests) -> int:
     """--prompt-file: every prompt's completion printed, then the run's summary."""
     prompts = [p for p, _ in requests]
-    inputs = model_inputs(engine.tokenizer, prompts, chat=not args.no_chat)
+    inputs = model_inputs(engine.tokenizer, prompts, chat=not args.no_chat, chat_template=args.chat_template)
     seqs, wall = generate(args.output, engine, prompts, inputs, bound(engine, requests), metrics_writer(args, engine),
                           args.stall_timeout)
     print_completions(prompts, seqs, engine.detokenize)

@@ -97,12 +97,12 @@ def bound(engine, requests) -> list[SamplingParams]:
     return [controls.bind(engine, sp) for _, sp in requests]
 
 
-def model_inputs(tokenizer, prompts: list[str], chat: bool) -> list[str]:
-    """The text the model sees: each prompt in the chat template, unless --no-chat or the
-    model has none."""
-    if not chat or tokenizer.chat_template is None:
+def model_inputs(tokenizer, prompts: list[str], chat: bool, chat_template: str | None = None) -> list[str]:
+    """The text the model sees: each prompt in the chat template (--chat-template's, else the
+    model's), unless --no-chat or there is none."""
+    if not chat or (chat_template or tokenizer.chat_template) is None:
         return list(prompts)
-    return [render_chat(tokenizer, p) for p in prompts]
+    return [render_chat(tokenizer, p, chat_template=chat_template) for p in prompts]
 
 
 class Workload(NamedTuple):
@@ -115,9 +115,9 @@ class Workload(NamedTuple):
     arrivals: list[float] | None = None
 
 
-def prompt_workload(requests, chat: bool):
+def prompt_workload(requests, chat: bool, chat_template: str | None = None):
     """The prompt file's requests for the engine that runs them: engine -> Workload."""
     def make(engine) -> Workload:
         prompts = [p for p, _ in requests]
-        return Workload(prompts, model_inputs(engine.tokenizer, prompts, chat), bound(engine, requests))
+        return Workload(prompts, model_inputs(engine.tokenizer, prompts, chat, chat_template), bound(engine, requests))
     return make

@@ -35,7 +35,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from nano.server import __version__
+from nano.server import __version__, tool_parsers, tools
 from nano.server.limits import SHUTDOWN_TIMEOUT, Limits
 from nano.server.middleware import AccessLog, BodyLimit, HostCheck, log_config
 from nano.server.responses import respond
@@ -59,9 +59,13 @@ METRICS = {200: {"content": {"text/plain": {"schema": {"type": "string"}}},
 
 
 def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Limits(),
-               api_key: str | None = None, hosts: list[str] = ("*",), stall_timeout: float | None = None) -> FastAPI:
-    """The FastAPI app; its engine thread starts with the app and stops with it."""
-    server = Server(engine, max_queued, metrics, limits, stall_timeout)
+               api_key: str | None = None, hosts: list[str] = ("*",), stall_timeout: float | None = None,
+               chat_template: str | None = None, tool_parser: str | None = None, auto_tools: bool = False) -> FastAPI:
+    """The FastAPI app; its engine thread starts with the app and stops with it. chat_template:
+    the template's text in place of the model's; tool_parser, auto_tools: tools.py's."""
+    if tool_parser is not None:
+        tool_parsers.parser(tool_parser)  # an unknown name: a ValueError naming it
+    server = Server(engine, max_queued, metrics, limits, stall_timeout, chat_template, tool_parser, auto_tools)
     # Every route may answer 400 for a Host header not allowed; the routes add what else they answer.
     app = FastAPI(title="nano", lifespan=_lifespan(server), responses=errors(400) if "*" not in hosts else None)
     app.state.server = server
@@ -148,11 +152,12 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
     @v1.post("/chat/completions", responses=GENERATION)
     async def chat(body: ChatRequest, request: Request):
         stops = server.check(body)
-        if engine.tokenizer.chat_template is None:
+        if (server.chat_template or engine.tokenizer.chat_template) is None:
             raise BadRequest("this model has no chat template: use /v1/completions")
+        tools.check(body.tools, body.tool_choice, server.tool_parser, server.auto_tools)
         top = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens or engine.max_model_len
-        prompt = await server.tokenize_chat(body.messages, body.add_generation_prompt)
+        prompt = await server.tokenize_chat(body.messages, body.add_generation_prompt, body.tools)
         jobs = await server.submit(body, [prompt], stops, top, max_tokens)
         return await respond(server, request, body, jobs, "chat.completion", "chatcmpl")
 
@@ -166,11 +171,13 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
         if (body.prompt is None) == (body.messages is None):
             raise BadRequest("give either prompt or messages")
         if body.messages is None:
+            if body.tools is not None:
+                raise BadRequest("tools: only with messages", param="tools")
             tokens = (await server.tokenize([body.prompt]))[0]
-        elif engine.tokenizer.chat_template is None:
+        elif (server.chat_template or engine.tokenizer.chat_template) is None:
             raise BadRequest("this model has no chat template: tokenize a prompt")
         else:
-            tokens = await server.tokenize_chat(body.messages, body.add_generation_prompt)
+            tokens = await server.tokenize_chat(body.messages, body.add_generation_prompt, body.tools)
         return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
 
     @tokenizer.post("/detokenize")
@@ -250,8 +257,10 @@ class _Uvicorn(uvicorn.Server):
 
 def serve(engine, host: str, port: int, max_queued: int, metrics=None, limits: Limits = Limits(),
           api_key: str | None = None, hosts: list[str] = ("*",), shutdown_timeout: float = SHUTDOWN_TIMEOUT,
-          stall_timeout: float | None = None, log_level: str = "info") -> None:
-    app = create_app(engine, max_queued, metrics, limits, api_key, hosts, stall_timeout)
+          stall_timeout: float | None = None, log_level: str = "info", chat_template: str | None = None,
+          tool_parser: str | None = None, auto_tools: bool = False) -> None:
+    app = create_app(engine, max_queued, metrics, limits, api_key, hosts, stall_timeout, chat_template, tool_parser,
+                     auto_tools)
     # uvicorn's own lines at the same level and through the same formatter; its access log off:
     # AccessLog writes one line a request. uvicorn's limit on the graceful wait is a backstop: the
     # server ends its requests before it.

@@ -11,6 +11,7 @@ from nano import checks, parallel
 from nano.cli.flags import given, parse_bytes
 from nano.cli.output import metrics_writer
 from nano.errors import NanoError
+from nano.server import tool_parsers
 from nano.server.limits import LOG_LEVELS, SHUTDOWN_TIMEOUT, Limits
 
 
@@ -40,6 +41,11 @@ def add_arguments(p) -> None:
                    help="chunks a stream may leave unread before its choices are aborted")
     h.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT,
                    help="seconds open requests get after SIGTERM or Ctrl-C; then they end with an error")
+    h.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="tool_choice \"auto\" (the default with tools): the model's tool calls read back from its "
+                        "text by --tool-call-parser")
+    h.add_argument("--tool-call-parser", help="how tool calls are read from the model's text: hermes "
+                   "(<tool_call>JSON</tool_call>, Hermes', Qwen2.5's and Qwen3's format)")
     h.add_argument("--log-level", default="info", choices=LOG_LEVELS,
                    help="the server's log on stderr: one line per request (4xx at warning, 5xx at error) "
                         "and uvicorn's own lines")
@@ -62,6 +68,13 @@ def check_args(args) -> None:
     if parallel.launched_by_mpirun() and args.shutdown_timeout != SHUTDOWN_TIMEOUT:
         raise NanoError("--shutdown-timeout: under mpirun open requests end at once on SIGTERM or Ctrl-C "
                         "(mpirun kills every rank 0.25 s after passing SIGTERM on): drop it")
+    if args.tool_call_parser is not None:
+        try:
+            tool_parsers.parser(args.tool_call_parser)
+        except ValueError as e:
+            raise NanoError(str(e)) from None
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise NanoError("--enable-auto-tool-choice requires --tool-call-parser")
     if args.api_key is not None and not args.api_key:
         raise NanoError("--api-key is empty (or NANO_API_KEY is set but empty)")
     if args.prompt_file or args.bench or args.disagg is not None:
@@ -89,7 +102,8 @@ def serve(args, engine, engine_metrics: bool = True) -> int:
                    metrics_writer(args, engine) if engine_metrics else None, limits(args),
                    args.api_key, allowed_hosts(args.host, args.allowed_hosts),
                    0.0 if parallel.launched_by_mpirun() else args.shutdown_timeout,
-                   args.stall_timeout, args.log_level)
+                   args.stall_timeout, args.log_level, args.chat_template, args.tool_call_parser,
+                   args.enable_auto_tool_choice)
     finally:
         engine.stop_workers()
     return 0

@@ -73,9 +73,6 @@ class RefusedCompletion(RefusedSampling):
 
 
 class RefusedChat(RefusedSampling):
-    tools: off(list[JSON]) = None
-    tool_choice: off(str | JSON, "none") = None
-    parallel_tool_calls: off(bool, True) = None
     functions: off(list[JSON]) = None      # OpenAI's deprecated tools
     function_call: off(str | JSON, "none") = None
     audio: off(JSON) = None
@@ -113,9 +110,6 @@ class RefusedChat(RefusedSampling):
 
 class RefusedMessage(BaseModel):
     """A chat message's fields that the chat template does not receive (yet)."""
-    name: off(str) = None
-    tool_calls: off(list[JSON], []) = None
-    tool_call_id: off(str) = None
     function_call: off(JSON) = None
     refusal: off(str) = None
     audio: off(JSON) = None

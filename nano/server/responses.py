@@ -8,6 +8,7 @@ import uuid
 from fastapi import Request
 from fastapi.sse import EventSourceResponse, format_sse_event
 
+from nano.server import tool_parsers, tools
 from nano.server.engine_thread import Job
 from nano.server.schemas import BadRequest, Sampling, StreamOptions, error_body, error_response
 from nano.server.serving import Server
@@ -16,9 +17,11 @@ from nano.server.serving import Server
 async def respond(server: Server, request: Request, body: Sampling, jobs: list[Job], kind: str, prefix: str):
     rid, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "object": kind, "created": created, "model": server.model_name}
+    parser = tool_parser(server, body) if kind == "chat.completion" else None
     if body.stream:
         options = body.stream_options or StreamOptions()
-        return EventSourceResponse(stream(server, request, jobs, body.n, head, kind, options))
+        return EventSourceResponse(stream(server, request, jobs, body.n, head, kind, options, parser,
+                                          None if getattr(body, "parallel_tool_calls", True) else 1))
     try:
         results = await asyncio.gather(*(collect(job, request) for job in jobs))
     finally:
@@ -32,9 +35,15 @@ async def respond(server: Server, request: Request, body: Sampling, jobs: list[J
     choices = []
     for i, r in enumerate(results):
         if kind == "chat.completion":
-            choice = {"index": i, "message": {"role": "assistant", "content": r["text"]},
+            message, finish = {"role": "assistant", "content": r["text"]}, r["finish_reason"]
+            if parser is not None:  # the calls the model wrote, read back (tools.py)
+                content, calls = parser.extract(r["text"])
+                calls = calls if body.parallel_tool_calls else calls[:1]
+                message = {**message, "content": content, "tool_calls": calls}
+                finish = "tool_calls" if calls else finish
+            choice = {"index": i, "message": message,
                       "logprobs": chat_logprobs(r["logprobs"]) if jobs[i].top_logprobs is not None else None,
-                      "finish_reason": r["finish_reason"]}
+                      "finish_reason": finish}
         else:
             choice = {"index": i, "text": r["text"], "finish_reason": r["finish_reason"],
                       "logprobs": completion_logprobs(r["logprobs"]) if jobs[i].top_logprobs is not None else None}
@@ -43,6 +52,14 @@ async def respond(server: Server, request: Request, body: Sampling, jobs: list[J
         choices.append(choice)
     counts = {i: (r["completion_tokens"], r["cached_tokens"]) for i, r in enumerate(results)}
     return {**head, "choices": choices, "usage": usage_of(jobs, body.n, counts)}
+
+
+def tool_parser(server: Server, body):
+    """The parser that reads a chat request's tool calls back (tool_parsers.py), or None: only
+    with tool_choice "auto" (which needs one: tools.check)."""
+    if tools.choice_of(body.tools, body.tool_choice) != "auto" or server.tool_parser is None:
+        return None
+    return tool_parsers.parser(server.tool_parser)
 
 
 async def collect(job: Job, request: Request) -> dict | None:
@@ -65,10 +82,13 @@ async def collect(job: Job, request: Request) -> dict | None:
 
 
 async def stream(server: Server, request: Request, jobs: list[Job], n: int, head: dict, kind: str,
-                 options: StreamOptions):
+                 options: StreamOptions, parser=None, max_calls: int | None = None):
     """SSE chunks in OpenAI's format as the engine produces text, then usage (include_usage),
     then [DONE]; with continuous_usage_stats every chunk carries the request's usage so far.
-    The client going away cancels this generator: its jobs are aborted in the finally."""
+    The client going away cancels this generator: its jobs are aborted in the finally. parser: a
+    tool-call parser (tool_parsers.py): the text goes through its Stream (at most max_calls
+    calls), whose deltas are sent one a chunk (the event's logprobs with the first, its
+    finish_reason with the last: "tool_calls" if a call was sent)."""
     chunk_kind = kind + ".chunk" if kind == "chat.completion" else kind
     events = asyncio.Queue()
 
@@ -84,6 +104,7 @@ async def stream(server: Server, request: Request, jobs: list[Job], n: int, head
                 return
 
     tasks = [asyncio.create_task(forward(i, job)) for i, job in enumerate(jobs)]
+    reading = [parser.Stream(max_calls) for _ in jobs] if parser else None
     counts, live = {}, len(jobs)  # counts: as usage_of takes them
 
     def chunk(choices: list[dict]) -> bytes:
@@ -102,6 +123,18 @@ async def stream(server: Server, request: Request, jobs: list[Job], n: int, head
                 continue
             counts[i] = (event["completion_tokens"], event["cached_tokens"])
             lp = event.get("logprobs")
+            if reading is not None:
+                deltas = reading[i].feed(event["text"]) + (reading[i].end() if event["finish_reason"] else [])
+                finish = event["finish_reason"] and ("tool_calls" if reading[i].called else event["finish_reason"])
+                choices = [{"index": i, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas or [{}]]
+                choices[0]["logprobs"] = chat_logprobs(lp) if lp else None
+                choices[-1]["finish_reason"] = finish
+                if event.get("prompt_logprobs"):
+                    choices[0]["prompt_logprobs"] = event["prompt_logprobs"]
+                for choice in choices:
+                    yield chunk([choice])
+                live -= event["finish_reason"] is not None
+                continue
             if kind == "chat.completion":
                 choice = {"index": i, "delta": {"content": event["text"]} if event["text"] else {},
                           "logprobs": chat_logprobs(lp) if lp else None, "finish_reason": event["finish_reason"]}

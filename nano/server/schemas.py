@@ -91,6 +91,103 @@ def _content(value, info: ValidationInfo) -> str | None:
     return "\n".join(texts)
 
 
+class FunctionDef(BaseModel):
+    """A tool's function, as OpenAI takes it (_tools)."""
+    name: str
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of an object: the arguments
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str  # JSON, as the model wrote it
+
+
+class ToolCall(BaseModel):
+    """An assistant message's earlier call (_tool_calls)."""
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
+def _shape(value, kind: str, keys: dict, where: str) -> None:
+    """value is an object whose keys are among `keys` (name -> (type, required))."""
+    if not isinstance(value, dict):
+        raise PydanticCustomError(kind, f"{where} must be an object")
+    for key in value:
+        if key not in keys:
+            raise PydanticCustomError(kind, f"{where}: {key!r} is an unknown field")
+    for key, (types, required) in keys.items():
+        if key not in value:
+            if required:
+                raise PydanticCustomError(kind, f"{where}: {key!r} is required")
+        elif not isinstance(value[key], types):
+            raise PydanticCustomError(kind, f"{where}: {key!r} must be of type {_TYPE_NAMES[types]}")
+        elif isinstance(value[key], str):
+            _checked_text(value[key])
+
+
+_TYPE_NAMES = {str: "string", dict: "object", bool: "boolean", (str, type(None)): "string or null",
+               (dict, type(None)): "object or null", (bool, type(None)): "boolean or null"}
+
+
+def _tools(value) -> list[dict]:
+    """The request's tools as OpenAI takes them (type "function"; the function's name, and its
+    description and parameters, a JSON schema of an object, if any); returned as given: the
+    chat template gets them so."""
+    if not isinstance(value, list):
+        raise PydanticCustomError("tools", "must be a list of tools")
+    for i, tool in enumerate(value):
+        _shape(tool, "tools", {"type": (str, True), "function": (dict, True)}, f"tool {i}")
+        if tool["type"] != "function":
+            raise PydanticCustomError("tools", f"tool {i}: 'type' must be 'function'")
+        _shape(tool["function"], "tools", {"name": (str, True), "description": ((str, type(None)), False),
+                                           "parameters": ((dict, type(None)), False),
+                                           "strict": ((bool, type(None)), False)}, f"tool {i}: 'function'")
+        parameters = tool["function"].get("parameters")
+        if parameters is not None and parameters.get("type", "object") != "object":
+            raise PydanticCustomError("tools", f"tool {i}: 'parameters' must be the JSON schema of an object "
+                                      "(\"type\": \"object\")")
+    return value
+
+
+def _tool_calls(value) -> list[dict]:
+    """An assistant message's earlier calls, as OpenAI takes them (id, type "function", the
+    function's name and its arguments, a JSON string); returned as given."""
+    if not isinstance(value, list):
+        raise PydanticCustomError("tool_calls", "must be a list of tool calls")
+    for i, call in enumerate(value):
+        _shape(call, "tool_calls", {"id": (str, True), "type": (str, True), "function": (dict, True)}, f"call {i}")
+        if call["type"] != "function":
+            raise PydanticCustomError("tool_calls", f"call {i}: 'type' must be 'function'")
+        _shape(call["function"], "tool_calls", {"name": (str, True), "arguments": (str, True)}, f"call {i}: 'function'")
+    return value
+
+
+def _tool_choice(value) -> str | dict:
+    """"none", "auto", "required", or a named function: {"type": "function", "function": {"name": ...}}."""
+    if value in ("none", "auto", "required"):
+        return value
+    if isinstance(value, dict):
+        _shape(value, "tool_choice", {"type": (str, True), "function": (dict, True)}, "a named tool choice")
+        _shape(value["function"], "tool_choice", {"name": (str, True)}, "a named tool choice's 'function'")
+        if value["type"] == "function":
+            return value
+    raise PydanticCustomError("tool_choice", "must be \"none\", \"auto\", \"required\" or "
+                              "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: dict[Literal["name"], str]
+
+
 # ---- requests (OpenAI's; top_k, ignore_eos, prompt_logprobs, add_generation_prompt: vLLM's) ----
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -163,6 +260,16 @@ class Message(RefusedMessage):
         "else": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}})
     role: Literal[ROLES]
     content: str | None = Field(None, validate_default=True)  # absent: as null
+    # The template gets these as sent (tool calls: arguments as the JSON string sent).
+    name: Text | None = None
+    tool_calls: Annotated[list[dict], PlainValidator(_tool_calls, json_schema_input_type=list[ToolCall])] | None = None
+    tool_call_id: Text | None = None
+
+    def conversation(self) -> dict:
+        """The message as the chat template gets it: role, content (null: empty), and the tool
+        fields that were sent."""
+        extra = {k: getattr(self, k) for k in ("name", "tool_calls", "tool_call_id") if getattr(self, k) is not None}
+        return {"role": self.role, "content": self.content or "", **extra}
 
     validate_content = field_validator("content", mode="plain",
                                        json_schema_input_type=str | list[TextPart] | None)(_content)
@@ -175,6 +282,11 @@ class ChatRequest(Sampling, RefusedChat):
     max_completion_tokens: int | None = Field(None, ge=1)
     add_generation_prompt: bool = True  # vLLM's: the template's opening of the assistant's turn
     safety_identifier: Text | None = None  # OpenAI's successor to `user`: an end user's id, asks nothing of the model
+    # Tool calls (tools.py): the tools reach the template as sent
+    tools: Annotated[list[dict], PlainValidator(_tools, json_schema_input_type=list[Tool])] | None = None
+    tool_choice: Annotated[str | dict, PlainValidator(
+        _tool_choice, json_schema_input_type=Literal["none", "auto", "required"] | NamedToolChoice)] | None = None
+    parallel_tool_calls: bool = True  # false: at most one call is returned (the first)
 
     @field_validator("top_logprobs")
     @classmethod
@@ -291,6 +403,8 @@ class TokenizeRequest(BaseModel):
     prompt: Text | None = None
     messages: list[Message] | None = Field(None, min_length=1)
     add_generation_prompt: bool = True
+    # with messages: the tools, in the template
+    tools: Annotated[list[dict], PlainValidator(_tools, json_schema_input_type=list[Tool])] | None = None
 
 
 class DetokenizeRequest(BaseModel):

@@ -3,6 +3,7 @@ costs anything, started as jobs on the engine thread (engine_thread.py), aborted
 client goes away, ended at shutdown. app.py routes HTTP to it; responses.py turns its jobs'
 events into OpenAI's responses."""
 import asyncio
+import json
 import time
 
 from fastapi.responses import JSONResponse
@@ -17,8 +18,11 @@ from nano.server.schemas import BadRequest, Message, Sampling, error_response
 
 class Server:
     def __init__(self, engine, max_queued: int = 256, metrics=None, limits: Limits = Limits(),
-                 stall_timeout: float | None = None):
+                 stall_timeout: float | None = None, chat_template: str | None = None,
+                 tool_parser: str | None = None, auto_tools: bool = False):
         self.engine, self.max_queued, self.limits = engine, max_queued, limits
+        # --chat-template (None: the model's), --tool-call-parser, --enable-auto-tool-choice (tools.py)
+        self.chat_template, self.tool_parser, self.auto_tools = chat_template, tool_parser, auto_tools
         self.model_name = engine.model_name
         self.thread = EngineThread(engine, metrics, stall_timeout)
         self.open: set[Job] = set()  # jobs submitted and not yet ended (event loop only)
@@ -119,12 +123,16 @@ class Server:
         self.check_chars(sum(map(len, texts)))
         return await asyncio.to_thread(lambda: [self.engine.tokenizer.encode(t, True) for t in texts])
 
-    async def tokenize_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
-        """The conversation in the model's chat template, on a worker thread (content null: empty)."""
-        self.check_chars(sum(len(m.content or "") for m in messages))
-        conversation = [{"role": m.role, "content": m.content or ""} for m in messages]
+    async def tokenize_chat(self, messages: list[Message], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
+        """The conversation (and the tools) in the chat template, on a worker thread (content null: empty)."""
+        conversation = [m.conversation() for m in messages]
+        extra = [{k: v for k, v in m.items() if k not in ("role", "content")} for m in conversation]
+        self.check_chars(sum(len(m["content"]) for m in conversation)
+                         + sum(len(json.dumps(e)) for e in extra if e) + (len(json.dumps(tools)) if tools else 0))
         try:
-            return await asyncio.to_thread(template.encode, self.engine.tokenizer, conversation, add_generation_prompt)
+            return await asyncio.to_thread(template.encode, self.engine.tokenizer, conversation, add_generation_prompt,
+                                           tools, self.chat_template)
         except NanoError as e:
             raise BadRequest(str(e)) from None
 

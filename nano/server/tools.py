@@ -1,0 +1,83 @@
+"""Tool calls on the chat endpoint, as vLLM serves them: a request's tools and tool_choice
+checked, and the calls read back from what the model wrote.
+
+tool_choice "none": the tools reach the template, no call is read back. "auto" (the default
+when tools are given): needs --enable-auto-tool-choice and --tool-call-parser (tool_parsers.py),
+which reads the calls from the text. "required" and a named function need the output forced
+by a grammar: forced_schema() is the JSON schema vLLM forces for them, forced_calls() turns
+such an output into tool_calls; until the server forces output, they are a 400."""
+import copy
+import json
+
+from nano.server.schemas import BadRequest
+from nano.server.tool_parsers import tool_call
+
+AUTO_NEEDS_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+
+
+def choice_of(tools: list[dict] | None, tool_choice) -> str | dict:
+    """The request's tool_choice as vLLM reads it: absent, "auto" if there are tools, else "none"."""
+    if tool_choice is None:
+        return "auto" if tools else "none"
+    return tool_choice
+
+
+def check(tools: list[dict] | None, tool_choice, parser: str | None, auto: bool) -> str | dict:
+    """The request's tool_choice (choice_of), or a 400 naming tool_choice: vLLM's checks and
+    wording, and "required" or a named function, which need forced output (not yet)."""
+    choice = choice_of(tools, tool_choice)
+    if choice == "none":
+        return choice
+    if not tools:
+        raise BadRequest("When using `tool_choice`, `tools` must be set.", param="tool_choice")
+    if choice == "auto":
+        if not (auto and parser):
+            raise BadRequest(AUTO_NEEDS_FLAGS, param="tool_choice")
+        return choice
+    if isinstance(choice, dict):
+        name = named(choice)
+        if name not in [t["function"]["name"] for t in tools]:
+            raise BadRequest(f"Tool '{name}' has not been passed in `tools`.", param="tool_choice")
+    raise BadRequest(f"tool_choice {json.dumps(choice)}: forcing a tool call is not implemented yet (send \"auto\" "
+                     "or \"none\")", param="tool_choice")
+
+
+def named(choice) -> str | None:
+    """The function a named tool_choice names ({"type": "function", "function": {"name": ...}})."""
+    return choice["function"]["name"] if isinstance(choice, dict) else None
+
+
+def forced_schema(tools: list[dict], tool_choice: str | dict) -> dict:
+    """The JSON schema vLLM forces the output into for tool_choice "required" (an array, at least
+    one item, of {"name", "parameters"} objects, anyOf the tools; their $defs gathered at the
+    top) or a named function (that function's parameters: the arguments alone). The tools are
+    not changed."""
+    if isinstance(tool_choice, dict):
+        name = named(tool_choice)
+        tool = next(t for t in tools if t["function"]["name"] == name)
+        return copy.deepcopy(tool["function"].get("parameters") or {"type": "object", "properties": {}})
+    if tool_choice != "required":
+        raise ValueError(f"tool_choice {tool_choice!r} forces no output")
+    items, defs = [], {}
+    for tool in tools:
+        parameters = copy.deepcopy(tool["function"].get("parameters")) or {"type": "object", "properties": {}}
+        for def_name, schema in parameters.pop("$defs", {}).items():
+            if defs.get(def_name, schema) != schema:
+                raise ValueError(f"Tool definition '{def_name}' has multiple schemas, which is not supported.")
+            defs[def_name] = schema
+        items.append({"properties": {"name": {"type": "string", "enum": [tool["function"]["name"]]},
+                                     "parameters": parameters},
+                      "required": ["name", "parameters"]})
+    schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def forced_calls(text: str, tool_choice: str | dict) -> list[dict]:
+    """The tool_calls of an output forced into forced_schema(): "required", one call per item
+    of the array (arguments: its parameters as a JSON string); a named function, one call to it
+    with the output as its arguments, as written."""
+    if isinstance(tool_choice, dict):
+        return [tool_call(named(tool_choice), text)]
+    return [tool_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in json.loads(text)]
