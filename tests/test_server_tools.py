@@ -28,7 +28,7 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 HISTORY = [
     {"role": "user", "content": "Weather in Paris?"},
     {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]},
     {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "18 C, sunny"},
 ]
 ONE = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -72,11 +72,14 @@ def test_the_template_gets_the_tools_the_calls_and_their_results(srv):
     assert r.status_code == 200, r.text
     text = httpx.post(srv.url + "/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"]
     assert "<tools>\n" + json.dumps(WEATHER, ensure_ascii=False) + "\n</tools>" in text
+    # the arguments reach the template parsed, as vLLM passes them: tojson respaces the client's JSON
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
     assert "<tool_response>\n18 C, sunny\n</tool_response>" in text and text.endswith("<|im_start|>assistant\n")
     # the same text as transformers' apply_chat_template would render, tokenized with special tokens special
     tokenizer = srv.engine.tokenizer
-    rendered = template.render(tokenizer, [{**m, "content": m["content"] or ""} for m in HISTORY], tools=[WEATHER],
+    parsed = [{**HISTORY[1], "tool_calls": [{**HISTORY[1]["tool_calls"][0], "function": {
+        "name": "get_weather", "arguments": {"city": "Paris"}}}]} if i == 1 else m for i, m in enumerate(HISTORY)]
+    rendered = template.render(tokenizer, [{**m, "content": m["content"] or ""} for m in parsed], tools=[WEATHER],
                                chat_template=TEMPLATE.read_text())
     assert rendered == text
     # and the chat endpoint tokenizes the same prompt
@@ -262,6 +265,8 @@ def test_an_earlier_calls_shape_is_checked(srv):
     r = post(srv, {"messages": [HISTORY[0], bad]})
     assert_openai_error(r, 400, "'arguments' must be of type string")
     assert r.json()["error"]["param"] == "messages.1.tool_calls"
+    bad["tool_calls"][0]["function"]["arguments"] = '{"city": '
+    assert_openai_error(post(srv, {"messages": [HISTORY[0], bad]}), 400, "'arguments' must be a JSON string")
 
 
 # ---- forced calls: "required" and a named function ---------------------------------------------------

@@ -4,6 +4,7 @@ one, is a 400 naming it: fields.py), every text field through the command line's
 and errors in OpenAI's shape. The models are also /openapi.json's schemas: a field checked by
 a function of ours names the JSON it takes (json_schema_input_type), so that the schema says
 what the check accepts."""
+import json
 from typing import Annotated, Literal
 
 from fastapi.responses import JSONResponse
@@ -159,15 +160,23 @@ def _tools(value) -> list[dict]:
 
 def _tool_calls(value) -> list[dict]:
     """An assistant message's earlier calls, as OpenAI takes them (id, type "function", the
-    function's name and its arguments, a JSON string); returned as given."""
+    function's name and its arguments, a JSON string); returned with the arguments parsed
+    (an empty string: {}), as vLLM hands them to the template: tool-use templates expect them
+    as objects, as transformers documents."""
     if not isinstance(value, list):
         raise PydanticCustomError("tool_calls", "must be a list of tool calls")
+    calls = []
     for i, call in enumerate(value):
         _shape(call, "tool_calls", {"id": (str, True), "type": (str, True), "function": (dict, True)}, f"call {i}")
         if call["type"] != "function":
             raise PydanticCustomError("tool_calls", f"call {i}: 'type' must be 'function'")
         _shape(call["function"], "tool_calls", {"name": (str, True), "arguments": (str, True)}, f"call {i}: 'function'")
-    return value
+        try:
+            arguments = json.loads(call["function"]["arguments"] or "{}")
+        except json.JSONDecodeError:
+            raise PydanticCustomError("tool_calls", f"call {i}: 'arguments' must be a JSON string") from None
+        calls.append({**call, "function": {**call["function"], "arguments": arguments}})
+    return calls
 
 
 def _tool_choice(value) -> str | dict:
@@ -260,7 +269,7 @@ class Message(RefusedMessage):
         "else": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}})
     role: Literal[ROLES]
     content: str | None = Field(None, validate_default=True)  # absent: as null
-    # The template gets these as sent (tool calls: arguments as the JSON string sent).
+    # The template gets these as sent (tool calls: their arguments parsed, as vLLM does).
     name: Text | None = None
     tool_calls: Annotated[list[dict], PlainValidator(_tool_calls, json_schema_input_type=list[ToolCall])] | None = None
     tool_call_id: Text | None = None
