@@ -414,15 +414,15 @@ def test_sample_greedy_ties_go_to_lowest_index(cupy, rng):
 
 @pytest.mark.parametrize("vocab", [49152, 128256, 1000])
 @pytest.mark.parametrize("temperature, top_k, top_p, min_p", [
-    (1.0, -1, 1.0, 0), (0.7, -1, 1.0, 0), (1.0, 40, 1.0, 0), (0.8, -1, 0.9, 0), (0.6, 50, 0.95, 0), (1.3, 1, 1.0, 0),
-    (1.0, -1, 1.0, 0.05), (0.8, 40, 0.9, 0.2),
+    (1.0, -1, 1.0, 0), (0.7, -1, 1.0, 0.05), (1.0, 40, 1.0, 0), (0.8, -1, 0.9, 0), (0.6, 50, 0.95, 0.2), (1.3, 1, 1.0, 0),
 ])
 def test_sample_matches_reference(cupy, rng, vocab, temperature, top_k, top_p, min_p):
     """Same algorithm, same float32 inputs: identical tokens, except where two allowed
     tokens' noisy scores are within float32 rounding (logf/expf vs NumPy, ~1 ulp) or a
     nucleus boundary is within summation-order rounding. With 64 random rows such cases
-    have probability ~1e-4, so we allow at most one mismatching row."""
-    rows = 64
+    have probability ~1e-4, so we allow at most one mismatching row. The emulator, which
+    runs each row's 1024 threads in three orders on the CPU, takes 16 of them."""
+    rows = 64 if cupy.__name__ == "cupy" else 16
     logits = (3 * rng.normal(size=(rows, vocab))).astype(np.float16)
     args = sample_args(rows, temperature, top_k, top_p, rng, min_p)
     got = cupy.asnumpy(kernels.sample(cupy.asarray(logits), *map(cupy.asarray, args)))
