@@ -64,16 +64,17 @@ class Sampler:
 
     def _parameters(self, seqs: list[Sequence], counters: list[int]) -> tuple:
         """The sample op's per-row arrays (temperature, top_k, top_p, log_min_p, seeds,
-        counters), packed into one uint32 host array so that the GPU gets them in one copy, then viewed."""
+        counters), packed into one uint32 host array so that the GPU gets them in one copy, then
+        viewed; the seeds first, where their 8-byte words are aligned whatever the row count."""
         host = np.empty((7, len(seqs)), np.uint32)
-        host[0].view(np.float32)[:] = [s.params.temperature for s in seqs]
-        host[1].view(np.int32)[:] = [s.params.top_k for s in seqs]
-        host[2].view(np.float32)[:] = [s.params.top_p for s in seqs]
+        host[:2].reshape(-1).view(np.uint64)[:] = [s.seed % 2**64 for s in seqs]  # any int seed
+        host[2].view(np.float32)[:] = [s.params.temperature for s in seqs]
+        host[3].view(np.int32)[:] = [s.params.top_k for s in seqs]
+        host[4].view(np.float32)[:] = [s.params.top_p for s in seqs]
         with np.errstate(divide="ignore"):  # min_p 0: log -inf, off
-            host[3].view(np.float32)[:] = np.log(np.array([s.params.min_p for s in seqs], np.float32))
-        host[4].view(np.int32)[:] = counters
-        host[5:].reshape(-1).view(np.uint64)[:] = [s.seed % 2**64 for s in seqs]  # any int seed
+            host[5].view(np.float32)[:] = np.log(np.array([s.params.min_p for s in seqs], np.float32))
+        host[6].view(np.int32)[:] = counters
         xp = self.device.xp
         packed = xp.asarray(host)
-        return (packed[0].view(xp.float32), packed[1].view(xp.int32), packed[2].view(xp.float32),
-                packed[3].view(xp.float32), packed[5:].reshape(-1).view(xp.uint64), packed[4].view(xp.int32))
+        return (packed[2].view(xp.float32), packed[3].view(xp.int32), packed[4].view(xp.float32),
+                packed[5].view(xp.float32), packed[:2].reshape(-1).view(xp.uint64), packed[6].view(xp.int32))

@@ -135,6 +135,17 @@ def test_argument_types_are_checked(cp):
         build(SHUFFLES).get_function("shuffles")((1,), (32,), (cp.empty(128, cp.float32), np.int32(32)))
 
 
+def test_a_misaligned_array_is_an_error(cp):
+    """A GPU faults ("misaligned address") on an 8-byte load from an address that is not a
+    multiple of 8: here, seeds viewed as uint64 from 4 bytes into a packed uint32 buffer, as
+    a sampler packing its row arrays with the seeds after an odd number of 4-byte rows did."""
+    packed = cp.zeros(7, cp.uint32)
+    rows = (cp.ones(1, cp.float32), cp.full(1, -1, cp.int32), cp.ones(1, cp.float32), cp.zeros(1, cp.float32))
+    with pytest.raises(emulator.EmulatorError, match="'seeds': a uint64 array at an address not a multiple of 8"):
+        kernels.sample(cp.zeros((1, 64), cp.float16), *rows, packed[1:3].view(cp.uint64), cp.zeros(1, cp.int32))
+    kernels.sample(cp.zeros((1, 64), cp.float16), *rows, packed[2:4].view(cp.uint64), cp.zeros(1, cp.int32))
+
+
 @pytest.mark.parametrize("cache_type", ["__half", "int8_t"])
 def test_launch_bounds_are_checked(cp, cache_type):
     name = f"paged_attention_kernel<64, 3, {cache_type}>"

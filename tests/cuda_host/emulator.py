@@ -352,6 +352,9 @@ class Function:
                 got = _DTYPE_CODES.get(value.dtype)
                 if code[1:] != got:
                     raise EmulatorError(f"{where} points to {code[1:]} in C, got a {value.dtype} array")
+                if value.data.ptr % value.dtype.itemsize:  # a GPU faults: "misaligned address"
+                    raise EmulatorError(f"{where}: a {value.dtype} array at an address not a multiple of "
+                                        f"{value.dtype.itemsize} bytes (misaligned)")
                 arrays.append((param, cupy_stub.allocation_of(value)))
                 cells.append(np.array([value.data.ptr], np.uint64))
             elif isinstance(value, np.generic):
