@@ -60,11 +60,13 @@ def test_the_check_sees_an_add_on_import(tmp_path):
 #              summary, the stall watch): one way for all, so that their figures compare
 #   chat       the chat template: one rendering of a conversation, for the command line and the
 #              server alike
+#   structured grammars as logits processors (llguidance), and the chain that combines
+#              processors: for the server, the offline LLM and any mode that samples
 # Any other add-on is a product of its own (bench, disagg, dp, server, ...): two of them meet
 # only in run.py, which assembles them (the server serves what dp gives it). The lab is a
 # driver like run.py: its experiments compare the modes, so it may import any of them; nothing
 # imports the lab.
-FOUNDATIONS = {"fleet", "cli", "telemetry", "chat"}
+FOUNDATIONS = {"fleet", "cli", "telemetry", "chat", "structured"}
 DRIVERS = {"lab"}
 
 

@@ -20,7 +20,7 @@ BASE = {COMPLETIONS: {"prompt": "The sky is", "max_tokens": 2},
 
 # The fields each endpoint honours; every other field of its model is refused unless "off".
 SAMPLING = {"model", "user", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
-            "stream_options", "ignore_eos", "prompt_logprobs"}
+            "stream_options", "ignore_eos", "prompt_logprobs", "response_format", "structured_outputs"}
 HONOURED = {COMPLETIONS: SAMPLING | {"prompt", "logprobs", "echo"},
             CHAT: SAMPLING | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "add_generation_prompt",
                               "safety_identifier"}}
@@ -34,13 +34,14 @@ VALUES = {
     "stop": ["\n"], "n": 2, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
     "prompt_logprobs": 1, "prompt": [1, 2, 3], "echo": True,
     "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
-    "top_logprobs": 2, "max_completion_tokens": 3, "add_generation_prompt": False,
+    "top_logprobs": 2, "max_completion_tokens": 3, "add_generation_prompt": False, "response_format": JSON_SCHEMA,
+    "structured_outputs": {"regex": "[ab]+"},
     # refused (both endpoints)
-    "frequency_penalty": 0.5, "presence_penalty": -0.5, "logit_bias": {"11": 100}, "response_format": JSON_SCHEMA,
+    "frequency_penalty": 0.5, "presence_penalty": -0.5, "logit_bias": {"11": 100},
     "use_beam_search": True, "min_p": 0.1, "repetition_penalty": 1.2, "length_penalty": 0.5,
     "stop_token_ids": [5], "include_stop_str_in_output": True, "min_tokens": 2, "skip_special_tokens": False,
     "spaces_between_special_tokens": False, "truncate_prompt_tokens": 8, "allowed_token_ids": [1, 2],
-    "structured_outputs": {"regex": "[ab]+"}, "priority": 1, "request_id": "r1", "logits_processors": ["m.P"],
+    "priority": 1, "request_id": "r1", "logits_processors": ["m.P"],
     "return_tokens_as_token_ids": True, "return_token_ids": True, "cache_salt": "salt", "kv_transfer_params": {},
     "vllm_xargs": {"k": 1},
     # refused (completions)

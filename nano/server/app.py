@@ -133,10 +133,11 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
         if body.max_tokens == 0 and not body.echo:
             raise BadRequest("max_tokens: 0 generates nothing; it is allowed with echo, to score the prompt")
         texts = [p for p in body.prompt if isinstance(p, str)]
+        processor = await server.structured(body)
         encoded = iter(await server.tokenize(texts))
         prompts = [next(encoded) if isinstance(p, str) else p for p in body.prompt]
         jobs = await server.submit(body, prompts, stops, body.logprobs,
-                                   16 if body.max_tokens is None else body.max_tokens, body.echo)
+                                   16 if body.max_tokens is None else body.max_tokens, body.echo, processor)
         return await respond(server, request, body, jobs, "text_completion", "cmpl")
 
     @v1.post("/chat/completions", responses=GENERATION)
@@ -146,8 +147,9 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
             raise BadRequest("this model has no chat template: use /v1/completions")
         top = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens or engine.max_model_len
+        processor = await server.structured(body)
         prompt = await server.tokenize_chat(body.messages, body.add_generation_prompt)
-        jobs = await server.submit(body, [prompt], stops, top, max_tokens)
+        jobs = await server.submit(body, [prompt], stops, top, max_tokens, processor=processor)
         return await respond(server, request, body, jobs, "chat.completion", "chatcmpl")
 
     @tokenizer.post("/tokenize")

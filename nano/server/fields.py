@@ -47,7 +47,6 @@ class RefusedSampling(BaseModel):
     frequency_penalty: off(float, 0.0) = None
     presence_penalty: off(float, 0.0) = None
     logit_bias: off(dict[str, float], {}) = None
-    response_format: off(JSON, {"type": "text"}) = None
     use_beam_search: off(bool, False) = None
     min_p: off(float, 0.0) = None
     repetition_penalty: off(float, 1.0) = None
@@ -59,7 +58,6 @@ class RefusedSampling(BaseModel):
     spaces_between_special_tokens: off(bool, True) = None
     truncate_prompt_tokens: off(int) = None
     allowed_token_ids: off(list[int]) = None
-    structured_outputs: off(JSON) = None
     priority: off(int, 0) = None
     request_id: off(str) = None
     logits_processors: off(list) = None
