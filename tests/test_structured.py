@@ -122,8 +122,11 @@ def test_a_pickled_sequence_goes_on_where_it_was(engine, grammars):
     params = constrained(grammars["json"], seed=5)
     want = engine.generate([PROMPTS[1]], params)[0].output_token_ids
     seq = engine.add_request(PROMPTS[1], params)
-    while seq.num_output_tokens < 6:
+    for _ in range(20):  # bounded: a sequence that stops early fails below, never hangs
+        if seq.num_output_tokens >= 6 or seq.is_finished:
+            break
         engine.step()
+    assert seq.num_output_tokens == 6 and not seq.is_finished
     assert seq.processor_state.matcher is not None
     copy = pickle.loads(pickle.dumps(wire_copy(seq)))
     assert copy.processor_state.matcher is None and copy.params.logits_processor is not grammars["json"]
