@@ -62,11 +62,13 @@ def test_the_check_sees_an_add_on_import(tmp_path):
 #              server alike
 #   controls   vLLM's sampling controls as a logits processor: one reading of a request's
 #              penalties and biases, for prompt files, the Python API and the server
+#   structured grammars as logits processors (llguidance), and the chain that combines
+#              processors: for the server, the offline LLM and any mode that samples
 # Any other add-on is a product of its own (bench, disagg, dp, server, ...): two of them meet
 # only in run.py, which assembles them (the server serves what dp gives it). The lab is a
 # driver like run.py: its experiments compare the modes, so it may import any of them; nothing
 # imports the lab.
-FOUNDATIONS = {"fleet", "cli", "telemetry", "chat", "controls"}
+FOUNDATIONS = {"fleet", "cli", "telemetry", "chat", "controls", "structured"}
 DRIVERS = {"lab"}
 
 

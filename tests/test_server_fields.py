@@ -22,7 +22,7 @@ BASE = {COMPLETIONS: {"prompt": "The sky is", "max_tokens": 2},
 SAMPLING = {"model", "user", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream",
             "stream_options", "ignore_eos", "prompt_logprobs", "min_p", "presence_penalty", "frequency_penalty",
             "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "include_stop_str_in_output",
-            "bad_words"}
+            "bad_words", "response_format", "structured_outputs"}
 HONOURED = {COMPLETIONS: SAMPLING | {"prompt", "logprobs", "echo"},
             CHAT: SAMPLING | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "add_generation_prompt",
                               "safety_identifier", "tools", "tool_choice", "parallel_tool_calls"}}
@@ -38,11 +38,12 @@ VALUES = {
     "logit_bias": {"11": 100}, "min_p": 0.1, "repetition_penalty": 1.2, "stop_token_ids": [5],
     "include_stop_str_in_output": True, "min_tokens": 2, "bad_words": ["x"],
     "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
-    "top_logprobs": 2, "max_completion_tokens": 3, "add_generation_prompt": False,
+    "top_logprobs": 2, "max_completion_tokens": 3, "add_generation_prompt": False, "response_format": JSON_SCHEMA,
+    "structured_outputs": {"regex": "[ab]+"},
     # refused (both endpoints)
-    "response_format": JSON_SCHEMA, "use_beam_search": True, "length_penalty": 0.5, "skip_special_tokens": False,
+    "use_beam_search": True, "length_penalty": 0.5, "skip_special_tokens": False,
     "spaces_between_special_tokens": False, "truncate_prompt_tokens": 8, "allowed_token_ids": [1, 2],
-    "structured_outputs": {"regex": "[ab]+"}, "priority": 1, "request_id": "r1", "logits_processors": ["m.P"],
+    "priority": 1, "request_id": "r1", "logits_processors": ["m.P"],
     "return_tokens_as_token_ids": True, "return_token_ids": True, "cache_salt": "salt", "kv_transfer_params": {},
     "vllm_xargs": {"k": 1},
     # refused (completions)

@@ -44,14 +44,12 @@ JSON = dict[str, Any]
 
 class RefusedSampling(BaseModel):
     """Both endpoints' (OpenAI's, then vLLM's sampling and extra parameters)."""
-    response_format: off(JSON, {"type": "text"}) = None
     use_beam_search: off(bool, False) = None
     length_penalty: off(float, 1.0) = None  # beam search's
     skip_special_tokens: off(bool, True) = None  # nano's text skips them
     spaces_between_special_tokens: off(bool, True) = None
     truncate_prompt_tokens: off(int) = None
     allowed_token_ids: off(list[int]) = None
-    structured_outputs: off(JSON) = None
     priority: off(int, 0) = None
     request_id: off(str) = None
     logits_processors: off(list) = None

@@ -5,7 +5,7 @@ and errors in OpenAI's shape. The models are also /openapi.json's schemas: a fie
 a function of ours names the JSON it takes (json_schema_input_type), so that the schema says
 what the check accepts."""
 import json
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, ValidationInfo, field_validator,
@@ -204,6 +204,50 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
+class JsonSchemaFormat(BaseModel):
+    """response_format's json_schema (OpenAI's): the schema the output must follow."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")  # absent: any JSON value
+    strict: bool | None = None  # true (or absent): a keyword llguidance lacks is a 400; false: it is ignored
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise PydanticCustomError("response_format", "json_schema is required with type json_schema, and only "
+                                      "with it")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: exactly one of json (a JSON schema), json_object, regex,
+    choice (the output is one of these strings) and grammar (Lark, or GBNF, as llguidance
+    reads them)."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        asked = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        asked += ["json_object"] if self.json_object else []
+        if len(asked) != 1:
+            raise PydanticCustomError("structured_outputs", "set exactly one of json, json_object, regex, choice, "
+                                      "grammar")
+        return self
+
+
 class Sampling(BaseModel):
     """The fields both endpoints honour."""
     model_config = ConfigDict(extra="forbid", strict=True)  # an unknown field: a 400, never ignored
@@ -230,6 +274,8 @@ class Sampling(BaseModel):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     include_stop_str_in_output: bool = False  # a stop string found ends the text after it, not before
     bad_words: list[Text] | None = None
+    response_format: ResponseFormat | None = None  # structured output (nano/structured)
+    structured_outputs: StructuredOutputs | None = None  # vLLM's
 
     @model_validator(mode="before")
     @classmethod

@@ -1,0 +1,171 @@
+"""A grammar as a logits processor (nano.sequence.LogitsProcessor): llguidance compiles it
+against the model's vocabulary once; each sequence gets its own matcher (a copy of the
+compiled one), which consumes the sequence's output tokens it has not yet seen and fills the
+next token's allowed-token bitmask. When the grammar is complete the mask allows EOS alone,
+so the engine stops with "stop".
+
+The per-sequence state survives what the engine does to a sequence: preemption (by swap or
+by recompute, the output tokens stay in seq.token_ids and the matcher just goes on from the
+count it has consumed), a shorter output than consumed (rolled back, as a speculative
+decoder's rejected tokens would be), and pickling (disaggregated serving sends a copy of the
+sequence to another process): the native matcher is dropped and rebuilt from the compiled
+grammar and the output tokens the first time it is needed."""
+from __future__ import annotations
+
+import hashlib
+import threading
+import zlib
+
+import llguidance
+import numpy as np
+
+from nano.errors import NanoError
+from nano.sequence import LogitsProcessor, Sequence
+
+_VOCABULARIES: dict[tuple, "Vocabulary"] = {}  # by (source digest, vocab size, EOS ids): one LLTokenizer each
+_LOCK = threading.Lock()
+
+
+class Vocabulary:
+    """The model's tokenizer as llguidance reads it (an LLTokenizer: ~0.3 s to build for a 49k
+    vocabulary, so built once per tokenizer and shared). size: the model's logits width (its
+    vocab_size), which may exceed the tokenizer's ids; eos: the ids that end a sequence."""
+
+    def __init__(self, source: str, size: int, eos: list[int]):
+        if not eos:
+            raise NanoError("structured output needs the model's EOS token, and this tokenizer has none")
+        self.size, self.eos = size, sorted(eos)
+        self.digest = hashlib.sha256(source.encode()).hexdigest()
+        self._source = source
+        try:
+            self.llg = llguidance.LLTokenizer(source, n_vocab=size, eos_token=self.eos)
+        except Exception as e:  # the library raises ValueError or a bare exception
+            raise NanoError(f"llguidance cannot read this tokenizer: {e}") from None
+        self.words = (size + 31) // 32  # the bitmask's int32 words
+
+    @classmethod
+    def of(cls, tokenizer, size: int) -> "Vocabulary":
+        """The (cached) vocabulary of a nano.tokenizer.Tokenizer, for logits `size` wide."""
+        source = tokenizer._tok.to_str()  # the tokenizers library's JSON, added tokens included
+        return cls.cached(source, size, sorted(tokenizer.eos_token_ids))
+
+    @classmethod
+    def cached(cls, source: str, size: int, eos: list[int]) -> "Vocabulary":
+        key = (hashlib.sha256(source.encode()).hexdigest(), size, tuple(sorted(eos)))
+        with _LOCK:
+            found = _VOCABULARIES.get(key)
+        if found is None:
+            found = cls(source, size, eos)
+            with _LOCK:
+                found = _VOCABULARIES.setdefault(key, found)
+        return found
+
+    def __reduce__(self):  # the tokenizer's source travels compressed (~1/4); a process that has it reuses it
+        return _unpickle_vocabulary, (zlib.compress(self._source.encode(), 1), self.size, self.eos)
+
+
+def _unpickle_vocabulary(source: bytes, size: int, eos: list[int]) -> Vocabulary:
+    return Vocabulary.cached(zlib.decompress(source).decode(), size, eos)
+
+
+# JSON as compact as the schema allows: a small model given free whitespace can spend its
+# whole budget on newlines. A schema may ask for more through llguidance's "x-guidance" key.
+JSON_DEFAULTS = {"whitespace_flexible": False}
+
+
+def grammar_source(kind: str, value, strict: bool = True, name: str | None = None) -> str:
+    """llguidance's grammar text for a request's grammar: kind is json (a JSON schema, a dict
+    or its text), json_object (any object), regex, choice (a list of strings) or grammar (Lark,
+    or GBNF, as llguidance reads them). strict False: JSON-schema keywords llguidance does not
+    implement are ignored (lenient) rather than refused. name: the grammar's in errors (kind)."""
+    matcher = llguidance.LLMatcher
+    try:
+        if kind == "json":
+            options = {"lenient": not strict}
+            return matcher.grammar_from_json_schema(value, defaults=JSON_DEFAULTS, overrides=options)
+        if kind == "json_object":
+            return matcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
+        if kind == "regex":
+            return matcher.grammar_from_regex(value)
+        if kind == "choice":
+            if not value or not all(isinstance(c, str) and c for c in value):
+                raise NanoError(f"{name or kind}: a non-empty list of non-empty strings")
+            return llguidance.grammar_from("choice", list(value))
+        if kind == "grammar":
+            return llguidance.grammar_from("grammar", value)
+    except (ValueError, TypeError) as e:
+        raise NanoError(f"{name or kind}: {_one_line(str(e))}") from None
+    raise NanoError(f"unknown grammar kind {kind!r}")
+
+
+def _one_line(message: str) -> str:
+    return " ".join(message.split())[:400]
+
+
+class MatcherState:
+    """A sequence's matcher and how many of its output tokens it has consumed; pickled without
+    the matcher (native), which is rebuilt from the grammar and the output tokens."""
+
+    def __init__(self, matcher, consumed: int = 0):
+        self.matcher, self.consumed = matcher, consumed
+        self.mask: np.ndarray | None = None  # the mask after `consumed` tokens, while it holds
+
+    def __getstate__(self):
+        return {"matcher": None, "consumed": 0, "mask": None}
+
+
+class Grammar(LogitsProcessor):
+    """A compiled grammar over a vocabulary; one object serves any number of sequences."""
+
+    def __init__(self, vocabulary: Vocabulary, source: str, name: str = "grammar"):
+        """Compiles `source` (grammar_source's text), or raises a one-line NanoError naming
+        the problem; `name` names the grammar in errors. Drops the GIL while compiling: call it
+        off the thread that steps the engine."""
+        self.vocabulary, self.source, self.name = vocabulary, source, name
+        self._compiled = self._compile()
+
+    def _compile(self):
+        matcher = llguidance.LLMatcher(self.vocabulary.llg, self.source, log_level=0)
+        if matcher.is_error():
+            raise NanoError(f"{self.name}: {_one_line(matcher.get_error())}")
+        return matcher
+
+    def __getstate__(self):
+        return {"vocabulary": self.vocabulary, "source": self.source, "name": self.name}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _compiled=None)  # compiled again when first needed
+
+    def state(self, seq: Sequence) -> MatcherState:
+        """seq's matcher, having consumed all of seq's output tokens (made, or rebuilt, as needed)."""
+        state = seq.processor_state
+        if state is None or state.matcher is None:
+            if self._compiled is None:
+                self._compiled = self._compile()
+            state = seq.processor_state = MatcherState(self._compiled.deep_copy())
+        out = seq.output_token_ids
+        if len(out) < state.consumed:  # tokens taken back: roll the matcher back too
+            if not state.matcher.rollback(state.consumed - len(out)):
+                state.matcher = None
+                return self.state(seq)
+            state.consumed, state.mask = len(out), None
+        if len(out) > state.consumed:
+            state.matcher.consume_tokens(out[state.consumed:])  # an error state shows in the mask below
+            state.consumed, state.mask = len(out), None
+        return state
+
+    def mask(self, seq: Sequence) -> np.ndarray:
+        state = self.state(seq)
+        if state.mask is None:
+            mask = np.zeros(self.vocabulary.words, np.uint32)
+            if state.matcher.is_error():  # a token the grammar refused (ignore_eos past its end, ...): end it
+                for t in self.vocabulary.eos:
+                    mask[t // 32] |= np.uint32(1 << (t % 32))
+            else:
+                state.matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+            state.mask = mask.view(np.int32)
+        return state.mask
+
+    def is_complete(self, seq: Sequence) -> bool:
+        """The grammar is satisfied by seq's output so far (it may or may not go on)."""
+        return self.state(seq).matcher.is_accepting()
