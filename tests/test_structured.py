@@ -21,6 +21,7 @@ from nano.errors import NanoError  # noqa: E402
 from nano.fleet.ranks import wire_copy  # noqa: E402
 from nano.sequence import LogitsProcessor, SamplingParams, Status  # noqa: E402
 from nano.structured import Chain, Vocabulary, compile_grammar  # noqa: E402
+from nano.telemetry.metrics import Metrics  # noqa: E402
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
           "properties": {"name": {"type": "string", "maxLength": 6},
@@ -109,8 +110,9 @@ def test_the_matcher_survives_preemption(tiny_model, vocab, preemption):
     want = [s.output_token_ids for s in roomy.generate(prompts, params)]
     tight = LLMEngine(EngineConfig(model=str(tiny_model), device="cpu", num_blocks=16, block_size=8, watermark=0.0,
                                    preemption=preemption))
+    metrics = Metrics.attach(tight)
     seqs = tight.generate(prompts, params)
-    assert tight.metrics.preemptions[preemption] > 0
+    assert metrics.preemptions[preemption] > 0
     assert [s.output_token_ids for s in seqs] == want
     for seq in seqs:
         assert follows("json", tight.detokenize(seq))
@@ -164,8 +166,8 @@ class Ban(LogitsProcessor):
 
     def edits(self, seq):
         seq.processor_state = (seq.processor_state or 0) + 1
-        return None if seq.num_output_tokens >= 3 else (np.array([2], np.int32), np.ones(1, np.float32),
-                                                         np.full(1, -np.inf, np.float32))
+        return None if seq.num_output_tokens >= 3 else (np.array([2], np.int32), np.zeros(1, np.float32),
+                                                         np.ones(1, np.float32), np.full(1, -np.inf, np.float32))
 
 
 def test_a_chain_combines_a_grammars_mask_with_anothers_edits(engine, vocab):
