@@ -233,9 +233,6 @@ def test_auto_needs_the_flags(srv, monkeypatch):
 
 
 @pytest.mark.parametrize("body, text", [
-    ({"tools": [WEATHER], "tool_choice": "required"}, "not implemented yet"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
-     "not implemented yet"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "Tool 'nope' has not been passed in `tools`."),
     ({"tool_choice": "auto"}, "When using `tool_choice`, `tools` must be set."),
@@ -270,15 +267,59 @@ def test_an_earlier_calls_shape_is_checked(srv):
 
 
 # ---- forced calls: "required" and a named function ---------------------------------------------------
+NAMED = {"type": "function", "function": {"name": "get_time"}}
+STRICT = [{"type": "function", "function": {**t["function"], "parameters": {
+    **t["function"]["parameters"], "additionalProperties": False}}} for t in (WEATHER, TIME)]  # as OpenAI's strict tools
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED])
+def test_a_forced_choice_gets_valid_calls_whole_and_streamed(srv, choice):
+    """The grammar holds the model to forced_schema: its calls name the given tools and their
+    arguments validate against the tool's parameters, in the whole message and the stream."""
+    import jsonschema
+    ask = dict(model=srv.model, messages=[{"role": "user", "content": "Weather in Paris? And the time in CET?"}],
+               tools=STRICT, tool_choice=choice, max_tokens=60, temperature=0)
+    choice_out = srv.client.chat.completions.create(**ask).choices[0]
+    calls = choice_out.message.tool_calls
+    assert calls and choice_out.finish_reason == "tool_calls" and not choice_out.message.content
+    parameters = {t["function"]["name"]: t["function"]["parameters"] for t in STRICT}
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), parameters[call.function.name])
+    if choice == NAMED:
+        assert [c.function.name for c in calls] == ["get_time"]
+    chunks = list(srv.client.chat.completions.create(**ask, stream=True))
+    heads = [t for c in chunks for t in c.choices[0].delta.tool_calls or [] if t.id]
+    arguments = "".join(t.function.arguments or "" for c in chunks for t in c.choices[0].delta.tool_calls or [])
+    assert [h.function.name for h in heads] == [c.function.name for c in calls]
+    assert arguments == "".join(c.function.arguments for c in calls)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_forced_call_cut_short_is_content(srv):
+    body = {"messages": HISTORY[:1], "tools": [WEATHER], "tool_choice": "required", "max_tokens": 3}
+    choice = post(srv, body).json()["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["tool_calls"] == []
+    assert choice["message"]["content"].startswith("[")
+
+
+def test_a_forced_choice_and_a_response_format_are_one_too_many(srv):
+    r = post(srv, {"messages": HISTORY[:1], "tools": [WEATHER], "tool_choice": "required",
+                   "response_format": {"type": "json_object"}})
+    assert_openai_error(r, 400, "set one of them")
+    assert r.json()["error"]["param"] == "tool_choice"
+
+
+
 def test_the_schema_forced_for_required_and_named():
     before = json.dumps([WEATHER, TIME])
     schema = tools.forced_schema([WEATHER, TIME], "required")
     assert schema == {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
         {"properties": {"name": {"type": "string", "enum": ["get_weather"]},
-                        "parameters": WEATHER["function"]["parameters"]}, "required": ["name", "parameters"]},
+                        "parameters": WEATHER["function"]["parameters"]}, "required": ["name", "parameters"],
+         "additionalProperties": False},
         {"properties": {"name": {"type": "string", "enum": ["get_time"]},
                         "parameters": {"type": "object", "properties": {"zone": {"$ref": "#/$defs/zone"}}}},
-         "required": ["name", "parameters"]}]},
+         "required": ["name", "parameters"], "additionalProperties": False}]},
         "$defs": {"zone": {"type": "string"}}}
     named = {"type": "function", "function": {"name": "get_weather"}}
     assert tools.forced_schema([WEATHER, TIME], named) == WEATHER["function"]["parameters"]

@@ -55,9 +55,13 @@ async def respond(server: Server, request: Request, body: Sampling, jobs: list[J
 
 
 def tool_parser(server: Server, body):
-    """The parser that reads a chat request's tool calls back (tool_parsers.py), or None: only
-    with tool_choice "auto" (which needs one: tools.check)."""
-    if tools.choice_of(body.tools, body.tool_choice) != "auto" or server.tool_parser is None:
+    """What reads a chat request's tool calls back, or None: with tool_choice "auto" the
+    server's parser (tool_parsers.py; tools.check made sure there is one), with a forced
+    choice ("required", a named function) tools.Forced."""
+    choice = tools.choice_of(body.tools, body.tool_choice)
+    if tools.forced(choice):
+        return tools.Forced(choice)
+    if choice != "auto" or server.tool_parser is None:
         return None
     return tool_parsers.parser(server.tool_parser)
 

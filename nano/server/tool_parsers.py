@@ -123,14 +123,18 @@ class Hermes:
             if self.max_calls is not None and self.calls >= self.max_calls:
                 return []
             index, self.calls = self.calls, self.calls + 1
-            head = {"index": index, "id": call["id"], "type": "function",
-                    "function": {"name": call["function"]["name"]}}
-            return [{"tool_calls": [head]},
-                    {"tool_calls": [{"index": index, "function": {"arguments": call["function"]["arguments"]}}]}]
+            return call_deltas(index, call)
 
         @property
         def called(self) -> bool:
             return self.calls > 0
+
+
+def call_deltas(index: int, call: dict) -> list[dict]:
+    """A call as a stream sends it: its id, type and name first, its arguments in the next delta."""
+    head = {"index": index, "id": call["id"], "type": "function", "function": {"name": call["function"]["name"]}}
+    return [{"tool_calls": [head]},
+            {"tool_calls": [{"index": index, "function": {"arguments": call["function"]["arguments"]}}]}]
 
 
 def _partial_suffix(text: str, tag: str) -> int:

@@ -3,14 +3,14 @@ checked, and the calls read back from what the model wrote.
 
 tool_choice "none": the tools reach the template, no call is read back. "auto" (the default
 when tools are given): needs --enable-auto-tool-choice and --tool-call-parser (tool_parsers.py),
-which reads the calls from the text. "required" and a named function need the output forced
-by a grammar: forced_schema() is the JSON schema vLLM forces for them, forced_calls() turns
-such an output into tool_calls; until the server forces output, they are a 400."""
+which reads the calls from the text. "required" and a named function: the output is forced by a
+grammar (nano/structured) into forced_schema(), the JSON schema vLLM forces for them, and read
+back by Forced, which has a parser's interface (tool_parsers.py)."""
 import copy
 import json
 
 from nano.server.schemas import BadRequest
-from nano.server.tool_parsers import tool_call
+from nano.server.tool_parsers import call_deltas, tool_call
 
 AUTO_NEEDS_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
 
@@ -23,8 +23,7 @@ def choice_of(tools: list[dict] | None, tool_choice) -> str | dict:
 
 
 def check(tools: list[dict] | None, tool_choice, parser: str | None, auto: bool) -> str | dict:
-    """The request's tool_choice (choice_of), or a 400 naming tool_choice: vLLM's checks and
-    wording, and "required" or a named function, which need forced output (not yet)."""
+    """The request's tool_choice (choice_of), or a 400 naming tool_choice: vLLM's checks and wording."""
     choice = choice_of(tools, tool_choice)
     if choice == "none":
         return choice
@@ -38,8 +37,12 @@ def check(tools: list[dict] | None, tool_choice, parser: str | None, auto: bool)
         name = named(choice)
         if name not in [t["function"]["name"] for t in tools]:
             raise BadRequest(f"Tool '{name}' has not been passed in `tools`.", param="tool_choice")
-    raise BadRequest(f"tool_choice {json.dumps(choice)}: forcing a tool call is not implemented yet (send \"auto\" "
-                     "or \"none\")", param="tool_choice")
+    return choice
+
+
+def forced(choice) -> bool:
+    """Whether a checked tool_choice forces a call: "required" or a named function."""
+    return choice == "required" or isinstance(choice, dict)
 
 
 def named(choice) -> str | None:
@@ -51,7 +54,8 @@ def forced_schema(tools: list[dict], tool_choice: str | dict) -> dict:
     """The JSON schema vLLM forces the output into for tool_choice "required" (an array, at least
     one item, of {"name", "parameters"} objects, anyOf the tools; their $defs gathered at the
     top) or a named function (that function's parameters: the arguments alone). The tools are
-    not changed."""
+    not changed. Unlike vLLM's, an item allows no other keys: read back, they would be dropped,
+    and a small model given room for them writes them on until max_tokens."""
     if isinstance(tool_choice, dict):
         name = named(tool_choice)
         tool = next(t for t in tools if t["function"]["name"] == name)
@@ -63,11 +67,12 @@ def forced_schema(tools: list[dict], tool_choice: str | dict) -> dict:
         parameters = copy.deepcopy(tool["function"].get("parameters")) or {"type": "object", "properties": {}}
         for def_name, schema in parameters.pop("$defs", {}).items():
             if defs.get(def_name, schema) != schema:
-                raise ValueError(f"Tool definition '{def_name}' has multiple schemas, which is not supported.")
+                raise BadRequest(f"Tool definition '{def_name}' has multiple schemas, which is not supported.",
+                                 param="tools")
             defs[def_name] = schema
         items.append({"properties": {"name": {"type": "string", "enum": [tool["function"]["name"]]},
                                      "parameters": parameters},
-                      "required": ["name", "parameters"]})
+                      "required": ["name", "parameters"], "additionalProperties": False})
     schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
     if defs:
         schema["$defs"] = defs
@@ -81,3 +86,43 @@ def forced_calls(text: str, tool_choice: str | dict) -> list[dict]:
     if isinstance(tool_choice, dict):
         return [tool_call(named(tool_choice), text)]
     return [tool_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in json.loads(text)]
+
+
+class Forced:
+    """The output forced_schema() forced, read back as tool_calls, with a tool-call parser's
+    interface (tool_parsers.Hermes): extract() a whole text, or a Stream that sends the calls
+    when the output ends (a JSON array is a call only once it is whole). An output cut short
+    (max_tokens) is not JSON: it comes back as content, with no call."""
+
+    def __init__(self, choice: str | dict):
+        self.choice = choice
+
+    def extract(self, text: str) -> tuple[str | None, list[dict]]:
+        try:
+            return None, forced_calls(text, self.choice)
+        except (ValueError, TypeError, KeyError):
+            return text, []
+
+    def Stream(self, max_calls: int | None = None):
+        return ForcedStream(self, max_calls)
+
+
+class ForcedStream:
+    def __init__(self, forced: Forced, max_calls: int | None):
+        self.forced, self.max_calls, self.text, self.calls = forced, max_calls, "", 0
+
+    def feed(self, text: str) -> list[dict]:
+        self.text += text
+        return []
+
+    def end(self) -> list[dict]:
+        content, calls = self.forced.extract(self.text)
+        calls = calls[:self.max_calls] if self.max_calls is not None else calls
+        self.calls = len(calls)
+        if content:
+            return [{"content": content}]
+        return [delta for i, call in enumerate(calls) for delta in call_deltas(i, call)]
+
+    @property
+    def called(self) -> bool:
+        return self.calls > 0
