@@ -323,6 +323,7 @@ def test_the_schema_forced_for_required_and_named():
         "$defs": {"zone": {"type": "string"}}}
     named = {"type": "function", "function": {"name": "get_weather"}}
     assert tools.forced_schema([WEATHER, TIME], named) == WEATHER["function"]["parameters"]
+    assert tools.forced_schema([WEATHER], "required", parallel=False)["maxItems"] == 1  # parallel_tool_calls false
     no_parameters = {"type": "function", "function": {"name": "ping"}}
     assert tools.forced_schema([no_parameters], {"type": "function", "function": {"name": "ping"}}) == {
         "type": "object", "properties": {}}

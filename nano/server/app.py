@@ -158,7 +158,8 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
         choice = tools.check(body.tools, body.tool_choice, server.tool_parser, server.auto_tools)
         top = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens or engine.max_model_len
-        processor = await server.structured(body, tools.forced_schema(body.tools, choice) if tools.forced(choice) else None)
+        processor = await server.structured(body, tools.forced_schema(body.tools, choice, body.parallel_tool_calls)
+                                                  if tools.forced(choice) else None)
         prompt = await server.tokenize_chat(body.messages, body.add_generation_prompt, body.tools)
         jobs = await server.submit(body, [prompt], stops, top, max_tokens, processor=processor)
         return await respond(server, request, body, jobs, "chat.completion", "chatcmpl")

@@ -50,12 +50,13 @@ def named(choice) -> str | None:
     return choice["function"]["name"] if isinstance(choice, dict) else None
 
 
-def forced_schema(tools: list[dict], tool_choice: str | dict) -> dict:
+def forced_schema(tools: list[dict], tool_choice: str | dict, parallel: bool = True) -> dict:
     """The JSON schema vLLM forces the output into for tool_choice "required" (an array, at least
     one item, of {"name", "parameters"} objects, anyOf the tools; their $defs gathered at the
-    top) or a named function (that function's parameters: the arguments alone). The tools are
-    not changed. Unlike vLLM's, an item allows no other keys: read back, they would be dropped,
-    and a small model given room for them writes them on until max_tokens."""
+    top; parallel False, parallel_tool_calls': at most one item) or a named function (that
+    function's parameters: the arguments alone). The tools are not changed. Unlike vLLM's, an
+    item allows no other keys: read back, they would be dropped, and a small model given room
+    for them writes them on until max_tokens."""
     if isinstance(tool_choice, dict):
         name = named(tool_choice)
         tool = next(t for t in tools if t["function"]["name"] == name)
@@ -73,7 +74,8 @@ def forced_schema(tools: list[dict], tool_choice: str | dict) -> dict:
         items.append({"properties": {"name": {"type": "string", "enum": [tool["function"]["name"]]},
                                      "parameters": parameters},
                       "required": ["name", "parameters"], "additionalProperties": False})
-    schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
+    schema = {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}),
+              "items": {"type": "object", "anyOf": items}}
     if defs:
         schema["$defs"] = defs
     return schema
