@@ -298,7 +298,7 @@ def examples(schema: dict, doc: dict) -> list:
     """Values the schema describes, the way a schema-driven fuzzer starts: an object's required
     properties only (and those its `else` requires: the generator never picks the `if` value),
     one value per alternative of each union on the way, null left out (an optional field's
-    absence), an enum's first value, a number's minimum."""
+    absence), an enum's first value, a schema's first example, a number's minimum."""
     if "$ref" in schema:
         return examples(doc["components"]["schemas"][schema["$ref"].split("/")[-1]], doc)
     if "anyOf" in schema:
@@ -306,6 +306,8 @@ def examples(schema: dict, doc: dict) -> list:
                 for v in examples(alternative, doc)]
     if "const" in schema:
         return [schema["const"]]
+    if "examples" in schema:  # the schema's own example (a string of JSON: a call's arguments)
+        return [schema["examples"][0]]
     if "enum" in schema:
         return [schema["enum"][0]]
     kind = schema.get("type")

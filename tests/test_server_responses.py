@@ -1,15 +1,19 @@
 """POST /v1/responses (OpenAI's Responses API): a string or a list of messages in, with
 instructions as a system message first; a Response object out, or OpenAI's typed events
-streamed; every field of OpenAI's request honoured or refused by name (the table below has a
-row for each field of the openai package's ResponseCreateParams, when it is installed). The
-real server on a loopback port."""
+streamed; structured output (text.format) and function tools, as the chat endpoint serves them;
+every field of OpenAI's request honoured or refused by name (the table below has a row for each
+field of the openai package's ResponseCreateParams, when it is installed). The real server on a
+loopback port, with a tool-use template and the hermes parser (as test_server_tools')."""
 import json
+from pathlib import Path
 
 import pytest
 
 from test_server import Running, httpx  # (it skips without the server's packages)
 from test_server_abuse import assert_openai_error
 
+from nano.chat import template  # noqa: E402
+from nano.server import tools  # noqa: E402
 from nano.server.fields import refused  # noqa: E402
 from nano.server.schemas import ResponsesRequest  # noqa: E402
 
@@ -20,10 +24,11 @@ try:
 except ImportError:  # the checks against openai's own types are skipped
     Response = None
 
+TEMPLATE = Path(__file__).parent / "data" / "hermes_tools.jinja"
 PATH = "/v1/responses"
 BASE = {"input": "The sky is", "max_output_tokens": 2}
 HONOURED = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "metadata",
-            "user", "safety_identifier"}
+            "user", "safety_identifier", "text", "tools", "tool_choice", "parallel_tool_calls"}
 # A value for each field that asks for something (a refused field: not null nor one of its "off" values).
 VALUES = {
     "model": "MODEL", "input": [{"role": "user", "content": "Hi"}], "instructions": "Be brief.", "max_output_tokens": 3,
@@ -38,16 +43,15 @@ VALUES = {
     "prompt_cache_retention": "24h", "prompt_cache_options": {"mode": "explicit"}, "access_programs": {"cyber": "standard"},
     "image": {"context_compression": "auto"}, "moderation": {"model": "omni-moderation-latest"},
 }
-COMPANIONS = {"stream_options": {"stream": True}}
-# Values refused within an honoured-looking field (a format other than text, a tool choice with no tools ...).
-ALSO_REFUSED = [("text", {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}),
-                ("text", {"format": {"type": "text"}, "verbosity": "low"}), ("tool_choice", {"type": "function", "name": "f"}),
-                ("tools", [{"type": "web_search"}])]
+COMPANIONS = {"stream_options": {"stream": True}, "tool_choice": {"tools": VALUES["tools"]}}
+# Values refused within an honoured field.
+ALSO_REFUSED = [("text", {"format": {"type": "text"}, "verbosity": "low"}, "text.verbosity")]
 
 
 @pytest.fixture(scope="module")
 def srv():
-    running = Running(max_queued=16)
+    running = Running(max_queued=16, app={"chat_template": template.load(str(TEMPLATE)), "tool_parser": "hermes",
+                                          "auto_tools": True})
     yield running
     running.stop()
 
@@ -182,10 +186,10 @@ def test_every_field_is_honoured_or_refused_by_name(srv):
         else:
             assert_openai_error(r, 400, "nano does not implement this field")
             assert r.json()["error"]["param"] == name, r.text
-    for name, value in ALSO_REFUSED:
+    for name, value, param in ALSO_REFUSED:
         r = post(srv, {**BASE, name: value})
         assert_openai_error(r, 400, "nano does not implement this field")
-        assert r.json()["error"]["param"] == name, r.text
+        assert r.json()["error"]["param"] == param, r.text
 
 
 def test_a_refused_field_set_off_is_taken(srv):
@@ -199,8 +203,19 @@ def test_a_refused_field_set_off_is_taken(srv):
 
 
 @pytest.mark.parametrize("body, param, text", [
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "4"}]}, "input", "'function_call_output'"),
-    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]}, "input", "'function_call'"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input", "'reasoning'"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]}, "input",
+     "'arguments' must be a JSON string"),
+    ({"input": [{"type": "function_call_output", "output": "4"}]}, "input", "'call_id' is required"),
+    ({"tools": [{"type": "web_search"}]}, "tools", "'web_search': nano calls function tools only"),
+    ({"tools": [{"type": "function", "name": "f", "colour": 1}]}, "tools", "'colour' is an unknown field"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "string"}}]}, "tools", "JSON schema of an"),
+    ({"tool_choice": {"type": "file_search"}}, "tool_choice", "function tools only"),
+    ({"tool_choice": "required"}, "tool_choice", "`tools` must be set"),
+    ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text.format", "needs its name"),
+    ({"text": {"format": {"type": "json_object", "schema": {}}}}, "text.format", "'schema' goes with type json_schema"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object", "minProperties": "two"}}}},
+     "text.format", "text.format"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input",
      "'input_image'"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input", "'input_file'"),
@@ -258,3 +273,148 @@ def test_a_client_that_leaves_mid_stream_leaves_nothing_behind(srv):
             if deltas >= 3:
                 break  # closing the response drops the connection
     assert deltas == 3 and srv.idle(timeout=5), srv.engine.scheduler.running
+
+
+# ---- structured output: text.format ------------------------------------------------------------------
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                        "population": {"type": "integer"}},
+        "required": ["city", "population"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_json_schema_format_answers_json_valid_against_it(srv, stream):
+    import jsonschema
+    fmt = {"type": "json_schema", "name": "city", "schema": CITY, "strict": True}
+    r = post(srv, {"input": "Name a large city and its population.", "text": {"format": fmt}, "max_output_tokens": 60,
+                   "temperature": 0, "stream": stream})
+    assert r.status_code == 200, r.text
+    if stream:
+        events = events_of(r)
+        body = events[-1]["response"]
+        assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == \
+            body["output"][0]["content"][0]["text"]
+    else:
+        body = r.json()
+    assert body["status"] == "completed" and body["text"] == {"format": fmt}
+    jsonschema.validate(json.loads(body["output"][0]["content"][0]["text"]), CITY)
+    parsed(body)
+
+
+def test_a_json_object_format_answers_json(srv):
+    r = post(srv, {"input": "Describe Paris as JSON.", "text": {"format": {"type": "json_object"}},
+                   "max_output_tokens": 40, "temperature": 0})
+    body = r.json()
+    if body["status"] == "completed":
+        assert isinstance(json.loads(body["output"][0]["content"][0]["text"]), (dict, list))
+    assert body["text"] == {"format": {"type": "json_object"}}
+
+
+def test_the_openai_clients_parse_reads_the_output_into_the_model(srv):
+    if Response is None:
+        pytest.skip("the openai package is not installed")
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        city: str
+        population: int
+    out = srv.client.responses.parse(model=srv.model, input="Name a large city and its population.", text_format=City,
+                                     max_output_tokens=60, temperature=0)
+    assert isinstance(out.output_parsed, City) and out.output_parsed.city
+
+
+# ---- function tools ----------------------------------------------------------------------------------
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city now.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                          "additionalProperties": False}, "strict": True}
+TIME = {"type": "function", "name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string"}}, "additionalProperties": False}, "strict": True}
+ASK = "Weather in Paris? And the time in CET?"
+
+
+def calls_in(output: list[dict]) -> list[dict]:
+    calls = [item for item in output if item["type"] == "function_call"]
+    for c in calls:
+        assert c["id"].startswith("fc_") and c["call_id"].startswith("call_") and c["status"] == "completed"
+    return calls
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "get_time"}])
+def test_a_forced_choice_gives_function_calls_whole_and_streamed(srv, choice):
+    import jsonschema
+    body = {"input": ASK, "tools": [WEATHER, TIME], "tool_choice": choice, "max_output_tokens": 60, "temperature": 0}
+    whole = post(srv, body).json()
+    calls = calls_in(whole["output"])
+    assert calls and whole["output"] == calls and whole["status"] == "completed"  # no message: no text
+    parameters = {t["name"]: t["parameters"] for t in (WEATHER, TIME)}
+    for call in calls:
+        jsonschema.validate(json.loads(call["arguments"]), parameters[call["name"]])
+    if isinstance(choice, dict):
+        assert [c["name"] for c in calls] == ["get_time"]
+    assert whole["tools"] == [WEATHER, {**TIME, "description": None}] and whole["tool_choice"] == choice
+    events = events_of(post(srv, {**body, "stream": True}))
+    per_call = ["response.output_item.added", "response.function_call_arguments.delta",
+                "response.function_call_arguments.done", "response.output_item.done"]
+    assert [e["type"] for e in events] == ["response.created", "response.in_progress", *per_call * len(calls),
+                                           "response.completed"]
+    final = events[-1]["response"]["output"]
+    assert [(c["name"], c["arguments"]) for c in calls_in(final)] == [(c["name"], c["arguments"]) for c in calls]
+    added = [e["item"] for e in events if e["type"] == "response.output_item.added"]
+    assert [a["arguments"] for a in added] == [""] * len(calls) and [a["id"] for a in added] == [c["id"] for c in final]
+    done = [e for e in events if e["type"] == "response.function_call_arguments.done"]
+    assert [d["arguments"] for d in done] == [c["arguments"] for c in calls]
+    if Response is not None:
+        for event in events:
+            TypeAdapter(ResponseStreamEvent).validate_python(event)
+        parsed(whole)
+
+
+def test_a_call_the_model_writes_is_read_back_after_its_text(srv, monkeypatch):
+    from test_server_tools import ONE, fake_output
+    fake_output(srv, monkeypatch, ["Let me check.\n<tool", "_call>\n{\"name\": \"get_weather\", ",
+                                   "\"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"])
+    body = {"input": "Weather in Paris?", "tools": [WEATHER]}  # tool_choice "auto": the server's parser
+    whole = post(srv, body).json()
+    message, call = whole["output"]
+    assert message["content"][0]["text"] == "Let me check.\n"
+    assert (call["name"], json.loads(call["arguments"])) == ("get_weather", {"city": "Paris"})
+    events = events_of(post(srv, {**body, "stream": True}))
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert [i["type"] for i in events[-1]["response"]["output"]] == ["message", "function_call"]
+    # tool_choice "none": the text as written; parallel_tool_calls false: the first call only
+    fake_output(srv, monkeypatch, [ONE + ONE])
+    assert post(srv, {**body, "tool_choice": "none"}).json()["output"][0]["content"][0]["text"] == ONE + ONE
+    assert len(calls_in(post(srv, body).json()["output"])) == 2
+    assert len(calls_in(post(srv, {**body, "parallel_tool_calls": False}).json()["output"])) == 1
+    events = events_of(post(srv, {**body, "parallel_tool_calls": False, "stream": True}))
+    assert len(calls_in(events[-1]["response"]["output"])) == 1
+
+
+def test_auto_needs_the_flags(srv, monkeypatch):
+    monkeypatch.setattr(srv.app.state.server, "auto_tools", False)
+    for extra in ({}, {"tool_choice": "auto"}):  # with tools, "auto" is the default
+        r = post(srv, {**BASE, "tools": [WEATHER], **extra})
+        assert_openai_error(r, 400, tools.AUTO_NEEDS_FLAGS)
+        assert r.json()["error"]["param"] == "tool_choice"
+    assert post(srv, {**BASE, "tools": [WEATHER], "tool_choice": "none"}).status_code == 200
+    assert post(srv, {**BASE, "tool_choice": "auto"}).status_code == 200  # OpenAI's default, with no tools: nothing
+
+
+def test_function_call_items_and_their_outputs_reach_the_template(srv):
+    """An agent's next turn: the call an earlier response made and what it returned, as chat's
+    assistant tool_calls and tool message (the prompt: the same tokens as /tokenize's)."""
+    from test_server_tools import HISTORY
+    items = [{"role": "user", "content": "Weather in Paris?"},
+             {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
+              "arguments": '{"city":"Paris"}', "status": "completed"},
+             {"type": "function_call_output", "call_id": "call_1", "output": "18 C, sunny"}]
+    r = post(srv, {"input": items, "tools": [WEATHER], "tool_choice": "none", "max_output_tokens": 1})
+    assert r.status_code == 200, r.text
+    nested = [{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}]
+    tokenized = httpx.post(srv.url + "/tokenize", json={"messages": HISTORY, "tools": nested}).json()
+    assert r.json()["usage"]["input_tokens"] == tokenized["count"]
+    text = httpx.post(srv.url + "/detokenize", json={"tokens": tokenized["tokens"]}).json()["prompt"]
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in text and "18 C, sunny" in text

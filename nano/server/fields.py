@@ -117,8 +117,8 @@ class RefusedMessage(BaseModel):
 
 class RefusedResponses(BaseModel):
     """POST /v1/responses' (OpenAI's Responses API): nano keeps no responses (store, background,
-    previous_response_id, conversation), calls no tools and writes plain text only (text.format
-    "text": structured output is not implemented)."""
+    previous_response_id, conversation), reasons not apart, and calls function tools only (the
+    tools field takes no others)."""
     store: off(bool, False) = None  # OpenAI's default is true: nano stores nothing
     background: off(bool, False) = None
     background_options: off(JSON) = None
@@ -126,10 +126,6 @@ class RefusedResponses(BaseModel):
     conversation: off(str | JSON) = None
     context_management: off(list[JSON], []) = None
     prompt: off(JSON) = None  # a stored prompt template's id
-    text: off(JSON, {}, {"format": {"type": "text"}}) = None
-    tools: off(list[JSON], []) = None
-    tool_choice: off(str | JSON, "none", "auto") = None
-    parallel_tool_calls: off(bool, True) = None
     max_tool_calls: off(int) = None
     reasoning: off(JSON, {}) = None
     include: off(list[str], []) = None
@@ -143,3 +139,8 @@ class RefusedResponses(BaseModel):
     access_programs: off(JSON) = None
     image: off(JSON) = None
     moderation: off(JSON) = None
+
+
+class RefusedText(BaseModel):
+    """The Responses API's text, beside its format."""
+    verbosity: off(str, "medium") = None

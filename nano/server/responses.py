@@ -17,7 +17,7 @@ from nano.server.serving import Server
 async def respond(server: Server, request: Request, body: Sampling, jobs: list[Job], kind: str, prefix: str):
     rid, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "object": kind, "created": created, "model": server.model_name}
-    parser = tool_parser(server, body) if kind == "chat.completion" else None
+    parser = tool_parser(server, body.tools, body.tool_choice) if kind == "chat.completion" else None
     if body.stream:
         options = body.stream_options or StreamOptions()
         return EventSourceResponse(stream(server, request, jobs, body.n, head, kind, options, parser,
@@ -54,11 +54,11 @@ async def respond(server: Server, request: Request, body: Sampling, jobs: list[J
     return {**head, "choices": choices, "usage": usage_of(jobs, body.n, counts)}
 
 
-def tool_parser(server: Server, body):
-    """What reads a chat request's tool calls back, or None: with tool_choice "auto" the
-    server's parser (tool_parsers.py; tools.check made sure there is one), with a forced
-    choice ("required", a named function) tools.Forced."""
-    choice = tools.choice_of(body.tools, body.tool_choice)
+def tool_parser(server: Server, given: list[dict] | None, tool_choice):
+    """What reads a request's tool calls back (its tools and tool_choice in chat's shapes), or
+    None: with tool_choice "auto" the server's parser (tool_parsers.py; tools.check made sure
+    there is one), with a forced choice ("required", a named function) tools.Forced."""
+    choice = tools.choice_of(given, tool_choice)
     if tools.forced(choice):
         return tools.Forced(choice)
     if choice != "auto" or server.tool_parser is None:

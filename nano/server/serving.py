@@ -58,25 +58,28 @@ class Server:
         if any(not 0 <= t < vocab for t in ids):
             raise BadRequest(f"{name}: token ids must be in [0, {vocab})")
 
-    async def structured(self, body: Sampling, tool_schema: dict | None = None) -> LogitsProcessor | None:
+    async def structured(self, body: Sampling, tool_schema: dict | None = None,
+                         format_param: str = "response_format") -> LogitsProcessor | None:
         """The request's grammar (response_format, vLLM's structured_outputs, or the schema a
         forced tool_choice needs: tools.forced_schema), compiled by llguidance on a worker
         thread (a large schema takes a while: the engine thread and the event loop go on
         meanwhile); None if it asks for none. A grammar that does not compile is a 400 naming
-        the field."""
+        the field (response_format: as format_param names it, the Responses API's text.format)."""
         fmt, outputs = body.response_format, body.structured_outputs
         if fmt is not None and fmt.type == "text":
             fmt = None
         if fmt is None and outputs is None and tool_schema is None:
             return None
-        if (fmt is not None) + (outputs is not None) + (tool_schema is not None) > 1:
-            raise BadRequest("response_format, structured_outputs and a forced tool_choice: set one of them",
+        asked = [name for name, value in ((format_param, fmt), ("structured_outputs", outputs),
+                                          ("a forced tool_choice", tool_schema)) if value is not None]
+        if len(asked) > 1:
+            raise BadRequest(f"{' and '.join(asked)}: set one of them",
                              param="tool_choice" if tool_schema is not None else "structured_outputs")
         if tool_schema is not None:
             kind, value, strict, name = "json", tool_schema, True, "tool_choice"
             param = name
         elif fmt is not None:
-            param, name = "response_format", "response_format"
+            param = name = format_param
             spec = fmt.json_schema
             kind, value, strict = (("json", spec.schema_, spec.strict is not False) if spec else ("json_object", None, True))
         else:
