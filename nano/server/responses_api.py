@@ -31,7 +31,7 @@ async def create(server: Server, request: Request, body: ResponsesRequest):
         raise BadRequest("this model has no chat template: use /v1/completions")
     given = body.chat_tools()
     choice = tools.check(given, body.chat_tool_choice(), server.tool_parser, server.auto_tools)
-    forced = tools.forced_schema(given, choice) if tools.forced(choice) else None
+    forced = tools.forced_schema(given, choice, body.parallel_tool_calls) if tools.forced(choice) else None
     processor = await server.structured(sampling, forced, "text.format")
     prompt = await server.tokenize_chat(body.messages(), True, given)
     jobs = await server.submit(sampling, [prompt], stops, None, body.max_output_tokens or server.engine.max_model_len,
