@@ -118,6 +118,21 @@ def test_the_matcher_survives_preemption(tiny_model, vocab, preemption):
         assert follows("json", tight.detokenize(seq))
 
 
+def test_chunked_prefill_and_prefix_hits_change_nothing(tiny_model, vocab):
+    """Prompts prefilled in chunks of 16 tokens, then the same prompts again, served from the
+    prefix cache: the constrained outputs are those of one unchunked, uncached engine."""
+    grammar = compile_grammar(vocab, "json", PERSON)
+    prompts = [list(range(3 + i, 60 + i)) for i in range(3)]
+    params = [constrained(grammar, seed) for seed in range(3)]
+    plain = LLMEngine(EngineConfig(model=str(tiny_model), device="cpu", enable_prefix_caching=False))
+    want = [s.output_token_ids for s in plain.generate(prompts, params)]
+    chunked = LLMEngine(EngineConfig(model=str(tiny_model), device="cpu", max_num_batched_tokens=16, block_size=8))
+    assert [s.output_token_ids for s in chunked.generate(prompts, params)] == want
+    again = chunked.generate(prompts, params)
+    assert all(s.num_cached_tokens > 0 for s in again)
+    assert [s.output_token_ids for s in again] == want
+
+
 def test_a_pickled_sequence_goes_on_where_it_was(engine, grammars):
     """Disaggregated serving's handoff: a copy of a sequence mid-output, pickled (the native
     matcher dropped) and queued again, finishes as the original would have."""
