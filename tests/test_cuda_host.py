@@ -609,7 +609,7 @@ def sanitizer_env() -> dict:
 # One case of each kernel family and launch shape, small enough for ASan's slowdown.
 SANITIZED = ("emulator and (embedding or rms_norm or gated_mul or rope or swap or greedy"
              " or (sample_matches and 1000 and 0.6) or (paged_attention and 9-3-64)"
-             " or (prefill_attention and 12-4-128) or int8_underflowing_tile)")
+             " or (prefill_attention and 12-4-128) or int8_underflowing_tile or (edit_and_mask and 1001))")
 
 
 def test_kernels_under_address_and_undefined_behaviour_sanitizers():

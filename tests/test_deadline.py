@@ -43,11 +43,18 @@ def test_deadline_policy_meets_what_fcfs_misses(tiny_model, policy, met):
         assert all(s.ttft > 0.25 for s in seqs[1:])
 
 
+# The matrix's pool: 4,096 blocks of 16 tokens, more than its 40 requests of at most ~600
+# tokens can fill, so KV never binds, as with the memory default's 262,144 blocks for the
+# tiny model, whose Block objects would take half the matrix's time to build, engine by engine.
+MATRIX_BLOCKS = 4096
+
+
 @pytest.fixture(scope="module")
 def policy_matrix(tiny_model):
     """nano/slo_matrix.py's matrix (run.py --bench --policy-compare) on the simulated clock:
     40 requests per run, 3 seeds, every workload and load."""
-    return slo_matrix.run_matrix(lambda policy: simulated_engine(tiny_model, policy=policy), 512, 40, (0, 1, 2))
+    return slo_matrix.run_matrix(lambda policy: simulated_engine(tiny_model, policy=policy, num_blocks=MATRIX_BLOCKS),
+                                 512, 40, (0, 1, 2))
 
 
 def goodputs(results, name, load, policy) -> list[float]:
@@ -93,7 +100,7 @@ def test_deadline_goodput_is_1_3x_fcfs_where_urgency_differs(policy_matrix, name
 def cpu_shaped_matrix(tiny_model):
     """The uniform- and loose-target rows with the CPU's step shape (simulated.CPU_STEP),
     24 requests, 3 seeds."""
-    config = EngineConfig(model=str(tiny_model), device="cpu")
+    config = EngineConfig(model=str(tiny_model), device="cpu", num_blocks=MATRIX_BLOCKS)
     return slo_matrix.run_matrix(
         lambda policy: simulated.simulated_engine(config, simulated.CPU_STEP, policy=policy_factory(policy)),
         512, 24, (0, 1, 2), workloads=("uniform", "loose"))
