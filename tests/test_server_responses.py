@@ -5,14 +5,13 @@ every field of OpenAI's request honoured or refused by name (the table below has
 field of the openai package's ResponseCreateParams, when it is installed). The real server on a
 loopback port, with a tool-use template and the hermes parser (as test_server_tools')."""
 import json
-from pathlib import Path
 
 import pytest
 
-from test_server import Running, httpx  # (it skips without the server's packages)
+from test_server import httpx  # (it skips without the server's packages)
 from test_server_abuse import assert_openai_error
+from test_server_tools import srv  # noqa: F401 (the fixture: a server with a tools template, the hermes parser)
 
-from nano.chat import template  # noqa: E402
 from nano.server import tools  # noqa: E402
 from nano.server.fields import refused  # noqa: E402
 from nano.server.schemas import ResponsesRequest  # noqa: E402
@@ -24,7 +23,6 @@ try:
 except ImportError:  # the checks against openai's own types are skipped
     Response = None
 
-TEMPLATE = Path(__file__).parent / "data" / "hermes_tools.jinja"
 PATH = "/v1/responses"
 BASE = {"input": "The sky is", "max_output_tokens": 2}
 HONOURED = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "metadata",
@@ -46,14 +44,6 @@ VALUES = {
 COMPANIONS = {"stream_options": {"stream": True}, "tool_choice": {"tools": VALUES["tools"]}}
 # Values refused within an honoured field.
 ALSO_REFUSED = [("text", {"format": {"type": "text"}, "verbosity": "low"}, "text.verbosity")]
-
-
-@pytest.fixture(scope="module")
-def srv():
-    running = Running(max_queued=16, app={"chat_template": template.load(str(TEMPLATE)), "tool_parser": "hermes",
-                                          "auto_tools": True})
-    yield running
-    running.stop()
 
 
 def post(srv, body: dict) -> httpx.Response:

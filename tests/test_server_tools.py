@@ -37,8 +37,8 @@ TWO = ONE + '\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n
 
 @pytest.fixture(scope="module")
 def srv():
-    running = Running(max_queued=8, app={"chat_template": template.load(str(TEMPLATE)), "tool_parser": "hermes",
-                                         "auto_tools": True})
+    running = Running(max_queued=16, app={"chat_template": template.load(str(TEMPLATE)), "tool_parser": "hermes",
+                                          "auto_tools": True})
     yield running
     running.stop()
 
