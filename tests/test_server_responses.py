@@ -14,7 +14,7 @@ from test_server_tools import srv  # noqa: F401 (the fixture: a server with a to
 
 from nano.server import tools  # noqa: E402
 from nano.server.fields import refused  # noqa: E402
-from nano.server.schemas import ResponsesRequest  # noqa: E402
+from nano.server.responses_schemas import ResponsesRequest  # noqa: E402
 
 try:
     from openai.types.responses import Response, ResponseStreamEvent

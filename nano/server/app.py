@@ -40,8 +40,9 @@ from nano.server.limits import SHUTDOWN_TIMEOUT, Limits
 from nano.server.middleware import AccessLog, BodyLimit, HostCheck, log_config
 from nano.server.responses import respond
 from nano.server.responses_api import create as create_response
-from nano.server.schemas import (BadRequest, ChatRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest,
-                                 TokenizeRequest, error_response, errors)
+from nano.server.responses_schemas import ResponsesRequest
+from nano.server.schemas import (BadRequest, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                 error_response, errors)
 from nano.server.serving import Server
 
 # What /openapi.json says the routes answer beyond JSON: a generation, with "stream": true,

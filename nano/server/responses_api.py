@@ -20,7 +20,8 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 from nano.server import tools
 from nano.server.engine_thread import Job
 from nano.server.responses import collect, tool_parser, usage_of
-from nano.server.schemas import BadRequest, ResponsesRequest, error_response
+from nano.server.responses_schemas import ResponsesRequest
+from nano.server.schemas import BadRequest, error_response
 from nano.server.serving import Server
 
 
