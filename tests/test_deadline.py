@@ -12,7 +12,7 @@ from nano.deadline.cli import policy_factory
 from nano.engine import LLMEngine
 from nano.sequence import SamplingParams
 from nano.telemetry.export import MetricsWriter
-from nano.telemetry.metrics import metrics_of
+from nano.telemetry.metrics import met_slo, metrics_of, ttft_of
 from nano.telemetry.prometheus import EngineExport
 
 text_string_to_metric_families = pytest.importorskip("prometheus_client.parser").text_string_to_metric_families
@@ -37,10 +37,10 @@ def test_deadline_policy_meets_what_fcfs_misses(tiny_model, policy, met):
     engine = simulated_engine(tiny_model, policy=policy, max_num_batched_tokens=64)
     work = mixed_workload()
     seqs = engine.generate([p for p, _ in work], [sp for _, sp in work])
-    assert sum(s.met_slo() for s in seqs) == met
-    assert seqs[0].met_slo()  # the long request makes its loose target under both policies
+    assert sum(met_slo(s) for s in seqs) == met
+    assert met_slo(seqs[0])  # the long request makes its loose target under both policies
     if policy == "fcfs":      # it held the whole budget for 7 steps: every short one was late
-        assert all(s.ttft > 0.25 for s in seqs[1:])
+        assert all(ttft_of(s) > 0.25 for s in seqs[1:])
 
 
 # The matrix's pool: 4,096 blocks of 16 tokens, more than its 40 requests of at most ~600
@@ -139,7 +139,7 @@ def test_drop_late_rejects_what_cannot_make_it(tiny_model):
     seqs = engine.generate([[5] * 30, [6] * 30], [hopeless, fine])
     assert seqs[0].finish_reason == "rejected" and seqs[0].error.startswith("late: cannot meet its time-to-first-token")
     assert metrics_of(engine).rejected_late == 1 and metrics_of(engine).served_late == 0
-    assert seqs[1].finish_reason == "length" and seqs[1].met_slo()
+    assert seqs[1].finish_reason == "length" and met_slo(seqs[1])
 
 
 def test_snapshot_counts_add_up(tiny_model, tmp_path):

@@ -9,7 +9,7 @@ from nano.config import EngineConfig
 from nano.engine import LLMEngine
 from nano.sequence import SamplingParams
 from nano.telemetry.export import MetricsWriter, gauges, snapshot
-from nano.telemetry.metrics import Metrics, metrics_of, reset_metrics
+from nano.telemetry.metrics import Metrics, metrics_of, reset_metrics, ttft_of
 
 text_string_to_metric_families = pytest.importorskip(  # the export's requirement
     "prometheus_client.parser").text_string_to_metric_families
@@ -85,7 +85,7 @@ def test_vllms_series_count_what_the_engine_served(tiny_model, tmp_path):
     assert value("vllm:request_prompt_tokens_sum") == 15 and value("vllm:request_generation_tokens_sum") == 11
     assert value("vllm:e2e_request_latency_seconds_sum") == pytest.approx(
         sum(s.token_times[-1] - s.arrival_time for s in seqs))
-    assert value("vllm:time_to_first_token_seconds_sum") == pytest.approx(sum(s.ttft for s in seqs))
+    assert value("vllm:time_to_first_token_seconds_sum") == pytest.approx(sum(ttft_of(s) for s in seqs))
     assert value("vllm:request_queue_time_seconds_sum") + value("vllm:request_inference_time_seconds_sum") == \
         pytest.approx(value("vllm:e2e_request_latency_seconds_sum"))
     assert value("vllm:request_prefill_time_seconds_sum") + value("vllm:request_decode_time_seconds_sum") == \

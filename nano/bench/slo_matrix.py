@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from nano.sequence import SamplingParams
+from nano.telemetry.metrics import met_slo, tpot_of, ttft_of
 from nano.telemetry.summary import percentile
 
 WORKLOADS = ("uniform", "loose", "mixed", "bursts")
@@ -112,17 +113,17 @@ def serve(engine, requests: list[Request]) -> Outcome:
     while engine.has_unfinished():
         engine.step()
     wall = engine.clock.now() - start
-    out = Outcome(sum(s.met_slo() for s in seqs), len(seqs), wall)
+    out = Outcome(sum(met_slo(s) for s in seqs), len(seqs), wall)
     for r, s in zip(requests, seqs):
         met, total = out.met_by_kind.get(r.kind, (0, 0))
-        out.met_by_kind[r.kind] = (met + s.met_slo(), total + 1)
+        out.met_by_kind[r.kind] = (met + met_slo(s), total + 1)
         if s.finish_reason == "rejected":
             out.dropped += 1
             continue
-        out.late += not s.met_slo()
-        out.ttft.setdefault(r.kind, []).append(s.ttft)
-        if s.tpot is not None:
-            out.tpot.setdefault(r.kind, []).append(s.tpot)
+        out.late += not met_slo(s)
+        out.ttft.setdefault(r.kind, []).append(ttft_of(s))
+        if tpot_of(s) is not None:
+            out.tpot.setdefault(r.kind, []).append(tpot_of(s))
     return out
 
 

@@ -5,7 +5,7 @@ pool's signals for Prometheus (PoolExport)."""
 import numpy as np
 from prometheus_client import Counter, Gauge
 
-from nano.telemetry.metrics import Metrics
+from nano.telemetry.metrics import Metrics, ttft_of
 from nano.telemetry.prometheus import Export
 from nano.telemetry.summary import percentile, summarize
 
@@ -39,7 +39,7 @@ def summary(router, wall: float) -> dict:
     s["handoffs"] = len(transfers)
     for key in ("bytes", "pack_s", "receive_s", "handoff_s"):
         s[f"kv_{key}_mean"] = float(np.mean([t[key] for t in transfers])) if transfers else 0.0
-    ttft = [q.ttft for q in router.results.values() if q.ttft is not None]
+    ttft = [ttft_of(q) for q in router.results.values() if ttft_of(q) is not None]
     s["kv_transfer_fraction_of_ttft"] = ((s["kv_pack_s_mean"] + s["kv_receive_s_mean"]) / np.mean(ttft)
                                          if transfers and ttft else 0.0)
     for name, ranks in (("prefill", router.prefill), ("decode", router.decode)):

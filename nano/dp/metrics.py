@@ -4,7 +4,7 @@ per replica under an `engine` label (as vLLM labels its engines)."""
 import numpy as np
 from prometheus_client import Counter, Gauge
 
-from nano.telemetry.metrics import Metrics
+from nano.telemetry.metrics import Metrics, ttft_of
 from nano.telemetry.prometheus import LABELS, Export
 from nano.telemetry.summary import percentile, summarize
 
@@ -40,7 +40,7 @@ def summary(router, wall: float) -> dict:
             "requests": len(mine), "prefill_tokens": prefill_tokens(report),
             "prefix_cache_hit_rate": report.summary["prefix_cache_hit_rate"],
             "expected_hit_blocks": router.expected_hits[r],
-            "ttft_p50_ms": 1e3 * percentile([q.ttft for q in mine if q.ttft is not None], 50),
+            "ttft_p50_ms": 1e3 * percentile([ttft_of(q) for q in mine if ttft_of(q) is not None], 50),
             "busy": report.summary["steps"] * report.summary["mean_step_ms"] / 1e3 / wall if wall else 0.0,
             "queue_tokens_mean": float(samples[:, 0].mean()), "kv_occupancy_mean": float(samples[:, 1].mean()),
             "kv_occupancy_peak": float(samples[:, 1].max()),

@@ -86,17 +86,38 @@ class Metrics:
             self.rejected += 1
             self.rejected_late += bool(seq.error and seq.error.startswith(LATE))
             return
-        self.served_late += not seq.met_slo()
+        self.served_late += not met_slo(seq)
         self.prompt_tokens += seq.num_prompt_tokens
         self.generated_tokens += seq.num_output_tokens
-        self.slo_met += seq.met_slo()
-        if seq.ttft is not None:
-            self.ttft.append(seq.ttft)
-        if seq.tpot is not None:
-            self.tpot.append(seq.tpot)
+        self.slo_met += met_slo(seq)
+        if ttft_of(seq) is not None:
+            self.ttft.append(ttft_of(seq))
+        if tpot_of(seq) is not None:
+            self.tpot.append(tpot_of(seq))
 
     def on_abort(self, seq: Sequence) -> None:
         self.aborted += 1
+
+
+def ttft_of(seq: Sequence) -> float | None:
+    """Seconds from arrival to the first token (None before it)."""
+    return None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time
+
+
+def tpot_of(seq: Sequence) -> float | None:
+    """Seconds per output token after the first (None before the second)."""
+    if seq.num_output_tokens < 2:
+        return None
+    return (seq.token_times[-1] - seq.first_token_time) / (seq.num_output_tokens - 1)
+
+
+def met_slo(seq: Sequence) -> bool:
+    """Finished within both of its latency targets (a target not set is met)."""
+    p = seq.params
+    if seq.finish_reason == "rejected" or ttft_of(seq) is None:
+        return False
+    return ((p.ttft_slo is None or ttft_of(seq) <= p.ttft_slo)
+            and (p.tpot_slo is None or tpot_of(seq) is None or tpot_of(seq) <= p.tpot_slo))
 
 
 def metrics_of(engine) -> Metrics:

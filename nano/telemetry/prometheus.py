@@ -13,7 +13,7 @@ GET /metrics renders the registry without waiting for one; --metrics-prom with e
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, write_to_textfile
 
 from nano.telemetry.export import writing
-from nano.telemetry.metrics import metrics_of
+from nano.telemetry.metrics import metrics_of, tpot_of, ttft_of
 
 # vLLM's buckets, in seconds.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -141,11 +141,11 @@ class EngineExport(Export):
         if not seq.token_times:
             return  # a prompt scored only (max_tokens 0): no token, so no latencies to observe
         first, last = seq.first_token_time, seq.token_times[-1]
-        self.ttft.observe(seq.ttft)
+        self.ttft.observe(ttft_of(seq))
         for before, after in zip(seq.token_times, seq.token_times[1:]):
             self.itl.observe(after - before)
             self.tpot.observe(after - before)
-        self.request_tpot.observe(seq.tpot or 0.0)  # as vLLM: 0 for a request of one token
+        self.request_tpot.observe(tpot_of(seq) or 0.0)  # as vLLM: 0 for a request of one token
         self.e2e.observe(last - seq.arrival_time)
         self.queue.observe(seq.scheduled_time - seq.arrival_time)
         self.inference.observe(last - seq.scheduled_time)

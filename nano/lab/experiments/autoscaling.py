@@ -12,7 +12,7 @@ from nano.bench.workload import random_requests
 from nano.lab.experiment import Experiment, Size, serve
 from nano.lab.timing import clocked_engine
 from nano.telemetry.export import queue_state
-from nano.telemetry.metrics import metrics_of
+from nano.telemetry.metrics import metrics_of, ttft_of
 from nano.telemetry.summary import percentile
 
 RAMP = (0.25, 2.0)                  # offered rate at the start and the end, x capacity
@@ -73,7 +73,7 @@ def run(size: Size) -> list[dict]:
     steps = np.array([(a - start, b - start) for a, b, _, _ in metrics_of(eng).step_log])
     samples = np.array(samples)
     first = np.array([q.first_token_time - start for q in seqs])
-    ttft = np.array([q.ttft for q in seqs])
+    ttft = np.array([ttft_of(q) for q in seqs])
     rows = []
     for lo, hi in zip(edges[:-1], edges[1:]):
         inside = (samples[:, 0] >= lo) & (samples[:, 0] < hi)

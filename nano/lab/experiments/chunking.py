@@ -7,6 +7,7 @@ import numpy as np
 
 from nano.lab.experiment import Experiment, Size, engine, serve
 from nano.sequence import SamplingParams
+from nano.telemetry.metrics import ttft_of
 
 DECODERS = 4
 
@@ -34,7 +35,7 @@ def run(size: Size) -> list[dict]:
         prefilling = [(q.arrival_time, q.first_token_time) for q in seqs[DECODERS:]]
         gaps = [b - a for q in seqs[:DECODERS] for a, b in zip(q.token_times, q.token_times[1:])
                 if any(a < end and b > start for start, end in prefilling)]
-        ttft = [q.ttft for q in seqs[DECODERS:]]
+        ttft = [ttft_of(q) for q in seqs[DECODERS:]]
         rows.append({"budget": budget, "long_prompt": s["long"], "decode_gaps": len(gaps),
                      "tpot_p50_ms": round(1e3 * float(np.percentile(gaps, 50)), 2) if gaps else None,
                      "tpot_p99_ms": round(1e3 * float(np.percentile(gaps, 99)), 2) if gaps else None,

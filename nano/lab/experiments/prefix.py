@@ -10,7 +10,7 @@ import numpy as np
 from nano.config import EngineConfig
 from nano.lab.experiment import Experiment, Size, engine, serve
 from nano.sequence import SamplingParams
-from nano.telemetry.metrics import metrics_of
+from nano.telemetry.metrics import metrics_of, ttft_of
 
 BLOCK = EngineConfig().block_size
 SUFFIX, OUTPUT = 32, 4
@@ -44,7 +44,7 @@ def measure(size: Size, prefix: int, distinct: int, caching: bool) -> dict:
             "prefill_tokens": computed, "prompt_tokens": sum(s.num_prompt_tokens for s in seqs),
             "hit_rate": round(m.prefix_hits / m.prefix_queried, 3) if m.prefix_queried else 0.0,
             "missed_prefix_blocks": missed,
-            "ttft_mean_ms": round(1e3 * float(np.mean([s.ttft for s in seqs])), 1)}
+            "ttft_mean_ms": round(1e3 * float(np.mean([ttft_of(s) for s in seqs])), 1)}
 
 
 def run(size: Size) -> list[dict]:

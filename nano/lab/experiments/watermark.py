@@ -13,7 +13,7 @@ import numpy as np
 from nano.config import EngineConfig
 from nano.lab.experiment import Experiment, Size, engine, serve
 from nano.sequence import SamplingParams
-from nano.telemetry.metrics import metrics_of
+from nano.telemetry.metrics import metrics_of, ttft_of
 
 BLOCK = EngineConfig().block_size
 WATERMARKS = (0.0, 0.1, 0.2, 0.3)
@@ -50,8 +50,8 @@ def measure(size: Size, watermark: float, never_fit: bool) -> dict:
             "rejected": m.rejected, "finished": sum(s.finish_reason == "length" for s in others),
             "preemptions": sum(m.preemptions.values()), "peak_running": m.peak_running,
             "tokens_per_s": round(m.generated_tokens / seconds, 1),
-            "others_ttft_mean_ms": round(1e3 * float(np.mean([s.ttft for s in others])), 1),
-            "others_ttft_max_ms": round(1e3 * float(np.max([s.ttft for s in others])), 1)}
+            "others_ttft_mean_ms": round(1e3 * float(np.mean([ttft_of(s) for s in others])), 1),
+            "others_ttft_max_ms": round(1e3 * float(np.max([ttft_of(s) for s in others])), 1)}
 
 
 def run(size: Size) -> list[dict]:
