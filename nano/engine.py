@@ -23,7 +23,7 @@ from nano.shard import load_shard
 class LLMEngine:
     PUBLISHED = ("config", "model_config", "tokenizer", "clock", "observers", "device", "cost", "capacity",
                  "max_model_len", "kv_bytes_per_token", "weight_bytes", "model_name", "ops", "added",
-                 "forward")
+                 "forward", "proposer")
 
     def __init__(self, config: EngineConfig, clock: Clock | None = None, policy=FCFS, wrap_forward=None):
         """policy: the scheduling policy's class (policy.py), e.g. nano/deadline's;
@@ -48,6 +48,8 @@ class LLMEngine:
         # What watches the run (nano/telemetry's Metrics): each gets on_step(plan, start, end,
         # free_blocks, swap_bytes, all_reduce_seconds, all_reduce_bytes), on_finish(seq), on_abort(seq)
         self.observers: list = []
+        # Draft tokens to check (nano/speculative's n-gram lookup): propose(seq) -> a list, or None: off
+        self.proposer = None
         self.rng = np.random.default_rng(config.seed % 2**64)  # any int seed, as the sampler's
         self.next_id = 0
         self.added = 0  # requests queued, ever: less those still to arrive, the arrived count
@@ -119,6 +121,7 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """Run one forward pass over a freshly decided batch; returns sequences that finished."""
         start = self.clock.now()
+        drafted = self._propose()
         plan = self.scheduler.schedule(start)  # the step's inputs and logits rows, fixed
         swap = self.runner.swap(plan.blocks_to_swap_out, plan.blocks_to_swap_in)
         inputs = self.runner.prepare(plan.packed)  # under TP, sent to the other ranks too
@@ -131,8 +134,18 @@ class LLMEngine:
         elif not finished and self.scheduler.has_work():
             self._idle(start)
             return []
+        for seq in drafted:  # drafts live for one step: a sequence it did not run checks none
+            seq.draft_token_ids = []
         self._observe(plan, start, swap, finished)
         return finished
+
+    def _propose(self) -> list[Sequence]:
+        """Drafts for the decoding sequences, as many as their max_tokens and the model context allow."""
+        seqs = [s for s in self.scheduler.running if s.num_uncomputed_tokens == 1] if self.proposer else []
+        for seq in seqs:
+            room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+            seq.draft_token_ids = self.proposer.propose(seq)[:max(room, 0)]
+        return seqs
 
     def _idle(self, now: float) -> None:
         """Nothing could run: only requests that have not arrived yet are left; wait for one
@@ -152,10 +165,12 @@ class LLMEngine:
         for seq, score in zip(plan.rows.scoring, scores):
             seq.prompt_logprobs.append(score)
         for seq, n in plan.scheduled:
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - len(seq.draft_token_ids)  # a draft's KV counts once accepted
             self.block_manager.register_full_blocks(seq)
-        now, finished = self.clock.now(), []
-        for i, (seq, token) in enumerate(zip(plan.rows.sampling, tokens)):
+        now, finished, settled = self.clock.now(), [], set()  # settled: no more tokens this step
+        for i, (seq, token, draft) in enumerate(zip(plan.rows.sampling, tokens, plan.rows.drafts)):
+            if seq.seq_id in settled:  # a row after a rejected draft, or after the end
+                continue
             if i in kept:
                 seq.logits.append(kept[i])
             if seq.params.max_tokens == 0:  # it only scored its prompt: the token is not wanted
@@ -165,10 +180,15 @@ class LLMEngine:
                 seq.token_times.append(now)
                 if seq.first_token_time is None:
                     seq.first_token_time = now
+                if token == draft:  # the draft this row checked is accepted: its KV, written this step, is right
+                    seq.num_computed_tokens += 1
+                    self.block_manager.register_full_blocks(seq)
                 reason = self._stop_reason(seq, token)
             if reason:
                 self.scheduler.finish(seq, reason)
                 finished.append(seq)
+            if reason or token != draft:
+                settled.add(seq.seq_id)
         return finished
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
@@ -224,16 +244,12 @@ class LLMEngine:
         text): its blocks freed, counted as finished."""
         if not seq.is_finished:
             self.scheduler.finish(seq, reason)
-            if reason != "handed_off":  # counted where it ends: another engine
-                for o in self.observers:
-                    o.on_finish(seq)
+            for o in self.observers if reason != "handed_off" else ():  # counted where it ends: another engine
+                (o.on_abort if reason == "aborted" else o.on_finish)(seq)
 
     def abort(self, seq: Sequence) -> None:
         """Drop an unfinished request: out of its queue, its blocks freed; counted as aborted."""
-        if not seq.is_finished:
-            self.scheduler.finish(seq, "aborted")
-            for o in self.observers:
-                o.on_abort(seq)
+        self.finish(seq, "aborted")
 
     # ---- a KV handoff between engines ---------------------------------------------------
     def hand_off(self, seq: Sequence, take=None) -> np.ndarray:

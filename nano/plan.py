@@ -42,7 +42,8 @@ class Preemption:
 class StepRows:  # what each row of a step's logits (the forward pass's output) is for
     sampling: list[Sequence] = field(default_factory=list)  # the sequences that sample a token,
     counters: list[int] = field(default_factory=list)       # their output counts (keys of their draws),
-    sample_rows: list[int] = field(default_factory=list)    # their logits rows
+    sample_rows: list[int] = field(default_factory=list)    # their logits rows,
+    drafts: list[int] = field(default_factory=list)         # the draft token each row checks, -1: none
     scoring: list[Sequence] = field(default_factory=list)   # per row that scores a prompt token: its sequence,
     targets: list[int] = field(default_factory=list)        # the token it scores,
     score_rows: list[int] = field(default_factory=list)     # its logits row
@@ -66,14 +67,14 @@ class SchedulerOutput:
 
     def fix(self, block_size: int) -> "SchedulerOutput":
         """Pack the rows, decodes first (stable); a logits row for each position that scores a prompt,
-        and one for a row's last if it reaches the end of its tokens (a chunk short of it samples nothing)."""
+        and for a row's last and its drafts' if it reaches the end of its tokens (a chunk short of it samples nothing)."""
         seqs = sorted(self.scheduled, key=lambda item: not is_decode(item[1]))
         max_blocks = max((len(seq.block_table) for seq, _ in seqs), default=0)
         tables = np.full((len(seqs), max_blocks), -1, np.int32)
         ids, positions, context_lens, cu_seqlens, logits, rows = [], [], [], [0], [], self.rows
         for i, (seq, n) in enumerate(seqs):
-            start = seq.num_computed_tokens
-            ids += seq.token_ids[start:start + n]
+            start, drafts = seq.num_computed_tokens, seq.draft_token_ids
+            ids += seq.token_ids[start:start + n] + drafts
             positions += range(start, start + n)
             context_lens.append(start + n)
             tables[i, :len(seq.block_table)] = seq.block_table
@@ -84,11 +85,13 @@ class SchedulerOutput:
                 rows.targets.append(seq.token_ids[p + 1])
                 rows.score_rows.append(len(logits))
                 logits.append(len(ids) - n + p - start)
-            if start + n == seq.num_tokens:
+            # A row samples after the last token and after each draft (docs/speculative.md#the-accept-rule).
+            for j, draft in enumerate([*drafts, -1] if start + n == seq.num_tokens + len(drafts) else []):
                 rows.sampling.append(seq)
-                rows.counters.append(seq.num_output_tokens)
+                rows.counters.append(seq.num_output_tokens + j)
                 rows.sample_rows.append(len(logits))
-                logits.append(len(ids) - 1)
+                rows.drafts.append(draft)
+                logits.append(len(ids) - 1 - len(drafts) + j)
         positions = np.asarray(positions, np.int32)
         row_of_token = np.repeat(np.arange(len(seqs)), [n for _, n in seqs])
         slot_mapping = tables[row_of_token, positions // block_size] * block_size + positions % block_size

@@ -19,20 +19,21 @@ class Sampler:
             logits = logits[rows.sample_rows]
         keep = [i for i, seq in enumerate(rows.sampling) if seq.params.return_logits]
         kept = dict(zip(keep, self.device.to_host(logits[keep]).astype(np.float32))) if keep else {}
-        logits = self._process(logits, rows.sampling)
+        logits = self._process(logits, rows.sampling, rows.drafts)
         tokens = self.ops.sample(logits, *self._parameters(rows.sampling, rows.counters))
         return self.device.to_host(tokens).tolist(), kept
 
-    def _process(self, logits, seqs: list[Sequence]):
+    def _process(self, logits, seqs: list[Sequence], drafts: list[int]):
         """The rows' logits processors (sequence.LogitsProcessor), if any: their edits packed
         into one ops.edit_logits, their masks into one ops.mask_logits (the raw logits were
         kept above, as return_logits and logprobs report them)."""
-        edits, masks = [], []
+        edits, masks, ahead = [], [], []
         for i, seq in enumerate(seqs):
+            ahead = ahead + [drafts[i - 1]] if i and seqs[i - 1] is seq else []  # the drafts before this row
             if processor := seq.params.logits_processor:
-                if (edit := processor.edits(seq)) is not None:
+                if (edit := processor.edits(seq, ahead)) is not None:
                     edits.append((np.full(len(edit[0]), i, np.int32), *edit))
-                if (mask := processor.mask(seq)) is not None:
+                if (mask := processor.mask(seq, ahead)) is not None:
                     masks.append((i, mask))
         xp = self.device.xp
         if edits:

@@ -68,7 +68,8 @@ class Scheduler:
                 continue
             if not self._room(out, budget):
                 break
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = min(seq.num_uncomputed_tokens + len(seq.draft_token_ids), budget)
+            del seq.draft_token_ids[n - 1:]  # those the budget leaves room to check
             if self._make_room(seq, n, out):
                 out.scheduled.append((seq, n))
                 budget -= n

@@ -56,13 +56,14 @@ class LogitsProcessor:
     nothing. Per-request state lives in seq.processor_state (one object may serve several
     sequences). nano/controls implements it: penalties, logit_bias, min_tokens, grammars."""
 
-    def edits(self, seq: "Sequence") -> tuple[np.ndarray, ...] | None:
-        """(tokens (E,) int32, distinct; biases, penalties, shifts (E,) float32): each token's
+    def edits(self, seq: "Sequence", ahead: list[int]) -> tuple[np.ndarray, ...] | None:
+        """For the token after seq's and then `ahead` (drafts this step checks, as if accepted):
+        (tokens (E,) int32, distinct; biases, penalties, shifts (E,) float32): each token's
         logit x, plus its bias, becomes (x / penalty if x > 0 else x * penalty) + shift (vLLM's
         order: logit_bias, then the repetition penalty, then the others); -inf bans it."""
         return None
 
-    def mask(self, seq: "Sequence") -> np.ndarray | None:
+    def mask(self, seq: "Sequence", ahead: list[int]) -> np.ndarray | None:
         """(ceil(V / 32),) int32: token t is allowed where bit t % 32 of word t // 32 is set."""
         return None
 
@@ -102,6 +103,7 @@ class Sequence:
         self.prompt_logprobs: list = [None]
         self.seed = seed                             # with the output count, keys each random draw
         self.processor_state = None                  # params.logits_processor's own, for this request
+        self.draft_token_ids: list[int] = []         # proposed to follow token_ids, checked in this step (engine.proposer)
 
     @property
     def num_tokens(self) -> int:
@@ -123,25 +125,3 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def tpot(self) -> float | None:
-        if self.num_output_tokens < 2:
-            return None
-        return (self.token_times[-1] - self.first_token_time) / (self.num_output_tokens - 1)
-
-    def met_slo(self) -> bool:
-        """Finished within both of its latency targets (a target not set is met)."""
-        p = self.params
-        if self.finish_reason == "rejected" or self.ttft is None:
-            return False
-        return ((p.ttft_slo is None or self.ttft <= p.ttft_slo)
-                and (p.tpot_slo is None or self.tpot is None or self.tpot <= p.tpot_slo))
-
-    def __repr__(self) -> str:
-        return (f"Sequence({self.seq_id}, {self.status.value}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens}, blocks={self.block_table})")

@@ -27,7 +27,7 @@ def seq_of(prompt, output):
 def applied(controls: Controls, seq, logits):
     """The logits after the processor's edits, as the sampler applies them (ops.edit_logits)."""
     out = np.array([logits], np.float32)
-    if (edit := controls.edits(seq)) is not None:
+    if (edit := controls.edits(seq, [])) is not None:
         tokens = edit[0]
         assert len(np.unique(tokens)) == len(tokens)  # distinct, as the seam requires
         ops.edit_logits(out, np.zeros(len(tokens), np.int32), *edit)
@@ -51,7 +51,7 @@ def test_frequency_and_presence_penalties_count_output_tokens_only():
     want[2] -= 0.5 * 1 + 0.25  # once in the output (the prompt's two do not count)
     want[5] -= 0.5 * 3 + 0.25
     np.testing.assert_allclose(got, want, rtol=1e-6)
-    assert Controls(frequency_penalty=1.0).edits(seq_of([1, 2], [])) is None  # nothing output yet: nothing to do
+    assert Controls(frequency_penalty=1.0).edits(seq_of([1, 2], []), []) is None  # nothing output yet: nothing to do
 
 
 def test_logit_bias_comes_before_the_penalties_as_in_vllm():

@@ -201,10 +201,10 @@ class EvenTokensOnly(LogitsProcessor):
     def __init__(self, vocab, ban):
         self.bits, self.ban = np.packbits(np.arange(vocab) % 2 == 0, bitorder="little"), ban
 
-    def edits(self, seq):
+    def edits(self, seq, ahead):
         return np.int32([self.ban]), np.float32([0.0]), np.float32([1.0]), np.float32([-np.inf])
 
-    def mask(self, seq):
+    def mask(self, seq, ahead):
         return np.pad(self.bits, (0, -len(self.bits) % 4)).view(np.int32)
 
 

@@ -68,7 +68,7 @@ def test_the_check_sees_an_add_on_import(tmp_path):
 # only in run.py, which assembles them (the server serves what dp gives it). The lab is a
 # driver like run.py: its experiments compare the modes, so it may import any of them; nothing
 # imports the lab.
-FOUNDATIONS = {"fleet", "cli", "telemetry", "chat", "controls", "structured"}
+FOUNDATIONS = {"fleet", "cli", "telemetry", "chat", "controls", "structured", "speculative"}
 DRIVERS = {"lab"}
 
 

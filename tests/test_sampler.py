@@ -176,11 +176,11 @@ class BanAndAllow(LogitsProcessor):
     def __init__(self, ban, allowed):
         self.ban, self.allowed = ban, allowed
 
-    def edits(self, seq):
+    def edits(self, seq, ahead):
         seq.processor_state = (seq.processor_state or 0) + 1  # its own per-sequence state
         return np.int32([self.ban]), np.float32([0.0]), np.float32([1.0]), np.float32([-np.inf])
 
-    def mask(self, seq):
+    def mask(self, seq, ahead):
         return np.packbits(np.arange(64) < self.allowed, bitorder="little").view(np.int32)
 
 

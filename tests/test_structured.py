@@ -179,7 +179,7 @@ def test_the_mask_rolls_back_with_the_output(engine, grammars):
 class Ban(LogitsProcessor):
     """A stand-in for penalties: bans token 2 (EOS) until there are 3 output tokens; counts its calls in its state."""
 
-    def edits(self, seq):
+    def edits(self, seq, ahead):
         seq.processor_state = (seq.processor_state or 0) + 1
         return None if seq.num_output_tokens >= 3 else (np.array([2], np.int32), np.zeros(1, np.float32),
                                                          np.ones(1, np.float32), np.full(1, -np.inf, np.float32))

@@ -92,8 +92,8 @@ class Controls(LogitsProcessor):
         self.bad_single = np.array(sorted({w[0] for w in bad_words_ids if len(w) == 1}), np.int64)
         self.bad_multi = [(list(w[:-1]), w[-1]) for w in bad_words_ids if len(w) > 1]
 
-    def edits(self, seq: Sequence):
-        output = np.asarray(seq.output_token_ids, np.int64)
+    def edits(self, seq: Sequence, ahead: list[int] = ()):
+        output = np.asarray(seq.output_token_ids + list(ahead), np.int64)
         parts, shifts = [], []  # tokens and their shifts, to be merged
         repeated = None
         if self.repetition_penalty != 1.0:
@@ -198,7 +198,7 @@ class Pending(LogitsProcessor):
     def __init__(self, fields: dict, where: str):
         self.fields, self.where = check_fields(fields, where), where
 
-    def edits(self, seq):
+    def edits(self, seq, ahead=()):
         raise NanoError(f"{self.where}: controls not bound to the model (nano.controls.bind)")
 
 

@@ -15,22 +15,22 @@ class Chain(LogitsProcessor):
     def __init__(self, *parts: LogitsProcessor):
         self.parts = [p for p in parts if p is not None]
 
-    def _each(self, seq: Sequence, method: str) -> list:
+    def _each(self, seq: Sequence, method: str, ahead: list[int]) -> list:
         states = seq.processor_state if isinstance(seq.processor_state, _States) else _States(len(self.parts))
         results = []
         try:
             for i, part in enumerate(self.parts):
                 seq.processor_state = states[i]
                 try:
-                    results.append(getattr(part, method)(seq))
+                    results.append(getattr(part, method)(seq, ahead))
                 finally:
                     states[i] = seq.processor_state
         finally:
             seq.processor_state = states
         return [r for r in results if r is not None]
 
-    def edits(self, seq: Sequence):
-        found = self._each(seq, "edits")
+    def edits(self, seq: Sequence, ahead: list[int] = ()):
+        found = self._each(seq, "edits", ahead)
         if len(found) <= 1:
             return found[0] if found else None
         tokens = np.concatenate([f[0] for f in found]).astype(np.int32)
@@ -42,8 +42,8 @@ class Chain(LogitsProcessor):
         np.add.at(shifts, where, np.concatenate([f[3] for f in found]).astype(np.float32))
         return unique, biases, penalties, shifts
 
-    def mask(self, seq: Sequence):
-        found = self._each(seq, "mask")
+    def mask(self, seq: Sequence, ahead: list[int] = ()):
+        found = self._each(seq, "mask", ahead)
         if len(found) <= 1:
             return found[0] if found else None
         return np.bitwise_and.reduce(np.stack(found), axis=0)

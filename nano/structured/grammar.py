@@ -6,8 +6,8 @@ so the engine stops with "stop".
 
 The per-sequence state survives what the engine does to a sequence: preemption (by swap or
 by recompute, the output tokens stay in seq.token_ids and the matcher just goes on from the
-count it has consumed), a shorter output than consumed (rolled back, as a speculative
-decoder's rejected tokens would be), and pickling (disaggregated serving sends a copy of the
+tokens it has consumed), tokens consumed that the output no longer holds (a speculative
+step's drafts, rejected: rolled back), and pickling (disaggregated serving sends a copy of the
 sequence to another process): the native matcher is dropped and rebuilt from the compiled
 grammar and the output tokens the first time it is needed."""
 from __future__ import annotations
@@ -103,15 +103,15 @@ def _one_line(message: str) -> str:
 
 
 class MatcherState:
-    """A sequence's matcher and how many of its output tokens it has consumed; pickled without
-    the matcher (native), which is rebuilt from the grammar and the output tokens."""
+    """A sequence's matcher and the tokens it has consumed (output tokens, then maybe drafts);
+    pickled without the matcher (native), which is rebuilt from the grammar and the output tokens."""
 
-    def __init__(self, matcher, consumed: int = 0):
-        self.matcher, self.consumed = matcher, consumed
-        self.mask: np.ndarray | None = None  # the mask after `consumed` tokens, while it holds
+    def __init__(self, matcher):
+        self.matcher, self.consumed = matcher, []
+        self.mask: np.ndarray | None = None  # the mask after the consumed tokens, while it holds
 
     def __getstate__(self):
-        return {"matcher": None, "consumed": 0, "mask": None}
+        return {"matcher": None, "consumed": [], "mask": None}
 
 
 class Grammar(LogitsProcessor):
@@ -136,26 +136,32 @@ class Grammar(LogitsProcessor):
     def __setstate__(self, state):
         self.__dict__.update(state, _compiled=None)  # compiled again when first needed
 
-    def state(self, seq: Sequence) -> MatcherState:
-        """seq's matcher, having consumed all of seq's output tokens (made, or rebuilt, as needed)."""
+    def state(self, seq: Sequence, ahead: list[int] = ()) -> MatcherState:
+        """seq's matcher, having consumed seq's output tokens and then `ahead` (made, or rebuilt,
+        as needed): tokens it consumed that differ (taken back, or drafts rejected) rolled back."""
         state = seq.processor_state
         if state is None or state.matcher is None:
             if self._compiled is None:
                 self._compiled = self._compile()
             state = seq.processor_state = MatcherState(self._compiled.deep_copy())
-        out = seq.output_token_ids
-        if len(out) < state.consumed:  # tokens taken back: roll the matcher back too
-            if not state.matcher.rollback(state.consumed - len(out)):
+        out = seq.output_token_ids + list(ahead)
+        n = min(len(state.consumed), len(out))
+        differ = np.flatnonzero(np.asarray(state.consumed[:n]) != np.asarray(out[:n]))
+        keep = int(differ[0]) if len(differ) else n  # the tokens consumed that still stand
+        if keep < len(state.consumed):
+            if not state.matcher.rollback(len(state.consumed) - keep):
                 state.matcher = None
-                return self.state(seq)
-            state.consumed, state.mask = len(out), None
-        if len(out) > state.consumed:
-            state.matcher.consume_tokens(out[state.consumed:])  # an error state shows in the mask below
-            state.consumed, state.mask = len(out), None
+                return self.state(seq, ahead)
+            del state.consumed[keep:]
+            state.mask = None
+        if len(out) > keep:
+            state.matcher.consume_tokens(out[keep:])  # an error state shows in the mask below
+            state.consumed += out[keep:]
+            state.mask = None
         return state
 
-    def mask(self, seq: Sequence) -> np.ndarray:
-        state = self.state(seq)
+    def mask(self, seq: Sequence, ahead: list[int] = ()) -> np.ndarray:
+        state = self.state(seq, ahead)
         if state.mask is None:
             mask = np.zeros(self.vocabulary.words, np.uint32)
             if state.matcher.is_error():  # a token the grammar refused (ignore_eos past its end, ...): end it
