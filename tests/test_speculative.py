@@ -3,6 +3,8 @@ the normal step and leave no trace. Greedy outputs and every token's logits are 
 plain dense forward pass however the engine schedules (the equivalence configs: chunked,
 preempted by swap and by recompute, prefix hits), a cached block never holds an unchecked
 token, and with sampling the output distribution is the target model's."""
+import json
+
 import numpy as np
 import pytest
 
@@ -205,3 +207,32 @@ def test_a_seeded_request_draws_what_it_draws_without_speculation(tiny_model):
     want, got = plain.generate([context] * 300, params), engine.generate([context] * 300, params)
     assert [s.output_token_ids for s in got] == [s.output_token_ids for s in want]
     assert checked.accepted > 30 and checked.rejected > 30, (checked.accepted, checked.rejected)
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "born", "city", "languages"],
+          "properties": {"name": {"type": "string"}, "born": {"type": "integer"}, "city": {"type": "string"},
+                         "languages": {"type": "array", "items": {"type": "string"}}}}
+
+
+def test_grammars_and_controls_check_the_drafts(default_model):
+    """A JSON schema (llguidance's mask), with a repetition penalty and bad words (edits) on
+    top: each row's processors see its sequence as if the drafts before it were accepted, so
+    a draft the grammar refuses is rejected and the output is token for token the one
+    without speculation, valid against the schema."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from nano.controls import sampling_params
+    from nano.structured import Vocabulary, chain, compile_grammar
+    plain = LLMEngine(EngineConfig(model=str(default_model), device="cpu", num_blocks=1024))
+    engine, checked = speculating(default_model, num_blocks=1024)
+    grammar = compile_grammar(Vocabulary.of(plain.tokenizer, plain.model_config.vocab_size), "json", PERSON)
+    prompt = plain.tokenizer.encode(render_chat(plain.tokenizer, COPY + " Drop the notes."))
+
+    def params():
+        p = sampling_params(plain, temperature=0, max_tokens=60, repetition_penalty=1.05, bad_words=["Paris"])
+        p.logits_processor = chain(p.logits_processor, grammar)
+        return p
+
+    want, got = plain.generate([prompt], params())[0], engine.generate([prompt], params())[0]
+    assert got.output_token_ids == want.output_token_ids and got.finish_reason == "stop"
+    jsonschema.validate(json.loads(engine.detokenize(got)), PERSON)
+    assert checked.accepted > 10 and checked.rejected > 0
