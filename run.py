@@ -31,6 +31,7 @@ from nano.dp import cli as dp
 from nano.errors import NanoError
 from nano.lab import cli as lab
 from nano.server import cli as server
+from nano.speculative import cli as speculative
 from nano.telemetry import heartbeat
 from nano.telemetry.watchdog import abort_all
 
@@ -38,7 +39,7 @@ from nano.telemetry.watchdog import abort_all
 def build_parser() -> flags.Parser:
     p = flags.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     flags.add_arguments(p)
-    for add_on in (deadline, server, bench, disagg, dp, lab):
+    for add_on in (deadline, speculative, server, bench, disagg, dp, lab):
         add_on.add_arguments(p)
     return p
 
@@ -87,6 +88,7 @@ def main(argv=None) -> int:
     from nano.telemetry.metrics import Metrics
     engine = LLMEngine(config, policy=policy)
     Metrics.attach(engine)
+    speculative.attach_to(engine, args.speculative)
     print(describe(engine), file=sys.stderr)
     if args.serve:
         return server.serve(args, engine)
@@ -106,6 +108,7 @@ def parse(argv, rank: int):
     config.validate()
     policy = deadline.policy_factory(args.policy, args.drop_late)
     lab.check_args(args, parser)
+    speculative.check_args(args)
     if args.lab is not None:
         return args, config, policy, None, None
     params = flags.check_args(args)

@@ -222,3 +222,95 @@ def test_the_engine_tells_its_observers_each_step_finish_and_abort(tiny_model):
                            ("finish", kept.seq_id)]
     assert (metrics.steps, len(metrics.step_log), metrics.requests, metrics.aborted) == (3, 3, 1, 1)
     assert metrics_of(engine) is metrics and reset_metrics(engine) is metrics_of(engine) is not metrics
+
+
+class RecordingProposer:
+    """A proposer's drafts kept per step, with each sequence's output count then."""
+
+    def __init__(self, proposer):
+        self.proposer, self.calls = proposer, []
+
+    def propose(self, seq):
+        drafts = self.proposer.propose(seq)
+        self.calls.append((seq, drafts, seq.num_output_tokens))
+        return drafts
+
+
+class ScriptedProposer:
+    """Drafts from the greedy tokens known in advance, some spoiled: a sequence's 2nd, 5th, 8th,
+    ... drafts have the second token wrong, its 3rd, 6th, ... the first; the others are right."""
+
+    def __init__(self, reference: dict, k: int):
+        self.reference, self.k, self.calls = reference, k, {}
+
+    def propose(self, seq):
+        n, call = seq.num_output_tokens, self.calls.get(seq.seq_id, 0)
+        self.calls[seq.seq_id] = call + 1
+        drafts = list(self.reference[tuple(seq.token_ids[:seq.num_prompt_tokens])][n:n + self.k])
+        spoil = {1: 1, 2: 0}.get(call % 3)
+        if spoil is not None and spoil < len(drafts):
+            drafts[spoil] = drafts[spoil] + 1
+        return drafts
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "scripted"])
+def test_speculative_decoding_counts_are_vllms(tiny_model, proposer):
+    """vLLM's spec_decode counters equal what the drafts and the tokens that followed them
+    give, counted here apart from the step's rows; the snapshot and summary derive from them;
+    greedy tokens are the same as without drafts."""
+    from nano.speculative import attach
+    from nano.telemetry.summary import format_summary, summarize
+    engine, export = engine_with_export(tiny_model)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 9, 10, 9], [20, 21, 22, 23]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    reference = {tuple(p): s.output_token_ids for p, s in zip(prompts, engine.generate(prompts, params))}
+    reset_metrics(engine)
+    k = 3
+    inner = (attach(engine, {"num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 2})
+             if proposer == "ngram" else ScriptedProposer(reference, k))
+    recorder = engine.proposer = RecordingProposer(inner)
+    seqs = [engine.add_request(p, params) for p in prompts]
+    drafts = draft_tokens = accepted = 0
+    per_pos = [0] * k
+    while engine.has_unfinished():
+        engine.step()
+        for seq, proposed, before in recorder.calls:
+            proposed = proposed[:seq.params.max_tokens - before - 1]  # the engine's cut (the context is far off)
+            new = seq.output_token_ids[before:]
+            if not proposed or not new:
+                continue
+            n = next((j for j, (d, t) in enumerate(zip(proposed, new)) if d != t), min(len(proposed), len(new)))
+            drafts, draft_tokens, accepted = drafts + 1, draft_tokens + len(proposed), accepted + n
+            for j in range(n):
+                per_pos[j] += 1
+        recorder.calls.clear()
+    assert {tuple(p): s.output_token_ids for p, s in zip(prompts, seqs)} == reference
+    assert drafts and 0 < accepted < draft_tokens  # some drafts accepted, some not
+    if proposer == "scripted":
+        assert per_pos[-1] > 0 and per_pos[0] > per_pos[1]  # every position reached, the first spoiled less
+    m = metrics_of(engine)
+    assert (m.spec_drafts, m.spec_draft_tokens, m.spec_accepted) == (drafts, draft_tokens, accepted)
+    assert m.spec_accepted_per_pos == per_pos
+    export.update(snapshot(engine, engine.clock.now()))
+    types, samples = parse(export.text().decode(), tiny_model.name)
+    assert all(types[f"vllm:spec_decode_num_{name}"] == "counter"
+               for name in ("drafts", "draft_tokens", "accepted_tokens", "accepted_tokens_per_pos"))
+    assert samples[("vllm:spec_decode_num_drafts_total", ())] == drafts
+    assert samples[("vllm:spec_decode_num_draft_tokens_total", ())] == draft_tokens
+    assert samples[("vllm:spec_decode_num_accepted_tokens_total", ())] == accepted
+    assert [samples[("vllm:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(j)),))]
+            for j in range(k)] == per_pos
+    snap, summary = snapshot(engine, engine.clock.now()), summarize(m, 1.0)
+    for figures in (snap, summary):
+        assert figures["spec_decode_acceptance_rate"] == pytest.approx(accepted / draft_tokens)
+        assert figures["spec_decode_mean_acceptance_length"] == pytest.approx(1 + accepted / drafts)
+    assert f"of {draft_tokens} draft tokens accepted" in format_summary(summary)
+
+
+def test_no_speculative_figures_without_speculation(tiny_model):
+    engine, export = engine_with_export(tiny_model)
+    engine.generate([[5, 6, 7, 5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert not any(key.startswith("spec_decode") for key in snapshot(engine, engine.clock.now()))
+    export.update(snapshot(engine, engine.clock.now()))
+    _, samples = parse(export.text().decode(), tiny_model.name)
+    assert samples[("vllm:spec_decode_num_drafts_total", ())] == 0

@@ -13,6 +13,7 @@ from nano.disagg import serving
 from nano.errors import NanoError
 from nano.fleet.cli import RankRun
 from nano.sequence import SamplingParams
+from nano.speculative.cli import attach_to
 from nano.telemetry.metrics import Metrics
 from nano.telemetry.summary import format_summary
 
@@ -57,7 +58,7 @@ def run_disagg(args, config: EngineConfig, workload, engine_policy) -> int:
     try:
         ran = serving.launch(config, num_prefill, num_decode, run.make_requests, args.bench, run.on_result,
                              lambda engine: metrics_writer(args, export=disagg_metrics.PoolExport(
-                                 engine.model_name)), engine_policy)
+                                 engine.model_name)), engine_policy, args.speculative)
     finally:
         run.close()
     return run.report(ran, disagg_metrics.summary, disagg_metrics.format_disagg)
@@ -70,6 +71,7 @@ def disagg_compare(args, argv: list[str], config: EngineConfig, workload, engine
     from nano.engine import LLMEngine
     engine = LLMEngine(config, policy=engine_policy)
     Metrics.attach(engine)
+    attach_to(engine, args.speculative)
     print(describe(engine), file=sys.stderr)
     w = workload(engine)
     warm_up(engine)

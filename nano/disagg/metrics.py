@@ -7,7 +7,7 @@ from prometheus_client import Counter, Gauge
 
 from nano.telemetry.metrics import Metrics, ttft_of
 from nano.telemetry.prometheus import Export
-from nano.telemetry.summary import percentile, summarize
+from nano.telemetry.summary import merge_speculative, percentile, summarize
 
 
 def summary(router, wall: float) -> dict:
@@ -29,6 +29,7 @@ def summary(router, wall: float) -> dict:
     s["peak_kv_occupancy"] = max(r["peak_kv_occupancy"] for r in every)
     s["peak_running"] = max(r["peak_running"] for r in decode)
     s["steps"] = sum(r["steps"] for r in every)
+    s.update(merge_speculative(every))
     s["mean_step_ms"] = sum(r["mean_step_ms"] * r["steps"] for r in every) / max(s["steps"], 1)
     s["decode_steps"] = sum(r["decode_steps"] for r in decode)
     s["mean_decode_step_ms"] = (sum(r["mean_decode_step_ms"] * r["decode_steps"] for r in decode)

@@ -367,7 +367,7 @@ class Router(RouterBase):
 
 
 def launch(config, num_prefill: int, num_decode: int, make_requests, warm_up: bool = False,
-           on_result=None, make_metrics=None, engine_policy=FCFS):
+           on_result=None, make_metrics=None, engine_policy=FCFS, speculative=None):
     """This rank's part of a run under mpirun -n P+D (ranks.launch): rank 0 returns (router,
     its engine, wall seconds), the others None. make_metrics(engine): rank 0's MetricsWriter
     for the pools' snapshots (metrics.PoolExport), or None."""
@@ -383,4 +383,4 @@ def launch(config, num_prefill: int, num_decode: int, make_requests, warm_up: bo
         config, n, lambda got: f"--disagg {split} needs {n} MPI ranks, got {got}: run mpirun -n {n} python run.py "
                                f"--disagg {split} ...", make_requests,
         lambda engine, link, rank: (PrefillInstance if rank < num_prefill else DecodeInstance)(engine, link),
-        make_router, warm_up, engine_policy)
+        make_router, warm_up, engine_policy, speculative)

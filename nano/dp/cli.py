@@ -63,7 +63,7 @@ def run_dp(args, config: EngineConfig, workload, engine_policy) -> int:
         ran = serving.launch(config, args.dp, args.dp_policy, run.make_requests, args.bench,
                              lambda seq, replica: run.on_result(seq, replica=replica),
                              lambda engine: metrics_writer(args, export=dp_metrics.ReplicaExport(
-                                 engine.model_name)), engine_policy)
+                                 engine.model_name)), engine_policy, args.speculative)
     finally:
         run.close()
     return run.report(ran, dp_metrics.summary, dp_metrics.format_replicas)
@@ -75,7 +75,7 @@ def make_front(args, config: EngineConfig, engine_policy):
     ends, and get None."""
     from nano.dp.front import start_front
     front = start_front(config, args.dp, args.dp_policy, lambda engine, export: metrics_writer(args, export=export),
-                        engine_policy)
+                        engine_policy, args.speculative)
     if front is not None:
         print(f"{serving.banner(args.dp, config.tp, args.dp_policy)}; each {describe(front.local)}", file=sys.stderr)
     return front
@@ -89,7 +89,7 @@ def dp_compare(args, config: EngineConfig, workload, engine_policy) -> int:
     for policy in POLICIES if args.dp > 1 else ("kv-aware",):
         gc.collect()  # the previous run's KV pools freed before this one sizes its own
         ran = serving.launch(config, args.dp, policy, lambda engine: sequences(engine, workload)[0],
-                             True, engine_policy=engine_policy)
+                             True, engine_policy=engine_policy, speculative=args.speculative)
         if ran:
             router, _, wall = ran
             name = f"dp={args.dp} {policy}" if args.dp > 1 else "dp=1"

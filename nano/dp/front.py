@@ -84,7 +84,8 @@ class Front:
             seq.__dict__.update(result.__dict__, logits=logits)
 
 
-def start_front(config, num_replicas: int, policy: str, make_metrics=None, engine_policy=FCFS) -> Front | None:
+def start_front(config, num_replicas: int, policy: str, make_metrics=None, engine_policy=FCFS,
+                speculative=None) -> Front | None:
     """Under mpirun -n DP x TP: rank 0 returns the Front the server drives; the other ranks
     run their replica (or their share of it) until the router stops them, and return None.
     make_metrics(engine, export): rank 0's MetricsWriter of that export, or None."""
@@ -98,7 +99,7 @@ def start_front(config, num_replicas: int, policy: str, make_metrics=None, engin
 
     started = start(config, num_replicas, wrong_size(num_replicas, config.tp),
                     lambda engine, link, rank: Replica(engine, link, stream=True), make_router, warm_up=True,
-                    engine_policy=engine_policy)
+                    engine_policy=engine_policy, speculative=speculative)
     if started is None:
         return None
     node, world, _ = started

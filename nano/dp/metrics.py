@@ -6,7 +6,7 @@ from prometheus_client import Counter, Gauge
 
 from nano.telemetry.metrics import Metrics, ttft_of
 from nano.telemetry.prometheus import LABELS, Export
-from nano.telemetry.summary import percentile, summarize
+from nano.telemetry.summary import merge_speculative, percentile, summarize
 
 
 def prefill_tokens(report) -> int:
@@ -27,6 +27,7 @@ def summary(router, wall: float) -> dict:
     s["mean_step_ms"] = sum(r.summary["mean_step_ms"] * r.summary["steps"] for r in reports) / max(s["steps"], 1)
     s["peak_kv_occupancy"] = max(r.summary["peak_kv_occupancy"] for r in reports)
     s["peak_running"] = max(r.summary["peak_running"] for r in reports)
+    s.update(merge_speculative([r.summary for r in reports]))
     seqs = list(router.results.values())
     prompt = sum(q.num_prompt_tokens for q in seqs)
     s["prefix_cache_hit_rate"] = sum(q.num_cached_tokens for q in seqs) / prompt if prompt else 0.0

@@ -209,7 +209,7 @@ def banner(num_replicas: int, tp: int, policy: str) -> str:
 
 
 def launch(config, num_replicas: int, policy: str, make_requests, warm_up: bool = False, on_result=None,
-           make_metrics=None, engine_policy=FCFS):
+           make_metrics=None, engine_policy=FCFS, speculative=None):
     """This rank's part of a run under mpirun -n DP x TP (ranks.launch): rank 0 returns
     (router, its engine, wall seconds), the others None. make_metrics(engine): rank 0's
     MetricsWriter for the replicas' snapshots (metrics.ReplicaExport), or None."""
@@ -220,4 +220,5 @@ def launch(config, num_replicas: int, policy: str, make_requests, warm_up: bool 
                       metrics and metrics.tick)
 
     return launch_ranks(config, num_replicas, wrong_size(num_replicas, config.tp), make_requests,
-                        lambda engine, link, rank: Replica(engine, link), make_router, warm_up, engine_policy)
+                        lambda engine, link, rank: Replica(engine, link), make_router, warm_up, engine_policy,
+                        speculative)

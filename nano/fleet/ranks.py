@@ -250,19 +250,21 @@ class Node:
 
 
 def start(config, num_instances: int, wrong_size, make_instance, make_router, make_requests=None,
-          warm_up: bool = False, engine_policy=FCFS):
+          warm_up: bool = False, engine_policy=FCFS, speculative=None):
     """This rank's engine, instance and (rank 0) router under mpirun -n num_instances x
     config.tp (wrong_size(ranks): the error when it is not). make_requests(engine) ->
     sequences runs on rank 0 with the others waiting (a failure on any rank, loading or
     reading requests, ends them all); make_instance(engine, link, instance) -> this rank's
     Instance; make_router(link, engine) -> rank 0's Router; engine_policy: every engine's
-    scheduling policy (LLMEngine's policy). Returns (node, world group, rank 0's sequences)
+    scheduling policy (LLMEngine's policy); speculative: every engine's speculative
+    decoding (nano/speculative's config, None: off). Returns (node, world group, rank 0's sequences)
     once every instance is ready; an instance's TP ranks other than its leader replay its
     steps until it stops, then return None."""
     from nano import parallel
     from nano.cli import offline
     from nano.engine import LLMEngine
     from nano.fleet.links import MpiLink
+    from nano.speculative import attach
     from nano.worker import Worker
 
     world = parallel.world()
@@ -275,6 +277,8 @@ def start(config, num_instances: int, wrong_size, make_instance, make_router, ma
         else:
             engine = LLMEngine(config, policy=engine_policy)
             Metrics.attach(engine)
+            if speculative is not None:
+                attach(engine, speculative)
             seqs = make_requests(engine) if make_requests and leaders.rank == ROUTER else []
     if leaders is None:
         if warm_up:  # as the leader's warm-up does: page faults stay out of the figures
@@ -292,12 +296,12 @@ def start(config, num_instances: int, wrong_size, make_instance, make_router, ma
 
 
 def launch(config, num_instances: int, wrong_size, make_requests, make_instance, make_router,
-           warm_up: bool = False, engine_policy=FCFS):
+           warm_up: bool = False, engine_policy=FCFS, speculative=None):
     """A whole run (start(), then every rank's loop to the end): make_requests(engine) ->
     sequences (engine.make_sequence, arrival times in seconds after the start). Rank 0
     returns (router, its engine, wall seconds) at the end; the other ranks return None."""
     started = start(config, num_instances, wrong_size, make_instance, make_router, make_requests, warm_up,
-                    engine_policy)
+                    engine_policy, speculative)
     if started is None:
         return None
     node, world, seqs = started

@@ -194,13 +194,8 @@ class EngineThread(threading.Thread):
             new = seq.output_token_ids[job.tokens:]
             first = job.tokens == 0 and bool(new or seq.is_finished) and seq.error is None
             prompt_text, prompt_lp, vllm_lp = self._prompt(job) if first else ("", [], None)
-            job.tokens += len(new)
-            logprobs = self._logprobs(job, new)
-            searched = len(job.text)
-            job.text += job.detok.add(new) if new else ""
+            logprobs, (start, stop_end) = self._read(job, new)
             reason = seq.finish_reason
-            searching = seq.num_output_tokens >= job.min_tokens  # vLLM's rule: no stop before min_tokens
-            start, stop_end = job.stops.span(job.text, searched) if searching else (-1, -1)
             if start >= 0:  # a stop string: the text ends before it (or after it), the sequence ends now
                 job.text = job.text[:stop_end if job.include_stop else start]
                 if not seq.is_finished:
@@ -216,12 +211,30 @@ class EngineThread(threading.Thread):
                     "text": prompt_text + job.text[job.sent:end], "logprobs": logprobs, "prompt_logprobs": vllm_lp,
                     "finish_reason": reason if seq.is_finished else None,
                     "error": seq.error if reason == "rejected" else None,
-                    "completion_tokens": seq.num_output_tokens,
+                    "completion_tokens": job.tokens,
                     "cached_tokens": seq.num_cached_prompt_tokens or 0}))  # None: not admitted yet
                 job.sent = end
             if seq.is_finished:
                 self.jobs.remove(job)
         return events
+
+    def _read(self, job: Job, new: list[int]) -> tuple[list[dict] | None, tuple[int, int]]:
+        """The new tokens into the job's text, one at a time as a step of one token each would
+        (speculative decoding adds several): their logprob entries, and the first stop string's
+        span ((-1, -1): none). The tokens after the one that completes a stop string are left
+        out: not in the text, the logprobs or the count, as without drafts."""
+        logprobs, span = [], (-1, -1)
+        for token in new or [None]:
+            if token is not None:
+                logprobs += self._logprobs(job, [token]) or []
+                job.tokens += 1
+            searched = len(job.text)
+            job.text += job.detok.add([token]) if token is not None else ""
+            if job.tokens >= job.min_tokens:  # vLLM's rule: no stop before min_tokens
+                span = job.stops.span(job.text, searched)
+                if span[0] >= 0:
+                    break
+        return logprobs or None, span
 
     def _prompt(self, job: Job) -> tuple[str, list[dict], list | None]:
         """Once the prompt is scored (the engine's prompt_logprobs, with the first token or the

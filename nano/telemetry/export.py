@@ -13,6 +13,7 @@ import numpy as np
 from nano.errors import NanoError
 from nano.sequence import Status
 from nano.telemetry.metrics import metrics_of
+from nano.telemetry.summary import speculative
 
 # Latency histogram bucket bounds in seconds (Prometheus style: cumulative, then +Inf).
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -83,6 +84,7 @@ def snapshot(engine, now: float) -> dict:
         "prefix_cache_hit_rate": m.prefix_hits / m.prefix_queried if m.prefix_queried else 0.0,
         "mean_step_time": m.step_time / m.steps if m.steps else 0.0,
         "ttft_sum": float(sum(m.ttft)), "tpot_sum": float(sum(m.tpot)),
+        **speculative(m.spec_drafts, m.spec_draft_tokens, m.spec_accepted, m.spec_accepted_per_pos),
     }
 
 

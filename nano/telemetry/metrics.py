@@ -45,6 +45,12 @@ class Metrics:
         self.swap_bytes = 0
         self.all_reduce_time = 0.0           # tensor parallelism: rank 0's all-reduces
         self.all_reduce_bytes = 0
+        # speculative decoding (engine.proposer), vLLM's counts: sequences that checked drafts in a
+        # step, the drafts they checked, of those accepted, and accepted by position (0: the first)
+        self.spec_drafts = 0
+        self.spec_draft_tokens = 0
+        self.spec_accepted = 0
+        self.spec_accepted_per_pos: list[int] = []  # as long as the most drafts one sequence checked
         # (start, end, prompt tokens, decodes) of the latest steps, for end-of-run analyses
         # (how much prefill slows decodes); bounded, as a server's run has no end
         self.step_log: deque[tuple[float, float, int, int]] = deque(maxlen=STEP_LOG)
@@ -77,6 +83,30 @@ class Metrics:
         self.prefix_queried += plan.prefix_queried
         for seq in plan.admitted:
             self.prefix_hits += seq.num_cached_tokens
+        self.count_drafts(plan)
+
+    def count_drafts(self, plan: SchedulerOutput) -> None:
+        """The step's drafts and how many were accepted: a sequence's rows are consecutive, each
+        but its last checks a draft (rows.drafts), and its new tokens start at its first row's
+        counter; the accepted drafts are the leading ones its new tokens equal."""
+        rows, i = plan.rows, 0
+        while i < len(rows.sampling):
+            seq, start = rows.sampling[i], i
+            while i < len(rows.sampling) and rows.sampling[i] is seq:
+                i += 1
+            drafts = [d for d in rows.drafts[start:i] if d >= 0]
+            if not drafts:
+                continue
+            new = seq.output_token_ids[rows.counters[start]:]
+            accepted = 0
+            while accepted < min(len(drafts), len(new)) and new[accepted] == drafts[accepted]:
+                accepted += 1
+            self.spec_drafts += 1
+            self.spec_draft_tokens += len(drafts)
+            self.spec_accepted += accepted
+            self.spec_accepted_per_pos += [0] * (len(drafts) - len(self.spec_accepted_per_pos))
+            for j in range(accepted):
+                self.spec_accepted_per_pos[j] += 1
 
     def on_finish(self, seq: Sequence) -> None:
         self.requests += 1

@@ -82,6 +82,9 @@ class EngineExport(Export):
                                       "of queried tokens."),
             "prefix_hits": counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of "
                                    "cached tokens."),
+            "spec_drafts": counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
+            "spec_draft_tokens": counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
+            "spec_accepted": counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
             # nano's own
             "rejected": counter("nano_requests_rejected", "Requests rejected (never fit, or could no longer "
                                 "make their deadline)."),
@@ -126,6 +129,8 @@ class EngineExport(Export):
         preemptions = counter("nano_preemptions", "Preemptions by kind (their sum: vllm:num_preemptions).", ["kind"])
         for kind in ("swap", "recompute"):
             self.counters[f"preemptions_{kind}"] = preemptions(kind=kind)
+        self.accepted_per_pos = counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per "
+                                        "draft position.", ["position"])
         self.seen, self.seen_of = {}, None  # the engine's sums already counted, and of which Metrics
         self.arrived_seen = 0
         metrics_of(engine).request_observers.append(self.observe)
@@ -170,5 +175,9 @@ class EngineExport(Export):
         for key, counter in self.counters.items():
             counter.inc(sums[key] - self.seen.get(key, 0))
             self.seen[key] = sums[key]
+        for position, accepted in enumerate(m.spec_accepted_per_pos):  # a series per position drafted
+            key = f"spec_accepted_pos_{position}"
+            self.accepted_per_pos(position=str(position)).inc(accepted - self.seen.get(key, 0))
+            self.seen[key] = accepted
         self.arrived.inc(snap["arrived"] - self.arrived_seen)  # the engine never forgets an arrival
         self.arrived_seen = snap["arrived"]

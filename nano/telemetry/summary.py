@@ -39,7 +39,30 @@ def summarize(m: Metrics, wall: float) -> dict:
         "mean_decode_kv_tokens": m.decode_kv_tokens / m.decode_steps if m.decode_steps else 0.0,
         "all_reduce_ms_per_step": 1e3 * m.all_reduce_time * per_step,
         "all_reduce_bytes_per_step": m.all_reduce_bytes * per_step,
+        **speculative(m.spec_drafts, m.spec_draft_tokens, m.spec_accepted, m.spec_accepted_per_pos),
     }
+
+
+def speculative(drafts: int, draft_tokens: int, accepted: int, per_pos: list[int]) -> dict:
+    """Speculative decoding's figures, when it ran (else none): vLLM's counts, the acceptance
+    rate (accepted / draft tokens) and the mean acceptance length (1 + accepted / drafts: the
+    tokens a sequence gains per step it checks drafts in)."""
+    if not drafts:
+        return {}
+    return {"spec_decode_num_drafts": drafts, "spec_decode_num_draft_tokens": draft_tokens,
+            "spec_decode_num_accepted_tokens": accepted, "spec_decode_num_accepted_tokens_per_pos": list(per_pos),
+            "spec_decode_acceptance_rate": accepted / draft_tokens,
+            "spec_decode_mean_acceptance_length": 1 + accepted / drafts}
+
+
+def merge_speculative(summaries: list[dict]) -> dict:
+    """speculative()'s figures over several engines' summaries (instances, replicas)."""
+    per_pos: list[int] = []
+    for s in summaries:
+        mine = s.get("spec_decode_num_accepted_tokens_per_pos", [])
+        per_pos = [a + b for a, b in zip(per_pos + [0] * len(mine), mine + [0] * len(per_pos))]
+    return speculative(*(sum(s.get(f"spec_decode_num_{key}", 0) for s in summaries)
+                         for key in ("drafts", "draft_tokens", "accepted_tokens")), per_pos)
 
 
 def format_summary(s: dict) -> str:
@@ -60,4 +83,8 @@ def format_summary(s: dict) -> str:
     ] + ([  # tensor parallelism only; the time includes waiting for the slowest rank
         f"all-reduce          {s['all_reduce_ms_per_step']:.1f} ms and "
         f"{s['all_reduce_bytes_per_step'] / 1e6:.2f} MB per step (mean, rank 0)",
-    ] if s["all_reduce_bytes_per_step"] else []))
+    ] if s["all_reduce_bytes_per_step"] else []) + ([
+        f"speculative decoding {100 * s['spec_decode_acceptance_rate']:.1f}% of "
+        f"{s['spec_decode_num_draft_tokens']} draft tokens accepted, mean acceptance length "
+        f"{s['spec_decode_mean_acceptance_length']:.2f} ({s['spec_decode_num_drafts']} drafts)",
+    ] if s.get("spec_decode_num_drafts") else []))
