@@ -12,8 +12,8 @@ from nano.chat.template import render as render_chat
 from nano.config import EngineConfig
 from nano.engine import LLMEngine
 from nano.errors import NanoError
-from nano.sequence import SamplingParams
-from nano.speculative import attach, parse
+from nano.sequence import SamplingParams, Sequence
+from nano.speculative import NgramProposer, attach, parse
 from nano.telemetry.metrics import Metrics, metrics_of
 from test_equivalence import CHAT, CONFIGS, LOGIT_RTOL, check_against_dense, shared_prefix_prompts
 
@@ -236,3 +236,15 @@ def test_grammars_and_controls_check_the_drafts(default_model):
     assert got.output_token_ids == want.output_token_ids and got.finish_reason == "stop"
     jsonschema.validate(json.loads(engine.detokenize(got)), PERSON)
     assert checked.accepted > 10 and checked.rejected > 0
+
+
+@pytest.mark.parametrize("tokens,drafts", [
+    ([1, 2, 3, 4, 1, 2], [3, 4, 1, 2, 3]),   # the latest match of [1, 2]; then the text repeats
+    ([7, 35, 35, 35], [35] * 5),              # a repeat of one token drafts it k times
+    ([1, 2, 3], []),                          # nothing found: no drafts
+    ([9, 4, 5, 6, 1, 4, 5, 6, 2, 5, 6], [2, 5, 6, 2, 5]),  # the longest n first: [5, 6] at its latest
+])
+def test_ngram_lookup(tokens, drafts):
+    proposer = NgramProposer(parse({"num_speculative_tokens": 5, "prompt_lookup_min": 1, "prompt_lookup_max": 3}))
+    seq = Sequence(0, "", tokens, SamplingParams(), 0.0, 0)
+    assert proposer.propose(seq) == drafts

@@ -67,8 +67,10 @@ def parse(config: str | dict | None) -> SpeculativeConfig | None:
 
 class NgramProposer:
     """Prompt lookup: for n from prompt_lookup_max down to prompt_lookup_min, the last n tokens
-    are looked for earlier in the sequence; at the latest place they occur, the (up to) k tokens
-    that followed them are the drafts. No match: no drafts, and the sequence decodes as usual."""
+    are looked for earlier in the sequence; at the latest place they occur, the k tokens that
+    followed them are the drafts. Where those run into the sequence's end, the text is taken to
+    repeat: the drafts go on copying what they follow (`a b a b` drafts `a b a b ...`, not just
+    `a`). No match: no drafts, and the sequence decodes as usual."""
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
@@ -79,8 +81,10 @@ class NgramProposer:
             windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)  # every earlier n-gram
             found = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
             if len(found):
-                start = found[-1] + n
-                return tokens[start:start + c.num_speculative_tokens].tolist()
+                text, start = tokens.tolist(), found[-1] + n
+                for i in range(c.num_speculative_tokens):
+                    text.append(text[start + i])  # start + i < len(text): always a token to copy
+                return text[len(tokens):]
         return []
 
 
