@@ -192,49 +192,50 @@ def test_a_reader_that_leaves_ends_the_run_quietly(tmp_path, tiny_model):
 SPECULATIVE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 2}'
 
 
-def test_speculative_config_keeps_the_greedy_output(tmp_path, default_model):
+@pytest.fixture(scope="module")
+def looping(tmp_path_factory, tiny_model):
+    """Prompts for the tiny random model, whose greedy answers soon repeat themselves (drafts
+    to accept), and their tokens from one engine without speculation."""
+    path = tmp_path_factory.mktemp("spec")
+    prompts = path / "prompts.txt"
+    prompts.write_text("The list: apples, pears, plums.\nName a colour.\n")
+    args = ["--model", tiny_model, "--prompt-file", prompts, "--temperature", 0, "--max-tokens", 40, "--device", "cpu"]
+    r = run_cli(*args, "--output", path / "plain.jsonl", "--summary-json", path / "plain.json")
+    assert r.returncode == 0, r.stderr
+    plain = [json.loads(line)["token_ids"] for line in (path / "plain.jsonl").read_text().splitlines()]
+    return args, plain, json.loads((path / "plain.json").read_text()), r.stdout
+
+
+def test_speculative_config_keeps_the_greedy_output(tmp_path, looping, tiny_model):
     """--speculative-config: the same greedy tokens as without, in fewer steps, and the
     summary's acceptance line; --bench runs with it too."""
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text('Repeat exactly: {"name": "Ada", "age": 36, "city": "London"}\n'
-                       "What is the capital of France?\n")
-    runs = {}
-    for name, extra in (("plain", []), ("speculative", ["--speculative-config", SPECULATIVE])):
-        out = tmp_path / f"{name}.jsonl"
-        r = run_cli("--prompt-file", prompts, "--temperature", 0, "--max-tokens", 40, "--device", "cpu",
-                    "--output", out, "--summary-json", tmp_path / f"{name}.json", *extra)
-        assert r.returncode == 0, r.stderr
-        runs[name] = ([json.loads(line)["token_ids"] for line in out.read_text().splitlines()],
-                      json.loads((tmp_path / f"{name}.json").read_text()), r.stdout)
-    (plain, plain_summary, plain_out), (spec, summary, out) = runs["plain"], runs["speculative"]
-    assert spec == plain
+    args, plain, plain_summary, plain_out = looping
+    out = tmp_path / "spec.jsonl"
+    r = run_cli(*args, "--output", out, "--summary-json", tmp_path / "spec.json", "--speculative-config", SPECULATIVE)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((tmp_path / "spec.json").read_text())
+    assert [json.loads(line)["token_ids"] for line in out.read_text().splitlines()] == plain
     assert summary["steps"] < plain_summary["steps"]
     assert summary["spec_decode_num_accepted_tokens"] > 0 and "spec_decode_num_drafts" not in plain_summary
     assert summary["spec_decode_mean_acceptance_length"] == pytest.approx(
         1 + summary["spec_decode_num_accepted_tokens"] / summary["spec_decode_num_drafts"])
-    assert "speculative decoding" in out and "speculative decoding" not in plain_out
-    bench = run_cli("--bench", "--num-seqs", 2, "--input-len", "8", "--output-len", "8",
+    assert "speculative decoding" in r.stdout and "speculative decoding" not in plain_out
+    bench = run_cli("--model", tiny_model, "--bench", "--num-seqs", 2, "--input-len", "8", "--output-len", "8",
                     "--speculative-config", SPECULATIVE)
     assert bench.returncode == 0, bench.stderr
 
 
 @pytest.mark.parametrize("flags,ranks", [(["--tp", "2"], 2), (["--disagg", "1:1"], 2), (["--dp", "2"], 2)])
-def test_speculative_config_under_mpirun(tmp_path, default_model, flags, ranks):
+def test_speculative_config_under_mpirun(tmp_path, looping, flags, ranks):
     """Every engine a run over ranks builds gets the proposer (under --tp, rank 0's): the
     tokens of one engine without it, and drafts accepted."""
     from test_tp import have_mpi, launch
     if not have_mpi():
         pytest.skip("needs mpi4py and mpirun")
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text('Repeat exactly: {"name": "Ada", "age": 36, "city": "London"}\nName a colour.\n')
-    common = ["run.py", "--prompt-file", str(prompts), "--temperature", "0", "--max-tokens", "32"]
-    one = run_cli(*common[1:], "--output", tmp_path / "one.jsonl")
-    assert one.returncode == 0, one.stderr
-    proc = launch([*common, *flags, "--output", str(tmp_path / "spec.jsonl"), "--summary-json",
+    args, plain, _, _ = looping
+    proc = launch(["run.py", *map(str, args), *flags, "--output", str(tmp_path / "spec.jsonl"), "--summary-json",
                    str(tmp_path / "spec.json"), "--speculative-config", SPECULATIVE], ranks)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    tokens = [[json.loads(line)["token_ids"] for line in (tmp_path / name).read_text().splitlines()]
-              for name in ("one.jsonl", "spec.jsonl")]
-    assert tokens[1] == tokens[0]
+    assert [json.loads(line)["token_ids"] for line in (tmp_path / "spec.jsonl").read_text().splitlines()] == plain
     summary = json.loads((tmp_path / "spec.json").read_text())
     assert summary["spec_decode_num_accepted_tokens"] > 0, proc.stdout
