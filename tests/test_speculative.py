@@ -95,11 +95,14 @@ def test_prefix_hits_after_speculation_are_its_verified_blocks(tiny_model, tiny_
     assert metrics_of(engine).prefix_hits > 0
 
 
-def test_int8_kv_cache(tiny_model):
-    """int8 KV on the CPU is batch-invariant: speculation changes no token and no logit bit."""
+@pytest.mark.parametrize("pool", [{"kv_cache_dtype": "int8"}, {"batch_invariant": True}])
+def test_batch_invariant_runs_keep_every_logit_bit(tiny_model, pool):
+    """Batch-invariant on the CPU (the default for an int8 KV pool): a row's logits do not
+    depend on the rows beside it, so speculation changes no token and no logit bit (the
+    logprobs of accepted tokens are those without speculation, exactly)."""
     prompts = shared_prefix_prompts(512, np.random.default_rng(3))
-    plain = LLMEngine(EngineConfig(model=str(tiny_model), device="cpu", num_blocks=4096, kv_cache_dtype="int8"))
-    engine, checked = speculating(tiny_model, num_blocks=4096, kv_cache_dtype="int8")
+    plain = LLMEngine(EngineConfig(model=str(tiny_model), device="cpu", num_blocks=4096, **pool))
+    engine, checked = speculating(tiny_model, num_blocks=4096, **pool)
     want, got = plain.generate(prompts, GREEDY), engine.generate(prompts, GREEDY)
     assert [s.output_token_ids for s in got] == [s.output_token_ids for s in want]
     assert all(np.array_equal(np.stack(a.logits), np.stack(b.logits)) for a, b in zip(got, want))
