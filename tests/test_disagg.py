@@ -17,7 +17,9 @@ from nano.disagg.serving import DecodeInstance, PrefillInstance, Router, parse_s
 from nano.engine import LLMEngine
 from nano.errors import NanoError
 from nano.sequence import SamplingParams, Sequence, Status
+from nano.speculative import attach
 from nano.telemetry.metrics import Metrics, metrics_of
+from test_speculative import Checked
 from test_stress import check_invariants, make_requests
 from test_tp import PROMPTS, assert_one_line_error, interrupt_one_rank, launch, needs_mpi
 
@@ -28,19 +30,26 @@ def small_pieces(monkeypatch):
     monkeypatch.setattr(kv_transfer, "PIECE_BYTES", 2 * 2 * 2 * 2 * 8 * 16 * 4)
 
 
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
 def tiny_config(model, **overrides) -> EngineConfig:
     base = dict(model=str(model), device="cpu", num_blocks=64, block_size=8, max_num_batched_tokens=48,
                 max_num_seqs=12, watermark=0.05, swap_space=32 * 8 * (2 * 2 * 2 * 16 * 4))
     return EngineConfig(**{**base, **overrides})
 
 
-def cluster(prefill: list[EngineConfig], decode: list[EngineConfig], links=None) -> list[Node]:
-    """One engine per config, prefill instances first (rank 0 routes), all in this process."""
+def cluster(prefill: list[EngineConfig], decode: list[EngineConfig], links=None, speculative=None) -> list[Node]:
+    """One engine per config, prefill instances first (rank 0 routes), all in this process;
+    the decode instances speculate with the `speculative` config, if given."""
     links = links or LocalLinks(len(prefill) + len(decode))
     nodes = []
     for rank, config in enumerate(prefill + decode):
         kind = PrefillInstance if rank < len(prefill) else DecodeInstance
         engine = LLMEngine(config)
+        if kind is DecodeInstance and speculative:
+            attach(engine, speculative)
+            engine.observers.append(Checked(engine))  # its rollback checked after every step
         Metrics.attach(engine)
         nodes.append(Node(kind(engine, links.link(rank))))
     nodes[0].router = Router(links.link(0), len(prefill), len(decode), prefill[0].block_size,
@@ -91,12 +100,13 @@ def workload(seed: int, n: int = 40):
 
 
 # ---- equivalence ------------------------------------------------------------------------
-@pytest.mark.parametrize("split,kv", [((1, 1), "auto"), ((2, 1), "auto"), ((1, 2), "auto"), ((1, 1), "int8")])
-def test_same_tokens_as_one_engine(tiny_model, split, kv):
+@pytest.mark.parametrize("split,kv,speculative", [((1, 1), "auto", None), ((2, 1), "auto", None), ((1, 2), "auto", None),
+                                                  ((1, 1), "int8", None), ((1, 1), "auto", SPECULATIVE)])
+def test_same_tokens_as_one_engine(tiny_model, split, kv, speculative):
     config = tiny_config(tiny_model, kv_cache_dtype=kv)
     prompts, params = workload(sum(split))
     links = LocalLinks(sum(split))
-    nodes = cluster([config] * split[0], [config] * split[1], links)
+    nodes = cluster([config] * split[0], [config] * split[1], links, speculative)
     results = serve(nodes, prompts, params)
     expected = colocated(config, prompts, params)
     assert [r.output_token_ids for r in results] == [e.output_token_ids for e in expected]
@@ -106,6 +116,9 @@ def test_same_tokens_as_one_engine(tiny_model, split, kv):
     assert s["prefix_cache_hit_rate"] > 0  # the prefill side's prefix cache at work
     assert s["handoffs"] == sum(e.num_output_tokens > 1 for e in expected)  # the rest end at their first token
     assert all(r.summary["steps"] > 0 for r in nodes[0].router.reports.values())  # routing spreads the work
+    if speculative:  # the decode side checked drafts and accepted some
+        checked = next(o for o in nodes[-1].instance.engine.observers if isinstance(o, Checked))
+        assert checked.accepted > 0 and checked.rejected > 0
 
 
 # ---- checksums ----------------------------------------------------------------------------

@@ -13,6 +13,7 @@ Each runs in a subprocess (this file as a script) in which the emulator's CuPy s
 import pickle
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -37,7 +38,7 @@ def test_gpu_engine_path_matches_cpu_on_the_emulator(tmp_path):
     done = subprocess.run([sys.executable, __file__, "engine", str(tmp_path)], capture_output=True,
                           text=True, timeout=600, cwd=TESTS.parent)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    for what in ("configs agree", "graphs agree", "prompt logprobs agree", "disaggregated handoffs agree",
+    for what in ("configs agree", "graphs agree", "prompt logprobs agree", "speculation agrees", "disaggregated handoffs agree",
                  "qwen3 agrees", "gemma3 agrees"):
         assert what in done.stdout, what
 
@@ -62,7 +63,7 @@ def engine_checks(workdir: str) -> None:
     from nano.engine import LLMEngine
     from nano.errors import NanoError
     from test_disagg import check_gpu_handoff
-    from test_engine_gpu import GPU_CONFIGS, check_gpu_config, check_prompt_logprobs, prompts_for
+    from test_engine_gpu import GPU_CONFIGS, check_gpu_config, check_prompt_logprobs, check_speculation, prompts_for
     from test_graphs_gpu import check_graphs_keep_greedy_output, check_replay_with_padding
 
     from reference import make_random_model
@@ -79,6 +80,8 @@ def engine_checks(workdir: str) -> None:
         check_replay_with_padding(model_dir, 3 if kv == "auto" else 13, kv)
     print("graphs agree with eager steps")
     print(f"prompt logprobs agree: largest difference {check_prompt_logprobs(model_dir, prompts[:2]):.2e}")
+    kinds = check_speculation(model_dir, prompts[:3])
+    print(f"speculation agrees: {kinds.accepted} drafts accepted; steps {Counter(kinds.kinds)}")
     for kv in ("auto", "int8"):
         check_gpu_handoff(model_dir, kv)
     print("disaggregated handoffs agree")

@@ -32,6 +32,7 @@ import nano.shard
 import nano.tp
 from nano.config import TOKEN_BUDGET, EngineConfig
 from nano.engine import LLMEngine
+from nano.graphs import GraphStep
 from nano.sequence import LogitsProcessor, SamplingParams
 from nano.telemetry.metrics import Metrics, metrics_of
 from reference import LLAMA_32_1B, SMOLLM2_135M, assert_greedy_runs_agree, make_random_model
@@ -157,6 +158,46 @@ def check_gpu_config(model_dir, prompts, name, cpu_runs: dict, max_tokens=MAX_TO
     return engine, gpu
 
 
+class StepKinds:
+    """An observer: each step's kind, "graph" (a replayed decode graph), "drafts" (an eager step
+    that checked drafts) or "eager", and how many drafts were accepted."""
+
+    def __init__(self, engine):
+        self.kinds, self.accepted, forward = [], 0, engine.forward
+        engine.forward = lambda inputs: (self.kinds.append("graph" if isinstance(inputs, GraphStep) else "eager"),
+                                         forward(inputs))[1]
+
+    def on_step(self, plan, *_):
+        rows = plan.rows
+        if any(d != -1 for d in rows.drafts):
+            self.kinds[-1] = "drafts"
+        # A row's draft was accepted if the row's output token (this step's, at its counter) is it.
+        self.accepted += sum(d != -1 and len(s.output_token_ids) > c and s.output_token_ids[c] == d
+                             for s, c, d in zip(rows.sampling, rows.counters, rows.drafts))
+
+    def on_finish(self, seq):
+        pass
+
+    def on_abort(self, seq):
+        pass
+
+
+def check_speculation(model_dir, prompts, max_tokens=16) -> StepKinds:
+    """n-gram speculation on the GPU path, drafts checked through the prefill attention kernel,
+    against the CPU path without it; the steps that check no draft still replay CUDA graphs
+    (a step with a draft anywhere in it runs eagerly, the whole batch)."""
+    from nano.speculative import attach
+    ref = cpu_reference(model_dir, prompts, max_tokens)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device="gpu", num_blocks=256))
+    attach(engine, {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2})
+    kinds = StepKinds(engine)
+    engine.observers.append(kinds)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, return_logits=True)
+    assert_greedy_runs_agree(ref, engine.generate(prompts, params), LOGIT_TOL)
+    assert "graph" in kinds.kinds and "drafts" in kinds.kinds, kinds.kinds
+    return kinds
+
+
 def check_prompt_logprobs(model_dir, prompts, **gpu_args):
     """Prompt logprobs scored on the device (Sampler.score on device arrays) against the
     CPU's: each token's logprob and the k best logprobs, by value (a near-tie may order two
@@ -269,6 +310,13 @@ def test_gpu_engine_matches_cpu(shaped_model, config, cpu_runs):
     work = WORKLOADS[shape]
     tight = {"num_blocks": work["tight_blocks"]} if "preempt_" in config else {}
     check_gpu_config(model_dir, prompts_for(vocab, **work["prompts"]), config, cpu_runs, work["max_tokens"], **tight)
+
+
+def test_gpu_speculation_matches_cpu(shaped_model):
+    model_dir, vocab, shape = shaped_model
+    if shape != "smollm2_135m":
+        pytest.skip("compared on the SmolLM2 shape")
+    check_speculation(model_dir, prompts_for(vocab, n=3))
 
 
 def test_gpu_prompt_logprobs_match_cpu(shaped_model):

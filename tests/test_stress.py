@@ -8,7 +8,9 @@ import pytest
 from nano.config import EngineConfig
 from nano.engine import LLMEngine
 from nano.sequence import SamplingParams, Status
+from nano.speculative import attach
 from nano.telemetry.metrics import Metrics
+from test_speculative import SPEC, Checked
 
 
 def check_invariants(engine: LLMEngine) -> None:
@@ -52,8 +54,9 @@ def make_requests(rng, n, vocab):
     return prompts, params
 
 
-@pytest.mark.parametrize("preemption,seed", [("auto", 0), ("swap", 1), ("recompute", 2)])
-def test_stress_invariants(tiny_model, tiny_dense, preemption, seed):
+@pytest.mark.parametrize("preemption,seed,speculative", [("auto", 0, False), ("swap", 1, False), ("recompute", 2, False),
+                                                       ("auto", 3, True)])
+def test_stress_invariants(tiny_model, tiny_dense, preemption, seed, speculative):
     rng = np.random.default_rng(seed)
     config = EngineConfig(model=str(tiny_model), device="cpu", num_blocks=40, block_size=8,
                           max_num_batched_tokens=int(rng.integers(16, 96)), max_num_seqs=12,
@@ -63,6 +66,9 @@ def test_stress_invariants(tiny_model, tiny_dense, preemption, seed):
                           swap_space=24 * 8 * (2 * 2 * 2 * 16 * 4))
     engine = LLMEngine(config)
     m = Metrics.attach(engine)
+    if speculative:  # drafts too: each step's rollback checked as well
+        attach(engine, SPEC)
+        engine.observers.append(checked := Checked(engine))
     prompts, params = make_requests(rng, 300, 512)
 
     schedule = engine.scheduler.schedule
@@ -91,6 +97,8 @@ def test_stress_invariants(tiny_model, tiny_dense, preemption, seed):
     for s in seqs:
         assert s.num_output_tokens == s.params.max_tokens or s.finish_reason == "stop"
     assert sum(m.preemptions.values()) > 0 and m.prefix_hits > 0
+    if speculative:
+        assert checked.accepted > 0 and checked.rejected > 0
     if preemption == "auto":
         assert "recompute:no_swap_space" in m.preemption_reasons or m.preemptions["swap"] > 0
     # Pool drained: every block back, all host blocks free.
