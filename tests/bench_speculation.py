@@ -3,8 +3,9 @@
     python tests/bench_speculation.py [--k 4] [--lookup-max 4] [--lookup-min 2]
                                       [--max-tokens 128] [--batch 32] [--out FILE.json]
 
-The default model, greedy, one engine (warmed up, its KV pool touched) with speculation
-attached and detached between runs. Three parts:
+The default model, greedy, one engine (warmed up, its KV pool touched; prefix caching off, so
+the second run of a prompt computes it afresh too) with speculation attached and detached
+between runs. Three parts:
   copy prompts (tests/data/copy_prompts.jsonl): one sequence at a time (B=1), each prompt
       without then with speculation: output tok/s of each run (its prefill included), the
       acceptance rate (accepted / draft tokens) and mean accepted length (1 + accepted / drafts:
@@ -94,20 +95,12 @@ def random_prompts(vocab: int) -> list[dict]:
 
 
 def hf_figures() -> dict | None:
+    """{name: (plain tok/s, prompt-lookup tok/s, plain output ids)} from tests/bench_speculation_hf.py's JSON."""
     path = DATA / "copy_prompts_hf.json"
     if not path.exists():
         return None
-    data = json.loads(path.read_text())
-    rows = data.get("prompts", data.get("rows", data)) if isinstance(data, dict) else data
-    if isinstance(rows, dict):  # {name: {...}}
-        rows = [{"name": k, **v} for k, v in rows.items()]
-    out = {}
-    for r in rows:
-        plain = next((r[k] for k in ("plain_tok_s", "plain", "off_tok_s") if k in r), None)
-        lookup = next((r[k] for k in ("lookup_tok_s", "prompt_lookup_tok_s", "lookup", "on_tok_s") if k in r), None)
-        out[r["name"]] = {"plain": plain, "lookup": lookup, "tokens": r.get("tokens") or r.get("output_tokens"),
-                          "seconds_plain": r.get("plain_s"), "seconds_lookup": r.get("lookup_s")}
-    return out
+    return {r["name"]: (r["plain"]["tok_s"], r["lookup"]["tok_s"], r["plain"].get("ids"))
+            for r in json.loads(path.read_text())["prompts"]}
 
 
 def run(engine, prompts: list, params: SamplingParams, spec: dict | None, observer: Acceptance):
@@ -133,7 +126,7 @@ def pair(engine, name: str, prompts: list, params, spec, observer) -> dict:
                              f"({a[at:at + 5]} without, {b[at:at + 5]} with)")
     tokens = sum(len(t) for t in off_tokens)
     drafts, accepted = counts["drafts"], counts["accepted"]
-    return {"name": name, "tokens": tokens, "off_s": off_s, "on_s": on_s,
+    return {"name": name, "output": off_tokens, "tokens": tokens, "off_s": off_s, "on_s": on_s,
             "off_tok_s": tokens / off_s, "on_tok_s": tokens / on_s, "speedup": off_s / on_s,
             "drafts": drafts, "accepted": accepted, "verify_rows": counts["verify_rows"],
             "acceptance": accepted / drafts if drafts else 0.0,
@@ -181,7 +174,7 @@ def main() -> None:
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max,
             "prompt_lookup_min": args.lookup_min}
 
-    engine = LLMEngine(EngineConfig(model=args.model, device="cpu", seed=0))
+    engine = LLMEngine(EngineConfig(model=args.model, device="cpu", seed=0, enable_prefix_caching=False))
     observer = Acceptance()
     engine.observers.append(observer)
     warm_up(engine)
@@ -201,8 +194,10 @@ def main() -> None:
     copy_rows = []
     for p in copies:
         row = {**pair(engine, p["name"], [p["prompt"]], params, spec, observer), "kind": p.get("kind", "")}
-        if hf and p["name"] in hf and hf[p["name"]]["lookup"]:
-            row["hf_lookup_tok_s"], row["hf_plain_tok_s"] = hf[p["name"]]["lookup"], hf[p["name"]]["plain"]
+        if hf and p["name"] in hf:
+            row["hf_plain_tok_s"], row["hf_lookup_tok_s"], ids = hf[p["name"]]
+            row["same_as_hf"] = ids == row.pop("output")[0] if ids is not None else None
+        row.pop("output", None)
         copy_rows.append(row)
         print(f"  {p['name']}: {row['off_tok_s']:.1f} -> {row['on_tok_s']:.1f} tok/s, "
               f"acceptance {100 * row['acceptance']:.0f}%", flush=True)
@@ -210,18 +205,22 @@ def main() -> None:
     if hf and all("hf_lookup_tok_s" in r for r in copy_rows):
         hf_s = sum(r["tokens"] / r["hf_lookup_tok_s"] for r in copy_rows)  # the same tokens at HF's rate
         copy_total["hf_lookup_tok_s"] = copy_total["tokens"] / hf_s
-    random_rows = [pair(engine, p["name"], [p["prompt_ids"]], params, spec, observer) for p in randoms]
+    random_rows = [{k: v for k, v in pair(engine, p["name"], [p["prompt_ids"]], params, spec, observer).items() if k != "output"}
+                   for p in randoms]
     random_total = total(random_rows) if random_rows else None
     batch_row = None
     if args.batch:
         prompts = [copies[i % len(copies)]["prompt"] for i in range(args.batch)]
         batch_row = pair(engine, f"{args.batch} copy prompts at once", prompts, params, spec, observer)
+        batch_row.pop("output")
 
     print(f"\n### Copy prompts, B=1\n\n{table(copy_rows + [copy_total], hf if hf else None)}")
     if hf:
         print("\nHF lookup tok/s: transformers' generate(prompt_lookup_num_tokens=...), measured by "
               "tests/bench_speculation_hf.py (tests/data/copy_prompts_hf.json); its total is the same "
               "tokens at each prompt's rate.")
+        same = [r["same_as_hf"] for r in copy_rows if r.get("same_as_hf") is not None]
+        print(f"nano's greedy output equals transformers' on {sum(same)} of {len(same)} prompts.")
     if random_rows:
         print(f"\n### Random-token prompts, B=1\n\n{table(random_rows + [random_total])}")
     if batch_row:
