@@ -221,13 +221,19 @@ def main() -> None:
               "tokens at each prompt's rate.")
         same = [r["same_as_hf"] for r in copy_rows if r.get("same_as_hf") is not None]
         print(f"nano's greedy output equals transformers' on {sum(same)} of {len(same)} prompts.")
+    kinds = {}
+    for r in copy_rows:
+        kinds.setdefault(r["kind"], []).append(r)
+    by_kind = [{**total(rows, kind), "kind": f"{len(rows)} prompts"} for kind, rows in kinds.items()]
+    print(f"\n### Copy prompts by kind, B=1\n\n{table(by_kind)}")
     if random_rows:
         print(f"\n### Random-token prompts, B=1\n\n{table(random_rows + [random_total])}")
     if batch_row:
         print(f"\n### {args.batch} sequences at once\n\n{table([batch_row])}")
     if args.out:
         Path(args.out).write_text(json.dumps({"spec": spec, "max_tokens": args.max_tokens, "copy": copy_rows,
-                                              "copy_total": copy_total, "random": random_rows,
+                                              "copy_total": copy_total,
+                                              "copy_by_kind": by_kind, "random": random_rows,
                                               "random_total": random_total, "batch": batch_row,
                                               "date": time.strftime("%Y-%m-%d %H:%M %Z")}, indent=1) + "\n")
 
