@@ -9,7 +9,7 @@ between runs. Three parts:
   copy prompts (tests/data/copy_prompts.jsonl): one sequence at a time (B=1), each prompt
       without then with speculation: output tok/s of each run (its prefill included), the
       acceptance rate (accepted / draft tokens) and mean accepted length (1 + accepted / drafts:
-      tokens a verify step yields per sequence), from an engine observer;
+      tokens a verify step yields per sequence), from nano/telemetry's Metrics;
   random-token prompts (tests/data/random_prompts.jsonl): the same at B=1, nothing to find;
   --batch sequences at once (the copy prompts, cycled) without vs with.
 Every pair of runs must give the same tokens (greedy): the bench fails otherwise. Where
@@ -32,41 +32,9 @@ from nano.config import EngineConfig  # noqa: E402
 from nano.engine import LLMEngine  # noqa: E402
 from nano.sequence import SamplingParams  # noqa: E402
 from nano.speculative import attach  # noqa: E402
+from nano.telemetry.metrics import Metrics, reset_metrics  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data"
-
-
-class Acceptance:
-    """Engine observer: draft tokens checked and accepted, summed over every step it sees."""
-
-    def __init__(self):
-        self.drafts = self.accepted = self.verify_rows = 0
-
-    def reset(self):
-        self.drafts = self.accepted = self.verify_rows = 0
-
-    def on_step(self, plan, *_):
-        rows, i = plan.rows, 0
-        while i < len(rows.sampling):
-            seq, j = rows.sampling[i], i
-            while j < len(rows.sampling) and rows.sampling[j] is seq:
-                j += 1
-            drafts = [d for d in rows.drafts[i:j] if d != -1]
-            if drafts:
-                new = seq.output_token_ids[rows.counters[i]:]
-                n = 0
-                while n < len(drafts) and n < len(new) and new[n] == drafts[n]:
-                    n += 1
-                self.drafts += len(drafts)
-                self.accepted += n
-                self.verify_rows += 1
-            i = j
-
-    def on_finish(self, seq):
-        pass
-
-    def on_abort(self, seq):
-        pass
 
 
 def copy_prompts(tokenizer) -> list[dict]:
@@ -103,22 +71,22 @@ def hf_figures() -> dict | None:
             for r in json.loads(path.read_text())["prompts"]}
 
 
-def run(engine, prompts: list, params: SamplingParams, spec: dict | None, observer: Acceptance):
+def run(engine, prompts: list, params: SamplingParams, spec: dict | None):
     """One generate call (all prompts at once) with speculation on (spec) or off: tokens, seconds, counts."""
     attach(engine, spec)
-    observer.reset()
+    metrics = reset_metrics(engine)  # nano/telemetry's counts of this call's drafts
     start = time.perf_counter()
     seqs = engine.generate(prompts, params)
     seconds = time.perf_counter() - start
     attach(engine, None)
     return ([s.output_token_ids for s in seqs], seconds,
-            dict(drafts=observer.drafts, accepted=observer.accepted, verify_rows=observer.verify_rows))
+            dict(drafts=metrics.spec_draft_tokens, accepted=metrics.spec_accepted, verify_rows=metrics.spec_drafts))
 
 
-def pair(engine, name: str, prompts: list, params, spec, observer) -> dict:
+def pair(engine, name: str, prompts: list, params, spec) -> dict:
     """The same prompts without, then with speculation; fails loudly if the tokens differ."""
-    off_tokens, off_s, _ = run(engine, prompts, params, None, observer)
-    on_tokens, on_s, counts = run(engine, prompts, params, spec, observer)
+    off_tokens, off_s, _ = run(engine, prompts, params, None)
+    on_tokens, on_s, counts = run(engine, prompts, params, spec)
     for i, (a, b) in enumerate(zip(off_tokens, on_tokens)):
         if a != b:
             at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -176,8 +144,7 @@ def main() -> None:
             "prompt_lookup_min": args.lookup_min}
 
     engine = LLMEngine(EngineConfig(model=args.model, device="cpu", seed=0, enable_prefix_caching=False))
-    observer = Acceptance()
-    engine.observers.append(observer)
+    Metrics.attach(engine)
     warm_up(engine)
     attach(engine, spec)  # the speculative step's shapes warmed up too
     engine.generate([list(range(3, 19)) * 2], SamplingParams(max_tokens=8, ignore_eos=True))
@@ -194,7 +161,7 @@ def main() -> None:
 
     copy_rows = []
     for p in copies:
-        row = {**pair(engine, p["name"], [p["prompt"]], params, spec, observer), "kind": p.get("kind", "")}
+        row = {**pair(engine, p["name"], [p["prompt"]], params, spec), "kind": p.get("kind", "")}
         if hf and p["name"] in hf:
             row["hf_plain_tok_s"], row["hf_lookup_tok_s"], ids = hf[p["name"]]
             row["same_as_hf"] = ids == row.pop("output")[0] if ids is not None else None
@@ -206,13 +173,13 @@ def main() -> None:
     if hf and all("hf_lookup_tok_s" in r for r in copy_rows):
         hf_s = sum(r["tokens"] / r["hf_lookup_tok_s"] for r in copy_rows)  # the same tokens at HF's rate
         copy_total["hf_lookup_tok_s"] = copy_total["tokens"] / hf_s
-    random_rows = [{k: v for k, v in pair(engine, p["name"], [p["prompt_ids"]], params, spec, observer).items() if k != "output"}
+    random_rows = [{k: v for k, v in pair(engine, p["name"], [p["prompt_ids"]], params, spec).items() if k != "output"}
                    for p in randoms]
     random_total = total(random_rows) if random_rows else None
     batch_row = None
     if args.batch:
         prompts = [copies[i % len(copies)]["prompt"] for i in range(args.batch)]
-        batch_row = pair(engine, f"{args.batch} copy prompts at once", prompts, params, spec, observer)
+        batch_row = pair(engine, f"{args.batch} copy prompts at once", prompts, params, spec)
         batch_row.pop("output")
 
     print(f"\n### Copy prompts, B=1\n\n{table(copy_rows + [copy_total], hf if hf else None)}")

@@ -225,7 +225,7 @@ def test_speculative_config_keeps_the_greedy_output(tmp_path, looping, tiny_mode
     assert bench.returncode == 0, bench.stderr
 
 
-@pytest.mark.parametrize("flags,ranks", [(["--tp", "2"], 2), (["--disagg", "1:1"], 2), (["--dp", "2"], 2)])
+@pytest.mark.parametrize("flags,ranks", [(["--tp", "2"], 2), (["--disagg", "1:1"], 2)])
 def test_speculative_config_under_mpirun(tmp_path, looping, flags, ranks):
     """Every engine a run over ranks builds gets the proposer (under --tp, rank 0's): the
     tokens of one engine without it, and drafts accepted."""

@@ -78,7 +78,7 @@ def test_a_stop_string_inside_an_accepted_run_ends_the_output_where_it_would(ser
     falls inside an accepted run)."""
     plain, speculative = servers
     inside = []
-    for stop in ('"born"', "1815", "London", "math"):
+    for stop in ("1815", "math"):  # "1815" falls inside an accepted run
         for streaming in (False, True):
             results = []
             for srv in servers:

@@ -22,6 +22,7 @@ from nano.chat.template import render
 from nano.lab.experiment import Experiment, Size, engine, serve
 from nano.sequence import SamplingParams
 from nano.speculative import attach
+from nano.telemetry.metrics import reset_metrics
 
 ACCURACIES = (0.0, 0.5, 0.8, 1.0)  # at k = 4
 KS = (1, 2, 4, 8)                  # at accuracy 0 and 1
@@ -60,59 +61,29 @@ def prompts_for(size: Size, eng) -> list:
     return [eng.tokenizer.encode(render(eng.tokenizer, ask)) for ask in ASKS]
 
 
-class Counter:
-    """Engine observer: draft tokens checked and accepted, and the verify rows (a sequence's
-    rows in a step that checked drafts)."""
-
-    def __init__(self):
-        self.drafts = self.accepted = self.verifies = 0
-
-    def on_step(self, plan, *_):
-        rows, i = plan.rows, 0
-        while i < len(rows.sampling):
-            seq, j = rows.sampling[i], i
-            while j < len(rows.sampling) and rows.sampling[j] is seq:
-                j += 1
-            drafts = [d for d in rows.drafts[i:j] if d != -1]
-            if drafts:
-                new, n = seq.output_token_ids[rows.counters[i]:], 0
-                while n < len(drafts) and n < len(new) and new[n] == drafts[n]:
-                    n += 1
-                self.drafts, self.accepted, self.verifies = self.drafts + len(drafts), self.accepted + n, self.verifies + 1
-            i = j
-
-    def on_finish(self, seq):
-        pass
-
-    def on_abort(self, seq):
-        pass
-
-
-def timed(eng, prompts: list, params: SamplingParams, counter: Counter, reps: int):
+def timed(eng, prompts: list, params: SamplingParams, reps: int):
     """The prompts one at a time (B = 1), the faster of reps runs: tokens per prompt, seconds, counts."""
     best = None
     for _ in range(reps):
-        counter.drafts = counter.accepted = counter.verifies = 0
+        counts = reset_metrics(eng)  # nano/telemetry's counts of this run's drafts
         start, outputs = time.perf_counter(), []
         for p in prompts:
             outputs += [s.output_token_ids for s in serve(eng, [(p, params)])]
         seconds = time.perf_counter() - start
         if best is None or seconds < best[1]:
-            best = outputs, seconds, (counter.drafts, counter.accepted, counter.verifies)
+            best = outputs, seconds, (counts.spec_draft_tokens, counts.spec_accepted, counts.spec_drafts)
     return best
 
 
 def run(size: Size) -> list[dict]:
     s = settings(size)
     eng = engine(size, enable_prefix_caching=False)  # every run computes its prompts afresh
-    counter = Counter()
-    eng.observers.append(counter)
     params = SamplingParams(temperature=0, max_tokens=s["max_tokens"], ignore_eos=size.quick)
     prompts = prompts_for(size, eng)
     attach(eng, {"method": "ngram", "num_speculative_tokens": max(KS)})  # warm the verify step's shapes
     serve(eng, [(prompts[0], SamplingParams(temperature=0, max_tokens=8))])
     attach(eng, None)
-    references, off_s, _ = timed(eng, prompts, params, counter, 2)  # every speed-up's base: the faster of two
+    references, off_s, _ = timed(eng, prompts, params, 2)  # every speed-up's base: the faster of two
     refs = {tuple(p): r for p, r in zip(prompts, references)}
     tokens = sum(len(r) for r in references)
     rng = np.random.default_rng(size.seed)
@@ -130,7 +101,7 @@ def run(size: Size) -> list[dict]:
         else:
             attach(eng, {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
                          "prompt_lookup_min": 2})
-        outputs, seconds, (drafts, accepted, verifies) = timed(eng, prompts, params, counter, s["reps"])
+        outputs, seconds, (drafts, accepted, verifies) = timed(eng, prompts, params, s["reps"])
         eng.proposer = None
         rows.append({"proposer": proposer, "k": k, "accuracy": accuracy, "tokens": tokens,
                      "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
