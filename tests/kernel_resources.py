@@ -4,7 +4,9 @@ kernel instance as ptxas reports them (docs/perf_notes.md keeps the table).
 
     python tests/kernel_resources.py
 """
+import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 from cupy_backends.cuda.libs import nvrtc
 
@@ -22,8 +24,7 @@ def compile_all(arch: str = "sm_90", extra_options: tuple = ()) -> dict:
     --device-as-default-execution-space at load time) and `extra_options` (e.g. ptxas's
     resource report, see tests/kernel_resources.py). Returns {file name: compile log};
     raises RuntimeError with the log if a file does not compile."""
-    logs = {}
-    for name in kernels.SOURCES:
+    def compile_one(name: str) -> str:
         prog = nvrtc.createProgram((kernels.CUDA_DIR / name).read_text(), name, (), ())
         try:
             for expression in kernels._TEMPLATES.get(name, ()):
@@ -32,10 +33,14 @@ def compile_all(arch: str = "sm_90", extra_options: tuple = ()) -> dict:
                 nvrtc.compileProgram(prog, kernels._options() + (f"-arch={arch}",) + tuple(extra_options))
             except nvrtc.NVRTCError as e:
                 raise RuntimeError(f"{name} does not compile:\n{nvrtc.getProgramLog(prog)}") from e
-            logs[name] = nvrtc.getProgramLog(prog)
+            return nvrtc.getProgramLog(prog)
         finally:
             nvrtc.destroyProgram(prog)
-    return logs
+
+    # The longest first, on as many threads as cores (NVRTC compiles without holding the GIL).
+    names = sorted(kernels.SOURCES, key=lambda n: (kernels.CUDA_DIR / n).stat().st_size, reverse=True)
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        return dict(zip(names, pool.map(compile_one, names)))
 
 
 def demangle(name: str) -> str:

@@ -225,10 +225,11 @@ def test_speculative_config_keeps_the_greedy_output(tmp_path, looping, tiny_mode
     assert bench.returncode == 0, bench.stderr
 
 
-@pytest.mark.parametrize("flags,ranks", [(["--tp", "2"], 2), (["--disagg", "1:1"], 2)])
+@pytest.mark.parametrize("flags,ranks", [(["--tp", "2"], 2)])
 def test_speculative_config_under_mpirun(tmp_path, looping, flags, ranks):
-    """Every engine a run over ranks builds gets the proposer (under --tp, rank 0's): the
-    tokens of one engine without it, and drafts accepted."""
+    """A run over ranks gives its engines the proposer (under --tp, rank 0's): the tokens of
+    one engine without it, and drafts accepted (disaggregated serving with speculation:
+    tests/test_disagg.py, in one process)."""
     from test_tp import have_mpi, launch
     if not have_mpi():
         pytest.skip("needs mpi4py and mpirun")

@@ -61,7 +61,7 @@ class Checked:
 
 
 def speculating(model_dir, **engine_args) -> tuple[LLMEngine, Checked]:
-    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", **engine_args))
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", **{"num_blocks": 4096, **engine_args}))
     attach(engine, SPEC)
     checked = Checked(engine)
     engine.observers.append(checked)
