@@ -315,7 +315,7 @@ def test_a_failed_replica_ends_the_job_with_one_line_and_keeps_finished_outputs(
 
 
 @needs_mpi
-@pytest.mark.parametrize("rank", [3, 1], ids=["replica 1", "replica 0"])
+@pytest.mark.parametrize("rank", [3], ids=["replica 1"])
 def test_a_stopped_tp_rank_of_a_replica_ends_the_job_with_one_line(tiny_model, tmp_path, rank):
     """--dp 2 --tp 2, one replica's second TP rank stopped: its leader waits for it in the
     step's all-reduce, and under replica 0's (world rank 1) the router with it. Every rank's

@@ -196,9 +196,8 @@ def test_a_stopped_rank_under_serve_tp2_turns_health_503_and_ends_the_job():
 @needs_mpi
 @pytest.mark.parametrize("mode,rank,when", [
     (["--tp", "2"], 1, "loading"),
-    (["--disagg", "1:1"], 1, "loading"),
     (["--disagg", "1:1"], 0, "stepping"),
-], ids=["tp2 rank 1 loading", "disagg rank 1 loading", "disagg router stepping, resumed"])
+], ids=["tp2 rank 1 loading", "disagg router stepping, resumed"])
 def test_a_stopped_rank_is_named_from_the_first_collective_on(tmp_path, mode, rank, when):
     """Stopped while loading its weights (the other rank waits in a start-up collective), or
     the router itself stopped mid-run past the timeout, then resumed: the other rank names
