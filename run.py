@@ -31,6 +31,7 @@ from nano.dp import cli as dp
 from nano.errors import NanoError
 from nano.lab import cli as lab
 from nano.server import cli as server
+from nano.speculative import attach
 from nano.speculative import cli as speculative
 from nano.telemetry import heartbeat
 from nano.telemetry.watchdog import abort_all
@@ -88,7 +89,7 @@ def main(argv=None) -> int:
     from nano.telemetry.metrics import Metrics
     engine = LLMEngine(config, policy=policy)
     Metrics.attach(engine)
-    speculative.attach_to(engine, args.speculative)
+    attach(engine, args.speculative)
     print(describe(engine), file=sys.stderr)
     if args.serve:
         return server.serve(args, engine)

@@ -13,7 +13,7 @@ from nano.cli.prompts import Workload
 from nano.config import EngineConfig
 from nano.errors import NanoError
 from nano.sequence import SamplingParams
-from nano.speculative.cli import attach_to
+from nano.speculative import attach
 from nano.telemetry.metrics import Metrics, metrics_of
 from nano.telemetry.summary import format_summary, summarize
 
@@ -139,7 +139,7 @@ def rate_bench(args, config: EngineConfig, params: SamplingParams, policies: dic
     for policy, policy_class in policies.items():
         engine = LLMEngine(config, policy=policy_class)
         Metrics.attach(engine)
-        attach_to(engine, args.speculative)
+        attach(engine, args.speculative)
         if policy == "fcfs":
             print(describe(engine), file=sys.stderr)
         inputs, per_request = bench_requests(args, engine, params)
@@ -168,7 +168,7 @@ def policy_compare(args, config: EngineConfig, policies: dict) -> int:
         gc.collect()  # free the previous engine's KV pool before this one sizes its own
         engine = LLMEngine(config, policy=policies[policy])
         Metrics.attach(engine)
-        attach_to(engine, args.speculative)
+        attach(engine, args.speculative)
         warm_up(engine)
         return engine
 

@@ -13,7 +13,7 @@ from nano.disagg import serving
 from nano.errors import NanoError
 from nano.fleet.cli import RankRun
 from nano.sequence import SamplingParams
-from nano.speculative.cli import attach_to
+from nano.speculative import attach
 from nano.telemetry.metrics import Metrics
 from nano.telemetry.summary import format_summary
 
@@ -71,7 +71,7 @@ def disagg_compare(args, argv: list[str], config: EngineConfig, workload, engine
     from nano.engine import LLMEngine
     engine = LLMEngine(config, policy=engine_policy)
     Metrics.attach(engine)
-    attach_to(engine, args.speculative)
+    attach(engine, args.speculative)
     print(describe(engine), file=sys.stderr)
     w = workload(engine)
     warm_up(engine)

@@ -1,7 +1,7 @@
 """run.py's --speculative-config: vLLM's JSON, checked before any model loads, and the
 proposer it asks for attached to every engine the command line builds (nano/speculative)."""
 from nano.errors import NanoError
-from nano.speculative import SpeculativeConfig, attach, parse
+from nano.speculative import SpeculativeConfig, parse
 
 
 def add_arguments(p) -> None:
@@ -22,9 +22,3 @@ def check_args(args) -> SpeculativeConfig | None:
     if args.speculative and args.capacity:
         raise NanoError("--capacity runs no requests: drop --speculative-config")
     return args.speculative
-
-
-def attach_to(engine, speculative: SpeculativeConfig | None) -> None:
-    """Speculation on for this engine when a config was given."""
-    if speculative is not None:
-        attach(engine, speculative)
