@@ -148,11 +148,8 @@ def quantize(x):
 def _gather_context(cache, block_table, context_len):
     """One sequence's first context_len cached rows: cache (num_blocks, nkv, block_size, *rest)
     -> (nkv, context_len, *rest); rest is (d,) for K/V and () for their scales."""
-    nkv, block_size = cache.shape[1:3]
-    num_blocks = -(-context_len // block_size)
-    blocks = cache[block_table[:num_blocks]]  # (n, nkv, block_size, *rest)
-    blocks = np.moveaxis(blocks, 1, 0)
-    return blocks.reshape(nkv, num_blocks * block_size, *cache.shape[3:])[:, :context_len]
+    num_blocks = -(-context_len // cache.shape[2])
+    return _gather_tables(cache, block_table[None, :num_blocks])[0, :, :context_len]
 
 
 def _seen(keys, positions, window):
@@ -173,9 +170,9 @@ def _attend(q, keys, values, query_positions, scale, window, k_scale=None, v_sca
     scores = qg @ keys.transpose(0, 2, 1).astype(np.float32, copy=False)  # (nkv, n*group, ctx)
     scores *= scale if k_scale is None else scale * k_scale[:, None, :].astype(np.float32)
     pos = np.repeat(query_positions, group)  # row r belongs to query r // group
-    scores = np.where(_seen(np.arange(ctx), pos[:, None], window), scores, -np.inf)
+    np.copyto(scores, -np.inf, where=~_seen(np.arange(ctx), pos[:, None], window))  # in place: no temporaries
     scores -= scores.max(axis=-1, keepdims=True)
-    probs = np.exp(scores)
+    probs = np.exp(scores, out=scores)
     probs /= probs.sum(axis=-1, keepdims=True)
     if v_scale is not None:
         probs *= v_scale[:, None, :].astype(np.float32)
