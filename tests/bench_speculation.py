@@ -23,10 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import nano  # noqa: E402, F401  (before NumPy: nano's BLAS settings)
-import numpy as np  # noqa: E402
-
-from nano.chat.template import render  # noqa: E402
+import nano  # noqa: E402, F401  (first: nano's BLAS settings, before anything loads NumPy)
 from nano.cli.offline import warm_up  # noqa: E402
 from nano.config import EngineConfig  # noqa: E402
 from nano.engine import LLMEngine  # noqa: E402
@@ -37,29 +34,9 @@ from nano.telemetry.metrics import Metrics, reset_metrics  # noqa: E402
 DATA = Path(__file__).resolve().parent / "data"
 
 
-def copy_prompts(tokenizer) -> list[dict]:
-    path = DATA / "copy_prompts.jsonl"
-    if path.exists():
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    # a few of the same shape while the prompt set is not in the checkout
-    code = ("def mean(xs):\n    total = 0\n    for x in xs:\n        total += x\n    return total / len(xs)\n\n"
-            "def variance(xs):\n    m = mean(xs)\n    total = 0\n    for x in xs:\n        total += (x - m) ** 2\n"
-            "    return total / len(xs)\n")
-    text = ("The quick brown fox jumps over the lazy dog. The dog did not move, so the fox jumped again, "
-            "higher this time, and landed in the tall grass beside the river.")
-    asks = [("code-rename", "code", f"Rename the variable total to acc in this code and show the whole code:\n\n{code}"),
-            ("repeat-text", "repeat", f"Repeat this text exactly:\n\n{text}"),
-            ("fix-typo", "edit", f"Fix the spelling and return the text: {text.replace('quick', 'quikc')}"),
-            ("open-question", "open", "What are three good reasons to learn to cook?")]
-    return [{"name": n, "kind": k, "prompt": render(tokenizer, p)} for n, k, p in asks]
-
-
-def random_prompts(vocab: int) -> list[dict]:
-    path = DATA / "random_prompts.jsonl"
-    if path.exists():
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    rng = np.random.default_rng(0)
-    return [{"name": f"random-{i}", "prompt_ids": rng.integers(3, vocab, 64).tolist()} for i in range(3)]
+def load_prompts(name: str) -> list[dict]:
+    """tests/data/<name>: one JSON object per line ({"name", "kind", "prompt"} or "prompt_ids")."""
+    return [json.loads(line) for line in (DATA / name).read_text().splitlines() if line.strip()]
 
 
 def hf_figures() -> dict | None:
@@ -151,8 +128,8 @@ def main() -> None:
     attach(engine, None)
 
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    copies = copy_prompts(engine.tokenizer)
-    randoms = random_prompts(engine.model_config.vocab_size)
+    copies = load_prompts("copy_prompts.jsonl")
+    randoms = load_prompts("random_prompts.jsonl")
     if args.limit:
         copies, randoms = copies[:args.limit], randoms[:args.limit]
     hf = hf_figures()
