@@ -277,8 +277,7 @@ def start(config, num_instances: int, wrong_size, make_instance, make_router, ma
         else:
             engine = LLMEngine(config, policy=engine_policy)
             Metrics.attach(engine)
-            if speculative is not None:
-                attach(engine, speculative)
+            attach(engine, speculative)
             seqs = make_requests(engine) if make_requests and leaders.rank == ROUTER else []
     if leaders is None:
         if warm_up:  # as the leader's warm-up does: page faults stay out of the figures

@@ -81,10 +81,7 @@ class NgramProposer:
             windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)  # every earlier n-gram
             found = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
             if len(found):
-                text, start = tokens.tolist(), found[-1] + n
-                for i in range(c.num_speculative_tokens):
-                    text.append(text[start + i])  # start + i < len(text): always a token to copy
-                return text[len(tokens):]
+                return np.resize(tokens[found[-1] + n:], c.num_speculative_tokens).tolist()  # repeats cyclically
         return []
 
 
