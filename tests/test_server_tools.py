@@ -52,7 +52,7 @@ def fake_output(srv, monkeypatch, pieces: list[str]):
     the model's: the request is checked and tokenized as ever, then gets these events."""
     server = srv.app.state.server
 
-    async def submit(body, prompts, stops, top_logprobs, max_tokens, echo=False, processor=None):
+    async def submit(body, prompts, stops, top_logprobs, max_tokens, echo=False, grammar=None):
         jobs = []
         for prompt in prompts:
             for _ in range(body.n):

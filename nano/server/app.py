@@ -144,11 +144,11 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
         if body.max_tokens == 0 and not body.echo:
             raise BadRequest("max_tokens: 0 generates nothing; it is allowed with echo, to score the prompt")
         texts = [p for p in body.prompt if isinstance(p, str)]
-        processor = await server.structured(body)
+        grammar = await server.structured(body)
         encoded = iter(await server.tokenize(texts))
         prompts = [next(encoded) if isinstance(p, str) else p for p in body.prompt]
         jobs = await server.submit(body, prompts, stops, body.logprobs,
-                                   16 if body.max_tokens is None else body.max_tokens, body.echo, processor)
+                                   16 if body.max_tokens is None else body.max_tokens, body.echo, grammar)
         return await respond(server, request, body, jobs, "text_completion", "cmpl")
 
     @v1.post("/chat/completions", responses=GENERATION)
@@ -156,13 +156,14 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
         stops = server.check(body)
         if (server.chat_template or engine.tokenizer.chat_template) is None:
             raise BadRequest("this model has no chat template: use /v1/completions")
+        server.check_tools(body.tools)
         choice = tools.check(body.tools, body.tool_choice, server.tool_parser, server.auto_tools)
         top = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens or engine.max_model_len
-        processor = await server.structured(body, tools.forced_schema(body.tools, choice, body.parallel_tool_calls)
+        grammar = await server.structured(body, tools.forced_schema(body.tools, choice, body.parallel_tool_calls)
                                                   if tools.forced(choice) else None)
         prompt = await server.tokenize_chat(body.messages, body.add_generation_prompt, body.tools)
-        jobs = await server.submit(body, [prompt], stops, top, max_tokens, processor=processor)
+        jobs = await server.submit(body, [prompt], stops, top, max_tokens, grammar=grammar)
         return await respond(server, request, body, jobs, "chat.completion", "chatcmpl")
 
     @v1.post("/responses", responses=RESPONSES)
@@ -181,6 +182,7 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
         elif (server.chat_template or engine.tokenizer.chat_template) is None:
             raise BadRequest("this model has no chat template: tokenize a prompt")
         else:
+            server.check_tools(body.tools)
             tokens = await server.tokenize_chat(body.messages, body.add_generation_prompt, body.tools)
         return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
 

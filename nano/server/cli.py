@@ -13,6 +13,7 @@ from nano.cli.output import metrics_writer
 from nano.errors import NanoError
 from nano.server import tool_parsers
 from nano.server.limits import LOG_LEVELS, SHUTDOWN_TIMEOUT, Limits
+from nano.structured.bounds import GrammarLimits
 
 
 def add_arguments(p) -> None:
@@ -39,6 +40,17 @@ def add_arguments(p) -> None:
                    help="n x max_tokens of a request (max_tokens capped by the context first)")
     h.add_argument("--max-stream-backlog", type=int, default=limits.stream_backlog,
                    help="chunks a stream may leave unread before its choices are aborted")
+    h.add_argument("--max-bad-words", type=int, default=limits.bad_words, help="bad_words in a request (each word "
+                   "at most --max-stop-chars long)")
+    h.add_argument("--max-logit-bias", type=int, default=limits.logit_bias, help="logit_bias entries in a request")
+    h.add_argument("--max-tools", type=int, default=limits.tools, help="tools in a request")
+    h.add_argument("--max-grammar-bytes", type=parse_bytes, default=limits.grammar.grammar_bytes,
+                   help="a grammar's size: a JSON schema's text, a regex, a Lark grammar, a choice's strings together")
+    h.add_argument("--grammar-timeout", type=float, default=limits.grammar_timeout,
+                   help="seconds a grammar may wait for a compile thread and take to compile (400 beyond; 503 if "
+                        "it never got a thread)")
+    h.add_argument("--grammar-workers", type=int, default=limits.grammar_workers,
+                   help="threads that compile grammars, apart from the engine's (default: half the cores)")
     h.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT,
                    help="seconds open requests get after SIGTERM or Ctrl-C; then they end with an error")
     h.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -62,8 +74,11 @@ def check_args(args) -> None:
     for flag, value in (("--max-request-bytes", args.max_request_bytes), ("--max-prompt-chars", args.max_prompt_chars),
                         ("--max-stop-strings", args.max_stop_strings), ("--max-stop-chars", args.max_stop_chars),
                         ("--max-request-tokens", args.max_request_tokens),
-                        ("--max-stream-backlog", args.max_stream_backlog)):
+                        ("--max-stream-backlog", args.max_stream_backlog), ("--max-bad-words", args.max_bad_words),
+                        ("--max-logit-bias", args.max_logit_bias), ("--max-tools", args.max_tools),
+                        ("--max-grammar-bytes", args.max_grammar_bytes), ("--grammar-workers", args.grammar_workers)):
         checks.integer(flag, value, low=1)
+    checks.number("--grammar-timeout", args.grammar_timeout, low=0, open_low=True)
     checks.number("--shutdown-timeout", args.shutdown_timeout, low=0)
     if parallel.launched_by_mpirun() and args.shutdown_timeout != SHUTDOWN_TIMEOUT:
         raise NanoError("--shutdown-timeout: under mpirun open requests end at once on SIGTERM or Ctrl-C "
@@ -84,7 +99,10 @@ def check_args(args) -> None:
 def limits(args) -> Limits:
     return Limits(body_bytes=args.max_request_bytes, prompt_chars=args.max_prompt_chars,
                   stop_strings=args.max_stop_strings, stop_chars=args.max_stop_chars,
-                  request_tokens=args.max_request_tokens, stream_backlog=args.max_stream_backlog)
+                  request_tokens=args.max_request_tokens, stream_backlog=args.max_stream_backlog,
+                  bad_words=args.max_bad_words, logit_bias=args.max_logit_bias, tools=args.max_tools,
+                  grammar=GrammarLimits(grammar_bytes=args.max_grammar_bytes), grammar_timeout=args.grammar_timeout,
+                  grammar_workers=args.grammar_workers)
 
 
 def serve(args, engine, engine_metrics: bool = True) -> int:

@@ -3,6 +3,7 @@ its inbox between steps, runs a step, and turns each job's new tokens into text
 (Detokenizer), stop-string checks and logprobs, which it puts on the job's asyncio queue
 (loop.call_soon_threadsafe), so nothing the engine does blocks the event loop (app.py)."""
 import asyncio
+import logging
 import queue
 import re
 import threading
@@ -18,6 +19,8 @@ from nano.sequence import SamplingParams, Sequence
 from nano.telemetry.export import gauges
 from nano.telemetry.prometheus import EngineExport
 from nano.telemetry.watchdog import GRACE, Watchdog
+
+log = logging.getLogger("nano.server")
 
 
 class Detokenizer:
@@ -101,6 +104,7 @@ class Job:
     prompt_logprobs: int | None = None   # vLLM's prompt_logprobs, sent with the first event
     min_tokens: int = 0                  # no stop string ends the output before this many tokens
     include_stop: bool = False           # the text ends after the stop string found, not before it
+    constrained: bool = False            # a grammar constrains the output (params.logits_processor has failure())
     base: int = 0                        # text offset of the first output token (the echoed prompt's length)
     seq: Sequence | None = None
     tokens: int = 0                      # output tokens turned into text so far
@@ -191,6 +195,9 @@ class EngineThread(threading.Thread):
         events = []
         for job in list(self.jobs):
             seq = job.seq
+            if job.constrained and (why := job.params.logits_processor.failure(seq)):
+                events.append((job, self._failed(job, why)))
+                continue
             new = seq.output_token_ids[job.tokens:]
             first = job.tokens == 0 and bool(new or seq.is_finished) and seq.error is None
             prompt_text, prompt_lp, vllm_lp = self._prompt(job) if first else ("", [], None)
@@ -217,6 +224,15 @@ class EngineThread(threading.Thread):
             if seq.is_finished:
                 self.jobs.remove(job)
         return events
+
+    def _failed(self, job: Job, why: str) -> dict:
+        """End a choice whose grammar failed mid-output (or found the request's controls
+        against it): the reason logged, an error event in place of a finish."""
+        self.engine.finish(job.seq, "error")
+        self.jobs.remove(job)
+        log.warning("request %s: its grammar failed after %d tokens: %s", job.seq.seq_id, job.seq.num_output_tokens,
+                    why)
+        return {"error": f"the output cannot go on under its grammar: {why}", "status": 400}
 
     def _read(self, job: Job, new: list[int]) -> tuple[list[dict] | None, tuple[int, int]]:
         """The new tokens into the job's text, one at a time as a step of one token each would

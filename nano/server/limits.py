@@ -1,6 +1,9 @@
 """What the server bounds (each one a run.py --serve flag, docs/server.md). Kept apart from
 app.py so that run.py shows the defaults without importing FastAPI."""
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
+
+from nano.structured.bounds import GrammarLimits
 
 
 @dataclass(frozen=True)
@@ -14,6 +17,13 @@ class Limits:
     stop_chars: int = 256              # each stop string (also the text held back while streaming)
     request_tokens: int = 2**17        # n x max_tokens (max_tokens capped by the context first)
     stream_backlog: int = 1024         # chunks a stream may leave unread before its choices are aborted
+    bad_words: int = 128               # bad_words in one request (each word as long as a stop string at most)
+    logit_bias: int = 1024             # logit_bias entries in one request
+    tools: int = 128                   # tools in one request (OpenAI's limit)
+    grammar: GrammarLimits = field(default_factory=GrammarLimits)  # a grammar's size, before it compiles
+    grammar_timeout: float = 10.0      # seconds a grammar may wait for, and take, its compile and first mask
+    grammar_workers: int = max(1, ((os.cpu_count() or 1) + 1) // 2)  # grammars compiled at once (vLLM's: half
+    # the cores); the others wait their turn, within grammar_timeout
 
 
 SHUTDOWN_TIMEOUT = 5.0  # seconds open requests get to finish after SIGTERM or Ctrl-C

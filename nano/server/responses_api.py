@@ -31,12 +31,13 @@ async def create(server: Server, request: Request, body: ResponsesRequest):
     if (server.chat_template or server.engine.tokenizer.chat_template) is None:
         raise BadRequest("this model has no chat template: use /v1/completions")
     given = body.chat_tools()
+    server.check_tools(given)
     choice = tools.check(given, body.chat_tool_choice(), server.tool_parser, server.auto_tools)
     forced = tools.forced_schema(given, choice, body.parallel_tool_calls) if tools.forced(choice) else None
-    processor = await server.structured(sampling, forced, "text.format")
+    grammar = await server.structured(sampling, forced, "text.format")
     prompt = await server.tokenize_chat(body.messages(), True, given)
     jobs = await server.submit(sampling, [prompt], stops, None, body.max_output_tokens or server.engine.max_model_len,
-                               processor=processor)
+                               grammar=grammar)
     shape = Shape(server, body, jobs, tool_parser(server, given, choice))
     if body.stream:
         return EventSourceResponse(stream(server, jobs, shape))

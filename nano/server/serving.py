@@ -3,6 +3,7 @@ costs anything, started as jobs on the engine thread (engine_thread.py), aborted
 client goes away, ended at shutdown. app.py routes HTTP to it; responses.py turns its jobs'
 events into OpenAI's responses."""
 import asyncio
+import dataclasses
 import json
 import time
 
@@ -12,7 +13,9 @@ from nano.chat import template
 from nano.errors import NanoError
 from nano import structured
 from nano.controls import OFF, ControlError, sampling_params
-from nano.sequence import LogitsProcessor
+from nano.sequence import SamplingParams, Sequence
+from nano.structured import Grammar, bounds
+from nano.structured.pool import CompilePool
 from nano.server.engine_thread import EngineThread, Job, StopStrings
 from nano.server.limits import Limits
 from nano.server.schemas import BadRequest, Message, Sampling, error_response
@@ -32,6 +35,7 @@ class Server:
         self.closing = False  # shutting down: no new requests
         self.deadline: asyncio.TimerHandle | None = None  # when the open jobs are ended
         self.vocabulary = None  # llguidance's view of the tokenizer, for grammars (nano/structured)
+        self.grammars: CompilePool | None = None  # the threads that compile them, made when first needed
 
     def check_model(self, model: str | None) -> None:
         """A model named in a request (or a URL) is this server's, or a 404 as OpenAI answers it."""
@@ -49,6 +53,10 @@ class Server:
             raise BadRequest(f"stop: a string longer than this server's {self.limits.stop_chars} characters")
         return StopStrings(tuple(s for s in stops if s))
 
+    def check_tools(self, tools: list[dict] | None) -> None:
+        if tools is not None and len(tools) > self.limits.tools:
+            raise BadRequest(f"tools: {len(tools)} tools, more than this server's {self.limits.tools}", param="tools")
+
     def check_chars(self, chars: int) -> None:
         if chars > self.limits.prompt_chars:
             raise BadRequest(f"the prompt has {chars} characters, more than this server's {self.limits.prompt_chars}")
@@ -59,12 +67,12 @@ class Server:
             raise BadRequest(f"{name}: token ids must be in [0, {vocab})")
 
     async def structured(self, body: Sampling, tool_schema: dict | None = None,
-                         format_param: str = "response_format") -> LogitsProcessor | None:
+                         format_param: str = "response_format") -> Grammar | None:
         """The request's grammar (response_format, vLLM's structured_outputs, or the schema a
-        forced tool_choice needs: tools.forced_schema), compiled by llguidance on a worker
-        thread (a large schema takes a while: the engine thread and the event loop go on
-        meanwhile); None if it asks for none. A grammar that does not compile is a 400 naming
-        the field (response_format: as format_param names it, the Responses API's text.format)."""
+        forced tool_choice needs: tools.forced_schema), or None if it asks for none. A grammar
+        past the limits, one that does not compile, or one that allows no output is a 400
+        naming the field (response_format: as format_param names it, the Responses API's
+        text.format); so is one whose compile and first mask take longer than grammar_timeout."""
         fmt, outputs = body.response_format, body.structured_outputs
         if fmt is not None and fmt.type == "text":
             fmt = None
@@ -88,21 +96,42 @@ class Server:
                         if getattr(outputs, "json_" if k == "json" else k))
             value, strict, name = getattr(outputs, "json_" if kind == "json" else kind), True, f"{param}.{kind}"
         try:
-            return await asyncio.to_thread(self._compile, kind, value, strict, name)
+            grammar = await self._compile(kind, value, strict, name)
         except NanoError as e:
             raise BadRequest(str(e), param=param) from None
+        if kind == "choice" and body.min_tokens > max(len(c.encode()) for c in value):
+            raise BadRequest(f"min_tokens: {body.min_tokens} tokens, more than the longest of {name} can take "
+                             "(one token a byte)", param="min_tokens")
+        return grammar
 
-    def _compile(self, kind: str, value, strict: bool, name: str) -> LogitsProcessor:
+    async def _compile(self, kind: str, value, strict: bool, name: str) -> Grammar:
+        """kind's grammar, checked against the limits and compiled with its first mask on the
+        compile pool, within grammar_timeout: its wait for a free thread included."""
+        if self.grammars is None:
+            self.grammars = CompilePool(self.limits.grammar_workers)
+        future = self.grammars.submit(self._build, kind, value, strict, name)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), self.limits.grammar_timeout)
+        except asyncio.TimeoutError:
+            if future.cancelled():  # it never started: the threads were busy with others'
+                raise BadRequest(f"{name}: every grammar compiler stayed busy for {self.limits.grammar_timeout} s: "
+                                 "try again later", 503, "server_error", "server_overloaded") from None
+            raise BadRequest(f"{name}: the grammar took longer than this server's {self.limits.grammar_timeout} s "
+                             "to compile", param=name.split(".")[0]) from None
+
+    def _build(self, kind: str, value, strict: bool, name: str) -> Grammar:
+        """On a compile thread: the vocabulary (once), the limits' check, the compile."""
         if self.vocabulary is None:  # built once (~0.3 s for a 49k vocabulary), on the first request that needs it
             self.vocabulary = structured.Vocabulary.of(self.engine.tokenizer, self.engine.model_config.vocab_size)
+        bounds.check(kind, value, name, self.limits.grammar)
         return structured.compile_grammar(self.vocabulary, kind, value, strict, name)
 
     async def submit(self, body: Sampling, prompts: list[list[int]], stops: StopStrings, top_logprobs: int | None,
-                     max_tokens: int, echo: bool = False, processor: LogitsProcessor | None = None) -> list[Job]:
+                     max_tokens: int, echo: bool = False, grammar: Grammar | None = None) -> list[Job]:
         """Start body.n jobs for each prompt, the whole request checked against the limits first;
         returns them in OpenAI's choice order (prompt i's choices are i*n .. i*n+n-1). echo: each
-        prompt's text and (with top_logprobs) its logprobs come first. processor: the request's
-        grammar (structured())."""
+        prompt's text and (with top_logprobs) its logprobs come first. grammar: the request's
+        (structured())."""
         if self.closing or self.stopped():
             raise BadRequest("the server is shutting down" if self.closing else f"engine stopped: {self.thread.error}",
                              503, "server_error")
@@ -127,31 +156,61 @@ class Server:
                              + (f" (over {len(prompts)} prompts)" if len(prompts) > 1 else "") +
                              f", more than this server's {self.limits.request_tokens} tokens a request: ask for "
                              "fewer choices or tokens")
+        self.check_controls(body)
         # The engine scores the prompt for echo's logprobs, for prompt_logprobs, and for max_tokens 0.
         asked = [k for k in (top_logprobs if echo else None, body.prompt_logprobs, 0 if max_tokens == 0 else None)
                  if k is not None]
+        # One SamplingParams per prompt, made on a worker thread (bad_words are tokenized), its
+        # choices copies of it that differ in their seed.
+        made = await asyncio.to_thread(lambda: [self._params(body, most, top_logprobs is not None,
+                                                             max(asked, default=None), grammar) for most in capped])
         loop, jobs = asyncio.get_running_loop(), []
-        for prompt, most in zip(prompts, capped):
+        for prompt, params in zip(prompts, made):
             for i in range(body.n):
                 seed = None if body.seed is None else body.seed + i
-                try:
-                    params = sampling_params(
-                        self.engine, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                        min_p=body.min_p, max_tokens=most, seed=seed, ignore_eos=body.ignore_eos,
-                        stop_token_ids=body.stop_token_ids or [], return_logits=top_logprobs is not None,
-                        prompt_logprobs=max(asked, default=None), **{k: getattr(body, k) for k in OFF})
-                    params.logits_processor = structured.chain(params.logits_processor, processor)
-                except ControlError as e:
-                    raise BadRequest(str(e), param=e.field) from None
-                except NanoError as e:
-                    raise BadRequest(str(e)) from None
-                jobs.append(Job(prompt, params, stops, top_logprobs, asyncio.Queue(), loop, echo,
-                                body.prompt_logprobs, min_tokens=body.min_tokens,
-                                include_stop=body.include_stop_str_in_output))
+                jobs.append(Job(prompt, dataclasses.replace(params, seed=seed), stops, top_logprobs, asyncio.Queue(),
+                                loop, echo, body.prompt_logprobs, min_tokens=body.min_tokens,
+                                include_stop=body.include_stop_str_in_output, constrained=grammar is not None))
+        if grammar is not None:
+            self.check_first_token(jobs[0])
         for job in jobs:
             self.thread.inbox.put(("add", job))
         self.open.update(jobs)
         return jobs
+
+    def check_controls(self, body: Sampling) -> None:
+        """The sampling controls whose size costs every step: within the limits, or a 400."""
+        for field, count in (("bad_words", len(body.bad_words or ())), ("logit_bias", len(body.logit_bias or {}))):
+            if count > getattr(self.limits, field):
+                raise BadRequest(f"{field}: {count} entries, more than this server's {getattr(self.limits, field)}",
+                                 param=field)
+        if any(len(w) > self.limits.stop_chars for w in body.bad_words or ()):
+            raise BadRequest(f"bad_words: a word longer than this server's {self.limits.stop_chars} characters",
+                             param="bad_words")
+
+    def _params(self, body: Sampling, max_tokens: int, return_logits: bool, prompt_logprobs: int | None,
+                grammar: Grammar | None) -> SamplingParams:
+        try:
+            params = sampling_params(
+                self.engine, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+                max_tokens=max_tokens, ignore_eos=body.ignore_eos, stop_token_ids=body.stop_token_ids or [],
+                return_logits=return_logits, prompt_logprobs=prompt_logprobs, **{k: getattr(body, k) for k in OFF})
+        except ControlError as e:
+            raise BadRequest(str(e), param=e.field) from None
+        except NanoError as e:
+            raise BadRequest(str(e)) from None
+        params.logits_processor = structured.chain(params.logits_processor, grammar)
+        return params
+
+    @staticmethod
+    def check_first_token(job: Job) -> None:
+        """A 400 if the request's controls ban every first token its grammar allows (a choice
+        whose words are bad_words, say): what the engine would find at the first step."""
+        seq = Sequence(-1, "", job.prompt, job.params, 0.0, 0)
+        processor = job.params.logits_processor
+        processor.edits(seq, [])
+        if why := processor.failure(seq):
+            raise BadRequest(why)
 
     def abort(self, job: Job) -> None:
         self.thread.inbox.put(("abort", job))

@@ -2,7 +2,9 @@
 against the model's vocabulary once; each sequence gets its own matcher (a copy of the
 compiled one), which consumes the sequence's output tokens it has not yet seen and fills the
 next token's allowed-token bitmask. When the grammar is complete the mask allows EOS alone,
-so the engine stops with "stop".
+so the engine stops with "stop". When the matcher fails (a token it refused, a limit of
+llguidance's passed), the mask allows EOS alone too, so that the row still has a token to draw,
+and failure(seq) says why: whoever runs the request reports an error, never a finished answer.
 
 The per-sequence state survives what the engine does to a sequence: preemption (by swap or
 by recompute, the output tokens stay in seq.token_ids and the matcher just goes on from the
@@ -72,6 +74,13 @@ def _unpickle_vocabulary(source: bytes, size: int, eos: list[int]) -> Vocabulary
 # whole budget on newlines. A schema may ask for more through llguidance's "x-guidance" key.
 JSON_DEFAULTS = {"whitespace_flexible": False}
 
+# llguidance's bounds on one matcher's work (its defaults, but for the lexer's states, whose
+# default of 250,000 at 1-2 kB each lets one grammar take hundreds of MB, and errors that name
+# the grammar's rule rather than dump the parser's state). A step past them fails that
+# sequence alone; llguidance's figures: lexer fuel ~14k a ms, Earley items ~20k a ms.
+PARSER_LIMITS = dict(initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, step_max_items=50_000,
+                     max_lexer_states=50_000, max_grammar_size=500_000, verbose_errors=False)
+
 
 def grammar_source(kind: str, value, strict: bool = True, name: str | None = None) -> str:
     """llguidance's grammar text for a request's grammar: kind is json (a JSON schema, a dict
@@ -109,29 +118,46 @@ class MatcherState:
     def __init__(self, matcher):
         self.matcher, self.consumed = matcher, []
         self.mask: np.ndarray | None = None  # the mask after the consumed tokens, while it holds
+        self.failure: str | None = None      # why the matcher failed, once it has
 
     def __getstate__(self):
-        return {"matcher": None, "consumed": [], "mask": None}
+        return {"matcher": None, "consumed": [], "mask": None, "failure": self.failure}
 
 
 class Grammar(LogitsProcessor):
     """A compiled grammar over a vocabulary; one object serves any number of sequences."""
 
     def __init__(self, vocabulary: Vocabulary, source: str, name: str = "grammar"):
-        """Compiles `source` (grammar_source's text), or raises a one-line NanoError naming
-        the problem; `name` names the grammar in errors. Drops the GIL while compiling: call it
-        off the thread that steps the engine."""
+        """Compiles `source` (grammar_source's text) and computes the mask of its first token,
+        which for some grammars takes longer than the compile (a regex's lexer is built
+        then); raises a one-line NanoError naming the problem, or saying that the grammar
+        allows no output at all. Drops the GIL while it works: call it off the thread that
+        steps the engine (pool.CompilePool)."""
         self.vocabulary, self.source, self.name = vocabulary, source, name
         self._compiled = self._compile()
+        first = self._compiled.deep_copy()
+        self.first_mask = self._fill(first)
+        if self.first_mask is None:
+            why = _one_line(first.get_error()) or "no first token"
+            raise NanoError(f"{self.name}: the grammar allows no output ({why})")
 
     def _compile(self):
-        matcher = llguidance.LLMatcher(self.vocabulary.llg, self.source, log_level=0)
+        matcher = llguidance.LLMatcher(self.vocabulary.llg, self.source, log_level=0,
+                                       limits=llguidance.LLParserLimits(**PARSER_LIMITS))
         if matcher.is_error():
             raise NanoError(f"{self.name}: {_one_line(matcher.get_error())}")
         return matcher
 
+    def _fill(self, matcher) -> np.ndarray | None:
+        """The matcher's next-token mask as int32 words, or None if it has failed or allows nothing."""
+        mask = np.zeros(self.vocabulary.words, np.uint32)
+        if not matcher.is_error():
+            matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        return None if matcher.is_error() or not mask.any() else mask.view(np.int32)
+
     def __getstate__(self):
-        return {"vocabulary": self.vocabulary, "source": self.source, "name": self.name}
+        return {"vocabulary": self.vocabulary, "source": self.source, "name": self.name,
+                "first_mask": self.first_mask}
 
     def __setstate__(self, state):
         self.__dict__.update(state, _compiled=None)  # compiled again when first needed
@@ -163,14 +189,24 @@ class Grammar(LogitsProcessor):
     def mask(self, seq: Sequence, ahead: list[int] = ()) -> np.ndarray:
         state = self.state(seq, ahead)
         if state.mask is None:
-            mask = np.zeros(self.vocabulary.words, np.uint32)
-            if state.matcher.is_error():  # a token the grammar refused (ignore_eos past its end, ...): end it
-                for t in self.vocabulary.eos:
-                    mask[t // 32] |= np.uint32(1 << (t % 32))
-            else:
-                state.matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
-            state.mask = mask.view(np.int32)
+            state.mask = self.first_mask if not state.consumed else self._fill(state.matcher)
+            if state.mask is None:  # a token the grammar refused (ignore_eos past its end, ...), or a limit passed
+                if not ahead:  # a draft the grammar refuses is rejected anyway: no failure of the sequence's
+                    state.failure = _one_line(state.matcher.get_error()) or "the grammar allows no token here"
+                state.mask = self.eos_mask()
         return state.mask
+
+    def eos_mask(self) -> np.ndarray:
+        """The mask that allows the model's EOS tokens alone."""
+        mask = np.zeros(self.vocabulary.words, np.uint32)
+        for t in self.vocabulary.eos:
+            mask[t // 32] |= np.uint32(1 << (t % 32))
+        return mask.view(np.int32)
+
+    def failure(self, seq: Sequence) -> str | None:
+        """Why seq's matcher failed (a one-line reason), or None while it has not."""
+        state = seq.processor_state
+        return None if state is None else state.failure
 
     def is_complete(self, seq: Sequence) -> bool:
         """The grammar is satisfied by seq's output so far (it may or may not go on)."""
