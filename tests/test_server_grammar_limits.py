@@ -12,6 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("llguidance")
@@ -203,6 +204,47 @@ def test_a_grammar_that_fails_mid_output_ends_its_choice_with_an_error(srv, stre
     else:
         assert r.status_code == 400 and "cannot go on under its grammar" in r.json()["error"]["message"], r.text
     assert srv.idle()
+
+
+def test_ignore_eos_past_the_grammars_end_is_no_failure(srv):
+    """The grammar ends, then EOS follows EOS until max_tokens: the text is the choice, "length"."""
+    r = post(srv, "/v1/completions", {"prompt": "x", "max_tokens": 6, "ignore_eos": True, "temperature": 0,
+                                      "structured_outputs": {"choice": ["yes", "no"]}})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["text"] in ("yes", "no") and choice["finish_reason"] == "length", choice
+
+
+def test_a_matcher_that_stopped_at_the_grammars_end_takes_eos_after_eos():
+    """The default model's vocabulary, where llguidance stops a choice's matcher at its last
+    token and refuses any token fed after that: EOS under ignore_eos is not fed to it."""
+    from nano import weights
+    from nano.default_model.fetch import ensure
+    from nano.sequence import SamplingParams, Sequence
+    from nano.structured import Vocabulary, compile_grammar
+    from nano.tokenizer import Tokenizer
+    ensure()
+    tokenizer = Tokenizer(weights.WEIGHTS_DIR / weights.DEFAULT_MODEL)
+    grammar = compile_grammar(Vocabulary.of(tokenizer, 49152), "choice", ["yes", "no"])
+    eos = sorted(tokenizer.eos_token_ids)
+    seq = Sequence(0, "", [1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True), 0.0, 0)
+    for token in tokenizer.encode("yes", plain=True) + eos * 3:
+        grammar.mask(seq)
+        seq.token_ids.append(token)
+    allowed = np.flatnonzero(np.unpackbits(grammar.mask(seq).view(np.uint8), bitorder="little"))
+    assert allowed.tolist() == eos
+    assert grammar.failure(seq) is None and grammar.is_complete(seq)
+
+
+def test_a_forced_call_whose_schema_cannot_end_is_an_error_not_a_call(srv):
+    endless = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    r = post(srv, "/v1/chat/completions", {**CHAT, "max_tokens": 40, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": endless}}],
+        "tool_choice": {"type": "function", "function": {"name": "f"}}})
+    assert r.status_code in (200, 400), r.text
+    if r.status_code == 200:  # the model ran out of tokens before llguidance's limits: honestly cut short
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "length" and not choice["message"].get("tool_calls"), choice
 
 
 def test_no_token_is_drawn_from_a_row_the_controls_and_the_grammar_leave_empty(engine):

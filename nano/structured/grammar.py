@@ -112,8 +112,9 @@ def _one_line(message: str) -> str:
 
 
 class MatcherState:
-    """A sequence's matcher and the tokens it has consumed (output tokens, then maybe drafts);
-    pickled without the matcher (native), which is rebuilt from the grammar and the output tokens."""
+    """A sequence's matcher and the tokens it has consumed (output tokens, then maybe drafts, up
+    to the grammar's end); pickled without the matcher (native), which is rebuilt from the
+    grammar and the output tokens."""
 
     def __init__(self, matcher):
         self.matcher, self.consumed = matcher, []
@@ -180,9 +181,14 @@ class Grammar(LogitsProcessor):
                 return self.state(seq, ahead)
             del state.consumed[keep:]
             state.mask = None
-        if len(out) > keep:
-            state.matcher.consume_tokens(out[keep:])  # an error state shows in the mask below
-            state.consumed += out[keep:]
+        fed = 0
+        for token in out[keep:]:
+            if state.matcher.is_stopped():  # the grammar has ended: what follows is EOS under ignore_eos, not fed
+                break
+            state.matcher.consume_token(token)  # an error state shows in the mask below
+            fed += 1
+        if fed:
+            state.consumed += out[keep:keep + fed]
             state.mask = None
         return state
 
