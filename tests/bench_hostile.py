@@ -9,7 +9,9 @@ Two parts, on `run.py --serve --device cpu` (the default model) in a subprocess:
    $ref chain, a self-referencing schema, 10,000 bad_words with n 128, one 3.9 MB bad word, 6
    choices of 4,096 strings, and empty or 500-deep fields). Reports its largest gap against
    the quiet p99, each hostile request's status, and /health and /metrics answer times.
-2. Load: --clients clients for --minutes, a quarter sending hostile requests, a quarter
+2. The controls' cost per step and sequence at the server's limits (128 bad words, 1,024
+   logit_bias entries), timed on this process's CPU without a server.
+3. Load: --clients clients for --minutes, a quarter sending hostile requests, a quarter
    dropping their streams after a few tokens, half ordinary (streams, and chat with a small
    JSON schema). Reports 5xx answers, ordinary requests that did not get their whole result,
    whether the server lived, its RSS over time, and /health answer times.
@@ -133,6 +135,32 @@ def isolation(url: str, model: str) -> dict:
             "max_over_quiet_p99": round(max(gaps) / p99, 2), "hostile_statuses": statuses, "polls": poller.summary()}
 
 
+def controls_cost() -> dict:
+    """Microseconds a step spends on one sequence's controls (Controls.edits), at the limits."""
+    from nano import weights
+    from nano.controls import Controls, bad_words_ids
+    from nano.sequence import SamplingParams, Sequence
+    from nano.server.limits import Limits
+    from nano.tokenizer import Tokenizer
+    limits, rng = Limits(), np.random.default_rng(0)
+    tokenizer = Tokenizer(weights.WEIGHTS_DIR / weights.DEFAULT_MODEL)
+    words = bad_words_ids(tokenizer, ["".join(chr(97 + c) for c in rng.integers(0, 26, 8)) + " word"
+                                      for _ in range(limits.bad_words)])
+    bias = {int(t): 1.0 for t in rng.choice(49152, limits.logit_bias, replace=False)}
+    cases = {"one bad word": Controls(bad_words_ids=[[5]]), f"{limits.bad_words} bad words": Controls(bad_words_ids=words),
+             f"{limits.logit_bias} logit_bias": Controls(logit_bias=bias),
+             "both, and three penalties": Controls(1.1, 0.5, 0.5, bias, 0, (), words)}
+    out = {}
+    for name, controls in cases.items():
+        seq = Sequence(0, "", list(range(200)), SamplingParams(), 0.0, 0)
+        seq.token_ids += rng.integers(0, 49152, 300).tolist()  # 300 output tokens so far
+        start = time.perf_counter()
+        for _ in range(2000):
+            controls.edits(seq)
+        out[name] = round((time.perf_counter() - start) / 2000 * 1e6, 1)
+    return out
+
+
 def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -217,7 +245,7 @@ def main() -> None:
                            cwd=ROOT, stderr=log, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     url = wait_healthy(job, port, 300)
     model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-    summary = {"flags": flags, "isolation": isolation(url, model)}
+    summary = {"flags": flags, "isolation": isolation(url, model), "controls_us_per_step": controls_cost()}
     print(json.dumps(summary, indent=1), flush=True)
     if not args.skip_load:
         summary["load"] = load(url, model, job.pid, args.clients, args.minutes)

@@ -90,7 +90,12 @@ class Controls(LogitsProcessor):
         self.min_tokens = min_tokens
         self.stop_ids = np.array(sorted(set(stop_ids)), np.int64)  # banned until min_tokens
         self.bad_single = np.array(sorted({w[0] for w in bad_words_ids if len(w) == 1}), np.int64)
-        self.bad_multi = [(list(w[:-1]), w[-1]) for w in bad_words_ids if len(w) > 1]
+        # Multi-token bad words by the token before their last, so that a step checks only the
+        # words whose prefix could end with the output's last token.
+        self.bad_multi: dict[int, list[tuple[list[int], int]]] = {}
+        for w in bad_words_ids:
+            if len(w) > 1:
+                self.bad_multi.setdefault(w[-2], []).append((list(w[:-1]), w[-1]))
 
     def edits(self, seq: Sequence, ahead: list[int] = ()):
         output = np.asarray(seq.output_token_ids + list(ahead), np.int64)
@@ -107,7 +112,8 @@ class Controls(LogitsProcessor):
         banned = [self.bad_single]
         if output.size < self.min_tokens:
             banned.append(self.stop_ids)
-        banned += [np.array([last], np.int64) for prefix, last in self.bad_multi
+        candidates = self.bad_multi.get(int(output[-1]), []) if output.size else []
+        banned += [np.array([last], np.int64) for prefix, last in candidates
                    if len(prefix) <= output.size and output[output.size - len(prefix):].tolist() == prefix]
         banned = np.concatenate(banned)
         if banned.size:
