@@ -117,7 +117,8 @@ def isolation(url: str, model: str) -> dict:
     def send(what, route, body):
         try:
             r = httpx.post(url + route, json={"model": model, **body}, timeout=600)
-            statuses.setdefault(what, []).append(r.status_code)
+            why = r.json()["error"]["message"][:100] if r.status_code != 200 else ""
+            statuses.setdefault(what, []).append(f"{r.status_code} {why}".strip())
         except httpx.HTTPError as e:
             statuses.setdefault(what, []).append(type(e).__name__)
     gaps = []

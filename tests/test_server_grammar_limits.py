@@ -144,6 +144,18 @@ def test_a_grammar_within_its_time_limit_compiles_off_the_loop(engine):
     assert grammar.first_mask is not None and grammar.first_mask.any()
 
 
+def test_a_grammar_asked_for_again_is_compiled_once(engine):
+    """Requests that arrive together share one compile; a later one gets the compiled grammar."""
+    server = Server(engine, limits=Limits(grammar_workers=1))
+
+    async def asked(*names):
+        return await asyncio.gather(*(server._compile("regex", "[a-z]{3}", True, name) for name in names))
+    first, again = asyncio.run(asked("structured_outputs.regex", "structured_outputs.regex"))
+    later, = asyncio.run(asked("structured_outputs.regex"))
+    other, = asyncio.run(asked("response_format"))  # named apart: its errors name its own field
+    assert first is again is later and other is not first
+
+
 # ---- the server ----
 @pytest.fixture(scope="module")
 def srv(tiny_model):

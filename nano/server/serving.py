@@ -4,8 +4,11 @@ client goes away, ended at shutdown. app.py routes HTTP to it; responses.py turn
 events into OpenAI's responses."""
 import asyncio
 import dataclasses
+import hashlib
 import json
 import time
+from collections import OrderedDict
+from concurrent.futures import Future
 
 from fastapi.responses import JSONResponse
 
@@ -19,6 +22,9 @@ from nano.structured.pool import CompilePool
 from nano.server.engine_thread import EngineThread, Job, StopStrings
 from nano.server.limits import Limits
 from nano.server.schemas import BadRequest, Message, Sampling, error_response
+
+
+GRAMMAR_CACHE = 32  # compiled grammars kept for requests that ask for one again
 
 
 class Server:
@@ -36,6 +42,7 @@ class Server:
         self.deadline: asyncio.TimerHandle | None = None  # when the open jobs are ended
         self.vocabulary = None  # llguidance's view of the tokenizer, for grammars (nano/structured)
         self.grammars: CompilePool | None = None  # the threads that compile them, made when first needed
+        self.compiled: OrderedDict[bytes, Future] = OrderedDict()  # grammars by a digest of what asked for them
 
     def check_model(self, model: str | None) -> None:
         """A model named in a request (or a URL) is this server's, or a 404 as OpenAI answers it."""
@@ -105,25 +112,39 @@ class Server:
         return grammar
 
     async def _compile(self, kind: str, value, strict: bool, name: str) -> Grammar:
-        """kind's grammar, checked against the limits and compiled with its first mask on the
-        compile pool, within grammar_timeout: its wait for a free thread included."""
-        if self.grammars is None:
-            self.grammars = CompilePool(self.limits.grammar_workers)
-        future = self.grammars.submit(self._build, kind, value, strict, name)
+        """kind's grammar, checked against the limits here, then compiled with its first mask on
+        the compile pool within grammar_timeout, its wait for a free thread included. A grammar
+        asked for again (agent frameworks send the same schema with every call) is the compiled
+        one, or the compile under way, of the last GRAMMAR_CACHE different ones."""
+        bounds.check(kind, value, name, self.limits.grammar)
+        text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+        key = hashlib.sha256(json.dumps([kind, text, strict, name]).encode()).digest()
+        future = self.compiled.pop(key, None)
+        if future is None or future.cancelled():
+            if self.grammars is None:
+                self.grammars = CompilePool(self.limits.grammar_workers)
+            future = self.grammars.submit(self._build, kind, value, strict, name)
+        self.compiled[key] = future  # the most recent last
+        while len(self.compiled) > GRAMMAR_CACHE:
+            self.compiled.popitem(last=False)
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(future), self.limits.grammar_timeout)
+            # shield: a waiter that gives up leaves the compile to the others waiting for it
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), self.limits.grammar_timeout)
         except asyncio.TimeoutError:
-            if future.cancelled():  # it never started: the threads were busy with others'
-                raise BadRequest(f"{name}: every grammar compiler stayed busy for {self.limits.grammar_timeout} s: "
-                                 "try again later", 503, "server_error", "server_overloaded") from None
-            raise BadRequest(f"{name}: the grammar took longer than this server's {self.limits.grammar_timeout} s "
-                             "to compile", param=name.split(".")[0]) from None
+            if not future.cancel():  # it started, and ran past the limit
+                raise BadRequest(f"{name}: the grammar took longer than this server's {self.limits.grammar_timeout} s "
+                                 "to compile", param=name.split(".")[0]) from None
+        except asyncio.CancelledError:
+            if not future.cancelled():  # this request was cancelled (its client left), not the compile
+                raise
+        # It never started: the threads were busy with other grammars for all that time.
+        raise BadRequest(f"{name}: every grammar compiler stayed busy for {self.limits.grammar_timeout} s: "
+                         "try again later", 503, "server_error", "server_overloaded")
 
     def _build(self, kind: str, value, strict: bool, name: str) -> Grammar:
-        """On a compile thread: the vocabulary (once), the limits' check, the compile."""
+        """On a compile thread: the vocabulary (once), then the compile."""
         if self.vocabulary is None:  # built once (~0.3 s for a 49k vocabulary), on the first request that needs it
             self.vocabulary = structured.Vocabulary.of(self.engine.tokenizer, self.engine.model_config.vocab_size)
-        bounds.check(kind, value, name, self.limits.grammar)
         return structured.compile_grammar(self.vocabulary, kind, value, strict, name)
 
     async def submit(self, body: Sampling, prompts: list[list[int]], stops: StopStrings, top_logprobs: int | None,
