@@ -1,6 +1,6 @@
 """Grammars from clients as a hostile one would send them (nano/structured, nano/server): sizes
-bounded before llguidance compiles them, compiles on threads whose stack fits the bounds, with
-a time limit and a fixed number of threads, a grammar that can never be satisfied refused
+bounded before llguidance compiles them, compiles on a thread whose stack fits the bounds,
+within a time limit on a fixed number of threads, a grammar that can never be satisfied refused
 before it runs, and a grammar that fails mid-output (a limit of llguidance's, or the request's
 own controls against it) ending its choice with an error, never with "stop". On the tiny
 random model; the child processes build the default model's vocabulary, where the limits were
@@ -74,25 +74,23 @@ def test_a_grammar_within_the_bounds_passes(kind, value):
     bounds.check(kind, value, "field", LIMITS)
 
 
-# The deepest grammars within the bounds, compiled (and their first mask computed) on a compile
-# pool's thread in a child process, whose stack size is the argument: a stack overflow ends the
+# The deepest grammars within the bounds, compiled (and their first mask computed) from the main
+# thread of a child process whose compile stack is the argument: a stack overflow ends the
 # process (SIGSEGV), which a test in this process could not survive.
 DEEPEST = textwrap.dedent("""
     import sys
     from nano import weights
     from nano.default_model.fetch import ensure
-    from nano.structured import Vocabulary, compile_grammar
-    from nano.structured.pool import CompilePool
+    from nano.structured import Vocabulary, compile_grammar, stack
     from nano.tokenizer import Tokenizer
     from test_server_grammar_limits import LIMITS, nested, ref_chain, rule_chain
     ensure()
     vocab = Vocabulary.of(Tokenizer(weights.WEIGHTS_DIR / weights.DEFAULT_MODEL), 49152)
-    deepest = [("grammar", rule_chain(LIMITS.rules - 2)), ("json", ref_chain(LIMITS.refs - 1)),
-               ("json", nested(LIMITS.json_depth - 1))]
-    pool = CompilePool(1, int(sys.argv[1]))
-    for kind, value in deepest:
+    stack.STACK_BYTES = int(sys.argv[1])
+    for kind, value in [("grammar", rule_chain(LIMITS.rules - 2)), ("json", ref_chain(LIMITS.refs - 1)),
+                        ("json", nested(LIMITS.json_depth - 1))]:
         try:
-            pool.submit(compile_grammar, vocab, kind, value).result()
+            compile_grammar(vocab, kind, value)
         except Exception as e:  # refused by llguidance is fine: the process lives
             print(kind, "refused:", e)
     print("lived")
@@ -104,8 +102,8 @@ def run_deepest(stack_bytes: int) -> subprocess.CompletedProcess:
                           timeout=300, cwd=ROOT, env={"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}", "PATH": "/usr/bin"})
 
 
-def test_the_compile_threads_stack_fits_the_deepest_grammar_within_the_bounds():
-    from nano.structured.pool import STACK_BYTES
+def test_the_compile_stack_fits_the_deepest_grammar_within_the_bounds():
+    from nano.structured.stack import STACK_BYTES
     done = run_deepest(STACK_BYTES)
     assert done.returncode == 0 and "lived" in done.stdout, done.stdout + done.stderr
 
@@ -116,7 +114,7 @@ def test_a_threads_default_stack_would_not():
     assert done.returncode != 0 and "lived" not in done.stdout, done.stdout + done.stderr
 
 
-# ---- the compile pool's time limit and its busy threads ----
+# ---- the compile threads' time limit, their busy hours, and the grammars kept ----
 @pytest.fixture(scope="module")
 def engine(tiny_model):
     return LLMEngine(EngineConfig(model=str(tiny_model), device="cpu", kv_cache_memory=20 * 10**6))

@@ -8,7 +8,7 @@ import hashlib
 import json
 import time
 from collections import OrderedDict
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from fastapi.responses import JSONResponse
 
@@ -18,7 +18,6 @@ from nano import structured
 from nano.controls import OFF, ControlError, sampling_params
 from nano.sequence import SamplingParams, Sequence
 from nano.structured import Grammar, bounds
-from nano.structured.pool import CompilePool
 from nano.server.engine_thread import EngineThread, Job, StopStrings
 from nano.server.limits import Limits
 from nano.server.schemas import BadRequest, Message, Sampling, error_response
@@ -41,7 +40,7 @@ class Server:
         self.closing = False  # shutting down: no new requests
         self.deadline: asyncio.TimerHandle | None = None  # when the open jobs are ended
         self.vocabulary = None  # llguidance's view of the tokenizer, for grammars (nano/structured)
-        self.grammars: CompilePool | None = None  # the threads that compile them, made when first needed
+        self.grammars: ThreadPoolExecutor | None = None  # the threads that compile them, made when first needed
         self.compiled: OrderedDict[bytes, Future] = OrderedDict()  # grammars by a digest of what asked for them
 
     def check_model(self, model: str | None) -> None:
@@ -122,7 +121,7 @@ class Server:
         future = self.compiled.pop(key, None)
         if future is None or future.cancelled():
             if self.grammars is None:
-                self.grammars = CompilePool(self.limits.grammar_workers)
+                self.grammars = ThreadPoolExecutor(self.limits.grammar_workers, "nano-grammar")
             future = self.grammars.submit(self._build, kind, value, strict, name)
         self.compiled[key] = future  # the most recent last
         while len(self.compiled) > GRAMMAR_CACHE:

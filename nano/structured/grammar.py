@@ -23,6 +23,7 @@ import numpy as np
 
 from nano.errors import NanoError
 from nano.sequence import LogitsProcessor, Sequence
+from nano.structured.stack import on_large_stack
 
 _VOCABULARIES: dict[tuple, "Vocabulary"] = {}  # by (source digest, vocab size, EOS ids): one LLTokenizer each
 _LOCK = threading.Lock()
@@ -132,8 +133,8 @@ class Grammar(LogitsProcessor):
         """Compiles `source` (grammar_source's text) and computes the mask of its first token,
         which for some grammars takes longer than the compile (a regex's lexer is built
         then); raises a one-line NanoError naming the problem, or saying that the grammar
-        allows no output at all. Drops the GIL while it works: call it off the thread that
-        steps the engine (pool.CompilePool)."""
+        allows no output at all. Compiles on a thread with a large stack (stack.py) and drops
+        the GIL while it works: call it off the thread that steps the engine."""
         self.vocabulary, self.source, self.name = vocabulary, source, name
         self._compiled = self._compile()
         first = self._compiled.deep_copy()
@@ -143,8 +144,8 @@ class Grammar(LogitsProcessor):
             raise NanoError(f"{self.name}: the grammar allows no output ({why})")
 
     def _compile(self):
-        matcher = llguidance.LLMatcher(self.vocabulary.llg, self.source, log_level=0,
-                                       limits=llguidance.LLParserLimits(**PARSER_LIMITS))
+        matcher = on_large_stack(lambda: llguidance.LLMatcher(self.vocabulary.llg, self.source, log_level=0,
+                                                              limits=llguidance.LLParserLimits(**PARSER_LIMITS)))
         if matcher.is_error():
             raise NanoError(f"{self.name}: {_one_line(matcher.get_error())}")
         return matcher
