@@ -4,6 +4,7 @@ the process ends (SIGSEGV), with every request in it. The stack's pages are rese
 used, until a deep grammar touches them."""
 from __future__ import annotations
 
+import os
 import threading
 
 STACK_BYTES = 512 * 2**20  # holds the deepest grammar within bounds.GrammarLimits' defaults
@@ -15,6 +16,7 @@ def on_large_stack(fn, *args):
     outcome = {}
 
     def run():
+        lowest_priority()
         try:
             outcome["result"] = fn(*args)
         except BaseException as e:  # raised again in the caller's thread
@@ -30,3 +32,11 @@ def on_large_stack(fn, *args):
     if "error" in outcome:
         raise outcome["error"]
     return outcome["result"]
+
+
+def lowest_priority() -> None:
+    """Give the calling thread the lowest CPU priority, so that where cores are few the engine's
+    steps go first and grammar work takes what they leave (Linux sets a priority per thread;
+    elsewhere nothing changes)."""
+    if hasattr(os, "setpriority"):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
