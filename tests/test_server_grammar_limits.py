@@ -142,17 +142,17 @@ def test_a_grammar_within_its_time_limit_compiles_off_the_loop(engine):
     assert grammar.first_mask is not None and grammar.first_mask.any()
 
 
-def test_grammar_work_runs_at_the_lowest_cpu_priority(engine):
+def test_grammar_work_runs_at_a_lower_cpu_priority(engine):
     """Where cores are few, the engine's steps go before a compile and a first mask."""
     import os
     import threading
-    from nano.structured.stack import on_large_stack
+    from nano.structured.stack import NICENESS, on_large_stack
 
     def priority():
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     server = Server(engine, limits=Limits(grammar_workers=1))
     asyncio.run(server._compile("regex", "[a-z]", True, "structured_outputs.regex"))
-    assert server.grammars.submit(priority).result() == 19 and on_large_stack(priority) == 19
+    assert server.grammars.submit(priority).result() == NICENESS and on_large_stack(priority) == NICENESS
     assert priority() == os.getpriority(os.PRIO_PROCESS, 0)  # the caller's own is as it was
 
 

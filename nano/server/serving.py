@@ -18,7 +18,7 @@ from nano import structured
 from nano.controls import OFF, ControlError, sampling_params
 from nano.sequence import SamplingParams, Sequence
 from nano.structured import Grammar, bounds
-from nano.structured.stack import lowest_priority
+from nano.structured.stack import lower_priority
 from nano.server.engine_thread import EngineThread, Job, StopStrings
 from nano.server.limits import Limits
 from nano.server.schemas import BadRequest, Message, Sampling, error_response
@@ -122,7 +122,7 @@ class Server:
         future = self.compiled.pop(key, None)
         if future is None or future.cancelled():
             if self.grammars is None:
-                self.grammars = ThreadPoolExecutor(self.limits.grammar_workers, "nano-grammar", lowest_priority)
+                self.grammars = ThreadPoolExecutor(self.limits.grammar_workers, "nano-grammar", lower_priority)
             future = self.grammars.submit(self._build, kind, value, strict, name)
         self.compiled[key] = future  # the most recent last
         while len(self.compiled) > GRAMMAR_CACHE:
