@@ -56,14 +56,14 @@ async def respond(server: Server, request: Request, body: Sampling, jobs: list[J
 
 def tool_parser(server: Server, given: list[dict] | None, tool_choice):
     """What reads a request's tool calls back (its tools and tool_choice in chat's shapes), or
-    None: with tool_choice "auto" the server's parser (tool_parsers.py; tools.check made sure
-    there is one), with a forced choice ("required", a named function) tools.Forced."""
+    None: with tool_choice "auto" the server's parser for these tools (tool_parsers.py;
+    tools.check made sure there is one), with a forced choice ("required", a named function) tools.Forced."""
     choice = tools.choice_of(given, tool_choice)
     if tools.forced(choice):
         return tools.Forced(choice)
     if choice != "auto" or server.tool_parser is None:
         return None
-    return tool_parsers.parser(server.tool_parser)
+    return tool_parsers.parser(server.tool_parser)([tool["function"]["name"] for tool in given])
 
 
 async def unless_gone(request: Request, work):
