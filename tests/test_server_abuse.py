@@ -151,7 +151,9 @@ def test_text_fields_get_the_cli_text_check_and_roles_are_openais(srv, path, bod
 def test_every_chat_role_openai_takes_is_taken(srv):
     out = srv.client.chat.completions.create(model=srv.model, max_tokens=2, messages=[
         {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-        {"role": "assistant", "content": "Hello"}, {"role": "tool", "content": "42"},
+        {"role": "assistant", "content": "Hello", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},  # a tool message answers a call
         {"role": "user", "content": "And?"}])
     assert out.usage.completion_tokens >= 1
 
