@@ -214,7 +214,7 @@ def test_tensor_of_the_wrong_shape(tmp_path, tiny_model):
     ({"num_attention_heads": "4"}, "config.json num_attention_heads must be an integer >= 1, got '4'"),
     ({"num_key_value_heads": 3}, "config.json num_attention_heads (4) must be a multiple of num_key_value_heads (3)"),
     ({"rms_norm_eps": None}, "config.json rms_norm_eps must be a number in (0, 0.1], got None"),
-    ({"rope_scaling": {"rope_type": "llama3"}}, "config.json rope_scaling factor must be a number > 0, got None"),
+    ({"rope_scaling": {"rope_type": "llama3"}}, "config.json rope_scaling factor must be a number in [1, 1024], got None"),
 ])
 def test_config_fields_of_the_wrong_type_or_value(tmp_path, tiny_model, edit, message):
     folder = shutil.copytree(tiny_model, tmp_path / "m")

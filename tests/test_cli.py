@@ -110,6 +110,8 @@ def test_bench_workload_is_drawn_from_seed(tenants):
     (["--prompt-file", "PROMPTS", "--speculative-config", '{"num_speculative_tokens": 2, "model": "x"}'],
      "key 'model' is not supported"),
     (["--prompt-file", "PROMPTS", "--speculative-config", "ngram"], "--speculative-config is not valid JSON"),
+    *[(["--prompt-file", "PROMPTS", "--speculative-config", value], "--speculative-config must be a JSON object, got")
+      for value in ("[]", "false", "0", "null")],  # none of them is a config, not even an empty one
     (["--serve", "--model", "/nonexistent/model", "--speculative-config", "{'k': 2}"],
      "--speculative-config is not valid JSON"),  # before the model's folder is looked at
     (["--capacity", "--speculative-config", '{"num_speculative_tokens": 2}'], "drop --speculative-config"),

@@ -40,6 +40,18 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
     ({"rope_scaling": {"factor": 2.0}}, "rope_scaling type must be default or llama3, got None"),
     ({"rope_scaling": {**LLAMA3, "low_freq_factor": 4.0}},
      "rope_scaling low_freq_factor must be below high_freq_factor, got 4.0 and 4.0"),
+    ({"rope_scaling": {**LLAMA3, "factor": 1e308}}, "rope_scaling factor must be a number in [1, 1024], got 1e+308"),
+    ({"rope_scaling": {**LLAMA3, "factor": 0.5}}, "rope_scaling factor must be a number in [1, 1024], got 0.5"),
+    ({"rope_scaling": {**LLAMA3, "factor": float("nan")}}, "rope_scaling factor must be a number in [1, 1024], got nan"),
+    ({"rope_scaling": {**LLAMA3, "low_freq_factor": 1e-320}},
+     "rope_scaling low_freq_factor must be a number in [0.001, 1024], got 1e-320"),
+    ({"rope_scaling": {**LLAMA3, "high_freq_factor": float("inf")}},
+     "rope_scaling high_freq_factor must be a number in [0.001, 1024], got inf"),
+    ({"rope_scaling": {**LLAMA3, "original_max_position_embeddings": 0.5}},
+     f"rope_scaling original_max_position_embeddings must be a number in [1, {2**24}], got 0.5"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not implemented: nano rotates all of each head"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25}},
+     "rope_parameters partial_rotary_factor 0.25 is not implemented: nano rotates all of each head"),
 ])
 def test_model_config_values_out_of_range(edit, message):
     with pytest.raises(NanoError) as e:
@@ -229,7 +241,7 @@ def test_both_rope_spellings_read_the_same(old, new):
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
      "rope_parameters type must be default or llama3, got 'yarn'"),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}},
-     "rope_parameters factor must be a number > 0, got None"),
+     "rope_parameters factor must be a number in [1, 1024], got None"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 0.5}},
      "rope_parameters rope_theta must be a number > 1, got 0.5"),
     ({"rope_parameters": [10000.0]}, "rope_parameters must be an object or null, got [10000.0]"),

@@ -88,6 +88,8 @@ def test_the_builder_checks_each_field_by_name(tiny_model):
     assert isinstance(sampling_params(engine, logit_bias={"5": 1}).logits_processor, Controls)
     for fields, field in (({"frequency_penalty": 5}, "frequency_penalty"),
                           ({"repetition_penalty": 0}, "repetition_penalty"),
+                          ({"repetition_penalty": 1e-300}, "repetition_penalty"),  # 0 in float32
+                          ({"repetition_penalty": 1e308}, "repetition_penalty"),  # inf in float32
                           ({"presence_penalty": -2.5}, "presence_penalty"), ({"logit_bias": {512: 1}}, "logit_bias"),
                           ({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": {3: 101}}, "logit_bias"),
                           ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"), ({"bad_words": "x"}, "bad_words"),

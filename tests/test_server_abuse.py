@@ -21,6 +21,7 @@ from nano.chat import template  # noqa: E402
 from nano.server.middleware import allowed_hosts  # noqa: E402
 from nano.server.engine_thread import StopStrings  # noqa: E402
 from nano.server.limits import Limits  # noqa: E402
+from nano.server.responses_schemas import ResponsesRequest  # noqa: E402
 
 KEY = "sesame"
 
@@ -150,7 +151,9 @@ def test_text_fields_get_the_cli_text_check_and_roles_are_openais(srv, path, bod
 def test_every_chat_role_openai_takes_is_taken(srv):
     out = srv.client.chat.completions.create(model=srv.model, max_tokens=2, messages=[
         {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-        {"role": "assistant", "content": "Hello"}, {"role": "tool", "content": "42"},
+        {"role": "assistant", "content": "Hello", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},  # a tool message answers a call
         {"role": "user", "content": "And?"}])
     assert out.usage.completion_tokens >= 1
 
@@ -255,6 +258,40 @@ def test_a_stream_nobody_reads_is_aborted(guarded):
         print(f"the unread stream was aborted {time.monotonic() - deadline + 10:.1f} s after it started")
     finally:
         sock.close()
+
+
+def aborted(srv) -> float:
+    """nano_requests_aborted_total as GET /metrics says it."""
+    line = next(line for line in httpx.get(srv.url + "/metrics").text.splitlines()
+                if line.startswith("nano_requests_aborted_total"))
+    return float(line.split()[-1])
+
+
+LONG = {"/v1/completions": {"prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True},
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4000,
+                                 "ignore_eos": True},
+        "/v1/responses": {"input": PROMPT, "max_output_tokens": 4000}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path", list(LONG))
+def test_a_client_that_leaves_is_noticed_at_once_on_every_route(srv, path, stream, monkeypatch):
+    """A client gives up on a long generation after 1 s, its tokens still flowing (so no quiet
+    moment tells): the request is aborted within moments and counted as aborted, not run on
+    to its 4000 tokens (minutes here)."""
+    sampling = ResponsesRequest.sampling  # the Responses API has no ignore_eos: its requests get it here
+    monkeypatch.setattr(ResponsesRequest, "sampling", lambda body: sampling(body).model_copy(update={"ignore_eos": True}))
+    before = aborted(srv)
+    try:
+        with httpx.stream("POST", srv.url + path, json={**LONG[path], "stream": stream}, timeout=1.0) as r:
+            next(r.iter_lines())  # a stream's first event; a whole answer times out first
+            time.sleep(1.0)
+    except httpx.ReadTimeout:
+        pass
+    left = time.monotonic()
+    assert srv.idle(timeout=5), [s.num_output_tokens for s in srv.engine.scheduler.running]
+    print(f"{path} (stream {stream}): aborted {time.monotonic() - left:.2f} s after the client left")
+    assert aborted(srv) == before + 1
 
 
 # ---- SIGTERM / Ctrl-C: a bounded shutdown ---------------------------------------------------------------

@@ -418,6 +418,10 @@ def test_bodies_built_from_the_request_schemas_are_served(srv, path):
                          "/tokenize": 3}.get(path, 1), made
     for body in made:
         r = post(srv, path, body)
+        # A rule across items that no schema states: a function_call_output answers a function_call before it.
+        if isinstance(body.get("input"), list) and body["input"][0].get("type") == "function_call_output":
+            assert_openai_error(r, 400, "No tool call found for function call output with call_id")
+            continue
         assert r.status_code == 200, (body, r.text)
     if path == "/v1/completions":
         streamed = post(srv, path, dict(made[0], stream=True))

@@ -161,6 +161,12 @@ def test_an_unknown_field_is_refused_by_name(srv, path, body, param):
     (CHAT, {"frequency_penalty": 5}, "frequency_penalty", "less than or equal"),
     (COMPLETIONS, {"presence_penalty": -2.5}, "presence_penalty", "greater than or equal"),
     (CHAT, {"repetition_penalty": 0}, "repetition_penalty", "greater than"),
+    (CHAT, {"repetition_penalty": 1e-300}, "repetition_penalty", "greater than or equal to 0.000001"),  # float32: 0
+    (COMPLETIONS, {"repetition_penalty": 1e308}, "repetition_penalty", "less than or equal to 1000000"),  # inf
+    (CHAT, {"structured_outputs": {"regex": ""}}, "structured_outputs.regex", "must not be empty"),
+    (COMPLETIONS, {"structured_outputs": {"grammar": ""}}, "structured_outputs.grammar", "must not be empty"),
+    (CHAT, {"structured_outputs": {"json": ""}}, "structured_outputs.json", "must not be empty"),
+    (COMPLETIONS, {"structured_outputs": {"choice": []}}, "structured_outputs.choice", "must not be empty"),
     (COMPLETIONS, {"min_p": 1.5}, "min_p", "less than or equal"),
     (COMPLETIONS, {"min_tokens": -1}, "min_tokens", "greater than or equal"),
     (CHAT, {"logit_bias": {"abc": 1}}, "logit_bias", "keys must be token ids"),
@@ -179,6 +185,9 @@ def test_vllms_range_checks(srv, path, body, param, text):
     (CHAT, {"top_logprobs": 0}),                             # asks for no alternatives: fine without logprobs
     (COMPLETIONS, {"stream_options": {}}),                   # vLLM's check is on a non-empty object
     (CHAT, {"seed": 2**63 - 1}), (COMPLETIONS, {"seed": -2**63}), (COMPLETIONS, {"top_k": 0}),
+    (CHAT, {"repetition_penalty": 1e-6}), (COMPLETIONS, {"repetition_penalty": 1e6}),
+    (CHAT, {"structured_outputs": {"json": {}}}),  # the empty schema: any JSON value
+    (COMPLETIONS, {"structured_outputs": {"regex": None, "choice": ["a", "b"]}}),  # null: not set
     (CHAT, {"temperature": None, "top_p": None, "top_k": None, "n": None, "stream": None, "logprobs": None}),
     (COMPLETIONS, {"max_tokens": None, "echo": None, "seed": None, "stop": None}),  # null: the default, as in vLLM
 ])

@@ -24,6 +24,8 @@ except ImportError:  # the checks against openai's own types are skipped
     Response = None
 
 PATH = "/v1/responses"
+DEEP = "[" * 500 + "]" * 500  # JSON nested deeper than the template's recursion can take
+DEEP_SCHEMA = json.loads("{\"a\": " * 300 + "{}" + "}" * 300)
 BASE = {"input": "The sky is", "max_output_tokens": 2}
 HONOURED = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "metadata",
             "user", "safety_identifier", "text", "tools", "tool_choice", "parallel_tool_calls"}
@@ -197,6 +199,19 @@ def test_a_refused_field_set_off_is_taken(srv):
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]}, "input",
      "'arguments' must be a JSON string"),
     ({"input": [{"type": "function_call_output", "output": "4"}]}, "input", "'call_id' is required"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": DEEP}]}, "input",
+     "item 0: 'arguments' must be a JSON string holding an object (nests deeper than 64 levels)"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": '{"x": NaN}'}]}, "input",
+     "NaN is not JSON"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "4"}]}, "input",
+     "item 0: No tool call found for function call output with call_id c."),
+    ({"input": [{"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "b", "output": "4"}]}, "input", "with call_id b."),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": DEEP_SCHEMA}}]},
+     "tools", "tool 0: 'parameters' nests deeper than 64 levels"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "at most 16 items"),
+    ({"metadata": {"k" * 65: "v"}}, "metadata." + "k" * 65, "at most 64 characters"),
+    ({"metadata": {"k": "v" * 513}}, "metadata.k", "at most 512 characters"),
     ({"tools": [{"type": "web_search"}]}, "tools", "'web_search': nano calls function tools only"),
     ({"tools": [{"type": "function", "name": "f", "colour": 1}]}, "tools", "'colour' is an unknown field"),
     ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "string"}}]}, "tools", "JSON schema of an"),
@@ -220,6 +235,12 @@ def test_what_the_server_cannot_take_is_a_400_naming_it(srv, body, param, text):
     r = post(srv, {**BASE, **body})
     assert_openai_error(r, 400, text)
     assert r.json()["error"]["param"] == param
+
+
+def test_metadata_is_taken_up_to_openais_bounds(srv):
+    metadata = {f"{i:02d}" + "k" * 62: "v" * 512 for i in range(16)}  # 16 keys, 64 characters each, values of 512
+    r = post(srv, {**BASE, "metadata": metadata})
+    assert r.status_code == 200 and r.json()["metadata"] == metadata, r.text
 
 
 def test_another_model_is_a_404_and_a_rejected_prompt_a_400(srv):

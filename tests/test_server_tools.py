@@ -31,6 +31,8 @@ HISTORY = [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]},
     {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "18 C, sunny"},
 ]
+HERMES = Hermes(["get_weather", "get_time", "f"])  # the parser, for a request with these tools
+DEEP = "[" * 500 + "]" * 500  # JSON nested deeper than the template's recursion can take
 ONE = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TWO = ONE + '\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
 
@@ -117,9 +119,17 @@ def calls_of(calls: list[dict]) -> list[tuple[str, dict]]:
     ("No call here.", "No call here.", []),
     ('<tool_call>{"name": get_weather}</tool_call>', '<tool_call>{"name": get_weather}</tool_call>', []),
     ('<tool_call>{"name": "f"}</tool_call>', '<tool_call>{"name": "f"}</tool_call>', []),  # no arguments
+    # not calls either: a function the request has not given, arguments not an object or not strict JSON
+    ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', None, []),
+    ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>', None, []),
+    ('<tool_call>{"name": "f", "arguments": "{}"}</tool_call>', None, []),
+    ('<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>', None, []),
+    ('<tool_call>{"name": "f", "arguments": {"x": -Infinity}}</tool_call>', None, []),
+    ('<tool_call>{"name": "f", "arguments": {"x": 1e999}}</tool_call>', None, []),
+    ('<tool_call>{"name": "f", "arguments": {"x": ' + DEEP + '}}</tool_call>', None, []),
 ])
 def test_hermes_reads_whole_texts(text, content, calls):
-    got_content, got_calls = Hermes.extract(text)
+    got_content, got_calls = HERMES.extract(text)
     if not calls and "<tool_call>" in text:  # not a call: the whole text is the content
         content = text
     assert (got_content, calls_of(got_calls)) == (content, calls)
@@ -127,7 +137,7 @@ def test_hermes_reads_whole_texts(text, content, calls):
 
 def streamed(pieces: list[str], max_calls=None) -> tuple[str | None, list[dict], list[dict]]:
     """The content and calls a client puts together from the stream's deltas, and the deltas."""
-    reader, deltas = Hermes.Stream(max_calls), []
+    reader, deltas = HERMES.Stream(max_calls), []
     for piece in pieces:
         deltas += reader.feed(piece)
     deltas += reader.end()
@@ -149,7 +159,7 @@ def streamed(pieces: list[str], max_calls=None) -> tuple[str | None, list[dict],
 @pytest.mark.parametrize("text", [ONE, TWO, "Let me look.\n" + TWO, "a < b <tool_ and <tool_call", "No call.",
                                   '<tool_call>{"name": "f", "arguments": {"a": 1}}'])
 def test_a_stream_split_anywhere_gives_the_same_calls(text):
-    whole_content, whole_calls = Hermes.extract(text)
+    whole_content, whole_calls = HERMES.extract(text)
     for cut in range(len(text) + 1):
         for pieces in ([text[:cut], text[cut:]], [text[:cut], *text[cut:]]):  # two pieces; then one a character
             content, calls, deltas = streamed(pieces)
@@ -159,7 +169,7 @@ def test_a_stream_split_anywhere_gives_the_same_calls(text):
 
 
 def test_the_tag_is_held_back_until_it_is_known():
-    reader = Hermes.Stream()
+    reader = HERMES.Stream()
     assert reader.feed("Hi <tool") == [{"content": "Hi "}]
     assert reader.feed("box") == [{"content": "<toolbox"}]
     assert reader.feed("<tool_call>") == [] and not reader.called
@@ -208,6 +218,24 @@ def test_parallel_tool_calls_false_keeps_the_first(srv, monkeypatch):
     assert calls_of(message["tool_calls"]) == [("get_weather", {"city": "Paris"})] and message["content"] is None
     assert calls_of(post(srv, {**body, "parallel_tool_calls": True}).json()["choices"][0]["message"]["tool_calls"]) \
         == [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET"})]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_to_a_tool_not_given_or_with_arguments_not_strict_json_is_content(srv, monkeypatch, stream):
+    for text in ('<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call>',
+                 '<tool_call>{"name": "get_weather", "arguments": {"city": NaN}}</tool_call>'):
+        fake_output(srv, monkeypatch, [text])
+        r = post(srv, {"messages": HISTORY[:1], "tools": [WEATHER], "stream": stream})
+        if stream:
+            chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+            deltas = [c["choices"][0]["delta"] for c in chunks]
+            content, finish = "".join(d.get("content") or "" for d in deltas), chunks[-1]["choices"][0]["finish_reason"]
+            assert not any("tool_calls" in d for d in deltas)
+        else:
+            message, finish = r.json()["choices"][0]["message"], r.json()["choices"][0]["finish_reason"]
+            content = message["content"]
+            assert message["tool_calls"] == []
+        assert (content, finish) == (text, "stop")
 
 
 def test_tool_choice_none_reads_no_call(srv, monkeypatch):
@@ -264,6 +292,45 @@ def test_an_earlier_calls_shape_is_checked(srv):
     assert r.json()["error"]["param"] == "messages.1.tool_calls"
     bad["tool_calls"][0]["function"]["arguments"] = '{"city": '
     assert_openai_error(post(srv, {"messages": [HISTORY[0], bad]}), 400, "'arguments' must be a JSON string")
+
+
+CALL = HISTORY[1]["tool_calls"][0]
+
+
+@pytest.mark.parametrize("messages, param, text", [
+    # the arguments: a JSON object, strict JSON, not too deep for the template's recursion
+    ([HISTORY[0], {**HISTORY[1], "tool_calls": [{**CALL, "function": {"name": "f", "arguments": DEEP}}]}],
+     "messages.1.tool_calls", "call 0: 'arguments' must be a JSON string holding an object (nests deeper than 64 "
+     "levels)"),
+    ([HISTORY[0], {**HISTORY[1], "tool_calls": [{**CALL, "function": {"name": "f", "arguments": '{"x": NaN}'}}]}],
+     "messages.1.tool_calls", "(NaN is not JSON)"),
+    ([HISTORY[0], {**HISTORY[1], "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "[1]"}}]}],
+     "messages.1.tool_calls", "holding an object, not list"),
+    # each field on its own role: tool_calls on an assistant's message, tool_call_id on a tool message, always
+    ([{**HISTORY[0], "tool_calls": HISTORY[1]["tool_calls"]}], "messages.0.tool_calls",
+     "only an assistant's message may have tool_calls"),
+    ([{"role": "system", "content": "x", "tool_calls": HISTORY[1]["tool_calls"]}, HISTORY[0]],
+     "messages.0.tool_calls", "only an assistant's message may have tool_calls"),
+    ([{**HISTORY[0], "tool_call_id": "call_1"}], "messages.0.tool_call_id", "only a tool message may have"),
+    ([*HISTORY[:2], {"role": "tool", "content": "18 C"}], "messages.2.tool_call_id", "needs its tool_call_id"),
+    # a tool message answers a call made before it
+    ([HISTORY[0], HISTORY[2]], "messages", "message 1: messages with role 'tool' must be a response to a preceding "
+     "message with 'tool_calls' (no call has the id 'call_1')"),
+    ([*HISTORY[:2], {**HISTORY[2], "tool_call_id": "call_2"}], "messages", "no call has the id 'call_2'"),
+])
+def test_a_conversations_tool_fields_are_checked(srv, messages, param, text):
+    for path in (CHAT, "/tokenize"):
+        r = post(srv, {"messages": messages}, path)
+        assert_openai_error(r, 400, text)
+        assert r.json()["error"]["param"] == param
+
+
+def test_a_tools_parameters_too_deep_for_the_template_are_refused(srv):
+    deep = json.loads('{"a": ' * 300 + "{}" + "}" * 300)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": deep}}}
+    r = post(srv, {"messages": HISTORY[:1], "tools": [tool], "tool_choice": "none"})
+    assert_openai_error(r, 400, "tool 0: 'parameters' nests deeper than 64 levels")
+    assert r.json()["error"]["param"] == "tools"
 
 
 # ---- forced calls: "required" and a named function ---------------------------------------------------

@@ -43,7 +43,7 @@ def _checked(field: str, check, *args, **kwargs):
 OFF = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "logit_bias": None,
        "min_tokens": 0, "bad_words": None}
 RULES = {
-    "repetition_penalty": lambda n, v: checks.number(n, v, low=0, open_low=True),
+    "repetition_penalty": lambda n, v: checks.number(n, v, 1e-6, 1e6),  # vLLM's (0, inf), kept finite in float32
     "frequency_penalty": lambda n, v: checks.number(n, v, -2, 2),
     "presence_penalty": lambda n, v: checks.number(n, v, -2, 2),
     "min_tokens": lambda n, v: checks.integer(n, v, 0, checks.INT32_MAX),

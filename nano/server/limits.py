@@ -26,5 +26,9 @@ class Limits:
     # the cores); the others wait their turn, within grammar_timeout
 
 
+# How deep the JSON a client sends may nest (arrays and objects, counted from the value's own top:
+# a tool's parameters, a call's arguments): far above any real schema or call, far below what
+# would take the recursion that the chat template and copy.deepcopy walk such a value with.
+JSON_DEPTH = 64
 SHUTDOWN_TIMEOUT = 5.0  # seconds open requests get to finish after SIGTERM or Ctrl-C
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # --log-level: Python's logging levels

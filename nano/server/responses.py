@@ -23,10 +23,10 @@ async def respond(server: Server, request: Request, body: Sampling, jobs: list[J
         return EventSourceResponse(stream(server, request, jobs, body.n, head, kind, options, parser,
                                           None if getattr(body, "parallel_tool_calls", True) else 1))
     try:
-        results = await asyncio.gather(*(collect(job, request) for job in jobs))
+        results = await unless_gone(request, asyncio.gather(*(collect(job) for job in jobs)))
     finally:
         server.release(jobs)
-    if any(r is None for r in results):
+    if results is None:
         return error_response("client disconnected", 499)
     failed = [r for r in results if r["error"]]
     if failed:  # rejected by the engine (400), or the engine failed (500)
@@ -56,26 +56,37 @@ async def respond(server: Server, request: Request, body: Sampling, jobs: list[J
 
 def tool_parser(server: Server, given: list[dict] | None, tool_choice):
     """What reads a request's tool calls back (its tools and tool_choice in chat's shapes), or
-    None: with tool_choice "auto" the server's parser (tool_parsers.py; tools.check made sure
-    there is one), with a forced choice ("required", a named function) tools.Forced."""
+    None: with tool_choice "auto" the server's parser for these tools (tool_parsers.py;
+    tools.check made sure there is one), with a forced choice ("required", a named function) tools.Forced."""
     choice = tools.choice_of(given, tool_choice)
     if tools.forced(choice):
         return tools.Forced(choice)
     if choice != "auto" or server.tool_parser is None:
         return None
-    return tool_parsers.parser(server.tool_parser)
+    return tool_parsers.parser(server.tool_parser)([tool["function"]["name"] for tool in given])
 
 
-async def collect(job: Job, request: Request) -> dict | None:
-    """A job's events gathered into one result; None if the client went away first."""
+async def unless_gone(request: Request, work):
+    """work's result, or None if the client goes away first. The connection itself is watched
+    (Starlette's receive() answers http.disconnect the moment it closes), so a client that
+    leaves is noticed at once, however steadily the engine keeps sending work its tokens."""
+    async def gone():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    work, watcher = asyncio.ensure_future(work), asyncio.create_task(gone())
+    try:
+        await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
+        return work.result() if work.done() else None
+    finally:
+        work.cancel()
+        watcher.cancel()
+
+
+async def collect(job: Job) -> dict:
+    """A job's events gathered into one result."""
     out = {"text": "", "logprobs": [], "finish_reason": None, "error": None, "prompt_logprobs": None}
     while out["finish_reason"] is None and out["error"] is None:
-        try:
-            event = await asyncio.wait_for(job.events.get(), timeout=0.5)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                return None
-            continue
+        event = await job.events.get()
         out["text"] += event.get("text", "")
         out["logprobs"] += event.get("logprobs") or []
         out["prompt_logprobs"] = out["prompt_logprobs"] or event.get("prompt_logprobs")

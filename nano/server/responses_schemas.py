@@ -2,15 +2,14 @@
 as far as nano implements it; the fields it does not are refused by name (fields.py's
 RefusedResponses). Its messages, tools and formats are checked as the chat endpoint's
 (schemas.py) and turned into that endpoint's shapes."""
-import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, model_validator
 from pydantic_core import PydanticCustomError
 
 from nano.server.fields import RefusedResponses, RefusedText
 from nano.server.schemas import (JsonSchemaFormat, JsonText, Message, ResponseFormat, Sampling, Text, _checked_text,
-                                 _function, _shape, _tools)
+                                 _function, _shape, arguments)
 
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 
@@ -59,13 +58,13 @@ def _input(value) -> list[dict]:
     input_text / output_text parts (joined with newlines, as the chat endpoint joins its parts);
     function_call items an assistant message's tool_calls (the message before, if it is the
     assistant's: one turn), a function_call_output a tool message (its tool_call_id the
-    call_id), as vLLM turns them. Other items (reasoning, ...) and other parts (images, files,
+    call_id, which a function_call before it must have), as vLLM turns them. Other items (reasoning, ...) and other parts (images, files,
     audio) are a 400 naming them."""
     if isinstance(value, str):
         return [{"role": "user", "content": _checked_text(value)}]
     if not isinstance(value, list) or not value:
         raise PydanticCustomError("input", "must be a string or a non-empty list of items")
-    messages = []
+    messages, called = [], set()
     for i, item in enumerate(value):
         if not isinstance(item, dict):
             raise PydanticCustomError("input", f"item {i} must be an object (a message)")
@@ -73,10 +72,8 @@ def _input(value) -> list[dict]:
         if kind == "function_call":
             _shape(item, "input", {"type": (str, True), "name": (str, True), "arguments": (str, True), **_CALL_KEYS},
                    f"item {i}")
-            try:
-                json.loads(item["arguments"] or "{}")
-            except json.JSONDecodeError:
-                raise PydanticCustomError("input", f"item {i}: 'arguments' must be a JSON string") from None
+            arguments(item["arguments"], "input", f"item {i}")
+            called.add(item["call_id"])
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
             if messages and messages[-1]["role"] == "assistant":
@@ -86,6 +83,9 @@ def _input(value) -> list[dict]:
             continue
         if kind == "function_call_output":
             _shape(item, "input", {"type": (str, True), "output": (str, True), **_CALL_KEYS}, f"item {i}")
+            if item["call_id"] not in called:  # OpenAI's words
+                raise PydanticCustomError("input", f"item {i}: No tool call found for function call output with "
+                                          f"call_id {item['call_id']:.80}.")
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
             continue
         if kind != "message":
@@ -208,7 +208,9 @@ class ResponsesRequest(RefusedResponses):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     stream: bool = False
-    metadata: dict[str, Text] | None = None  # echoed in the response: asks nothing of the model
+    # Echoed in the response, it asks nothing of the model; bounded as OpenAI bounds it.
+    metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512), AfterValidator(_checked_text)]],
+                        Field(max_length=16)] | None = None
     user: Text | None = None  # an end user's id, for abuse monitoring: asks nothing of the model
     safety_identifier: Text | None = None  # `user`'s successor: asks nothing of the model
     text: ResponseText = ResponseText()  # structured output, as chat's response_format

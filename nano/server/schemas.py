@@ -4,7 +4,6 @@ one, is a 400 naming it: fields.py), every text field through the command line's
 and errors in OpenAI's shape. The models are also /openapi.json's schemas: a field checked by
 a function of ours names the JSON it takes (json_schema_input_type), so that the schema says
 what the check accepts."""
-import json
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
@@ -14,6 +13,7 @@ from pydantic_core import PydanticCustomError
 
 from nano import checks
 from nano.errors import NanoError
+from nano.server import json_values
 from nano.server.fields import RefusedChat, RefusedCompletion, RefusedMessage
 
 
@@ -169,12 +169,29 @@ def _function(function: dict, keys: dict, i: int, where: str) -> None:
     if parameters is not None and parameters.get("type", "object") != "object":
         raise PydanticCustomError("tools", f"tool {i}: 'parameters' must be the JSON schema of an object "
                                   "(\"type\": \"object\")")
+    try:
+        json_values.check_depth(parameters)
+    except ValueError as e:
+        raise PydanticCustomError("tools", f"tool {i}: 'parameters' {e}") from None
+
+
+def arguments(text: str, kind: str, where: str) -> dict:
+    """A call's arguments as a client sends them back: a JSON object as a string, read strictly
+    (json_values.loads); an empty string is {}, as vLLM reads it."""
+    try:
+        value = json_values.loads(text or "{}")
+    except ValueError as e:
+        raise PydanticCustomError(kind, f"{where}: 'arguments' must be a JSON string holding an object ({e})") from None
+    if not isinstance(value, dict):
+        raise PydanticCustomError(kind, f"{where}: 'arguments' must be a JSON string holding an object, not "
+                                  f"{type(value).__name__}")
+    return value
 
 
 def _tool_calls(value) -> list[dict]:
     """An assistant message's earlier calls, as OpenAI takes them (id, type "function", the
-    function's name and its arguments, a JSON string); returned with the arguments parsed
-    (an empty string: {}), as vLLM hands them to the template: tool-use templates expect them
+    function's name and its arguments, a JSON object as a string: arguments()); returned with
+    the arguments parsed, as vLLM hands them to the template: tool-use templates expect them
     as objects, as transformers documents."""
     if not isinstance(value, list):
         raise PydanticCustomError("tool_calls", "must be a list of tool calls")
@@ -184,11 +201,8 @@ def _tool_calls(value) -> list[dict]:
         if call["type"] != "function":
             raise PydanticCustomError("tool_calls", f"call {i}: 'type' must be 'function'")
         _shape(call["function"], "tool_calls", {"name": (str, True), "arguments": (str, True)}, f"call {i}: 'function'")
-        try:
-            arguments = json.loads(call["function"]["arguments"] or "{}")
-        except json.JSONDecodeError:
-            raise PydanticCustomError("tool_calls", f"call {i}: 'arguments' must be a JSON string") from None
-        calls.append({**call, "function": {**call["function"], "arguments": arguments}})
+        parsed = arguments(call["function"]["arguments"], "tool_calls", f"call {i}")
+        calls.append({**call, "function": {**call["function"], "arguments": parsed}})
     return calls
 
 
@@ -251,14 +265,26 @@ class StructuredOutputs(BaseModel):
     choice: list[str] | None = None
     grammar: str | None = None
 
+    @field_validator("json_", "regex", "choice", "grammar")
+    @classmethod
+    def _not_empty(cls, value):
+        # An empty schema is JSON's any value (as response_format's absent one); an empty string or list asks nothing.
+        if value is not None and not value and not isinstance(value, dict):
+            raise PydanticCustomError("structured_outputs", "must not be empty")
+        return value
+
     @model_validator(mode="after")
     def _exactly_one(self):
-        asked = [k for k in ("json_", "regex", "choice", "grammar") if getattr(self, k) is not None]
-        asked += ["json_object"] if self.json_object else []
-        if len(asked) != 1:
+        if len(self.asked()) != 1:
             raise PydanticCustomError("structured_outputs", "set exactly one of json, json_object, regex, choice, "
                                       "grammar")
         return self
+
+    def asked(self) -> list[str]:
+        """The kinds set (json, json_object, regex, choice, grammar): one, once validated."""
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, "json_" if k == "json" else k)
+                 is not None]
+        return given + (["json_object"] if self.json_object else [])
 
 
 class Sampling(BaseModel):
@@ -281,7 +307,7 @@ class Sampling(BaseModel):
     min_p: float = Field(0.0, ge=0, le=1)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(1.0, gt=0)
+    repetition_penalty: float = Field(1.0, ge=1e-6, le=1e6)  # finite in float32, its reciprocal too
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # OpenAI's: {"50256": -100}
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
@@ -331,7 +357,7 @@ class Message(RefusedMessage):
     # The template gets these as sent (tool calls: their arguments parsed, as vLLM does).
     name: Text | None = None
     tool_calls: Annotated[list[dict], PlainValidator(_tool_calls, json_schema_input_type=list[ToolCall])] | None = None
-    tool_call_id: Text | None = None
+    tool_call_id: Text | None = Field(None, validate_default=True)  # a tool message's: the call it answers
 
     def conversation(self) -> dict:
         """The message as the chat template gets it: role, content (null: empty), and the tool
@@ -342,9 +368,40 @@ class Message(RefusedMessage):
     validate_content = field_validator("content", mode="plain",
                                        json_schema_input_type=str | list[TextPart] | None)(_content)
 
+    @field_validator("tool_calls")
+    @classmethod
+    def _only_the_assistants(cls, calls: list[dict] | None, info: ValidationInfo) -> list[dict] | None:
+        if calls is not None and info.data.get("role", "assistant") != "assistant":
+            raise PydanticCustomError("tool_calls", "only an assistant's message may have tool_calls")
+        return calls
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _only_a_tools(cls, call_id: str | None, info: ValidationInfo) -> str | None:
+        role = info.data.get("role")  # None: the role itself was refused
+        if call_id is not None and role not in ("tool", None):
+            raise PydanticCustomError("tool_call_id", "only a tool message may have a tool_call_id")
+        if call_id is None and role == "tool":
+            raise PydanticCustomError("tool_call_id", "a tool message needs its tool_call_id: the id of the call "
+                                      "it answers")
+        return call_id
+
+
+def _answered(messages: list[Message]) -> list[Message]:
+    """The conversation, each tool message answering a call an earlier assistant message made
+    (OpenAI's check; its wording)."""
+    called = set()
+    for i, message in enumerate(messages):
+        called.update(call["id"] for call in message.tool_calls or [])
+        if message.role == "tool" and message.tool_call_id not in called:
+            raise PydanticCustomError("messages", f"message {i}: messages with role 'tool' must be a response to a "
+                                      f"preceding message with 'tool_calls' (no call has the id "
+                                      f"{message.tool_call_id!r:.80})")
+    return messages
+
 
 class ChatRequest(Sampling, RefusedChat):
-    messages: list[Message] = Field(min_length=1)
+    messages: Annotated[list[Message], Field(min_length=1), AfterValidator(_answered)]
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -370,7 +427,7 @@ class TokenizeRequest(BaseModel):
         {"required": [name], "properties": {name: {"not": {"type": "null"}}}} for name in ("prompt", "messages")]})
     model: Text | None = None
     prompt: Text | None = None
-    messages: list[Message] | None = Field(None, min_length=1)
+    messages: Annotated[list[Message], Field(min_length=1), AfterValidator(_answered)] | None = None
     add_generation_prompt: bool = True
     # with messages: the tools, in the template
     tools: Annotated[list[dict], PlainValidator(_tools, json_schema_input_type=list[Tool])] | None = None

@@ -99,8 +99,7 @@ class Server:
             kind, value, strict = (("json", spec.schema_, spec.strict is not False) if spec else ("json_object", None, True))
         else:
             param = "structured_outputs"
-            kind = next(k for k in ("json", "regex", "choice", "grammar", "json_object")
-                        if getattr(outputs, "json_" if k == "json" else k))
+            [kind] = outputs.asked()
             value, strict, name = getattr(outputs, "json_" if kind == "json" else kind), True, f"{param}.{kind}"
         try:
             grammar = await self._compile(kind, value, strict, name)

@@ -36,17 +36,20 @@ class SpeculativeConfig:
 
 
 def parse(config: str | dict | None) -> SpeculativeConfig | None:
-    """--speculative-config's JSON (or a dict) -> a checked config; None or {} -> None (off).
-    Anything nano does not implement is a one-line NanoError naming it."""
+    """--speculative-config's JSON (or a dict) -> a checked config; None (the flag not given)
+    or {} -> None (off). Only a JSON object is a config ([], false, 0 and null are not); anything
+    nano does not implement is a one-line NanoError naming it."""
+    if config is None:
+        return None
     if isinstance(config, str):
         try:
             config = json.loads(config)
         except ValueError as e:
             raise NanoError(f"--speculative-config is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise NanoError(f"--speculative-config must be a JSON object, got {json.dumps(config, default=repr):.40}")
     if not config:
         return None
-    if not isinstance(config, dict):
-        raise NanoError(f"--speculative-config must be a JSON object, got {config!r:.40}")
     for key in config:
         if key not in KEYS:
             raise NanoError(f"--speculative-config key {key!r:.40} is not supported (nano has {', '.join(KEYS)})")
