@@ -286,3 +286,36 @@ def test_structured_outputs_choice_on_completions(srv, stream):
         texts = [c.text for c in out.choices]
     assert len(texts) == 3 and all(t in CHOICES for t in texts), texts
     assert srv.idle()
+
+
+# ---- objects closed as vLLM's default backend closes them ----
+@pytest.mark.parametrize("schema, allowed, refused", [
+    ({"type": "object", "properties": {"a": {"type": "integer"}}}, ['{"a":1}', "{}"], ['{"a":1,"b":2}']),
+    ({"properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}}}},
+     ['{"a":{"b":1}}'], ['{"a":{"b":1,"c":2}}', '{"a":{},"z":1}']),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True},
+     ['{"a":1,"b":2}'], []),
+    ({"type": "object", "additionalProperties": {"type": "integer"}}, ['{"x":1}'], ['{"x":"s"}']),
+    ({"type": "array", "prefixItems": [{"type": "integer"}]}, ["[1]"], ["[1,2]"]),
+    ({"$defs": {"p": {"type": "object", "properties": {"n": {"type": "integer"}}}}, "$ref": "#/$defs/p"},
+     ['{"n":1}'], ['{"n":1,"m":2}']),
+    ({"anyOf": [{"type": "object", "properties": {"n": {"type": "integer"}}}, {"type": "null"}]},
+     ['{"n":1}', "null"], ['{"n":1,"m":2}']),
+])
+def test_an_object_allows_only_its_listed_properties_unless_it_says_otherwise(vocab, engine, schema, allowed, refused):
+    grammar = compile_grammar(vocab, "json", schema)
+    for text, expected in [(t, True) for t in allowed] + [(t, False) for t in refused]:
+        ids = engine.tokenizer.encode(text, plain=True)
+        matcher = grammar._compiled.deep_copy()
+        whole = matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+        assert whole == expected, (schema, text)
+
+
+def test_closing_a_schema_leaves_the_callers_and_its_data_alone():
+    from nano.structured.grammar import closed_schema
+    schema = {"type": "object", "properties": {"a": {"const": {"type": "object"}}},
+              "default": {"properties": {}}}
+    closed = closed_schema(schema)
+    assert "additionalProperties" not in schema  # the caller's copy is untouched
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["a"]["const"] == {"type": "object"} and closed["default"] == {"properties": {}}

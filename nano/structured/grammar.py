@@ -14,7 +14,9 @@ sequence to another process): the native matcher is dropped and rebuilt from the
 grammar and the output tokens the first time it is needed."""
 from __future__ import annotations
 
+import copy
 import hashlib
+import json
 import threading
 import zlib
 
@@ -85,14 +87,16 @@ PARSER_LIMITS = dict(initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, step
 
 def grammar_source(kind: str, value, strict: bool = True, name: str | None = None) -> str:
     """llguidance's grammar text for a request's grammar: kind is json (a JSON schema, a dict
-    or its text), json_object (any object), regex, choice (a list of strings) or grammar (Lark,
-    or GBNF, as llguidance reads them). strict False: JSON-schema keywords llguidance does not
-    implement are ignored (lenient) rather than refused. name: the grammar's in errors (kind)."""
+    or its text, closed by closed_schema), json_object (any object), regex, choice (a list of
+    strings) or grammar (Lark, or GBNF, as llguidance reads them). strict False: JSON-schema
+    keywords llguidance does not implement are ignored (lenient) rather than refused. name: the
+    grammar's in errors (kind)."""
     matcher = llguidance.LLMatcher
     try:
         if kind == "json":
+            schema = closed_schema(json.loads(value) if isinstance(value, str) else value)
             options = {"lenient": not strict}
-            return matcher.grammar_from_json_schema(value, defaults=JSON_DEFAULTS, overrides=options)
+            return matcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS, overrides=options)
         if kind == "json_object":
             return matcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
         if kind == "regex":
@@ -106,6 +110,41 @@ def grammar_source(kind: str, value, strict: bool = True, name: str | None = Non
     except (ValueError, TypeError) as e:
         raise NanoError(f"{name or kind}: {_one_line(str(e))}") from None
     raise NanoError(f"unknown grammar kind {kind!r}")
+
+
+# The keywords whose value is a schema, a list of schemas, or a map of names to schemas: where
+# closed_schema looks for object and array schemas (never inside const, enum or default, which
+# hold data).
+_SCHEMA = ("items", "additionalItems", "contains", "additionalProperties", "propertyNames", "not", "if", "then",
+           "else", "unevaluatedItems", "unevaluatedProperties")
+_SCHEMA_LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_SCHEMA_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_schema(schema):
+    """A copy of a JSON schema in which an object allows only the properties it lists, and an
+    array of prefixItems only those items, where the schema does not say otherwise: vLLM's
+    default backend (xgrammar, strict mode) reads schemas so, and clients rely on it (pydantic's
+    schemas never say additionalProperties). An object with additionalProperties,
+    patternProperties or unevaluatedProperties keeps them; an array with items,
+    additionalItems or unevaluatedItems keeps those. Walked with a stack, whatever its depth."""
+    schema = copy.deepcopy(schema)
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        kinds = node.get("type", [])
+        kinds = kinds if isinstance(kinds, list) else [kinds]
+        if ("object" in kinds or "properties" in node) and not {"additionalProperties", "patternProperties",
+                                                                 "unevaluatedProperties"} & node.keys():
+            node["additionalProperties"] = False
+        if "prefixItems" in node and not {"items", "additionalItems", "unevaluatedItems"} & node.keys():
+            node["items"] = False
+        stack += [node[k] for k in _SCHEMA if isinstance(node.get(k), dict)]
+        stack += [s for k in _SCHEMA_LIST if isinstance(node.get(k), list) for s in node[k]]
+        stack += [s for k in _SCHEMA_MAP if isinstance(node.get(k), dict) for s in node[k].values()]
+    return schema
 
 
 def _one_line(message: str) -> str:
