@@ -127,7 +127,7 @@ def test_the_stream_is_openais_events_in_order_and_its_text_the_responses(srv, m
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = events_of(r)
     kinds = [e["type"] for e in events]
-    last = f"response.{whole['status']}"
+    last = "response.completed"  # vLLM's last event whatever the status inside (the openai client waits for it)
     deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
     assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
                      "response.content_part.added", *["response.output_text.delta"] * len(deltas),
@@ -429,3 +429,11 @@ def test_function_call_items_and_their_outputs_reach_the_template(srv):
     assert r.json()["usage"]["input_tokens"] == tokenized["count"]
     text = httpx.post(srv.url + "/detokenize", json={"tokens": tokenized["tokens"]}).json()["prompt"]
     assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in text and "18 C, sunny" in text
+
+
+def test_the_openai_clients_stream_gets_its_final_response_when_cut_short(srv):
+    """openai's responses.stream() takes response.completed as the end, whatever the status in it."""
+    with srv.client.responses.stream(model=srv.model, input="Tell me a long story.", max_output_tokens=5) as stream:
+        final = stream.get_final_response()
+    assert final.status == "incomplete" and final.incomplete_details.reason == "max_output_tokens"
+    assert final.output[0].status == "incomplete" and final.output_text

@@ -348,7 +348,8 @@ def test_a_forced_choice_gets_valid_calls_whole_and_streamed(srv, choice):
                tools=STRICT, tool_choice=choice, max_tokens=60, temperature=0)
     choice_out = srv.client.chat.completions.create(**ask).choices[0]
     calls = choice_out.message.tool_calls
-    assert calls and choice_out.finish_reason == "tool_calls" and not choice_out.message.content
+    finished = "stop" if choice == NAMED else "tool_calls"  # OpenAI's (and vLLM's) rule for a forced function
+    assert calls and choice_out.finish_reason == finished and not choice_out.message.content
     parameters = {t["function"]["name"]: t["function"]["parameters"] for t in STRICT}
     for call in calls:
         jsonschema.validate(json.loads(call.function.arguments), parameters[call.function.name])
@@ -359,7 +360,21 @@ def test_a_forced_choice_gets_valid_calls_whole_and_streamed(srv, choice):
     arguments = "".join(t.function.arguments or "" for c in chunks for t in c.choices[0].delta.tool_calls or [])
     assert [h.function.name for h in heads] == [c.function.name for c in calls]
     assert arguments == "".join(c.function.arguments for c in calls)
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert chunks[-1].choices[0].finish_reason == finished
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_named_call_cut_short_is_length_and_no_call(srv, stream):
+    """Arguments cut by max_tokens do not parse: no call is made of them, and the choice says "length"."""
+    ask = dict(model=srv.model, messages=[{"role": "user", "content": "The time in CET?"}], tools=STRICT,
+               tool_choice=NAMED, max_tokens=3, temperature=0)
+    if stream:
+        chunks = list(srv.client.chat.completions.create(**ask, stream=True))
+        assert not any(c.choices[0].delta.tool_calls for c in chunks if c.choices)
+        assert chunks[-1].choices[0].finish_reason == "length"
+    else:
+        out = srv.client.chat.completions.create(**ask).choices[0]
+        assert out.finish_reason == "length" and not out.message.tool_calls, out
 
 
 def test_a_forced_call_cut_short_is_content(srv):

@@ -301,6 +301,8 @@ def test_structured_outputs_choice_on_completions(srv, stream):
      ['{"n":1}'], ['{"n":1,"m":2}']),
     ({"anyOf": [{"type": "object", "properties": {"n": {"type": "integer"}}}, {"type": "null"}]},
      ['{"n":1}', "null"], ['{"n":1,"m":2}']),
+    ({"type": "object", "anyOf": [{"properties": {"n": {"type": "integer"}}, "required": ["n"]}]},
+     ['{"n":1}'], ['{"n":1,"m":2}']),
 ])
 def test_an_object_allows_only_its_listed_properties_unless_it_says_otherwise(vocab, engine, schema, allowed, refused):
     grammar = compile_grammar(vocab, "json", schema)

@@ -52,8 +52,8 @@ GENERATION = {200: {"content": {"text/event-stream": {"schema": {"type": "string
               **errors(400, 404, 413, 500, 503)}
 RESPONSES = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
                    "description": "The response; with stream: true, OpenAI's response.* events as server-sent "
-                                  "events, ending in response.completed (or response.incomplete, or an error "
-                                  "event and response.failed)."},
+                                  "events, ending in response.completed (its status incomplete when cut short) or "
+                                  "in an error event and response.failed."},
              **errors(400, 404, 413, 500, 503)}
 METRICS = {200: {"content": {"text/plain": {"schema": {"type": "string"}}},
                  "description": "Prometheus's text format: vLLM's series and nano's."}}

@@ -18,10 +18,11 @@ async def respond(server: Server, request: Request, body: Sampling, jobs: list[J
     rid, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "object": kind, "created": created, "model": server.model_name}
     parser = tool_parser(server, body.tools, body.tool_choice) if kind == "chat.completion" else None
+    choice = tools.choice_of(getattr(body, "tools", None), getattr(body, "tool_choice", None))
     if body.stream:
         options = body.stream_options or StreamOptions()
         return EventSourceResponse(stream(server, request, jobs, body.n, head, kind, options, parser,
-                                          None if getattr(body, "parallel_tool_calls", True) else 1))
+                                          None if getattr(body, "parallel_tool_calls", True) else 1, choice))
     try:
         results = await unless_gone(request, asyncio.gather(*(collect(job) for job in jobs)))
     finally:
@@ -40,7 +41,7 @@ async def respond(server: Server, request: Request, body: Sampling, jobs: list[J
                 content, calls = parser.extract(r["text"])
                 calls = calls if body.parallel_tool_calls else calls[:1]
                 message = {**message, "content": content, "tool_calls": calls}
-                finish = "tool_calls" if calls else finish
+                finish = tools.finish_reason(finish, bool(calls), choice)
             choice = {"index": i, "message": message,
                       "logprobs": chat_logprobs(r["logprobs"]) if jobs[i].top_logprobs is not None else None,
                       "finish_reason": finish}
@@ -97,13 +98,13 @@ async def collect(job: Job) -> dict:
 
 
 async def stream(server: Server, request: Request, jobs: list[Job], n: int, head: dict, kind: str,
-                 options: StreamOptions, parser=None, max_calls: int | None = None):
+                 options: StreamOptions, parser=None, max_calls: int | None = None, tool_choice="none"):
     """SSE chunks in OpenAI's format as the engine produces text, then usage (include_usage),
     then [DONE]; with continuous_usage_stats every chunk carries the request's usage so far.
     The client going away cancels this generator: its jobs are aborted in the finally. parser: a
     tool-call parser (tool_parsers.py): the text goes through its Stream (at most max_calls
     calls), whose deltas are sent one a chunk (the event's logprobs with the first, its
-    finish_reason with the last: "tool_calls" if a call was sent)."""
+    finish_reason with the last: tools.finish_reason's under the request's tool_choice)."""
     chunk_kind = kind + ".chunk" if kind == "chat.completion" else kind
     events = asyncio.Queue()
 
@@ -140,7 +141,8 @@ async def stream(server: Server, request: Request, jobs: list[Job], n: int, head
             lp = event.get("logprobs")
             if reading is not None:
                 deltas = reading[i].feed(event["text"]) + (reading[i].end() if event["finish_reason"] else [])
-                finish = event["finish_reason"] and ("tool_calls" if reading[i].called else event["finish_reason"])
+                finish = event["finish_reason"] and tools.finish_reason(event["finish_reason"], reading[i].called,
+                                                                        tool_choice)
                 choices = [{"index": i, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas or [{}]]
                 choices[0]["logprobs"] = chat_logprobs(lp) if lp else None
                 choices[-1]["finish_reason"] = finish

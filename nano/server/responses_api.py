@@ -122,8 +122,10 @@ async def stream(server: Server, jobs: list[Job], shape: Shape):
     response.output_text.done, response.content_part.done, response.output_item.done; for each
     function call (read back by the shape's parser, whose Stream holds back what may be a call)
     response.output_item.added (its arguments empty), response.function_call_arguments.delta
-    and .done, response.output_item.done; then response.completed (response.incomplete when
-    max_output_tokens cut it short). An error ends it with an error event and response.failed.
+    and .done, response.output_item.done; then response.completed, as vLLM ends every stream,
+    whose response says "incomplete" when max_output_tokens cut it short (OpenAI sends
+    response.incomplete then, which the openai client's responses.stream() does not take as an
+    end). An error ends it with an error event and response.failed.
     The client going away cancels this generator: its job is aborted in the finally."""
     job, numbers = jobs[0], itertools.count()
     events = asyncio.Queue()
@@ -218,7 +220,7 @@ async def stream(server: Server, jobs: list[Job], shape: Shape):
         if message["open"]:
             for out in close_message(status):
                 yield out
-        yield sse(f"response.{status}", response=shape.response(status, output, counts))
+        yield sse("response.completed", response=shape.response(status, output, counts))
     finally:
         task.cancel()
         server.release(jobs)

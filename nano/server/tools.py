@@ -9,6 +9,7 @@ back by Forced, which has a parser's interface (tool_parsers.py)."""
 import copy
 import json
 
+from nano.server import json_values
 from nano.server.schemas import BadRequest
 from nano.server.tool_parsers import call_deltas, tool_call
 
@@ -84,10 +85,23 @@ def forced_schema(tools: list[dict], tool_choice: str | dict, parallel: bool = T
 def forced_calls(text: str, tool_choice: str | dict) -> list[dict]:
     """The tool_calls of an output forced into forced_schema(): "required", one call per item
     of the array (arguments: its parameters as a JSON string); a named function, one call to it
-    with the output as its arguments, as written."""
+    with the output as its arguments, as written. A ValueError if the output is not whole
+    JSON (cut short by max_tokens): no call is made of arguments that do not parse."""
     if isinstance(tool_choice, dict):
+        json_values.loads(text)
         return [tool_call(named(tool_choice), text)]
-    return [tool_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in json.loads(text)]
+    return [tool_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
+            for item in json_values.loads(text)]
+
+
+def finish_reason(reason: str, called: bool, tool_choice) -> str:
+    """A chat choice's finish_reason, as OpenAI and vLLM give it: "tool_calls" when calls were
+    read back from an output that ended by itself under "auto" or "required", "stop" under a
+    named function (OpenAI's rule for a forced call); an output cut short keeps "length", so
+    that no client takes it for a finished call."""
+    if reason != "stop" or not called:
+        return reason
+    return "stop" if isinstance(tool_choice, dict) else "tool_calls"
 
 
 class Forced:

@@ -119,6 +119,10 @@ _SCHEMA = ("items", "additionalItems", "contains", "additionalProperties", "prop
            "else", "unevaluatedItems", "unevaluatedProperties")
 _SCHEMA_LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 _SCHEMA_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# An object schema with one of these says what else it allows, or takes properties from schemas
+# beside it (closing it would refuse theirs): closed_schema leaves it as it is and closes those.
+_OPEN_OR_COMPOSED = {"additionalProperties", "patternProperties", "unevaluatedProperties", "allOf", "anyOf", "oneOf",
+                     "$ref", "if", "dependentSchemas"}
 
 
 def closed_schema(schema):
@@ -126,8 +130,10 @@ def closed_schema(schema):
     array of prefixItems only those items, where the schema does not say otherwise: vLLM's
     default backend (xgrammar, strict mode) reads schemas so, and clients rely on it (pydantic's
     schemas never say additionalProperties). An object with additionalProperties,
-    patternProperties or unevaluatedProperties keeps them; an array with items,
-    additionalItems or unevaluatedItems keeps those. Walked with a stack, whatever its depth."""
+    patternProperties or unevaluatedProperties keeps them, and one composed with anyOf, oneOf,
+    allOf, $ref or if is left open for the schemas it is composed with, which are closed; an
+    array with items, additionalItems or unevaluatedItems keeps those. Walked with a stack,
+    whatever its depth."""
     schema = copy.deepcopy(schema)
     stack = [schema]
     while stack:
@@ -136,8 +142,7 @@ def closed_schema(schema):
             continue
         kinds = node.get("type", [])
         kinds = kinds if isinstance(kinds, list) else [kinds]
-        if ("object" in kinds or "properties" in node) and not {"additionalProperties", "patternProperties",
-                                                                 "unevaluatedProperties"} & node.keys():
+        if ("object" in kinds or "properties" in node) and not _OPEN_OR_COMPOSED & node.keys():
             node["additionalProperties"] = False
         if "prefixItems" in node and not {"items", "additionalItems", "unevaluatedItems"} & node.keys():
             node["items"] = False
