@@ -23,12 +23,11 @@ ARCHITECTURES = {"LlamaForCausalLM": ("llama", "Llama", {"hidden_act": "silu", "
                      "final_logit_softcapping": None, "use_bidirectional_attention": False}, {
                      "num_key_value_heads": 4, "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096,
                      "sliding_window_pattern": 6, "max_position_embeddings": 131072, "tie_word_embeddings": True})}
-# The RoPE types the forward pass implements (tp.rope_cos_sin), with the numbers each needs and
-# their bounds: past any real model's (Llama 3.1's 8, 1, 4 and 8192), short of those that make
-# a frequency 0, infinite or NaN (a factor of 1e308, a wavelength of 8192 / 1e-320).
+# The RoPE types the forward implements (tp.rope_cos_sin), and the bounds of each one's numbers (docs/models.md).
 ROPE_TYPES = {"default": {}, "llama3": {"factor": (1, 1024), "low_freq_factor": (1e-3, 1024),
                                         "high_freq_factor": (1e-3, 1024),
                                         "original_max_position_embeddings": (1, 2**24)}}
+EVERY_FORWARD = {"partial_rotary_factor": 1.0}  # the keys no forward implements another value of
 
 
 @dataclass
@@ -90,7 +89,6 @@ class ModelConfig:
             raise NanoError(f"config.json head dimension must be even (RoPE rotates pairs), got {head_dim}")
         gemma, eos, vocab = architecture == "Gemma3ForCausalLM", cfg.get("eos_token_id"), count("vocab_size")
         (rope_theta, rope_scaling), local_theta = _ropes(cfg, gemma)
-        _all_of_each_head("partial_rotary_factor", cfg)
         eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
         # Qwen2's and Qwen3's sliding_window counts only with use_sliding_window (fixed false).
         window = None if "use_sliding_window" in fixed else checks.integer(
@@ -135,7 +133,7 @@ def _architecture(cfg: dict) -> str:
     own_type, forward, fixed, _ = ARCHITECTURES[names[0]]
     if model_type not in (None, own_type):
         raise NanoError(f"config.json model_type {model_type!r:.40} is not {names[0]}'s ({own_type!r})")
-    for key, value in fixed.items():
+    for key, value in (fixed | EVERY_FORWARD).items():
         if cfg.get(key, value) != value:
             raise NanoError(f"config.json {key} {cfg[key]!r:.40} is not implemented by the {forward} forward")
     return names[0]
@@ -196,13 +194,6 @@ def _rope(cfg: dict, default: float = 10000.0) -> tuple[float, dict | None]:
     return new
 
 
-def _all_of_each_head(key: str, cfg: dict) -> None:
-    """partial_rotary_factor (in config.json, or its rope_parameters) absent or 1: nano rotates all of each head."""
-    factor = cfg.get("partial_rotary_factor", 1.0)
-    if factor != 1.0:
-        raise NanoError(f"config.json {key} {factor!r:.40} is not implemented: nano rotates all of each head")
-
-
 def _rope_scaling(key: str, scaling) -> dict | None:
     """None for plain RoPE, or the dict (less rope_theta) with its type as rope_type and its numbers checked."""
     if scaling is None:
@@ -212,7 +203,8 @@ def _rope_scaling(key: str, scaling) -> dict | None:
     kind = checks.choice(f"config.json {key} type", scaling.get("rope_type", scaling.get("type")), [*ROPE_TYPES])
     for name, (low, high) in ROPE_TYPES[kind].items():
         checks.number(f"config.json {key} {name}", scaling.get(name), low, high)
-    _all_of_each_head(f"{key} partial_rotary_factor", scaling)
+    if scaling.get("partial_rotary_factor", 1.0) != 1.0:  # transformers 5 may write it here
+        raise NanoError(f"config.json {key} partial_rotary_factor is not implemented: nano rotates all of each head")
     if kind == "llama3" and scaling["low_freq_factor"] >= scaling["high_freq_factor"]:  # its blend divides by their gap
         raise NanoError(f"config.json {key} low_freq_factor must be below high_freq_factor, got "
                         f"{scaling['low_freq_factor']} and {scaling['high_freq_factor']}")
