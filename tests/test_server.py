@@ -460,6 +460,9 @@ def test_serving_under_tp2_gives_the_one_rank_tokens(srv):
     (["--serve", "--max-stop-strings", "0"], "--max-stop-strings must be an integer >= 1, got 0"),
     (["--serve", "--shutdown-timeout", "-1"], "--shutdown-timeout must be a number >= 0, got -1.0"),
     (["--serve", "--api-key", ""], "--api-key is empty (or NANO_API_KEY is set but empty)"),
+    (["--serve", "--allowed-origins", "*"],
+     "--allowed-origins: a JSON list of strings, as '[\"https://app.example\"]', got '*'"),
+    (["--capacity", "--allowed-origins", '["*"]'], "--allowed-origins: the HTTP server's, which needs --serve"),
 ])
 def test_bad_serve_flags_are_one_line(args, message):
     from test_tp import assert_one_line_error, launch

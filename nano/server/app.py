@@ -19,7 +19,8 @@ aborted: the engine drops them before its next step, blocks freed.
 What one request may cost the others is bounded (limits.py: the body's bytes before it is
 parsed, the prompt's characters before it is tokenized, stop strings, n x max_tokens, a
 stream's unread chunks); --api-key guards /v1/* and the tokenizer's routes, --allowed-hosts
-the Host header (DNS rebinding); SIGTERM or Ctrl-C ends open requests within
+the Host header (DNS rebinding), --allowed-origins (and vLLM's other CORS flags) which web
+pages' scripts may read the answers; SIGTERM or Ctrl-C ends open requests within
 --shutdown-timeout (_Uvicorn). Every error, whatever its status, is in OpenAI's shape, and
 every request is one line on the "nano.server" logger (AccessLog), escaped (LogFormatter).
 """
@@ -36,8 +37,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from nano.server import __version__, tool_parsers, tools
-from nano.server.limits import SHUTDOWN_TIMEOUT, Limits
-from nano.server.middleware import AccessLog, BodyLimit, HostCheck, log_config
+from nano.server.limits import CORS, SHUTDOWN_TIMEOUT, Limits
+from nano.server.middleware import AccessLog, BodyLimit, Cors, HostCheck, log_config
 from nano.server.responses import respond
 from nano.server.responses_api import create as create_response
 from nano.server.responses_schemas import ResponsesRequest
@@ -61,9 +62,11 @@ METRICS = {200: {"content": {"text/plain": {"schema": {"type": "string"}}},
 
 def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Limits(),
                api_key: str | None = None, hosts: list[str] = ("*",), stall_timeout: float | None = None,
-               chat_template: str | None = None, tool_parser: str | None = None, auto_tools: bool = False) -> FastAPI:
+               chat_template: str | None = None, tool_parser: str | None = None, auto_tools: bool = False,
+               cors: dict = CORS) -> FastAPI:
     """The FastAPI app; its engine thread starts with the app and stops with it. chat_template:
-    the template's text in place of the model's; tool_parser, auto_tools: tools.py's."""
+    the template's text in place of the model's; tool_parser, auto_tools: tools.py's; cors:
+    CORSMiddleware's arguments (limits.CORS: vLLM's defaults)."""
     if tool_parser is not None:
         tool_parsers.parser(tool_parser)  # an unknown name: a ValueError naming it
     server = Server(engine, max_queued, metrics, limits, stall_timeout, chat_template, tool_parser, auto_tools)
@@ -72,6 +75,10 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
     app.state.server = server
     app.openapi = _without_422(app.openapi)
     app.add_middleware(BodyLimit, limit=limits.body_bytes)
+    # Outside BodyLimit and the routes (the API key's check among them): a preflight is answered
+    # before either, and their errors carry the CORS headers. Inside HostCheck: a request for a
+    # name this server does not answer for gets nothing else.
+    app.add_middleware(Cors, **cors)
     if "*" not in hosts:
         app.add_middleware(HostCheck, allowed_hosts=hosts)
     app.add_middleware(AccessLog)  # the outermost of these: it sees every answer
@@ -264,9 +271,9 @@ class _Uvicorn(uvicorn.Server):
 def serve(engine, host: str, port: int, max_queued: int, metrics=None, limits: Limits = Limits(),
           api_key: str | None = None, hosts: list[str] = ("*",), shutdown_timeout: float = SHUTDOWN_TIMEOUT,
           stall_timeout: float | None = None, log_level: str = "info", chat_template: str | None = None,
-          tool_parser: str | None = None, auto_tools: bool = False) -> None:
+          tool_parser: str | None = None, auto_tools: bool = False, cors: dict = CORS) -> None:
     app = create_app(engine, max_queued, metrics, limits, api_key, hosts, stall_timeout, chat_template, tool_parser,
-                     auto_tools)
+                     auto_tools, cors)
     # uvicorn's own lines at the same level and through the same formatter; its access log off:
     # AccessLog writes one line a request. uvicorn's limit on the graceful wait is a backstop: the
     # server ends its requests before it.

@@ -4,6 +4,7 @@ Under mpirun there is no grace period: mpirun, on SIGTERM or Ctrl-C, passes SIGT
 every rank and kills them all 0.25 s later (Open MPI 5: SIGCONT, then SIGTERM 0.25 s on,
 then SIGKILL 0.25 s after that, however the ranks handle the signals). So open requests end
 at once, a stream with an error event and [DONE], rather than be cut mid-stream."""
+import json
 import os
 import sys
 
@@ -12,7 +13,7 @@ from nano.cli.flags import given, parse_bytes
 from nano.cli.output import metrics_writer
 from nano.errors import NanoError
 from nano.server import tool_parsers
-from nano.server.limits import LOG_LEVELS, SHUTDOWN_TIMEOUT, Limits
+from nano.server.limits import CORS, LOG_LEVELS, SHUTDOWN_TIMEOUT, Limits
 from nano.structured.bounds import GrammarLimits
 
 
@@ -30,6 +31,12 @@ def add_arguments(p) -> None:
                         "/health and /metrics stay open)")
     h.add_argument("--allowed-hosts", help="comma-separated names the Host header may hold ('*': any; default: "
                    "localhost, 127.0.0.1, [::1] and --host, or any when --host is 0.0.0.0 or ::)")
+    for flag, what in (("--allowed-origins", "origins"), ("--allowed-methods", "methods"),
+                       ("--allowed-headers", "headers")):
+        h.add_argument(flag, help=f"CORS: the {what} a web page's script may use, as a JSON list (vLLM's flag; "
+                       "default: '[\"*\"]', any)")
+    h.add_argument("--allow-credentials", action="store_true", help="CORS: a page's script may send cookies "
+                   "and Authorization (vLLM's flag)")
     h.add_argument("--max-request-bytes", type=parse_bytes, default=limits.body_bytes,
                    help="a request body's size (413 beyond, before parsing)")
     h.add_argument("--max-prompt-chars", type=int, default=limits.prompt_chars,
@@ -92,6 +99,7 @@ def check_args(args) -> None:
         raise NanoError("--enable-auto-tool-choice requires --tool-call-parser")
     if args.api_key is not None and not args.api_key:
         raise NanoError("--api-key is empty (or NANO_API_KEY is set but empty)")
+    cors(args)  # a list that is not one: an error before the model loads
     if args.prompt_file or args.bench or args.disagg is not None:
         raise NanoError("--serve takes its prompts over HTTP: drop --prompt-file, --bench and --disagg")
 
@@ -103,6 +111,26 @@ def limits(args) -> Limits:
                   bad_words=args.max_bad_words, logit_bias=args.max_logit_bias, tools=args.max_tools,
                   grammar=GrammarLimits(grammar_bytes=args.max_grammar_bytes), grammar_timeout=args.grammar_timeout,
                   grammar_workers=args.grammar_workers)
+
+
+def cors(args) -> dict:
+    """CORSMiddleware's arguments from --allowed-origins, --allowed-methods, --allowed-headers
+    (JSON lists of strings, as vLLM reads them) and --allow-credentials; vLLM's defaults for
+    those not given."""
+    out = {**CORS, "allow_credentials": args.allow_credentials}
+    for flag, key in (("--allowed-origins", "allow_origins"), ("--allowed-methods", "allow_methods"),
+                      ("--allowed-headers", "allow_headers")):
+        text = getattr(args, flag[2:].replace("-", "_"))
+        if text is None:
+            continue
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise NanoError(f"{flag}: a JSON list of strings, as '[\"https://app.example\"]', got {text!r}")
+        out[key] = value
+    return out
 
 
 def serve(args, engine, engine_metrics: bool = True) -> int:
@@ -121,7 +149,7 @@ def serve(args, engine, engine_metrics: bool = True) -> int:
                    args.api_key, allowed_hosts(args.host, args.allowed_hosts),
                    0.0 if parallel.launched_by_mpirun() else args.shutdown_timeout,
                    args.stall_timeout, args.log_level, args.chat_template, args.tool_call_parser,
-                   args.enable_auto_tool_choice)
+                   args.enable_auto_tool_choice, cors(args))
     finally:
         engine.stop_workers()
     return 0

@@ -1,5 +1,6 @@
-"""What the server bounds (each one a run.py --serve flag, docs/server.md). Kept apart from
-app.py so that run.py shows the defaults without importing FastAPI."""
+"""What the server bounds, and its other defaults (each one a run.py --serve flag,
+docs/server.md). Kept apart from app.py so that run.py shows the defaults without importing
+FastAPI."""
 import os
 from dataclasses import dataclass, field
 
@@ -28,3 +29,5 @@ class Limits:
 
 SHUTDOWN_TIMEOUT = 5.0  # seconds open requests get to finish after SIGTERM or Ctrl-C
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # --log-level: Python's logging levels
+# vLLM's defaults for --allowed-origins, --allowed-methods, --allowed-headers, --allow-credentials
+CORS = {"allow_origins": ["*"], "allow_methods": ["*"], "allow_headers": ["*"], "allow_credentials": False}
