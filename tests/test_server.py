@@ -109,6 +109,40 @@ def test_models_health_and_greedy_completion_match_the_engine(srv):
     assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
 
 
+def test_served_model_names_are_listed_taken_and_the_first_answered():
+    """--served-model-name (vLLM's): a card per name, a request may name any, every response
+    (completions, chat, Responses API) carries the first; the folder's name is then not one."""
+    running = Running(app={"served_names": ["nano-chat", "gpt-4o-mini"]})
+    try:
+        client = running.client
+        assert [m.id for m in client.models.list().data] == ["nano-chat", "gpt-4o-mini"]
+        assert client.models.retrieve("gpt-4o-mini").id == "gpt-4o-mini"
+        assert client.completions.create(model="gpt-4o-mini", prompt=PROMPT, max_tokens=1).model == "nano-chat"
+        chat = client.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=1)
+        assert chat.model == "nano-chat"
+        assert client.responses.create(model="gpt-4o-mini", input="Hi", max_output_tokens=1).model == "nano-chat"
+        with pytest.raises(openai.NotFoundError, match="this server has 'nano-chat', 'gpt-4o-mini'"):
+            client.completions.create(model=running.model, prompt=PROMPT, max_tokens=1)
+        assert scrape(running.url, "nano-chat")[1][("vllm:request_success_total", (("finished_reason", "length"),))]
+    finally:
+        running.stop()
+
+
+def test_model_cards_carry_vllms_fields(srv):
+    """vLLM's ModelCard: the context length, root (the folder the weights came from), parent
+    (none: a base model) and one ModelPermission."""
+    card = httpx.get(srv.url + "/v1/models").json()["data"][0]
+    assert card["max_model_len"] == srv.engine.max_model_len == 8192
+    assert card["root"] == str(srv.engine.shard.model_dir) and card["parent"] is None
+    assert card["owned_by"] == "nano" and card["object"] == "model"
+    permission = card["permission"][0]
+    assert permission["id"].startswith("modelperm-") and permission["object"] == "model_permission"
+    assert {k: permission[k] for k in ("allow_sampling", "allow_logprobs", "allow_fine_tuning", "organization")} == \
+        {"allow_sampling": True, "allow_logprobs": True, "allow_fine_tuning": False, "organization": "*"}
+    assert httpx.get(srv.url + f"/v1/models/{srv.model}").json() == card
+
+
 def test_chat_uses_the_template(srv):
     out = srv.client.chat.completions.create(model=srv.model, 
         messages=[{"role": "system", "content": "Answer in one sentence."},
@@ -297,7 +331,8 @@ def test_metrics_answer_at_once_while_a_step_runs(srv, monkeypatch):
 
 
 def test_the_metrics_prom_file_is_what_metrics_serves(tmp_path):
-    """run.py --serve --metrics-prom F: the file and GET /metrics come from one registry."""
+    """run.py --serve --metrics-prom F: the file and GET /metrics come from one registry, whose
+    model_name label is the first --served-model-name (as vLLM's)."""
     import os
     import subprocess
     import sys
@@ -306,13 +341,17 @@ def test_the_metrics_prom_file_is_what_metrics_serves(tmp_path):
     port, prom = free_port(), tmp_path / "nano.prom"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     job = subprocess.Popen([sys.executable, "run.py", "--serve", "--port", str(port), "--kv-cache-memory", "300MB",
-                            "--metrics-prom", str(prom)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            "--metrics-prom", str(prom), "--served-model-name", "nano-chat", "gpt-4o-mini"],
+                           cwd=ROOT, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     try:
         url = wait_healthy(job, port, TIMEOUT)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
-        model = client.models.list().data[0].id
-        outs = [client.completions.create(model=model, prompt=PROMPT, max_tokens=n) for n in (2, 5)]
+        assert [m.id for m in client.models.list().data] == ["nano-chat", "gpt-4o-mini"]
+        model = "nano-chat"
+        outs = [client.completions.create(model=name, prompt=PROMPT, max_tokens=n)
+                for name, n in (("gpt-4o-mini", 2), (model, 5))]
+        assert {o.model for o in outs} == {model}
         _, samples = scrape(url, model)  # answered between the engine's steps: after the file's last write
         from test_metrics import parse
         assert parse(prom.read_text(), model)[1] == samples

@@ -26,6 +26,7 @@ every request is one line on the "nano.server" logger (AccessLog), escaped (LogF
 """
 import asyncio
 import secrets
+import uuid
 import warnings
 
 import uvicorn
@@ -63,13 +64,15 @@ METRICS = {200: {"content": {"text/plain": {"schema": {"type": "string"}}},
 def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Limits(),
                api_key: str | None = None, hosts: list[str] = ("*",), stall_timeout: float | None = None,
                chat_template: str | None = None, tool_parser: str | None = None, auto_tools: bool = False,
-               cors: dict = CORS) -> FastAPI:
+               cors: dict = CORS, served_names: list[str] | None = None) -> FastAPI:
     """The FastAPI app; its engine thread starts with the app and stops with it. chat_template:
     the template's text in place of the model's; tool_parser, auto_tools: tools.py's; cors:
-    CORSMiddleware's arguments (limits.CORS: vLLM's defaults)."""
+    CORSMiddleware's arguments (limits.CORS: vLLM's defaults); served_names: the model's names
+    (None: its folder's)."""
     if tool_parser is not None:
         tool_parsers.parser(tool_parser)  # an unknown name: a ValueError naming it
-    server = Server(engine, max_queued, metrics, limits, stall_timeout, chat_template, tool_parser, auto_tools)
+    server = Server(engine, max_queued, metrics, limits, stall_timeout, chat_template, tool_parser, auto_tools,
+                    served_names)
     # Every route may answer 400 for a Host header not allowed; the routes add what else they answer.
     app = FastAPI(title="nano", lifespan=_lifespan(server), responses=errors(400) if "*" not in hosts else None)
     app.state.server = server
@@ -133,17 +136,22 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
     v1 = APIRouter(prefix="/v1", dependencies=guard, responses=refused)
     tokenizer = APIRouter(dependencies=guard, responses={**refused, **errors(400, 404, 413)})
 
-    def model_card() -> dict:
-        return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "nano"}
+    permission = model_permission(server.created)
+
+    def model_card(name: str) -> dict:
+        """vLLM's ModelCard: root is the folder the weights came from, parent none (a base model)."""
+        return {"id": name, "object": "model", "created": server.created, "owned_by": "nano",
+                "root": str(engine.shard.model_dir), "parent": None, "max_model_len": engine.max_model_len,
+                "permission": [permission]}
 
     @v1.get("/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(name) for name in server.names]}
 
     @v1.get("/models/{model:path}", responses=errors(404))
     async def model(model: str):
         server.check_model(model)
-        return model_card()
+        return model_card(model)
 
     @v1.post("/completions", responses=GENERATION)
     async def completions(body: CompletionRequest, request: Request):
@@ -202,6 +210,14 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
     app.include_router(v1)
     app.include_router(tokenizer)
     return app
+
+
+def model_permission(created: int) -> dict:
+    """vLLM's ModelPermission, with its values: what OpenAI's retired permission objects said."""
+    return {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": created,
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+            "group": None, "is_blocking": False}
 
 
 def _without_422(openapi):
@@ -271,9 +287,10 @@ class _Uvicorn(uvicorn.Server):
 def serve(engine, host: str, port: int, max_queued: int, metrics=None, limits: Limits = Limits(),
           api_key: str | None = None, hosts: list[str] = ("*",), shutdown_timeout: float = SHUTDOWN_TIMEOUT,
           stall_timeout: float | None = None, log_level: str = "info", chat_template: str | None = None,
-          tool_parser: str | None = None, auto_tools: bool = False, cors: dict = CORS) -> None:
+          tool_parser: str | None = None, auto_tools: bool = False, cors: dict = CORS,
+          served_names: list[str] | None = None) -> None:
     app = create_app(engine, max_queued, metrics, limits, api_key, hosts, stall_timeout, chat_template, tool_parser,
-                     auto_tools, cors)
+                     auto_tools, cors, served_names)
     # uvicorn's own lines at the same level and through the same formatter; its access log off:
     # AccessLog writes one line a request. uvicorn's limit on the graceful wait is a backstop: the
     # server ends its requests before it.

@@ -23,6 +23,9 @@ def add_arguments(p) -> None:
                    "(under mpirun --tp N: rank 0 serves)")
     h.add_argument("--host", default="127.0.0.1")
     h.add_argument("--port", type=int, default=8000)
+    h.add_argument("--served-model-name", nargs="+", metavar="NAME", help="the names requests may give as "
+                   "\"model\"; responses, /v1/models' first card and the metrics' model_name label carry the "
+                   "first (vLLM's flag; default: the model folder's name)")
     h.add_argument("--max-queued-requests", type=int, default=256,
                    help="requests in flight beyond this are answered 503")
     limits = Limits()
@@ -113,6 +116,11 @@ def limits(args) -> Limits:
                   grammar_workers=args.grammar_workers)
 
 
+def served_name(args, engine) -> str:
+    """The name responses and metrics carry: the first --served-model-name, else the model folder's."""
+    return (args.served_model_name or [engine.model_name])[0]
+
+
 def cors(args) -> dict:
     """CORSMiddleware's arguments from --allowed-origins, --allowed-methods, --allowed-headers
     (JSON lists of strings, as vLLM reads them) and --allow-credentials; vLLM's defaults for
@@ -142,14 +150,15 @@ def serve(args, engine, engine_metrics: bool = True) -> int:
         from nano.server.middleware import allowed_hosts
     except ImportError as e:
         raise NanoError(f"--serve needs FastAPI and uvicorn (pip install -r requirements.txt): {e}") from None
-    print(f"serving {engine.model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    name = served_name(args, engine)
+    print(f"serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     try:
         serve_http(engine, args.host, args.port, args.max_queued_requests,
-                   metrics_writer(args, engine) if engine_metrics else None, limits(args),
+                   metrics_writer(args, engine, name) if engine_metrics else None, limits(args),
                    args.api_key, allowed_hosts(args.host, args.allowed_hosts),
                    0.0 if parallel.launched_by_mpirun() else args.shutdown_timeout,
                    args.stall_timeout, args.log_level, args.chat_template, args.tool_call_parser,
-                   args.enable_auto_tool_choice, cors(args))
+                   args.enable_auto_tool_choice, cors(args), args.served_model_name)
     finally:
         engine.stop_workers()
     return 0

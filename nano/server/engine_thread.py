@@ -121,13 +121,14 @@ class EngineThread(threading.Thread):
     blocked for stall_timeout seconds, or under MPI a rank silent that long (telemetry/watchdog.py),
     fails every job, then ends the process."""
 
-    def __init__(self, engine, metrics=None, stall_timeout=None):
+    def __init__(self, engine, metrics=None, stall_timeout=None, model_name: str | None = None):
         super().__init__(name="nano-engine", daemon=True)
         self.engine, self.metrics = engine, metrics  # metrics: a MetricsWriter (--metrics-file)
         # GET /metrics renders this registry, which this thread sets from the engine between steps:
-        # --metrics-prom's, or one of its own; a front over several engines (nano/dp) has its own.
+        # --metrics-prom's, or one of its own (labelled model_name); a front over several engines
+        # (nano/dp) has its own.
         front = engine if hasattr(engine, "snapshot") else None  # nano/dp's Front, not an LLMEngine
-        self.export = front.export if front else metrics.export if metrics else EngineExport(engine)
+        self.export = front.export if front else metrics.export if metrics else EngineExport(engine, model_name)
         self.snapshot = front.snapshot if front else lambda: gauges(engine, engine.clock.now())
         self.inbox: queue.Queue = queue.Queue()  # ("add", job) | ("abort", job) | None
         self.jobs: list[Job] = []

@@ -24,12 +24,14 @@ from nano.server.schemas import BadRequest, Message, Sampling, error_response
 class Server:
     def __init__(self, engine, max_queued: int = 256, metrics=None, limits: Limits = Limits(),
                  stall_timeout: float | None = None, chat_template: str | None = None,
-                 tool_parser: str | None = None, auto_tools: bool = False):
+                 tool_parser: str | None = None, auto_tools: bool = False, served_names: list[str] | None = None):
         self.engine, self.max_queued, self.limits = engine, max_queued, limits
         # --chat-template (None: the model's), --tool-call-parser, --enable-auto-tool-choice (tools.py)
         self.chat_template, self.tool_parser, self.auto_tools = chat_template, tool_parser, auto_tools
-        self.model_name = engine.model_name
-        self.thread = EngineThread(engine, metrics, stall_timeout)
+        # --served-model-name (vLLM's): requests may name any; responses and metrics carry the first
+        self.names = served_names or [engine.model_name]
+        self.model_name = self.names[0]
+        self.thread = EngineThread(engine, metrics, stall_timeout, self.model_name)
         self.open: set[Job] = set()  # jobs submitted and not yet ended (event loop only)
         self.created = int(time.time())
         self.closing = False  # shutting down: no new requests
@@ -38,10 +40,10 @@ class Server:
         self.grammars: CompilePool | None = None  # the threads that compile them, made when first needed
 
     def check_model(self, model: str | None) -> None:
-        """A model named in a request (or a URL) is this server's, or a 404 as OpenAI answers it."""
-        if model is not None and model != self.model_name:
-            raise BadRequest(f"the model {model!r} does not exist: this server has {self.model_name!r}", 404,
-                             code="model_not_found", param="model")
+        """A model named in a request (or a URL) is one of this server's names, or a 404 as OpenAI answers it."""
+        if model is not None and model not in self.names:
+            raise BadRequest(f"the model {model!r} does not exist: this server has {', '.join(map(repr, self.names))}",
+                             404, code="model_not_found", param="model")
 
     def check(self, body: Sampling) -> StopStrings:
         """What can be checked before tokenizing: the model, and the stop strings (returned)."""
