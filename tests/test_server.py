@@ -214,6 +214,28 @@ def test_stop_strings_end_the_text_before_them_even_mid_token(srv):
     assert srv.idle()
 
 
+def test_stop_reason_says_what_ended_a_choice_as_vllm(srv):
+    """vLLM's stop_reason: the stop string that matched, the stop_token_ids id that ended it, or
+    null (EOS, length), on each choice and on the stream's chunk that carries finish_reason."""
+    whole = srv.client.completions.create(model=srv.model, prompt=PROMPT, max_tokens=30, temperature=0).choices[0].text
+    stop = whole[len(whole) // 2:len(whole) // 2 + 4]
+    body = {"model": srv.model, "prompt": PROMPT, "max_tokens": 30, "temperature": 0}
+    choice = httpx.post(srv.url + "/v1/completions", json={**body, "stop": ["zzzz", stop]}).json()["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
+    chunks = list(srv.client.completions.create(**body, stop=stop, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].choices[0].stop_reason == stop
+    ids = httpx.post(srv.url + "/tokenize", json={"prompt": whole}).json()["tokens"]
+    choice = httpx.post(srv.url + "/v1/completions", json={**body, "stop_token_ids": ids}).json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] in ids
+    length = httpx.post(srv.url + "/v1/completions", json={**body, "max_tokens": 2}).json()["choices"][0]
+    assert (length["finish_reason"], length["stop_reason"]) == ("length", None)
+    chat = {"model": srv.model, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 40, "temperature": 0}
+    eos = httpx.post(srv.url + "/v1/chat/completions", json=chat).json()["choices"][0]
+    assert (eos["finish_reason"], eos["stop_reason"]) == ("stop", None)
+    chunks = list(srv.client.chat.completions.create(**chat, stop=["!"], stream=True))
+    assert [c.choices[0].stop_reason for c in chunks if c.choices[0].finish_reason] == ["!"]
+
+
 def test_logprobs(srv):
     out = srv.client.completions.create(model=srv.model, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3)
     lp = out.choices[0].logprobs
