@@ -174,7 +174,7 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
         server.check_tools(body.tools)
         choice = tools.check(body.tools, body.tool_choice, server.tool_parser, server.auto_tools)
         top = (body.top_logprobs or 0) if body.logprobs else None
-        max_tokens = body.max_completion_tokens or body.max_tokens or engine.max_model_len
+        max_tokens = body.max_completion_tokens or body.max_tokens  # None: the rest of the context
         grammar = await server.structured(body, tools.forced_schema(body.tools, choice, body.parallel_tool_calls)
                                                   if tools.forced(choice) else None)
         prompt = await server.tokenize_chat(body.messages, body.add_generation_prompt, body.tools)

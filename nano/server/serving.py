@@ -129,11 +129,12 @@ class Server:
         return structured.compile_grammar(self.vocabulary, kind, value, strict, name)
 
     async def submit(self, body: Sampling, prompts: list[list[int]], stops: StopStrings, top_logprobs: int | None,
-                     max_tokens: int, echo: bool = False, grammar: Grammar | None = None) -> list[Job]:
+                     max_tokens: int | None, echo: bool = False, grammar: Grammar | None = None) -> list[Job]:
         """Start body.n jobs for each prompt, the whole request checked against the limits first;
-        returns them in OpenAI's choice order (prompt i's choices are i*n .. i*n+n-1). echo: each
-        prompt's text and (with top_logprobs) its logprobs come first. grammar: the request's
-        (structured())."""
+        returns them in OpenAI's choice order (prompt i's choices are i*n .. i*n+n-1). max_tokens:
+        as asked (a prompt it does not fit beside in the context is a 400, as vLLM's), or None:
+        the rest of the context. echo: each prompt's text and (with top_logprobs) its logprobs come
+        first. grammar: the request's (structured())."""
         if self.closing or self.stopped():
             raise BadRequest("the server is shutting down" if self.closing else f"engine stopped: {self.thread.error}",
                              503, "server_error")
@@ -151,8 +152,12 @@ class Server:
             if len(prompt) + 1 > context:
                 raise BadRequest(f"this model's maximum context length is {context} tokens; the {name} has "
                                  f"{len(prompt)}")
+            if max_tokens is not None and len(prompt) + max_tokens > context:
+                raise BadRequest(f"This model's maximum context length is {context} tokens. However, you requested "
+                                 f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the messages, {max_tokens} in "
+                                 "the completion). Please reduce the length of the messages or completion.")
             self.check_ids(name, prompt)  # after the length: bounded
-            capped.append(min(max_tokens, context - len(prompt)))
+            capped.append(context - len(prompt) if max_tokens is None else max_tokens)
         if body.n * sum(capped) > self.limits.request_tokens:
             raise BadRequest(f"n x max_tokens is {body.n} x {sum(capped)}"
                              + (f" (over {len(prompts)} prompts)" if len(prompts) > 1 else "") +
