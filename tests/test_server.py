@@ -2,6 +2,7 @@
 real `openai` client (and plain HTTP for what a client library hides), the default model."""
 import asyncio
 import json
+import re
 import socket
 import threading
 import time
@@ -141,6 +142,43 @@ def test_model_cards_carry_vllms_fields(srv):
     assert {k: permission[k] for k in ("allow_sampling", "allow_logprobs", "allow_fine_tuning", "organization")} == \
         {"allow_sampling": True, "allow_logprobs": True, "allow_fine_tuning": False, "organization": "*"}
     assert httpx.get(srv.url + f"/v1/models/{srv.model}").json() == card
+
+
+def test_generation_config_defaults_fill_what_a_request_leaves_out(caplog):
+    """--generation-config's defaults (vLLM's): a request's own field wins; null is left out;
+    logged once at startup."""
+    import logging
+    caplog.set_level(logging.INFO, "nano.server")
+    running = Running(app={"generation_defaults": {"temperature": 0.0, "max_tokens": 3}})
+    try:
+        assert "generation config" in caplog.text and "'max_tokens': 3" in caplog.text
+        chat = {"model": running.model, "messages": [{"role": "user", "content": "Tell me a long story."}]}
+        by_default = httpx.post(running.url + "/v1/chat/completions", json={**chat, "temperature": None}).json()
+        greedy = httpx.post(running.url + "/v1/chat/completions", json={**chat, "temperature": 0}).json()
+        assert by_default["usage"]["completion_tokens"] == 3 and by_default["choices"][0]["finish_reason"] == "length"
+        assert by_default["choices"][0]["message"] == greedy["choices"][0]["message"]
+        assert httpx.post(running.url + "/v1/chat/completions",
+                          json={**chat, "max_tokens": 5}).json()["usage"]["completion_tokens"] == 5
+        response = running.client.responses.create(model=running.model, input="Tell me a long story.")
+        assert response.usage.output_tokens == 3
+    finally:
+        running.stop()
+
+
+def test_generation_config_reads_the_keys_vllm_takes(tmp_path):
+    from nano.errors import NanoError
+    from nano.server.generation_config import read
+    (tmp_path / "generation_config.json").write_text(json.dumps({
+        "temperature": 0.6, "top_p": 0.9, "top_k": 50, "repetition_penalty": 1.0, "max_new_tokens": 64,
+        "do_sample": True, "eos_token_id": [1, 2]}))
+    expected = {"temperature": 0.6, "top_p": 0.9, "max_tokens": 64}  # top_k 50, penalty 1.0: transformers' defaults
+    assert read(str(tmp_path), None) == read("auto", tmp_path) == expected
+    assert read("vllm", tmp_path) == {} and read("auto", tmp_path / "none") == {}
+    for text, error in (("{", "is not JSON"), ("[]", "holds list, not a JSON object"),
+                        ('{"top_p": 2}', "generation_config.json: top_p must be a number in (0, 1], got 2")):
+        (tmp_path / "generation_config.json").write_text(text)
+        with pytest.raises(NanoError, match=re.escape(error)):
+            read(str(tmp_path), None)
 
 
 def test_chat_uses_the_template(srv):
@@ -524,6 +562,8 @@ def test_serving_under_tp2_gives_the_one_rank_tokens(srv):
     (["--serve", "--allowed-origins", "*"],
      "--allowed-origins: a JSON list of strings, as '[\"https://app.example\"]', got '*'"),
     (["--capacity", "--allowed-origins", '["*"]'], "--allowed-origins: the HTTP server's, which needs --serve"),
+    (["--serve", "--generation-config", "/nowhere"], "--generation-config: /nowhere/generation_config.json does "
+     "not exist (give a model folder that has one, auto or vllm)"),
 ])
 def test_bad_serve_flags_are_one_line(args, message):
     from test_tp import assert_one_line_error, launch

@@ -39,7 +39,7 @@ from starlette.exceptions import HTTPException
 
 from nano.server import __version__, tool_parsers, tools
 from nano.server.limits import CORS, SHUTDOWN_TIMEOUT, Limits
-from nano.server.middleware import AccessLog, BodyLimit, Cors, HostCheck, log_config
+from nano.server.middleware import AccessLog, BodyLimit, Cors, HostCheck, log, log_config
 from nano.server.responses import respond
 from nano.server.responses_api import create as create_response
 from nano.server.responses_schemas import ResponsesRequest
@@ -64,15 +64,16 @@ METRICS = {200: {"content": {"text/plain": {"schema": {"type": "string"}}},
 def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Limits(),
                api_key: str | None = None, hosts: list[str] = ("*",), stall_timeout: float | None = None,
                chat_template: str | None = None, tool_parser: str | None = None, auto_tools: bool = False,
-               cors: dict = CORS, served_names: list[str] | None = None) -> FastAPI:
+               cors: dict = CORS, served_names: list[str] | None = None,
+               generation_defaults: dict | None = None) -> FastAPI:
     """The FastAPI app; its engine thread starts with the app and stops with it. chat_template:
     the template's text in place of the model's; tool_parser, auto_tools: tools.py's; cors:
     CORSMiddleware's arguments (limits.CORS: vLLM's defaults); served_names: the model's names
-    (None: its folder's)."""
+    (None: its folder's); generation_defaults: generation_config.read's."""
     if tool_parser is not None:
         tool_parsers.parser(tool_parser)  # an unknown name: a ValueError naming it
     server = Server(engine, max_queued, metrics, limits, stall_timeout, chat_template, tool_parser, auto_tools,
-                    served_names)
+                    served_names, generation_defaults)
     # Every route may answer 400 for a Host header not allowed; the routes add what else they answer.
     app = FastAPI(title="nano", lifespan=_lifespan(server), responses=errors(400) if "*" not in hosts else None)
     app.state.server = server
@@ -254,6 +255,9 @@ def _lifespan(server: Server):
 
     @asynccontextmanager
     async def lifespan(app):
+        if server.defaults:  # vLLM's warning, once, with the values
+            log.info("Default sampling parameters have been overridden by the model's Hugging Face generation "
+                     "config: %s (--generation-config vllm: nano's own)", server.defaults)
         server.thread.start()
         yield
         server.thread.inbox.put(None)
@@ -288,9 +292,9 @@ def serve(engine, host: str, port: int, max_queued: int, metrics=None, limits: L
           api_key: str | None = None, hosts: list[str] = ("*",), shutdown_timeout: float = SHUTDOWN_TIMEOUT,
           stall_timeout: float | None = None, log_level: str = "info", chat_template: str | None = None,
           tool_parser: str | None = None, auto_tools: bool = False, cors: dict = CORS,
-          served_names: list[str] | None = None) -> None:
+          served_names: list[str] | None = None, generation_defaults: dict | None = None) -> None:
     app = create_app(engine, max_queued, metrics, limits, api_key, hosts, stall_timeout, chat_template, tool_parser,
-                     auto_tools, cors, served_names)
+                     auto_tools, cors, served_names, generation_defaults)
     # uvicorn's own lines at the same level and through the same formatter; its access log off:
     # AccessLog writes one line a request. uvicorn's limit on the graceful wait is a backstop: the
     # server ends its requests before it.

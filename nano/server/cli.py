@@ -12,7 +12,7 @@ from nano import checks, parallel
 from nano.cli.flags import given, parse_bytes
 from nano.cli.output import metrics_writer
 from nano.errors import NanoError
-from nano.server import tool_parsers
+from nano.server import generation_config, tool_parsers
 from nano.server.limits import CORS, LOG_LEVELS, SHUTDOWN_TIMEOUT, Limits
 from nano.structured.bounds import GrammarLimits
 
@@ -26,6 +26,10 @@ def add_arguments(p) -> None:
     h.add_argument("--served-model-name", nargs="+", metavar="NAME", help="the names requests may give as "
                    "\"model\"; responses, /v1/models' first card and the metrics' model_name label carry the "
                    "first (vLLM's flag; default: the model folder's name)")
+    h.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER", help="the sampling "
+                   "defaults of requests that leave them out: auto, the model folder's generation_config.json "
+                   "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens); vllm, "
+                   "nano's own; a folder, its file (vLLM's flag)")
     h.add_argument("--max-queued-requests", type=int, default=256,
                    help="requests in flight beyond this are answered 503")
     limits = Limits()
@@ -103,6 +107,7 @@ def check_args(args) -> None:
     if args.api_key is not None and not args.api_key:
         raise NanoError("--api-key is empty (or NANO_API_KEY is set but empty)")
     cors(args)  # a list that is not one: an error before the model loads
+    generation_config.read(args.generation_config, None)  # a folder's file: checked before the model loads
     if args.prompt_file or args.bench or args.disagg is not None:
         raise NanoError("--serve takes its prompts over HTTP: drop --prompt-file, --bench and --disagg")
 
@@ -158,7 +163,8 @@ def serve(args, engine, engine_metrics: bool = True) -> int:
                    args.api_key, allowed_hosts(args.host, args.allowed_hosts),
                    0.0 if parallel.launched_by_mpirun() else args.shutdown_timeout,
                    args.stall_timeout, args.log_level, args.chat_template, args.tool_call_parser,
-                   args.enable_auto_tool_choice, cors(args), args.served_model_name)
+                   args.enable_auto_tool_choice, cors(args), args.served_model_name,
+                   generation_config.read(args.generation_config, engine.shard.model_dir))
     finally:
         engine.stop_workers()
     return 0
