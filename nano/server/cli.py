@@ -51,7 +51,7 @@ def add_arguments(p) -> None:
     h.add_argument("--max-stop-strings", type=int, default=limits.stop_strings, help="stop strings in a request")
     h.add_argument("--max-stop-chars", type=int, default=limits.stop_chars, help="characters in a stop string")
     h.add_argument("--max-request-tokens", type=int, default=limits.request_tokens,
-                   help="n x max_tokens of a request (max_tokens capped by the context first)")
+                   help="n x max_tokens of a request (no max_tokens: the rest of the context)")
     h.add_argument("--max-stream-backlog", type=int, default=limits.stream_backlog,
                    help="chunks a stream may leave unread before its choices are aborted")
     h.add_argument("--max-bad-words", type=int, default=limits.bad_words, help="bad_words in a request (each word "

@@ -16,7 +16,7 @@ class Limits:
     prompt_chars: int = 1_000_000      # a prompt (all messages together), checked before tokenizing
     stop_strings: int = 32             # stop strings in one request
     stop_chars: int = 256              # each stop string (also the text held back while streaming)
-    request_tokens: int = 2**17        # n x max_tokens (max_tokens capped by the context first)
+    request_tokens: int = 2**17        # n x max_tokens (no max_tokens: the rest of the context)
     stream_backlog: int = 1024         # chunks a stream may leave unread before its choices are aborted
     bad_words: int = 128               # bad_words in one request (each word as long as a stop string at most)
     logit_bias: int = 1024             # logit_bias entries in one request
