@@ -23,7 +23,7 @@ class Front:
         engine = node.instance.engine
         self.local = engine  # rank 0's: it makes the sequences (checks, tokenizer, ids, seeds)
         self.tokenizer, self.clock, self.model_name = engine.tokenizer, engine.clock, engine.model_name
-        self.max_model_len, self.model_config, self.shard = engine.max_model_len, engine.model_config, engine.shard
+        self.max_model_len, self.model_config, self.config = engine.max_model_len, engine.model_config, engine.config
         self.live: dict[int, Sequence] = {}  # the server's sequences, by id, until their result
         self.router.accepting = True
         self.router.on_tokens = self.on_tokens

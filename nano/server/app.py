@@ -140,9 +140,9 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
     permission = model_permission(server.created)
 
     def model_card(name: str) -> dict:
-        """vLLM's ModelCard: root is the folder the weights came from, parent none (a base model)."""
+        """vLLM's ModelCard: root is the model folder, parent none (a base model)."""
         return {"id": name, "object": "model", "created": server.created, "owned_by": "nano",
-                "root": str(engine.shard.model_dir), "parent": None, "max_model_len": engine.max_model_len,
+                "root": str(server.model_dir), "parent": None, "max_model_len": engine.max_model_len,
                 "permission": [permission]}
 
     @v1.get("/models")

@@ -15,6 +15,7 @@ from nano.errors import NanoError
 from nano.server import generation_config, tool_parsers
 from nano.server.limits import CORS, LOG_LEVELS, SHUTDOWN_TIMEOUT, Limits
 from nano.structured.bounds import GrammarLimits
+from nano.weights import resolve_model
 
 
 def add_arguments(p) -> None:
@@ -164,7 +165,7 @@ def serve(args, engine, engine_metrics: bool = True) -> int:
                    0.0 if parallel.launched_by_mpirun() else args.shutdown_timeout,
                    args.stall_timeout, args.log_level, args.chat_template, args.tool_call_parser,
                    args.enable_auto_tool_choice, cors(args), args.served_model_name,
-                   generation_config.read(args.generation_config, engine.shard.model_dir))
+                   generation_config.read(args.generation_config, resolve_model(engine.config.model)))
     finally:
         engine.stop_workers()
     return 0

@@ -16,6 +16,7 @@ from nano.controls import OFF, ControlError, sampling_params
 from nano.sequence import SamplingParams, Sequence
 from nano.structured import Grammar, bounds
 from nano.structured.pool import CompilePool
+from nano.weights import resolve_model
 from nano.server.engine_thread import EngineThread, Job, StopStrings
 from nano.server.limits import Limits
 from nano.server.schemas import BadRequest, Message, Sampling, error_response
@@ -32,6 +33,7 @@ class Server:
         # --served-model-name (vLLM's): requests may name any; responses and metrics carry the first
         self.names = served_names or [engine.model_name]
         self.model_name = self.names[0]
+        self.model_dir = resolve_model(engine.config.model)  # the folder the weights came from
         # --generation-config's (generation_config.py): what a request that leaves a field out gets
         self.defaults = generation_defaults or {}
         self.thread = EngineThread(engine, metrics, stall_timeout, self.model_name)
