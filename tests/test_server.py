@@ -2,6 +2,7 @@
 real `openai` client (and plain HTTP for what a client library hides), the default model."""
 import asyncio
 import json
+import re
 import socket
 import threading
 import time
@@ -109,6 +110,77 @@ def test_models_health_and_greedy_completion_match_the_engine(srv):
     assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
 
 
+def test_served_model_names_are_listed_taken_and_the_first_answered():
+    """--served-model-name (vLLM's): a card per name, a request may name any, every response
+    (completions, chat, Responses API) carries the first; the folder's name is then not one."""
+    running = Running(app={"served_names": ["nano-chat", "gpt-4o-mini"]})
+    try:
+        client = running.client
+        assert [m.id for m in client.models.list().data] == ["nano-chat", "gpt-4o-mini"]
+        assert client.models.retrieve("gpt-4o-mini").id == "gpt-4o-mini"
+        assert client.completions.create(model="gpt-4o-mini", prompt=PROMPT, max_tokens=1).model == "nano-chat"
+        chat = client.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=1)
+        assert chat.model == "nano-chat"
+        assert client.responses.create(model="gpt-4o-mini", input="Hi", max_output_tokens=1).model == "nano-chat"
+        with pytest.raises(openai.NotFoundError, match="this server has 'nano-chat', 'gpt-4o-mini'"):
+            client.completions.create(model=running.model, prompt=PROMPT, max_tokens=1)
+        assert scrape(running.url, "nano-chat")[1][("vllm:request_success_total", (("finished_reason", "length"),))]
+    finally:
+        running.stop()
+
+
+def test_model_cards_carry_vllms_fields(srv):
+    """vLLM's ModelCard: the context length, root (the folder the weights came from), parent
+    (none: a base model) and one ModelPermission."""
+    card = httpx.get(srv.url + "/v1/models").json()["data"][0]
+    assert card["max_model_len"] == srv.engine.max_model_len == 8192
+    assert card["root"] == str(srv.engine.shard.model_dir) and card["parent"] is None
+    assert card["owned_by"] == "nano" and card["object"] == "model"
+    permission = card["permission"][0]
+    assert permission["id"].startswith("modelperm-") and permission["object"] == "model_permission"
+    assert {k: permission[k] for k in ("allow_sampling", "allow_logprobs", "allow_fine_tuning", "organization")} == \
+        {"allow_sampling": True, "allow_logprobs": True, "allow_fine_tuning": False, "organization": "*"}
+    assert httpx.get(srv.url + f"/v1/models/{srv.model}").json() == card
+
+
+def test_generation_config_defaults_fill_what_a_request_leaves_out(caplog):
+    """--generation-config's defaults (vLLM's): a request's own field wins; null is left out;
+    logged once at startup."""
+    import logging
+    caplog.set_level(logging.INFO, "nano.server")
+    running = Running(app={"generation_defaults": {"temperature": 0.0, "max_tokens": 3}})
+    try:
+        assert "generation config" in caplog.text and "'max_tokens': 3" in caplog.text
+        chat = {"model": running.model, "messages": [{"role": "user", "content": "Tell me a long story."}]}
+        by_default = httpx.post(running.url + "/v1/chat/completions", json={**chat, "temperature": None}).json()
+        greedy = httpx.post(running.url + "/v1/chat/completions", json={**chat, "temperature": 0}).json()
+        assert by_default["usage"]["completion_tokens"] == 3 and by_default["choices"][0]["finish_reason"] == "length"
+        assert by_default["choices"][0]["message"] == greedy["choices"][0]["message"]
+        assert httpx.post(running.url + "/v1/chat/completions",
+                          json={**chat, "max_tokens": 5}).json()["usage"]["completion_tokens"] == 5
+        response = running.client.responses.create(model=running.model, input="Tell me a long story.")
+        assert response.usage.output_tokens == 3
+    finally:
+        running.stop()
+
+
+def test_generation_config_reads_the_keys_vllm_takes(tmp_path):
+    from nano.errors import NanoError
+    from nano.server.generation_config import read
+    (tmp_path / "generation_config.json").write_text(json.dumps({
+        "temperature": 0.6, "top_p": 0.9, "top_k": 50, "repetition_penalty": 1.0, "max_new_tokens": 64,
+        "do_sample": True, "eos_token_id": [1, 2]}))
+    expected = {"temperature": 0.6, "top_p": 0.9, "max_tokens": 64}  # top_k 50, penalty 1.0: transformers' defaults
+    assert read(str(tmp_path), None) == read("auto", tmp_path) == expected
+    assert read("vllm", tmp_path) == {} and read("auto", tmp_path / "none") == {}
+    for text, error in (("{", "is not JSON"), ("[]", "holds list, not a JSON object"),
+                        ('{"top_p": 2}', "generation_config.json: top_p must be a number in (0, 1], got 2")):
+        (tmp_path / "generation_config.json").write_text(text)
+        with pytest.raises(NanoError, match=re.escape(error)):
+            read(str(tmp_path), None)
+
+
 def test_chat_uses_the_template(srv):
     out = srv.client.chat.completions.create(model=srv.model, 
         messages=[{"role": "system", "content": "Answer in one sentence."},
@@ -178,6 +250,28 @@ def test_stop_strings_end_the_text_before_them_even_mid_token(srv):
         prompt=PROMPT, max_tokens=30, temperature=0, stop=stop, stream=True))
     assert streamed == out.choices[0].text
     assert srv.idle()
+
+
+def test_stop_reason_says_what_ended_a_choice_as_vllm(srv):
+    """vLLM's stop_reason: the stop string that matched, the stop_token_ids id that ended it, or
+    null (EOS, length), on each choice and on the stream's chunk that carries finish_reason."""
+    whole = srv.client.completions.create(model=srv.model, prompt=PROMPT, max_tokens=30, temperature=0).choices[0].text
+    stop = whole[len(whole) // 2:len(whole) // 2 + 4]
+    body = {"model": srv.model, "prompt": PROMPT, "max_tokens": 30, "temperature": 0}
+    choice = httpx.post(srv.url + "/v1/completions", json={**body, "stop": ["zzzz", stop]}).json()["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
+    chunks = list(srv.client.completions.create(**body, stop=stop, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "stop" and chunks[-1].choices[0].stop_reason == stop
+    ids = httpx.post(srv.url + "/tokenize", json={"prompt": whole}).json()["tokens"]
+    choice = httpx.post(srv.url + "/v1/completions", json={**body, "stop_token_ids": ids}).json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] in ids
+    length = httpx.post(srv.url + "/v1/completions", json={**body, "max_tokens": 2}).json()["choices"][0]
+    assert (length["finish_reason"], length["stop_reason"]) == ("length", None)
+    chat = {"model": srv.model, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 40, "temperature": 0}
+    eos = httpx.post(srv.url + "/v1/chat/completions", json=chat).json()["choices"][0]
+    assert (eos["finish_reason"], eos["stop_reason"]) == ("stop", None)
+    chunks = list(srv.client.chat.completions.create(**chat, stop=["!"], stream=True))
+    assert [c.choices[0].stop_reason for c in chunks if c.choices[0].finish_reason] == ["!"]
 
 
 def test_logprobs(srv):
@@ -297,7 +391,8 @@ def test_metrics_answer_at_once_while_a_step_runs(srv, monkeypatch):
 
 
 def test_the_metrics_prom_file_is_what_metrics_serves(tmp_path):
-    """run.py --serve --metrics-prom F: the file and GET /metrics come from one registry."""
+    """run.py --serve --metrics-prom F: the file and GET /metrics come from one registry, whose
+    model_name label is the first --served-model-name (as vLLM's)."""
     import os
     import subprocess
     import sys
@@ -306,13 +401,17 @@ def test_the_metrics_prom_file_is_what_metrics_serves(tmp_path):
     port, prom = free_port(), tmp_path / "nano.prom"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
     job = subprocess.Popen([sys.executable, "run.py", "--serve", "--port", str(port), "--kv-cache-memory", "300MB",
-                            "--metrics-prom", str(prom)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            "--metrics-prom", str(prom), "--served-model-name", "nano-chat", "gpt-4o-mini"],
+                           cwd=ROOT, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     try:
         url = wait_healthy(job, port, TIMEOUT)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
-        model = client.models.list().data[0].id
-        outs = [client.completions.create(model=model, prompt=PROMPT, max_tokens=n) for n in (2, 5)]
+        assert [m.id for m in client.models.list().data] == ["nano-chat", "gpt-4o-mini"]
+        model = "nano-chat"
+        outs = [client.completions.create(model=name, prompt=PROMPT, max_tokens=n)
+                for name, n in (("gpt-4o-mini", 2), (model, 5))]
+        assert {o.model for o in outs} == {model}
         _, samples = scrape(url, model)  # answered between the engine's steps: after the file's last write
         from test_metrics import parse
         assert parse(prom.read_text(), model)[1] == samples
@@ -460,6 +559,11 @@ def test_serving_under_tp2_gives_the_one_rank_tokens(srv):
     (["--serve", "--max-stop-strings", "0"], "--max-stop-strings must be an integer >= 1, got 0"),
     (["--serve", "--shutdown-timeout", "-1"], "--shutdown-timeout must be a number >= 0, got -1.0"),
     (["--serve", "--api-key", ""], "--api-key is empty (or NANO_API_KEY is set but empty)"),
+    (["--serve", "--allowed-origins", "*"],
+     "--allowed-origins: a JSON list of strings, as '[\"https://app.example\"]', got '*'"),
+    (["--capacity", "--allowed-origins", '["*"]'], "--allowed-origins: the HTTP server's, which needs --serve"),
+    (["--serve", "--generation-config", "/nowhere"], "--generation-config: /nowhere/generation_config.json does "
+     "not exist (give a model folder that has one, auto or vllm)"),
 ])
 def test_bad_serve_flags_are_one_line(args, message):
     from test_tp import assert_one_line_error, launch

@@ -205,6 +205,36 @@ def test_allowed_hosts_block_dns_rebinding(guarded):
     assert allowed_hosts("0.0.0.0", None) == ["*"] and allowed_hosts("0.0.0.0", "a.example, b") == ["a.example", "b"]
 
 
+def test_a_browser_preflight_is_answered_and_errors_carry_the_cors_headers(guarded):
+    """vLLM's CORS defaults (every origin, method and header): a preflight gets 200 without the
+    API key, and an error (401 here) carries Access-Control-Allow-Origin, so a page can read it."""
+    origin = {"Origin": "https://app.example"}
+    r = httpx.options(guarded.url + "/v1/chat/completions", headers={
+        **origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*", r.text
+    assert "authorization" in r.headers["access-control-allow-headers"]
+    refused = httpx.post(guarded.url + "/v1/completions", json={"prompt": "hi"}, headers=origin)
+    assert_openai_error(refused, 401)
+    assert refused.headers["access-control-allow-origin"] == "*"
+
+
+def test_cors_origins_methods_and_credentials_are_the_flags():
+    app = {"cors": {"allow_origins": ["https://app.example"], "allow_methods": ["GET"], "allow_headers": ["*"],
+                    "allow_credentials": True}}
+    running = Running(app=app)
+    try:
+        ask = {"Access-Control-Request-Method": "GET"}
+        r = httpx.options(running.url + "/v1/models", headers={"Origin": "https://app.example", **ask})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+        assert r.headers["access-control-allow-credentials"] == "true"
+        refused = httpx.options(running.url + "/v1/models", headers={"Origin": "https://evil.example", **ask})
+        assert_openai_error(refused, 400, "Disallowed CORS origin")
+        assert "access-control-allow-origin" not in httpx.get(running.url + "/v1/models",
+                                                              headers={"Origin": "https://evil.example"}).headers
+    finally:
+        running.stop()
+
+
 def test_the_api_key_flag_defaults_to_the_environment(monkeypatch):
     from run import build_parser
     monkeypatch.setenv("NANO_API_KEY", KEY)

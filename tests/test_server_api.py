@@ -133,6 +133,27 @@ def test_the_limits_hold_for_the_whole_batch(srv):
     assert srv.idle()
 
 
+def test_a_prompt_and_max_tokens_past_the_context_are_a_400_in_vllms_words(srv):
+    """vLLM's check: max_tokens asked beyond what the context leaves is refused, never cut
+    short; chat without max_tokens means the rest of the context."""
+    context, messages = srv.engine.max_model_len, [{"role": "user", "content": "Hi"}]
+    prompt = len(tokens(srv, messages=messages))
+    for path, body in (("/v1/chat/completions", {"messages": messages}), ("/v1/responses", {"input": "Hi"})):
+        key = "max_output_tokens" if path == "/v1/responses" else "max_tokens"
+        r = post(srv, path, {**body, key: context})
+        assert_openai_error(r, 400, f"This model's maximum context length is {context} tokens. However, you "
+                            f"requested {context + prompt} tokens ({prompt} in the messages, {context} in the "
+                            "completion). Please reduce the length of the messages or completion.")
+        # what fits passes the context's check, to be refused by this server's request_tokens limit
+        assert_openai_error(post(srv, path, {**body, key: context - prompt}), 400, "n x max_tokens is 1 x")
+    assert_openai_error(post(srv, "/v1/completions", {"prompt": [1, 2], "max_tokens": context - 1}), 400,
+                        f"However, you requested {context + 1} tokens (2 in the messages, {context - 1} in the "
+                        "completion)")
+    assert_openai_error(post(srv, "/v1/chat/completions", {"messages": messages}), 400,  # the rest of the context
+                        f"n x max_tokens is 1 x {context - prompt},")
+    assert srv.idle()
+
+
 # ---- usage: prefix-cache hits, every chunk -----------------------------------------------------------------
 def test_usage_reports_the_prefix_cache_hit(srv):
     first = srv.client.completions.create(model=srv.model, prompt=LONG, max_tokens=2, temperature=0)

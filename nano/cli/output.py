@@ -103,13 +103,15 @@ def check_writable(flag: str, path: str | None, replaced: bool = False) -> None:
         raise NanoError(f"cannot write {flag} {path}: permission denied")
 
 
-def metrics_writer(args, engine=None, export=None) -> MetricsWriter | None:
+def metrics_writer(args, engine=None, model_name: str | None = None, export=None) -> MetricsWriter | None:
     """--metrics-file / --metrics-prom, every --metrics-interval snapshots; the Prometheus
-    file is export's registry (by default the engine's, telemetry.prometheus.EngineExport)."""
+    file is export's registry (by default the engine's, telemetry.prometheus.EngineExport,
+    labelled model_name: by default the engine's)."""
     if not (args.metrics_file or args.metrics_prom):
         return None
     from nano.telemetry.prometheus import EngineExport  # prometheus_client: needed only here
-    return MetricsWriter(args.metrics_file, args.metrics_prom, export or EngineExport(engine), args.metrics_interval)
+    return MetricsWriter(args.metrics_file, args.metrics_prom, export or EngineExport(engine, model_name),
+                         args.metrics_interval)
 
 
 def print_completions(prompts: list[str], seqs, detokenize) -> None:

@@ -75,7 +75,7 @@ def make_front(args, config: EngineConfig, engine_policy):
     ends, and get None."""
     from nano.dp.front import start_front
     front = start_front(config, args.dp, args.dp_policy, lambda engine, export: metrics_writer(args, export=export),
-                        engine_policy, args.speculative)
+                        engine_policy, args.speculative, (args.served_model_name or [None])[0])
     if front is not None:
         print(f"{serving.banner(args.dp, config.tp, args.dp_policy)}; each {describe(front.local)}", file=sys.stderr)
     return front

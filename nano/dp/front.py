@@ -23,7 +23,7 @@ class Front:
         engine = node.instance.engine
         self.local = engine  # rank 0's: it makes the sequences (checks, tokenizer, ids, seeds)
         self.tokenizer, self.clock, self.model_name = engine.tokenizer, engine.clock, engine.model_name
-        self.max_model_len, self.model_config = engine.max_model_len, engine.model_config
+        self.max_model_len, self.model_config, self.config = engine.max_model_len, engine.model_config, engine.config
         self.live: dict[int, Sequence] = {}  # the server's sequences, by id, until their result
         self.router.accepting = True
         self.router.on_tokens = self.on_tokens
@@ -85,14 +85,15 @@ class Front:
 
 
 def start_front(config, num_replicas: int, policy: str, make_metrics=None, engine_policy=FCFS,
-                speculative=None) -> Front | None:
+                speculative=None, model_name: str | None = None) -> Front | None:
     """Under mpirun -n DP x TP: rank 0 returns the Front the server drives; the other ranks
     run their replica (or their share of it) until the router stops them, and return None.
-    make_metrics(engine, export): rank 0's MetricsWriter of that export, or None."""
+    make_metrics(engine, export): rank 0's MetricsWriter of that export, or None; model_name:
+    the metrics' label (the server's name for the model; None: the folder's)."""
     exports = []
 
     def make_router(link, engine):
-        exports.append(dp_metrics.ReplicaExport(engine.model_name))
+        exports.append(dp_metrics.ReplicaExport(model_name or engine.model_name))
         metrics = make_metrics(engine, exports[0]) if make_metrics else None
         return Router(link, num_replicas, policy, config.block_size, engine.clock, None,
                       metrics and metrics.tick)

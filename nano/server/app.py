@@ -19,12 +19,14 @@ aborted: the engine drops them before its next step, blocks freed.
 What one request may cost the others is bounded (limits.py: the body's bytes before it is
 parsed, the prompt's characters before it is tokenized, stop strings, n x max_tokens, a
 stream's unread chunks); --api-key guards /v1/* and the tokenizer's routes, --allowed-hosts
-the Host header (DNS rebinding); SIGTERM or Ctrl-C ends open requests within
+the Host header (DNS rebinding), --allowed-origins (and vLLM's other CORS flags) which web
+pages' scripts may read the answers; SIGTERM or Ctrl-C ends open requests within
 --shutdown-timeout (_Uvicorn). Every error, whatever its status, is in OpenAI's shape, and
 every request is one line on the "nano.server" logger (AccessLog), escaped (LogFormatter).
 """
 import asyncio
 import secrets
+import uuid
 import warnings
 
 import uvicorn
@@ -36,8 +38,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from nano.server import __version__, tool_parsers, tools
-from nano.server.limits import SHUTDOWN_TIMEOUT, Limits
-from nano.server.middleware import AccessLog, BodyLimit, HostCheck, log_config
+from nano.server.limits import CORS, SHUTDOWN_TIMEOUT, Limits
+from nano.server.middleware import AccessLog, BodyLimit, Cors, HostCheck, log, log_config
 from nano.server.responses import respond
 from nano.server.responses_api import create as create_response
 from nano.server.responses_schemas import ResponsesRequest
@@ -61,17 +63,26 @@ METRICS = {200: {"content": {"text/plain": {"schema": {"type": "string"}}},
 
 def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Limits(),
                api_key: str | None = None, hosts: list[str] = ("*",), stall_timeout: float | None = None,
-               chat_template: str | None = None, tool_parser: str | None = None, auto_tools: bool = False) -> FastAPI:
+               chat_template: str | None = None, tool_parser: str | None = None, auto_tools: bool = False,
+               cors: dict = CORS, served_names: list[str] | None = None,
+               generation_defaults: dict | None = None) -> FastAPI:
     """The FastAPI app; its engine thread starts with the app and stops with it. chat_template:
-    the template's text in place of the model's; tool_parser, auto_tools: tools.py's."""
+    the template's text in place of the model's; tool_parser, auto_tools: tools.py's; cors:
+    CORSMiddleware's arguments (limits.CORS: vLLM's defaults); served_names: the model's names
+    (None: its folder's); generation_defaults: generation_config.read's."""
     if tool_parser is not None:
         tool_parsers.parser(tool_parser)  # an unknown name: a ValueError naming it
-    server = Server(engine, max_queued, metrics, limits, stall_timeout, chat_template, tool_parser, auto_tools)
+    server = Server(engine, max_queued, metrics, limits, stall_timeout, chat_template, tool_parser, auto_tools,
+                    served_names, generation_defaults)
     # Every route may answer 400 for a Host header not allowed; the routes add what else they answer.
     app = FastAPI(title="nano", lifespan=_lifespan(server), responses=errors(400) if "*" not in hosts else None)
     app.state.server = server
     app.openapi = _without_422(app.openapi)
     app.add_middleware(BodyLimit, limit=limits.body_bytes)
+    # Outside BodyLimit and the routes (the API key's check among them): a preflight is answered
+    # before either, and their errors carry the CORS headers. Inside HostCheck: a request for a
+    # name this server does not answer for gets nothing else.
+    app.add_middleware(Cors, **cors)
     if "*" not in hosts:
         app.add_middleware(HostCheck, allowed_hosts=hosts)
     app.add_middleware(AccessLog)  # the outermost of these: it sees every answer
@@ -126,17 +137,22 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
     v1 = APIRouter(prefix="/v1", dependencies=guard, responses=refused)
     tokenizer = APIRouter(dependencies=guard, responses={**refused, **errors(400, 404, 413)})
 
-    def model_card() -> dict:
-        return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "nano"}
+    permission = model_permission(server.created)
+
+    def model_card(name: str) -> dict:
+        """vLLM's ModelCard: root is the model folder, parent none (a base model)."""
+        return {"id": name, "object": "model", "created": server.created, "owned_by": "nano",
+                "root": str(server.model_dir), "parent": None, "max_model_len": engine.max_model_len,
+                "permission": [permission]}
 
     @v1.get("/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(name) for name in server.names]}
 
     @v1.get("/models/{model:path}", responses=errors(404))
     async def model(model: str):
         server.check_model(model)
-        return model_card()
+        return model_card(model)
 
     @v1.post("/completions", responses=GENERATION)
     async def completions(body: CompletionRequest, request: Request):
@@ -159,7 +175,7 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
         server.check_tools(body.tools)
         choice = tools.check(body.tools, body.tool_choice, server.tool_parser, server.auto_tools)
         top = (body.top_logprobs or 0) if body.logprobs else None
-        max_tokens = body.max_completion_tokens or body.max_tokens or engine.max_model_len
+        max_tokens = body.max_completion_tokens or body.max_tokens  # None: the rest of the context
         grammar = await server.structured(body, tools.forced_schema(body.tools, choice, body.parallel_tool_calls)
                                                   if tools.forced(choice) else None)
         prompt = await server.tokenize_chat(body.messages, body.add_generation_prompt, body.tools)
@@ -197,6 +213,14 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
     return app
 
 
+def model_permission(created: int) -> dict:
+    """vLLM's ModelPermission, with its values: what OpenAI's retired permission objects said."""
+    return {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": created,
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+            "group": None, "is_blocking": False}
+
+
 def _without_422(openapi):
     """FastAPI's openapi(), less the 422 it documents for every route with a body or a path
     parameter: this server answers a body it cannot validate with 400 (the handler above). Each
@@ -231,6 +255,9 @@ def _lifespan(server: Server):
 
     @asynccontextmanager
     async def lifespan(app):
+        if server.defaults:  # vLLM's warning, once, with the values
+            log.info("Default sampling parameters have been overridden by the model's Hugging Face generation "
+                     "config: %s (--generation-config vllm: nano's own)", server.defaults)
         server.thread.start()
         yield
         server.thread.inbox.put(None)
@@ -264,9 +291,10 @@ class _Uvicorn(uvicorn.Server):
 def serve(engine, host: str, port: int, max_queued: int, metrics=None, limits: Limits = Limits(),
           api_key: str | None = None, hosts: list[str] = ("*",), shutdown_timeout: float = SHUTDOWN_TIMEOUT,
           stall_timeout: float | None = None, log_level: str = "info", chat_template: str | None = None,
-          tool_parser: str | None = None, auto_tools: bool = False) -> None:
+          tool_parser: str | None = None, auto_tools: bool = False, cors: dict = CORS,
+          served_names: list[str] | None = None, generation_defaults: dict | None = None) -> None:
     app = create_app(engine, max_queued, metrics, limits, api_key, hosts, stall_timeout, chat_template, tool_parser,
-                     auto_tools)
+                     auto_tools, cors, served_names, generation_defaults)
     # uvicorn's own lines at the same level and through the same formatter; its access log off:
     # AccessLog writes one line a request. uvicorn's limit on the graceful wait is a backstop: the
     # server ends its requests before it.

@@ -4,6 +4,7 @@ Under mpirun there is no grace period: mpirun, on SIGTERM or Ctrl-C, passes SIGT
 every rank and kills them all 0.25 s later (Open MPI 5: SIGCONT, then SIGTERM 0.25 s on,
 then SIGKILL 0.25 s after that, however the ranks handle the signals). So open requests end
 at once, a stream with an error event and [DONE], rather than be cut mid-stream."""
+import json
 import os
 import sys
 
@@ -11,9 +12,10 @@ from nano import checks, parallel
 from nano.cli.flags import given, parse_bytes
 from nano.cli.output import metrics_writer
 from nano.errors import NanoError
-from nano.server import tool_parsers
-from nano.server.limits import LOG_LEVELS, SHUTDOWN_TIMEOUT, Limits
+from nano.server import generation_config, tool_parsers
+from nano.server.limits import CORS, LOG_LEVELS, SHUTDOWN_TIMEOUT, Limits
 from nano.structured.bounds import GrammarLimits
+from nano.weights import resolve_model
 
 
 def add_arguments(p) -> None:
@@ -22,6 +24,13 @@ def add_arguments(p) -> None:
                    "(under mpirun --tp N: rank 0 serves)")
     h.add_argument("--host", default="127.0.0.1")
     h.add_argument("--port", type=int, default=8000)
+    h.add_argument("--served-model-name", nargs="+", metavar="NAME", help="the names requests may give as "
+                   "\"model\"; responses, /v1/models' first card and the metrics' model_name label carry the "
+                   "first (vLLM's flag; default: the model folder's name)")
+    h.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER", help="the sampling "
+                   "defaults of requests that leave them out: auto, the model folder's generation_config.json "
+                   "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens); vllm, "
+                   "nano's own; a folder, its file (vLLM's flag)")
     h.add_argument("--max-queued-requests", type=int, default=256,
                    help="requests in flight beyond this are answered 503")
     limits = Limits()
@@ -30,6 +39,12 @@ def add_arguments(p) -> None:
                         "/health and /metrics stay open)")
     h.add_argument("--allowed-hosts", help="comma-separated names the Host header may hold ('*': any; default: "
                    "localhost, 127.0.0.1, [::1] and --host, or any when --host is 0.0.0.0 or ::)")
+    for flag, what in (("--allowed-origins", "origins"), ("--allowed-methods", "methods"),
+                       ("--allowed-headers", "headers")):
+        h.add_argument(flag, help=f"CORS: the {what} a web page's script may use, as a JSON list (vLLM's flag; "
+                       "default: '[\"*\"]', any)")
+    h.add_argument("--allow-credentials", action="store_true", help="CORS: a page's script may send cookies "
+                   "and Authorization (vLLM's flag)")
     h.add_argument("--max-request-bytes", type=parse_bytes, default=limits.body_bytes,
                    help="a request body's size (413 beyond, before parsing)")
     h.add_argument("--max-prompt-chars", type=int, default=limits.prompt_chars,
@@ -37,7 +52,7 @@ def add_arguments(p) -> None:
     h.add_argument("--max-stop-strings", type=int, default=limits.stop_strings, help="stop strings in a request")
     h.add_argument("--max-stop-chars", type=int, default=limits.stop_chars, help="characters in a stop string")
     h.add_argument("--max-request-tokens", type=int, default=limits.request_tokens,
-                   help="n x max_tokens of a request (max_tokens capped by the context first)")
+                   help="n x max_tokens of a request (no max_tokens: the rest of the context)")
     h.add_argument("--max-stream-backlog", type=int, default=limits.stream_backlog,
                    help="chunks a stream may leave unread before its choices are aborted")
     h.add_argument("--max-bad-words", type=int, default=limits.bad_words, help="bad_words in a request (each word "
@@ -92,6 +107,8 @@ def check_args(args) -> None:
         raise NanoError("--enable-auto-tool-choice requires --tool-call-parser")
     if args.api_key is not None and not args.api_key:
         raise NanoError("--api-key is empty (or NANO_API_KEY is set but empty)")
+    cors(args)  # a list that is not one: an error before the model loads
+    generation_config.read(args.generation_config, None)  # a folder's file: checked before the model loads
     if args.prompt_file or args.bench or args.disagg is not None:
         raise NanoError("--serve takes its prompts over HTTP: drop --prompt-file, --bench and --disagg")
 
@@ -105,6 +122,31 @@ def limits(args) -> Limits:
                   grammar_workers=args.grammar_workers)
 
 
+def served_name(args, engine) -> str:
+    """The name responses and metrics carry: the first --served-model-name, else the model folder's."""
+    return (args.served_model_name or [engine.model_name])[0]
+
+
+def cors(args) -> dict:
+    """CORSMiddleware's arguments from --allowed-origins, --allowed-methods, --allowed-headers
+    (JSON lists of strings, as vLLM reads them) and --allow-credentials; vLLM's defaults for
+    those not given."""
+    out = {**CORS, "allow_credentials": args.allow_credentials}
+    for flag, key in (("--allowed-origins", "allow_origins"), ("--allowed-methods", "allow_methods"),
+                      ("--allowed-headers", "allow_headers")):
+        text = getattr(args, flag[2:].replace("-", "_"))
+        if text is None:
+            continue
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise NanoError(f"{flag}: a JSON list of strings, as '[\"https://app.example\"]', got {text!r}")
+        out[key] = value
+    return out
+
+
 def serve(args, engine, engine_metrics: bool = True) -> int:
     """engine: an LLMEngine, or what answers its calls (nano/dp's front over replicas);
     engine_metrics: --metrics-file gets the engine's snapshot after each step (False: a
@@ -114,14 +156,16 @@ def serve(args, engine, engine_metrics: bool = True) -> int:
         from nano.server.middleware import allowed_hosts
     except ImportError as e:
         raise NanoError(f"--serve needs FastAPI and uvicorn (pip install -r requirements.txt): {e}") from None
-    print(f"serving {engine.model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    name = served_name(args, engine)
+    print(f"serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     try:
         serve_http(engine, args.host, args.port, args.max_queued_requests,
-                   metrics_writer(args, engine) if engine_metrics else None, limits(args),
+                   metrics_writer(args, engine, name) if engine_metrics else None, limits(args),
                    args.api_key, allowed_hosts(args.host, args.allowed_hosts),
                    0.0 if parallel.launched_by_mpirun() else args.shutdown_timeout,
                    args.stall_timeout, args.log_level, args.chat_template, args.tool_call_parser,
-                   args.enable_auto_tool_choice)
+                   args.enable_auto_tool_choice, cors(args), args.served_model_name,
+                   generation_config.read(args.generation_config, resolve_model(engine.config.model)))
     finally:
         engine.stop_workers()
     return 0

@@ -111,6 +111,8 @@ class Job:
     text: str = ""                       # all of it, stop string removed
     sent: int = 0                        # characters of text already sent
     detok: Detokenizer | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop_token_ids id that ended it, set
+    # before the event that finishes it is put
 
     def put(self, event: dict) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -121,13 +123,14 @@ class EngineThread(threading.Thread):
     blocked for stall_timeout seconds, or under MPI a rank silent that long (telemetry/watchdog.py),
     fails every job, then ends the process."""
 
-    def __init__(self, engine, metrics=None, stall_timeout=None):
+    def __init__(self, engine, metrics=None, stall_timeout=None, model_name: str | None = None):
         super().__init__(name="nano-engine", daemon=True)
         self.engine, self.metrics = engine, metrics  # metrics: a MetricsWriter (--metrics-file)
         # GET /metrics renders this registry, which this thread sets from the engine between steps:
-        # --metrics-prom's, or one of its own; a front over several engines (nano/dp) has its own.
+        # --metrics-prom's, or one of its own (labelled model_name); a front over several engines
+        # (nano/dp) has its own.
         front = engine if hasattr(engine, "snapshot") else None  # nano/dp's Front, not an LLMEngine
-        self.export = front.export if front else metrics.export if metrics else EngineExport(engine)
+        self.export = front.export if front else metrics.export if metrics else EngineExport(engine, model_name)
         self.snapshot = front.snapshot if front else lambda: gauges(engine, engine.clock.now())
         self.inbox: queue.Queue = queue.Queue()  # ("add", job) | ("abort", job) | None
         self.jobs: list[Job] = []
@@ -204,10 +207,13 @@ class EngineThread(threading.Thread):
             logprobs, (start, stop_end) = self._read(job, new)
             reason = seq.finish_reason
             if start >= 0:  # a stop string: the text ends before it (or after it), the sequence ends now
+                job.stop_reason = job.text[start:stop_end]
                 job.text = job.text[:stop_end if job.include_stop else start]
                 if not seq.is_finished:
                     self.engine.finish(seq, "stop")
                 reason = "stop"
+            elif reason == "stop":
+                job.stop_reason = self._stop_token(job)
             # Hold back what could be the start of a stop string until it is settled.
             hold = 0 if seq.is_finished else job.stops.hold
             end = max(job.sent, len(job.text) - hold)
@@ -224,6 +230,14 @@ class EngineThread(threading.Thread):
             if seq.is_finished:
                 self.jobs.remove(job)
         return events
+
+    def _stop_token(self, job: Job) -> int | None:
+        """The stop_token_ids id that ended a choice, as vLLM reports it; None when EOS did (an
+        id that is both is EOS's, as vLLM checks EOS first)."""
+        last, params = job.seq.output_token_ids[-1], job.params
+        if last in self.engine.tokenizer.eos_token_ids and not params.ignore_eos:
+            return None
+        return last if last in params.stop_token_ids else None
 
     def _failed(self, job: Job, why: str) -> dict:
         """End a choice whose grammar failed mid-output (or found the request's controls

@@ -1,5 +1,6 @@
-"""What the server bounds (each one a run.py --serve flag, docs/server.md). Kept apart from
-app.py so that run.py shows the defaults without importing FastAPI."""
+"""What the server bounds, and its other defaults (each one a run.py --serve flag,
+docs/server.md). Kept apart from app.py so that run.py shows the defaults without importing
+FastAPI."""
 import os
 from dataclasses import dataclass, field
 
@@ -15,7 +16,7 @@ class Limits:
     prompt_chars: int = 1_000_000      # a prompt (all messages together), checked before tokenizing
     stop_strings: int = 32             # stop strings in one request
     stop_chars: int = 256              # each stop string (also the text held back while streaming)
-    request_tokens: int = 2**17        # n x max_tokens (max_tokens capped by the context first)
+    request_tokens: int = 2**17        # n x max_tokens (no max_tokens: the rest of the context)
     stream_backlog: int = 1024         # chunks a stream may leave unread before its choices are aborted
     bad_words: int = 128               # bad_words in one request (each word as long as a stop string at most)
     logit_bias: int = 1024             # logit_bias entries in one request
@@ -32,3 +33,5 @@ class Limits:
 JSON_DEPTH = 64
 SHUTDOWN_TIMEOUT = 5.0  # seconds open requests get to finish after SIGTERM or Ctrl-C
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # --log-level: Python's logging levels
+# vLLM's defaults for --allowed-origins, --allowed-methods, --allowed-headers, --allow-credentials
+CORS = {"allow_origins": ["*"], "allow_methods": ["*"], "allow_headers": ["*"], "allow_credentials": False}

@@ -1,12 +1,13 @@
-"""What every request passes before a route: the body's size (BodyLimit), the Host header
-(HostCheck: DNS rebinding), and one log line per request (AccessLog), which no client can
-forge (LogFormatter)."""
+"""What every request passes before a route: the body's size (BodyLimit), browsers' CORS
+(Cors), the Host header (HostCheck: DNS rebinding), and one log line per request (AccessLog),
+which no client can forge (LogFormatter)."""
 import json
 import logging
 import time
 
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from nano.server.schemas import error_response
@@ -75,6 +76,20 @@ class BodyLimit:
     @property
     def message(self) -> str:
         return f"the request body is larger than this server's {self.limit} bytes"
+
+
+class Cors(CORSMiddleware):
+    """Starlette's CORS (CORSMiddleware: a browser's preflight answered, the Access-Control-*
+    headers on every response, errors included), a refused preflight in OpenAI's error shape
+    instead of Starlette's plain text."""
+
+    def preflight_response(self, request_headers: Headers):
+        response = super().preflight_response(request_headers)
+        if response.status_code == 200:
+            return response
+        return error_response(f"{response.body.decode()} (--allowed-origins, --allowed-methods, --allowed-headers)",
+                              response.status_code, headers={k: v for k, v in response.headers.items()
+                                                             if k.startswith("access-control-") or k == "vary"})
 
 
 class HostCheck:

@@ -44,9 +44,10 @@ async def respond(server: Server, request: Request, body: Sampling, jobs: list[J
                 finish = tools.finish_reason(finish, bool(calls), choice)
             choice = {"index": i, "message": message,
                       "logprobs": chat_logprobs(r["logprobs"]) if jobs[i].top_logprobs is not None else None,
-                      "finish_reason": finish}
+                      "finish_reason": finish, "stop_reason": jobs[i].stop_reason}
         else:
             choice = {"index": i, "text": r["text"], "finish_reason": r["finish_reason"],
+                      "stop_reason": jobs[i].stop_reason,
                       "logprobs": completion_logprobs(r["logprobs"]) if jobs[i].top_logprobs is not None else None}
         if jobs[i].prompt_logprobs is not None:
             choice["prompt_logprobs"] = r["prompt_logprobs"]
@@ -146,6 +147,8 @@ async def stream(server: Server, request: Request, jobs: list[Job], n: int, head
                 choices = [{"index": i, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas or [{}]]
                 choices[0]["logprobs"] = chat_logprobs(lp) if lp else None
                 choices[-1]["finish_reason"] = finish
+                if finish:
+                    choices[-1]["stop_reason"] = jobs[i].stop_reason
                 if event.get("prompt_logprobs"):
                     choices[0]["prompt_logprobs"] = event["prompt_logprobs"]
                 for choice in choices:
@@ -158,6 +161,8 @@ async def stream(server: Server, request: Request, jobs: list[Job], n: int, head
             else:
                 choice = {"index": i, "text": event["text"], "logprobs": completion_logprobs(lp) if lp else None,
                           "finish_reason": event["finish_reason"]}
+            if event["finish_reason"]:
+                choice["stop_reason"] = jobs[i].stop_reason
             if event.get("prompt_logprobs"):  # the first chunk of a choice, as vLLM sends it
                 choice["prompt_logprobs"] = event["prompt_logprobs"]
             yield chunk([choice])

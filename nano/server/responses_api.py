@@ -36,8 +36,7 @@ async def create(server: Server, request: Request, body: ResponsesRequest):
     forced = tools.forced_schema(given, choice, body.parallel_tool_calls) if tools.forced(choice) else None
     grammar = await server.structured(sampling, forced, "text.format")
     prompt = await server.tokenize_chat(body.messages(), True, given)
-    jobs = await server.submit(sampling, [prompt], stops, None, body.max_output_tokens or server.engine.max_model_len,
-                               grammar=grammar)
+    jobs = await server.submit(sampling, [prompt], stops, None, body.max_output_tokens, grammar=grammar)
     shape = Shape(server, body, jobs, tool_parser(server, given, choice))
     if body.stream:
         return EventSourceResponse(stream(server, jobs, shape))

@@ -229,8 +229,10 @@ class ResponsesRequest(RefusedResponses):
 
     def sampling(self) -> Sampling:
         """The request as the chat endpoint's sampling fields (what Server.check and submit take)."""
-        return Sampling(model=self.model, temperature=self.temperature, top_p=self.top_p, stream=self.stream,
-                        response_format=self.text.format.response_format())
+        # Only the fields the request gave: the others get the generation config's defaults, as chat's do.
+        given = {k: getattr(self, k) for k in ("temperature", "top_p") if k in self.model_fields_set}
+        return Sampling(model=self.model, stream=self.stream, response_format=self.text.format.response_format(),
+                        **given)
 
     def chat_tools(self) -> list[dict] | None:
         """The tools in chat's shape ({"type": "function", "function": {...}}), as the template gets them."""

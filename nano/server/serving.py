@@ -19,6 +19,7 @@ from nano.controls import OFF, ControlError, sampling_params
 from nano.sequence import SamplingParams, Sequence
 from nano.structured import Grammar, bounds
 from nano.structured.stack import lower_priority
+from nano.weights import resolve_model
 from nano.server.engine_thread import EngineThread, Job, StopStrings
 from nano.server.limits import Limits
 from nano.server.schemas import BadRequest, Message, Sampling, error_response
@@ -30,12 +31,18 @@ GRAMMAR_CACHE = 32  # compiled grammars kept for requests that ask for one again
 class Server:
     def __init__(self, engine, max_queued: int = 256, metrics=None, limits: Limits = Limits(),
                  stall_timeout: float | None = None, chat_template: str | None = None,
-                 tool_parser: str | None = None, auto_tools: bool = False):
+                 tool_parser: str | None = None, auto_tools: bool = False, served_names: list[str] | None = None,
+                 generation_defaults: dict | None = None):
         self.engine, self.max_queued, self.limits = engine, max_queued, limits
         # --chat-template (None: the model's), --tool-call-parser, --enable-auto-tool-choice (tools.py)
         self.chat_template, self.tool_parser, self.auto_tools = chat_template, tool_parser, auto_tools
-        self.model_name = engine.model_name
-        self.thread = EngineThread(engine, metrics, stall_timeout)
+        # --served-model-name (vLLM's): requests may name any; responses and metrics carry the first
+        self.names = served_names or [engine.model_name]
+        self.model_name = self.names[0]
+        self.model_dir = resolve_model(engine.config.model)  # the folder the weights came from
+        # --generation-config's (generation_config.py): what a request that leaves a field out gets
+        self.defaults = generation_defaults or {}
+        self.thread = EngineThread(engine, metrics, stall_timeout, self.model_name)
         self.open: set[Job] = set()  # jobs submitted and not yet ended (event loop only)
         self.created = int(time.time())
         self.closing = False  # shutting down: no new requests
@@ -45,10 +52,10 @@ class Server:
         self.compiled: OrderedDict[bytes, Future] = OrderedDict()  # grammars by a digest of what asked for them
 
     def check_model(self, model: str | None) -> None:
-        """A model named in a request (or a URL) is this server's, or a 404 as OpenAI answers it."""
-        if model is not None and model != self.model_name:
-            raise BadRequest(f"the model {model!r} does not exist: this server has {self.model_name!r}", 404,
-                             code="model_not_found", param="model")
+        """A model named in a request (or a URL) is one of this server's names, or a 404 as OpenAI answers it."""
+        if model is not None and model not in self.names:
+            raise BadRequest(f"the model {model!r} does not exist: this server has {', '.join(map(repr, self.names))}",
+                             404, code="model_not_found", param="model")
 
     def check(self, body: Sampling) -> StopStrings:
         """What can be checked before tokenizing: the model, and the stop strings (returned)."""
@@ -147,11 +154,12 @@ class Server:
         return structured.compile_grammar(self.vocabulary, kind, value, strict, name)
 
     async def submit(self, body: Sampling, prompts: list[list[int]], stops: StopStrings, top_logprobs: int | None,
-                     max_tokens: int, echo: bool = False, grammar: Grammar | None = None) -> list[Job]:
+                     max_tokens: int | None, echo: bool = False, grammar: Grammar | None = None) -> list[Job]:
         """Start body.n jobs for each prompt, the whole request checked against the limits first;
-        returns them in OpenAI's choice order (prompt i's choices are i*n .. i*n+n-1). echo: each
-        prompt's text and (with top_logprobs) its logprobs come first. grammar: the request's
-        (structured())."""
+        returns them in OpenAI's choice order (prompt i's choices are i*n .. i*n+n-1). max_tokens:
+        as asked (a prompt it does not fit beside in the context is a 400, as vLLM's), or None:
+        the rest of the context (at most the generation config's max_tokens). echo: each prompt's text and (with top_logprobs) its logprobs come
+        first. grammar: the request's (structured())."""
         if self.closing or self.stopped():
             raise BadRequest("the server is shutting down" if self.closing else f"engine stopped: {self.thread.error}",
                              503, "server_error")
@@ -169,8 +177,13 @@ class Server:
             if len(prompt) + 1 > context:
                 raise BadRequest(f"this model's maximum context length is {context} tokens; the {name} has "
                                  f"{len(prompt)}")
+            if max_tokens is not None and len(prompt) + max_tokens > context:
+                raise BadRequest(f"This model's maximum context length is {context} tokens. However, you requested "
+                                 f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the messages, {max_tokens} in "
+                                 "the completion). Please reduce the length of the messages or completion.")
             self.check_ids(name, prompt)  # after the length: bounded
-            capped.append(min(max_tokens, context - len(prompt)))
+            rest = min(context - len(prompt), self.defaults.get("max_tokens", context))  # vLLM's get_max_tokens
+            capped.append(rest if max_tokens is None else max_tokens)
         if body.n * sum(capped) > self.limits.request_tokens:
             raise BadRequest(f"n x max_tokens is {body.n} x {sum(capped)}"
                              + (f" (over {len(prompts)} prompts)" if len(prompts) > 1 else "") +
@@ -210,11 +223,14 @@ class Server:
 
     def _params(self, body: Sampling, max_tokens: int, return_logits: bool, prompt_logprobs: int | None,
                 grammar: Grammar | None) -> SamplingParams:
+        # A field the request left out (or sent null): the generation config's default, else nano's
+        asked = {k: getattr(body, k) if k in body.model_fields_set else self.defaults.get(k, getattr(body, k))
+                 for k in ("temperature", "top_p", "top_k", "min_p", *OFF)}
         try:
             params = sampling_params(
-                self.engine, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
-                max_tokens=max_tokens, ignore_eos=body.ignore_eos, stop_token_ids=body.stop_token_ids or [],
-                return_logits=return_logits, prompt_logprobs=prompt_logprobs, **{k: getattr(body, k) for k in OFF})
+                self.engine, max_tokens=max_tokens, ignore_eos=body.ignore_eos,
+                stop_token_ids=body.stop_token_ids or [], return_logits=return_logits,
+                prompt_logprobs=prompt_logprobs, **asked)
         except ControlError as e:
             raise BadRequest(str(e), param=e.field) from None
         except NanoError as e:
