@@ -158,19 +158,15 @@ class Server:
         """Start body.n jobs for each prompt, the whole request checked against the limits first;
         returns them in OpenAI's choice order (prompt i's choices are i*n .. i*n+n-1). max_tokens:
         as asked (a prompt it does not fit beside in the context is a 400, as vLLM's), or None:
-        the rest of the context (at most the generation config's max_tokens). echo: each prompt's text and (with top_logprobs) its logprobs come
-        first. grammar: the request's (structured())."""
-        if self.closing or self.stopped():
-            raise BadRequest("the server is shutting down" if self.closing else f"engine stopped: {self.thread.error}",
-                             503, "server_error")
+        the rest of the context (at most the generation config's max_tokens). echo: each
+        prompt's text and (with top_logprobs) its logprobs come first. grammar: the request's
+        (structured())."""
         choices = body.n * len(prompts)
         if choices > self.max_queued:  # would never fit: not a "try again"
             raise BadRequest(f"n: {choices} choices" + (f" ({len(prompts)} prompts x {body.n})" if len(prompts) > 1
                                                         else "") +
                              f", more than this server's {self.max_queued} requests in flight")
-        if len(self.open) + choices > self.max_queued:
-            raise BadRequest(f"the server has {len(self.open)} requests in flight (at most {self.max_queued}): "
-                             "try again later", 503, "server_overloaded")
+        self.check_room(choices)
         context, capped = self.engine.max_model_len, []
         for i, prompt in enumerate(prompts):
             name = "prompt" if len(prompts) == 1 else f"prompt {i}"
@@ -206,10 +202,21 @@ class Server:
                                 include_stop=body.include_stop_str_in_output, constrained=grammar is not None))
         if grammar is not None:
             self.check_first_token(jobs[0])
+        self.check_room(choices)  # again, with no await before the jobs count: others came in meanwhile
         for job in jobs:
             self.thread.inbox.put(("add", job))
         self.open.update(jobs)
         return jobs
+
+    def check_room(self, choices: int) -> None:
+        """A 503 if the server is shutting down, its engine stopped, or `choices` more jobs would
+        pass --max-queued-requests."""
+        if self.closing or self.stopped():
+            raise BadRequest("the server is shutting down" if self.closing else f"engine stopped: {self.thread.error}",
+                             503, "server_error")
+        if len(self.open) + choices > self.max_queued:
+            raise BadRequest(f"the server has {len(self.open)} requests in flight (at most {self.max_queued}): "
+                             "try again later", 503, "server_overloaded")
 
     def check_controls(self, body: Sampling) -> None:
         """The sampling controls whose size costs every step: within the limits, or a 400."""
