@@ -149,6 +149,28 @@ def langchain_agent_loop():
             answer.content, answer.response_metadata["finish_reason"])
 
 
+def langchain_json_mode():
+    """Asks with_structured_output(method="json_mode") for a City: it sends response_format
+    json_object and no schema, so the prompt names the keys."""
+    return chat_model(max_tokens=100).with_structured_output(City, method="json_mode").invoke(
+        CITY_PROMPT + " Answer in JSON with the keys name, country and population.")
+
+
+def langchain_responses_agent_loop():
+    """Runs the agent's two turns on the Responses API (ChatOpenAI(use_responses_api=True)): a
+    forced call, one only, its ToolMessage sent back as a function_call_output, the answer."""
+    from langchain_core.messages import HumanMessage
+    from langchain_core.tools import tool
+    weather = tool(get_weather)
+    llm = chat_model(max_tokens=60, use_responses_api=True)
+    messages = [HumanMessage(WEATHER_PROMPT)]
+    call = llm.bind_tools([weather], tool_choice="required", parallel_tool_calls=False).invoke(messages)
+    messages.append(call)
+    messages += [weather.invoke(tool_call) for tool_call in call.tool_calls]
+    answer = llm.bind_tools([weather]).invoke(messages)
+    return call.tool_calls, answer.text, answer.response_metadata["status"]
+
+
 # ---- instructor -----------------------------------------------------------------------------------
 def instructor_client(mode_name: str):
     """Makes an instructor client in the named mode from an openai client."""
@@ -266,6 +288,20 @@ def llm_schema():
         return out.returncode, out.stdout.strip(), out.stderr.strip()[-500:]
 
 
+# ---- openai -------------------------------------------------------------------------------------
+def openai_parse():
+    """Calls openai's chat.completions.parse(response_format=City)."""
+    out = openai_client().chat.completions.parse(model=MODEL, temperature=0, max_tokens=100, response_format=City,
+                                                 messages=[{"role": "user", "content": CITY_PROMPT}])
+    return out.choices[0].message.parsed
+
+
+def openai_responses_parse():
+    """Calls openai's responses.parse(text_format=City)."""
+    return openai_client().responses.parse(model=MODEL, input=CITY_PROMPT, text_format=City, max_output_tokens=100,
+                                           temperature=0).output_parsed
+
+
 # ---- openai Responses -----------------------------------------------------------------------------
 def responses_stream_cut():
     """Reads openai's responses.stream(...).get_final_response() when max_output_tokens cuts the text short."""
@@ -278,9 +314,12 @@ def responses_stream_cut():
 
 
 ROWS = [langchain_json_schema, langchain_function_calling, langchain_auto, langchain_named_tool, langchain_required,
-        langchain_agent_loop, instructor_tools, instructor_tools_strict, instructor_iterable, instructor_iterable_cut,
-        pydantic_ai_tool_output, pydantic_ai_native_output, litellm_named_tool, litellm_round_trip, llm_schema,
-        responses_stream_cut]
+        langchain_agent_loop, langchain_json_mode, langchain_responses_agent_loop,
+        instructor_tools, instructor_tools_strict, instructor_iterable, instructor_iterable_cut,
+        pydantic_ai_tool_output, pydantic_ai_native_output,
+        litellm_named_tool, litellm_round_trip,
+        llm_schema,
+        openai_parse, openai_responses_parse, responses_stream_cut]
 
 
 def main() -> int:
