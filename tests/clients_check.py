@@ -133,6 +133,16 @@ def langchain_required():
     return reply.tool_calls, reply.response_metadata["finish_reason"]
 
 
+def langchain_stream_required():
+    """Streams bind_tools(tool_choice="required") with LangChain's .stream() and adds the chunks up."""
+    from langchain_core.tools import tool
+    chunks = list(chat_model(max_tokens=60).bind_tools([tool(get_weather)], tool_choice="required").stream(
+        WEATHER_PROMPT))
+    message = sum(chunks[1:], chunks[0])
+    FINISHES.append(message.response_metadata["finish_reason"])
+    return message.tool_calls
+
+
 def langchain_agent_loop():
     """Runs an agent's two turns: the model calls the tool ("required": a 135M model answers "auto"
     in prose), the tool runs, its ToolMessage goes back, and the model answers under "auto"."""
@@ -231,6 +241,18 @@ def pydantic_ai_tool_output():
     return result.output, [type(m).__name__ for m in result.all_messages()]
 
 
+def pydantic_ai_stream_tool_output():
+    """Streams the Agent's tool output (output_type=City) with run_stream."""
+    import asyncio
+
+    async def run():
+        async with pydantic_ai_agent(City).run_stream(CITY_PROMPT) as result:
+            output = await result.get_output()
+            FINISHES.append(result.response.provider_details.get("finish_reason"))
+            return output
+    return asyncio.run(run())
+
+
 def pydantic_ai_native_output():
     """Runs an Agent with NativeOutput(City), which sends City's schema as response_format."""
     from pydantic_ai import NativeOutput
@@ -314,9 +336,9 @@ def responses_stream_cut():
 
 
 ROWS = [langchain_json_schema, langchain_function_calling, langchain_auto, langchain_named_tool, langchain_required,
-        langchain_agent_loop, langchain_json_mode, langchain_responses_agent_loop,
+        langchain_stream_required, langchain_agent_loop, langchain_json_mode, langchain_responses_agent_loop,
         instructor_tools, instructor_tools_strict, instructor_iterable, instructor_iterable_cut,
-        pydantic_ai_tool_output, pydantic_ai_native_output,
+        pydantic_ai_tool_output, pydantic_ai_stream_tool_output, pydantic_ai_native_output,
         litellm_named_tool, litellm_round_trip,
         llm_schema,
         openai_parse, openai_responses_parse, responses_stream_cut]
