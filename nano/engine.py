@@ -1,8 +1,9 @@
-"""LLMEngine: requests in, one step at a time, finished sequences out; the step and the seams
-add-ons use: docs/how-it-works.md#one-step. Under tensor parallelism (parallel.py) this engine
-is rank 0, and its runner sends each step's packed plan to the other ranks (worker.Worker).
-Add-ons use only its public methods and LLMEngine.PUBLISHED (tests/test_layout.py): the order
-of the scheduler's, block manager's and runner's calls is the engine's alone.
+"""LLMEngine: requests in, one step at a time, finished sequences out. A step's lifecycle is
+docs/how-it-works.md#one-step; the seams add-ons use are docs/extending.md. Under tensor
+parallelism (parallel.py) this engine is rank 0, and its runner sends each step's packed plan to
+the other ranks (worker.Worker). Add-ons use only its public methods and
+LLMEngine.ADDON_ATTRIBUTES (tests/test_layout.py): the order of the scheduler's, block
+manager's and runner's calls is the engine's alone.
 """
 import numpy as np
 
@@ -12,7 +13,7 @@ from nano.clock import Clock
 from nano.config import EngineConfig
 from nano.cost_model import CostModel
 from nano.errors import NanoError
-from nano.plan import SchedulerOutput
+from nano.plan import StepPlan
 from nano.policy import FCFS
 from nano.sampler import Sampler
 from nano.scheduler import Scheduler
@@ -20,10 +21,20 @@ from nano.sequence import SamplingParams, Sequence
 from nano.shard import load_shard
 
 
+def accepted(tokens: list[int], drafts: list[int]) -> list[int]:
+    """Keep the sampled tokens up to and including the first that differs from its draft;
+    without drafts, keep the one token (docs/speculative.md#the-accept-rule)."""
+    for j, draft in enumerate(drafts):
+        if tokens[j] != draft:
+            return tokens[:j + 1]
+    return tokens
+
+
 class LLMEngine:
-    PUBLISHED = ("config", "model_config", "tokenizer", "clock", "observers", "device", "cost", "capacity",
-                 "max_model_len", "kv_bytes_per_token", "weight_bytes", "model_name", "ops", "added",
-                 "forward", "proposer")
+    # What add-ons may read besides the public methods (tests/test_layout.py holds them to it).
+    ADDON_ATTRIBUTES = ("config", "model_config", "tokenizer", "clock", "observers", "device", "cost",
+                        "capacity", "max_model_len", "kv_bytes_per_token", "weight_bytes",
+                        "model_name", "ops", "num_requests_queued", "forward", "proposer")
 
     def __init__(self, config: EngineConfig, clock: Clock | None = None, policy=FCFS, wrap_forward=None):
         """policy: the scheduling policy's class (policy.py), e.g. nano/deadline's;
@@ -52,22 +63,17 @@ class LLMEngine:
         self.proposer = None
         self.rng = np.random.default_rng(config.seed % 2**64)  # any int seed, as the sampler's
         self.next_id = 0
-        self.added = 0  # requests queued, ever: less those still to arrive, the arrived count
+        self.num_requests_queued = 0  # ever; less those still to arrive, the arrived count
 
-    # ---- requests -----------------------------------------------------------------------
+    # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> Sequence:
-        """Queue a request. A future arrival_time makes it invisible to the scheduler until then
-        (how the --request-rate bench replays a Poisson arrival trace). Bad input raises
+        """Queue a request. A future arrival_time hides it from the scheduler until then, which
+        is how the --request-rate bench replays a Poisson arrival trace. Bad input raises
         NanoError here, before anything is queued: once in a step, it would fail the step."""
         seq = self.make_sequence(prompt, params, arrival_time)
         self.queue(seq)
         return seq
-
-    def queue(self, seq: Sequence) -> None:
-        """Queue a made sequence (make_sequence's, or one a router sends)."""
-        self.added += 1
-        self.scheduler.waiting.append(seq)
 
     def make_sequence(self, prompt: str | list[int], params: SamplingParams,
                       arrival_time: float | None = None) -> Sequence:
@@ -86,51 +92,26 @@ class LLMEngine:
         self.next_id += 1
         return seq
 
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
-
-    def unfinished(self) -> list[Sequence]:
-        """Every unfinished sequence, queue by queue (each one's status says which)."""
-        s = self.scheduler
-        return [*s.waiting, *s.running, *s.swapped, *s.held]
-
-    def touch_kv_cache(self) -> None:
-        """Write the whole KV pool once: its first-touch page faults out of measured steps."""
-        self.runner.touch_kv_cache()
-
-    def swap(self, blocks_out: list[tuple[int, int]], blocks_in: list[tuple[int, int]]) -> tuple[int, float]:
-        """Copy (device, host) block pairs out to host and back, as a preempting step does: (bytes, seconds)."""
-        return self.runner.swap(blocks_out, blocks_in)
-
-    def kv_blocks(self) -> tuple[int, int, int, int]:
-        """The KV pool now: (device blocks, of them free, host swap blocks, of them free)."""
-        bm = self.block_manager
-        return bm.num_blocks, bm.num_free_blocks, bm.num_swap_blocks, len(bm.free_host_blocks)
-
-    def cached_tokens(self, token_ids: list[int]) -> int:
-        """How many leading tokens of token_ids the prefix cache holds now."""
-        return len(self.block_manager.match_prefix(token_ids)) * self.config.block_size
-
-    def take_cache_events(self) -> list[tuple[bool, int]]:
-        """The prefix cache's blocks stored (True, hash) and evicted (False, hash) since the
-        last call; the first call starts the record (a data-parallel router's)."""
-        events, self.block_manager.cache_events = self.block_manager.cache_events or [], []
-        return events
+    def queue(self, seq: Sequence) -> None:
+        """Queue a made sequence: make_sequence's, or one a router sends."""
+        self.num_requests_queued += 1
+        self.scheduler.waiting.append(seq)
 
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """Run one forward pass over a freshly decided batch; returns sequences that finished."""
+        """Run one forward pass over a freshly decided batch; return the sequences that finished."""
         start = self.clock.now()
-        drafted = self._propose()
-        plan = self.scheduler.schedule(start)  # the step's inputs and logits rows, fixed
+        drafted = self._propose_drafts() if self.proposer else []  # speculative decoding only
+        plan = self.scheduler.schedule(start)  # the step's inputs and logits rows, frozen
         swap = self.runner.swap(plan.blocks_to_swap_out, plan.blocks_to_swap_in)
         inputs = self.runner.prepare(plan.packed)  # under TP, sent to the other ranks too
         finished = list(plan.finished)
         if inputs is not None:
             logits = self.forward(inputs)
-            scores = self.sampler.score(logits, plan.rows)  # prompt logprobs
-            tokens, kept = self.sampler.sample(logits, plan.rows)  # kept: rows for return_logits
-            finished += self._postprocess(plan, scores, tokens, kept)
+            if plan.scores:  # prompt logprobs only
+                self._score_prompts(plan, logits)
+            tokens, returned_logits = self.sampler.sample(logits, plan.samples)
+            finished += self._postprocess(plan, tokens, returned_logits)
         elif not finished and self.scheduler.has_work():
             self._idle(start)
             return []
@@ -139,13 +120,59 @@ class LLMEngine:
         self._observe(plan, start, swap, finished)
         return finished
 
-    def _propose(self) -> list[Sequence]:
-        """Drafts for the decoding sequences, as many as their max_tokens and the model context allow."""
-        seqs = [s for s in self.scheduler.running if s.num_uncomputed_tokens == 1] if self.proposer else []
+    def _propose_drafts(self) -> list[Sequence]:
+        """Ask the proposer for drafts for the decoding sequences, as many as their max_tokens
+        and the model's context allow; return the sequences that got them."""
+        seqs = [s for s in self.scheduler.running if s.num_uncomputed_tokens == 1]
         for seq in seqs:
-            room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+            room = min(seq.params.max_tokens - seq.num_output_tokens,
+                       self.max_model_len - seq.num_tokens) - 1
             seq.draft_token_ids = self.proposer.propose(seq)[:max(room, 0)]
         return seqs
+
+    def _score_prompts(self, plan: StepPlan, logits) -> None:
+        """Append the prompt logprobs the step's scoring rows give to their sequences."""
+        for score, logprobs in zip(plan.scores, self.sampler.score(logits, plan.scores)):
+            score.seq.prompt_logprobs.append(logprobs)
+
+    def _postprocess(self, plan: StepPlan, tokens: list[list[int]],
+                     returned_logits: list[list]) -> list[Sequence]:
+        """Write the step's tokens into its sequences, the only place a step changes them:
+        append each accepted token, check for a stop, and free a finished sequence."""
+        for seq, n in plan.scheduled:
+            seq.num_computed_tokens += n - len(seq.draft_token_ids)  # a draft's KV counts once accepted
+            self.block_manager.register_full_blocks(seq)
+        now, finished = self.clock.now(), []
+        for sample, sampled, kept in zip(plan.samples, tokens, returned_logits):
+            seq = sample.seq
+            for j, token in enumerate(accepted(sampled, sample.drafts)):
+                seq.logits += kept[j:j + 1]  # empty unless the request asked (return_logits)
+                if seq.params.max_tokens == 0:  # it only scored its prompt: no token is wanted
+                    reason = "length"
+                else:
+                    self._append(seq, token, now)
+                    if j < len(sample.drafts) and token == sample.drafts[j]:
+                        seq.num_computed_tokens += 1  # the KV this step wrote for the draft is right
+                        self.block_manager.register_full_blocks(seq)
+                    reason = self._stop_reason(seq, token)
+                if reason:
+                    self.scheduler.finish(seq, reason)
+                    finished.append(seq)
+                    break
+        return finished
+
+    def _append(self, seq: Sequence, token: int, now: float) -> None:
+        seq.token_ids.append(token)
+        seq.token_times.append(now)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        if (token in self.tokenizer.eos_token_ids and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:
+            return "stop"
+        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
 
     def _idle(self, now: float) -> None:
         """Nothing could run: only requests that have not arrived yet are left; wait for one
@@ -156,49 +183,7 @@ class LLMEngine:
         elif not self.scheduler.held:  # else a pool full of held blocks: their holder frees them between steps
             raise RuntimeError("scheduler made no progress")  # a bug, never a user error
 
-    def stop_workers(self) -> None:
-        if self.group.world > 1:
-            self.group.broadcast(None)
-
-    def _postprocess(self, plan: SchedulerOutput, scores: list, tokens: list[int], kept: dict) -> list[Sequence]:
-        """The step's results into its sequences: the only place a step writes them."""
-        for seq, score in zip(plan.rows.scoring, scores):
-            seq.prompt_logprobs.append(score)
-        for seq, n in plan.scheduled:
-            seq.num_computed_tokens += n - len(seq.draft_token_ids)  # a draft's KV counts once accepted
-            self.block_manager.register_full_blocks(seq)
-        now, finished, settled = self.clock.now(), [], set()  # settled: no more tokens this step
-        for i, (seq, token, draft) in enumerate(zip(plan.rows.sampling, tokens, plan.rows.drafts)):
-            if seq.seq_id in settled:  # a row after a rejected draft, or after the end
-                continue
-            if i in kept:
-                seq.logits.append(kept[i])
-            if seq.params.max_tokens == 0:  # it only scored its prompt: the token is not wanted
-                reason = "length"
-            else:
-                seq.token_ids.append(token)
-                seq.token_times.append(now)
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                if token == draft:  # the draft this row checked is accepted: its KV, written this step, is right
-                    seq.num_computed_tokens += 1
-                    self.block_manager.register_full_blocks(seq)
-                reason = self._stop_reason(seq, token)
-            if reason:
-                self.scheduler.finish(seq, reason)
-                finished.append(seq)
-            if reason or token != draft:
-                settled.add(seq.seq_id)
-        return finished
-
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        if (token in self.tokenizer.eos_token_ids and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:
-            return "stop"
-        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    def _observe(self, plan: SchedulerOutput, start: float, swap: tuple[int, float],
+    def _observe(self, plan: StepPlan, start: float, swap: tuple[int, float],
                  finished: list[Sequence]) -> None:
         now = self.clock.now()
         swap_bytes, swap_seconds = swap
@@ -239,6 +224,42 @@ class LLMEngine:
             raise
         return seqs
 
+    # ---- what add-ons use ------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def unfinished(self) -> list[Sequence]:
+        """Every unfinished sequence, queue by queue (each one's status says which)."""
+        s = self.scheduler
+        return [*s.waiting, *s.running, *s.swapped, *s.held]
+
+    def stop_workers(self) -> None:
+        if self.group.world > 1:
+            self.group.broadcast(None)
+
+    def touch_kv_cache(self) -> None:
+        """Write the whole KV pool once: its first-touch page faults out of measured steps."""
+        self.runner.touch_kv_cache()
+
+    def swap(self, blocks_out: list[tuple[int, int]], blocks_in: list[tuple[int, int]]) -> tuple[int, float]:
+        """Copy (device, host) block pairs out to host and back, as a preempting step does: (bytes, seconds)."""
+        return self.runner.swap(blocks_out, blocks_in)
+
+    def kv_blocks(self) -> tuple[int, int, int, int]:
+        """The KV pool now: (device blocks, of them free, host swap blocks, of them free)."""
+        bm = self.block_manager
+        return bm.num_blocks, bm.num_free_blocks, bm.num_swap_blocks, len(bm.free_host_blocks)
+
+    def cached_tokens(self, token_ids: list[int]) -> int:
+        """How many leading tokens of token_ids the prefix cache holds now."""
+        return len(self.block_manager.match_prefix(token_ids)) * self.config.block_size
+
+    def take_cache_events(self) -> list[tuple[bool, int]]:
+        """The prefix cache's blocks stored (True, hash) and evicted (False, hash) since the
+        last call; the first call starts the record (a data-parallel router's)."""
+        events, self.block_manager.cache_events = self.block_manager.cache_events or [], []
+        return events
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a running request from outside a step (the server found a stop string in its
         text): its blocks freed, counted as finished."""
@@ -251,7 +272,7 @@ class LLMEngine:
         """Drop an unfinished request: out of its queue, its blocks freed; counted as aborted."""
         self.finish(seq, "aborted")
 
-    # ---- a KV handoff between engines ---------------------------------------------------
+    # A KV handoff between engines (nano/disagg):
     def hand_off(self, seq: Sequence, take=None) -> np.ndarray:
         """A running seq out of the batch for another engine's adopt, its blocks kept until
         finish(seq, "handed_off"); returns their KV, a row per block (in take(nbytes)'s buffer)."""

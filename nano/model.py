@@ -4,7 +4,8 @@ the shard is loaded: NumPy or CUDA kernels, batch-invariant or not).
 One straight line per step: embed -> per layer [RMSNorm (+ residual), fused QKV, (q/k head
 norms,) RoPE + KV-cache write, attention (in the layer's window), output projection, (its norm,)
 RMSNorm, fused gate/up, SiLU*up or GELU*up, down, (its norm)] -> final norm -> LM head on the
-rows of plan.StepRows; the parts in brackets and what else differs by family: docs/models.md.
+rows that sample or score a prompt (plan.StepPlan); the parts in brackets and what else
+differs by family: docs/models.md.
 On the GPU a decode step of this function is captured once per batch-size bucket and
 replayed as a CUDA graph (nano/graphs.py), so it must stay free of host synchronisation:
 shapes and launch choices may depend only on array shapes, never on array values.

@@ -9,7 +9,7 @@ from nano.device import Device
 from nano.graphs import DecodeGraphs, GraphStep
 from nano.kv_cache import KVCache
 from nano.model import ForwardBatch
-from nano.plan import step_sizes, unpack_step
+from nano.plan import packed_shape, unpack_step
 
 
 class ModelRunner:
@@ -109,7 +109,7 @@ class ModelRunner:
         """A packed step's inputs on the device, None if no row runs: one host-to-device copy
         of the whole array, then views into it. A decode-only step that a CUDA graph can run
         goes into its bucket's static buffer instead (also one copy)."""
-        n = step_sizes(packed)
+        n = packed_shape(packed)
         if n.seqs == 0:
             return None
         # Graphs run steps where every sequence has one token and a logits row (a one-token
@@ -122,7 +122,7 @@ class ModelRunner:
 
     # ---- forward -----------------------------------------------------------------------
     def forward(self, inputs: ForwardBatch | GraphStep):
-        """Logits (R, V) of the rows that sample or score a prompt (plan.StepRows)."""
+        """Logits (R, V) of the rows that sample or score a prompt (plan.StepPlan's samples and scores)."""
         if isinstance(inputs, GraphStep):
             return self.graphs.replay(inputs)
         if self.blas_threads:

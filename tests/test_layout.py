@@ -158,7 +158,7 @@ def engine_surface() -> set[str]:
     """What an add-on may touch on an engine: LLMEngine's public methods and properties, and
     the attributes it publishes."""
     from nano.engine import LLMEngine
-    return {n for n in vars(LLMEngine) if not n.startswith("_")} | set(LLMEngine.PUBLISHED)
+    return {n for n in vars(LLMEngine) if not n.startswith("_")} | set(LLMEngine.ADDON_ATTRIBUTES)
 
 
 def engine_reaches(path: Path, surface: set[str]) -> list[str]:
@@ -194,7 +194,7 @@ DEVICE_SIDE = ("runner", "model", "graphs", "worker")
 def test_the_device_side_is_never_handed_a_sequence():
     """No device-side module imports Sequence, the plan that holds sequences, or the scheduler:
     what it runs comes as arrays, fixed when the step was planned."""
-    banned = {"nano.sequence", "nano.scheduler", "nano.plan.SchedulerOutput", "nano.plan.StepRows"}
+    banned = {"nano.sequence", "nano.scheduler", "nano.plan.StepPlan", "nano.plan.Sample", "nano.plan.Score"}
     offenders = {name: sorted(imported_modules(NANO / f"{name}.py") & banned) for name in DEVICE_SIDE}
     assert not any(offenders.values()), f"the device side imports {offenders}"
 
