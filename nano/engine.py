@@ -1,7 +1,7 @@
-"""LLMEngine: requests in, one step at a time, finished sequences out. A step's lifecycle is
-docs/how-it-works.md#one-step; the seams add-ons use are docs/extending.md. Under tensor
-parallelism (parallel.py) this engine is rank 0, and its runner sends each step's packed plan to
-the other ranks (worker.Worker). Add-ons use only its public methods and
+"""LLMEngine takes requests in, runs one step at a time and hands finished sequences out.
+docs/how-it-works.md#one-step follows a step; docs/extending.md lists the seams add-ons use.
+Under tensor parallelism (parallel.py) this engine is rank 0, and its runner sends each step's
+packed plan to the other ranks (worker.Worker). Add-ons use only its public methods and
 LLMEngine.ADDON_ATTRIBUTES (tests/test_layout.py): the order of the scheduler's, block
 manager's and runner's calls is the engine's alone.
 """
@@ -32,34 +32,42 @@ def accepted(tokens: list[int], drafts: list[int]) -> list[int]:
 
 class LLMEngine:
     # What add-ons may read besides the public methods (tests/test_layout.py holds them to it).
-    ADDON_ATTRIBUTES = ("config", "model_config", "tokenizer", "clock", "observers", "device", "cost",
-                        "capacity", "max_model_len", "kv_bytes_per_token", "weight_bytes",
+    ADDON_ATTRIBUTES = ("config", "model_config", "tokenizer", "clock", "observers", "device",
+                        "cost", "capacity", "max_model_len", "kv_bytes_per_token", "weight_bytes",
                         "model_name", "ops", "num_requests_queued", "forward", "proposer")
 
-    def __init__(self, config: EngineConfig, clock: Clock | None = None, policy=FCFS, wrap_forward=None):
-        """policy: the scheduling policy's class (policy.py), e.g. nano/deadline's;
-        wrap_forward(forward) -> the forward pass steps run (a simulated clock's, timing each)."""
+    def __init__(self, config: EngineConfig, clock: Clock | None = None, policy=FCFS,
+                 wrap_forward=None):
+        """Load the model's shard and build the scheduler around its KV pool. policy is the
+        scheduling policy's class (policy.py), such as nano/deadline's; wrap_forward(forward)
+        returns the forward pass that steps run, as a simulated clock's times each one."""
         self.config, self.clock = config, clock or Clock()
         self.group = parallel.tp_group()  # TP ranks: one, without MPI, unless under mpirun
         if self.group.rank > 0:
             raise NanoError("LLMEngine runs on TP rank 0; the other ranks run worker.Worker")
         self.shard = shard = load_shard(config, self.group)
-        self.model_config, self.tokenizer, self.model_name = shard.model_config, shard.tokenizer, shard.model_dir.name
+        self.model_config, self.tokenizer, self.model_name = (shard.model_config, shard.tokenizer,
+                                                              shard.model_dir.name)
         self.ops = shard.runner.model.ops  # the forward's op set (ops.py), chosen by load_shard
-        self.max_model_len, self.device, self.runner = shard.max_model_len, shard.device, shard.runner
+        self.max_model_len, self.device, self.runner = (shard.max_model_len, shard.device,
+                                                        shard.runner)
         self.kv_bytes_per_token, self.weight_bytes = shard.kv_bytes_per_token, shard.weight_bytes
         self.forward = wrap_forward(self.runner.forward) if wrap_forward else self.runner.forward
         self.sampler = Sampler(self.device, self.ops)
-        self.block_manager = BlockManager(shard.num_blocks, config.block_size, shard.num_swap_blocks,
+        self.block_manager = BlockManager(shard.num_blocks, config.block_size,
+                                          shard.num_swap_blocks,
                                           config.enable_prefix_caching)
-        self.cost = CostModel.for_device(self.device.kind, self.weight_bytes, self.device.itemsize, self.kv_bytes_per_token)
+        self.cost = CostModel.for_device(self.device.kind, self.weight_bytes, self.device.itemsize,
+                                         self.kv_bytes_per_token)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len,
                                    self.kv_bytes_per_token, self.cost, policy)
         self.capacity = self.scheduler.capacity
         # What watches the run (nano/telemetry's Metrics): each gets on_step(plan, start, end,
-        # free_blocks, swap_bytes, all_reduce_seconds, all_reduce_bytes), on_finish(seq), on_abort(seq)
+        # free_blocks, swap_bytes, all_reduce_seconds, all_reduce_bytes), on_finish(seq) and
+        # on_abort(seq).
         self.observers: list = []
-        # Draft tokens to check (nano/speculative's n-gram lookup): propose(seq) -> a list, or None: off
+        # What proposes draft tokens to check (nano/speculative's n-gram lookup): its
+        # propose(seq) returns a list. None turns speculative decoding off.
         self.proposer = None
         self.rng = np.random.default_rng(config.seed % 2**64)  # any int seed, as the sampler's
         self.next_id = 0
@@ -77,8 +85,8 @@ class LLMEngine:
 
     def make_sequence(self, prompt: str | list[int], params: SamplingParams,
                       arrival_time: float | None = None) -> Sequence:
-        """A request checked, tokenized and given an id and a seed, not queued (add_request
-        queues it here; disaggregated serving's router sends it to a prefill instance)."""
+        """Check a request, tokenize it and give it an id and a seed, without queueing it:
+        add_request queues it here, and disaggregated serving's router sends it elsewhere."""
         if not isinstance(params, SamplingParams):
             raise NanoError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
@@ -140,7 +148,8 @@ class LLMEngine:
         """Write the step's tokens into its sequences, the only place a step changes them:
         append each accepted token, check for a stop, and free a finished sequence."""
         for seq, n in plan.scheduled:
-            seq.num_computed_tokens += n - len(seq.draft_token_ids)  # a draft's KV counts once accepted
+            # a draft's KV counts once accepted
+            seq.num_computed_tokens += n - len(seq.draft_token_ids)
             self.block_manager.register_full_blocks(seq)
         now, finished = self.clock.now(), []
         for sample, sampled, kept in zip(plan.samples, tokens, returned_logits):
@@ -152,7 +161,8 @@ class LLMEngine:
                 else:
                     self._append(seq, token, now)
                     if j < len(sample.drafts) and token == sample.drafts[j]:
-                        seq.num_computed_tokens += 1  # the KV this step wrote for the draft is right
+                        # the KV this step wrote for the draft is right
+                        seq.num_computed_tokens += 1
                         self.block_manager.register_full_blocks(seq)
                     reason = self._stop_reason(seq, token)
                 if reason:
@@ -168,19 +178,21 @@ class LLMEngine:
             seq.first_token_time = now
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        if (token in self.tokenizer.eos_token_ids and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:
+        if ((token in self.tokenizer.eos_token_ids and not seq.params.ignore_eos)
+                or token in seq.params.stop_token_ids):
             return "stop"
         if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 
     def _idle(self, now: float) -> None:
-        """Nothing could run: only requests that have not arrived yet are left; wait for one
-        (or for whoever holds sequences' blocks, Scheduler.hold, to release them)."""
+        """Wait for the next arrival when nothing could run, since only requests that have not
+        arrived yet are left; with none, wait for whoever holds blocks (Scheduler.hold)."""
         arrival = self.scheduler.next_arrival()
         if arrival is not None:
             self.clock.sleep(arrival - now)
-        elif not self.scheduler.held:  # else a pool full of held blocks: their holder frees them between steps
+        # else a pool full of held blocks: their holder frees them between steps
+        elif not self.scheduler.held:
             raise RuntimeError("scheduler made no progress")  # a bug, never a user error
 
     def _observe(self, plan: StepPlan, start: float, swap: tuple[int, float],
@@ -188,7 +200,8 @@ class LLMEngine:
         now = self.clock.now()
         swap_bytes, swap_seconds = swap
         if plan.scheduled:
-            self.cost.observe_step(plan.prefill_tokens, plan.num_decodes, plan.decode_kv_tokens, now - start - swap_seconds)
+            self.cost.observe_step(plan.prefill_tokens, plan.num_decodes, plan.decode_kv_tokens,
+                                   now - start - swap_seconds)
         self.cost.observe_swap(swap_bytes, swap_seconds)
         all_reduce = self.group.take_all_reduce_stats()  # taken every step, watched or not
         for o in self.observers:
@@ -199,11 +212,12 @@ class LLMEngine:
     # ---- all at once --------------------------------------------------------------------
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams],
                  on_step=None) -> list[Sequence]:
-        """Run every prompt to completion; returns their sequences in input order.
+        """Run every prompt to completion; return their sequences in input order.
         If anything raises (bad input, an interrupt), this call's requests are dropped, so
         the engine is left as it was and the next call runs normally."""
         if not isinstance(prompts, (list, tuple)):
-            raise NanoError(f"prompts must be a list of strings or token-id lists, got {type(prompts).__name__}")
+            raise NanoError(f"prompts must be a list of strings or token-id lists, got "
+                            f"{type(prompts).__name__}")
         if isinstance(params, (list, tuple)) and len(params) != len(prompts):
             raise NanoError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
         params = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
@@ -229,7 +243,7 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def unfinished(self) -> list[Sequence]:
-        """Every unfinished sequence, queue by queue (each one's status says which)."""
+        """List every unfinished sequence, queue by queue; each one's status says which."""
         s = self.scheduler
         return [*s.waiting, *s.running, *s.swapped, *s.held]
 
@@ -241,56 +255,68 @@ class LLMEngine:
         """Write the whole KV pool once: its first-touch page faults out of measured steps."""
         self.runner.touch_kv_cache()
 
-    def swap(self, blocks_out: list[tuple[int, int]], blocks_in: list[tuple[int, int]]) -> tuple[int, float]:
-        """Copy (device, host) block pairs out to host and back, as a preempting step does: (bytes, seconds)."""
+    def swap(self, blocks_out: list[tuple[int, int]],
+             blocks_in: list[tuple[int, int]]) -> tuple[int, float]:
+        """Copy (device, host) block pairs out to the host and back, as a preempting step
+        does; return the bytes moved and the seconds it took."""
         return self.runner.swap(blocks_out, blocks_in)
 
     def kv_blocks(self) -> tuple[int, int, int, int]:
-        """The KV pool now: (device blocks, of them free, host swap blocks, of them free)."""
-        bm = self.block_manager
-        return bm.num_blocks, bm.num_free_blocks, bm.num_swap_blocks, len(bm.free_host_blocks)
+        """Count the KV pool's device blocks, the free ones, its host swap blocks and the free
+        ones."""
+        pool = self.block_manager
+        return (pool.num_blocks, pool.num_free_blocks, pool.num_swap_blocks,
+                len(pool.free_host_blocks))
 
     def cached_tokens(self, token_ids: list[int]) -> int:
-        """How many leading tokens of token_ids the prefix cache holds now."""
+        """Count the leading tokens of token_ids that the prefix cache holds now."""
         return len(self.block_manager.match_prefix(token_ids)) * self.config.block_size
 
     def take_cache_events(self) -> list[tuple[bool, int]]:
-        """The prefix cache's blocks stored (True, hash) and evicted (False, hash) since the
-        last call; the first call starts the record (a data-parallel router's)."""
+        """Return the prefix cache's blocks stored, as (True, hash), and evicted, as (False,
+        hash), since the last call; the first call starts the record a data-parallel router
+        reads."""
         events, self.block_manager.cache_events = self.block_manager.cache_events or [], []
         return events
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """End a running request from outside a step (the server found a stop string in its
-        text): its blocks freed, counted as finished."""
+        """End a running request from outside a step, as the server does when it finds a stop
+        string in the text: free its blocks and count it as finished."""
         if not seq.is_finished:
             self.scheduler.finish(seq, reason)
-            for o in self.observers if reason != "handed_off" else ():  # counted where it ends: another engine
+            # counted where it ends: another engine
+            for o in self.observers if reason != "handed_off" else ():
                 (o.on_abort if reason == "aborted" else o.on_finish)(seq)
 
     def abort(self, seq: Sequence) -> None:
-        """Drop an unfinished request: out of its queue, its blocks freed; counted as aborted."""
+        """Drop an unfinished request: take it out of its queue, free its blocks and count it
+        as aborted."""
         self.finish(seq, "aborted")
 
     # A KV handoff between engines (nano/disagg):
     def hand_off(self, seq: Sequence, take=None) -> np.ndarray:
-        """A running seq out of the batch for another engine's adopt, its blocks kept until
-        finish(seq, "handed_off"); returns their KV, a row per block (in take(nbytes)'s buffer)."""
+        """Take a running seq out of the batch for another engine to adopt, keeping its blocks
+        until finish(seq, "handed_off"); return their KV, a row per block, in the buffer
+        take(nbytes) gives."""
         self.scheduler.hold(seq)
-        n, size = self.block_manager.num_blocks_for(seq.num_computed_tokens), self.runner.kv_cache.block_nbytes
-        return self.runner.read_blocks(seq.block_table[:n], take(n * size)[:n * size].reshape(n, size) if take else None)
+        n, size = (self.block_manager.num_blocks_for(seq.num_computed_tokens),
+                   self.runner.kv_cache.block_nbytes)
+        return self.runner.read_blocks(seq.block_table[:n],
+                                       take(n * size)[:n * size].reshape(n, size) if take else None)
 
     def adopt(self, seq: Sequence) -> str | bool:
-        """Blocks for another engine's handed-off seq, held for write_kv (Scheduler.reserve's answer)."""
+        """Reserve blocks for another engine's handed-off seq, held for write_kv; return
+        Scheduler.reserve's answer."""
         return self.scheduler.reserve(seq)
 
     def write_kv(self, seq: Sequence, first: int, rows: np.ndarray) -> None:
-        """hand_off's rows first.. into an adopted seq's blocks; after the last, seq joins the batch."""
+        """Write hand_off's rows into an adopted seq's blocks from block `first` on; after the
+        last, seq joins the batch."""
         self.runner.write_blocks(seq.block_table[first:first + len(rows)], rows)
         if first + len(rows) == self.block_manager.num_blocks_for(seq.num_computed_tokens):
             self.block_manager.register_full_blocks(seq)
             self.scheduler.resume(seq)
 
     def detokenize(self, seq: Sequence) -> str:
-        """The text of seq's generated tokens."""
+        """Decode the text of seq's generated tokens."""
         return self.tokenizer.decode(seq.output_token_ids)

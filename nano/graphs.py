@@ -1,7 +1,8 @@
-"""CUDA graphs for decode steps: one graph per batch-size bucket, captured on first use. A step
-of n decoding sequences replays the smallest bucket >= n, rows n.. padded, its inputs views into
-the bucket's static int32 buffer (a packed step, plan.py); prefill and mixed steps stay eager.
-The buckets, the padding, the memory pool, and why they are safe: docs/gpu-path.md#cuda-graphs-for-decode-steps.
+"""CUDA graphs for decode steps: one graph per batch-size bucket, captured on first use. A step of n
+decoding sequences replays the smallest bucket >= n, rows n.. padded, its inputs views into the
+bucket's static int32 buffer (a packed step, plan.py); prefill and mixed steps stay eager. The
+buckets, the padding, the memory pool, and why they are safe:
+docs/gpu-path.md#cuda-graphs-for-decode-steps.
 """
 from dataclasses import dataclass
 
@@ -36,7 +37,8 @@ class DecodeGraphs:
         self.model, self.kv_cache = model, kv_cache
         self.buckets = batch_buckets(max_num_seqs)
         self.max_blocks = max_blocks  # block table width
-        self.stream = cupy.cuda.Stream(non_blocking=True)  # capture cannot use the legacy default stream
+        # capture cannot use the legacy default stream
+        self.stream = cupy.cuda.Stream(non_blocking=True)
         self.pool = cupy.cuda.MemoryPool()
         self.captured: dict[int, _Captured] = {}
 
@@ -45,7 +47,8 @@ class DecodeGraphs:
 
     def shape(self, bucket: int) -> PackedShape:
         """A bucket's packed step: `bucket` one-token rows that all sample, no swaps."""
-        return PackedShape(tokens=bucket, seqs=bucket, decodes=bucket, max_blocks=self.max_blocks, logits=bucket)
+        return PackedShape(tokens=bucket, seqs=bucket, decodes=bucket, max_blocks=self.max_blocks,
+                           logits=bucket)
 
     def layout(self, bucket: int, ids, positions, slots, context_lens, block_tables) -> np.ndarray:
         """The bucket's input buffer on the host: the step's n rows, then padding rows."""

@@ -85,7 +85,8 @@ class StepPlan:
         ids, positions, context_lens, cu_seqlens, logits_indices = [], [], [], [0], []
         for i, (seq, n) in enumerate(seqs):
             start, drafts = seq.num_computed_tokens, seq.draft_token_ids
-            offset = len(ids) - start  # the packed index of this sequence's position p is offset + p
+            # the packed index of this sequence's position p is offset + p
+            offset = len(ids) - start
             ids += seq.token_ids[start:start + n] + drafts
             positions += range(start, start + n)
             context_lens.append(start + n)
@@ -101,7 +102,8 @@ class StepPlan:
                 logits_indices += range(offset + seq.num_tokens - 1, offset + start + n)
         positions = np.asarray(positions, np.int32)
         row_of_token = np.repeat(np.arange(len(seqs)), [n for _, n in seqs])
-        slot_mapping = tables[row_of_token, positions // block_size] * block_size + positions % block_size
+        slot_mapping = (tables[row_of_token, positions // block_size] * block_size
+                        + positions % block_size)
         self.num_decodes = sum(is_decode(n) for _, n in seqs)
         self.prefill_tokens = len(ids) - self.num_decodes
         self.decode_kv_tokens = sum(context_lens[:self.num_decodes])

@@ -50,11 +50,13 @@ class FCFS:
     def prefill_budget(self, budget: int, decoding: list[Sequence], prompts: list[Sequence]) -> int:
         """What the rest of the step (prefill chunks, swap-ins, admissions) may take of the
         budget its decodes left, the prompts it could carry being `prompts`."""
-        return min(budget, self.step_tokens(self.cost.step_time(0, len(decoding), decode_context(decoding))))
+        return min(budget, self.step_tokens(
+            self.cost.step_time(0, len(decoding), decode_context(decoding))))
 
     def step_tokens(self, decode_time: float) -> int:
         """The prefill tokens one step carries beside decodes taking `decode_time`: the token
-        budget, by default what keeps the step near STEP_TARGET (docs/how-it-works.md#admission-and-preemption)."""
+        budget, by default what keeps the step near STEP_TARGET
+        (docs/how-it-works.md#admission-and-preemption)."""
         if self.config.max_num_batched_tokens:
             return self.config.max_num_batched_tokens
         return min(TOKEN_BUDGET, self._tokens_within(STEP_TARGET, decode_time))
@@ -67,7 +69,8 @@ class FCFS:
             return 1 << 30
         return max(int((limit - decode_time) / per_token), self.block_size)
 
-    def reserved_for_admissions(self, budget: int, prefills: list[Sequence], arrived: list[Sequence]) -> int:
+    def reserved_for_admissions(self, budget: int, prefills: list[Sequence],
+                                arrived: list[Sequence]) -> int:
         """Tokens of that budget that admissions get before the running prompts' chunks."""
         return 0
 

@@ -22,10 +22,12 @@ class Sampler:
         seqs = [sample.seq for sample, _ in rows]
         keep = [i for i, seq in enumerate(seqs) if seq.params.return_logits]
         kept = iter(self.device.to_host(logits[keep]).astype(np.float32) if keep else [])
-        returned = [[next(kept) for _ in s.rows] if s.seq.params.return_logits else [] for s in samples]
+        returned = [[next(kept) for _ in s.rows] if s.seq.params.return_logits else []
+                    for s in samples]
         logits = self._process(logits, seqs, [sample.drafts[:j] for sample, j in rows])
         output_counts = [sample.output_count + j for sample, j in rows]
-        tokens = iter(self.device.to_host(self.ops.sample(logits, *self._parameters(seqs, output_counts))).tolist())
+        tokens = self.ops.sample(logits, *self._parameters(seqs, output_counts))
+        tokens = iter(self.device.to_host(tokens).tolist())
         return [[next(tokens) for _ in sample.rows] for sample in samples], returned
 
     def _process(self, logits, seqs: list[Sequence], ahead: list[list[int]]):
@@ -65,8 +67,10 @@ class Sampler:
         logp -= xp.log(xp.exp(logp).sum(axis=1, keepdims=True))
         chosen = logp[xp.arange(len(targets)), xp.asarray(np.asarray(targets, np.int64))]
         rank = (logp > chosen[:, None]).sum(axis=1) + 1
-        top = xp.argpartition(-logp, k - 1, axis=1)[:, :k] if k else xp.zeros((len(targets), 0), np.int64)
-        top = xp.take_along_axis(top, xp.argsort(-xp.take_along_axis(logp, top, axis=1), axis=1), axis=1)
+        top = xp.argpartition(-logp, k - 1, axis=1)[:, :k] if k else xp.zeros((len(targets), 0),
+                                                                              np.int64)
+        top = xp.take_along_axis(top, xp.argsort(-xp.take_along_axis(logp, top, axis=1), axis=1),
+                                 axis=1)
         host = [self.device.to_host(a).tolist()
                 for a in (chosen, rank, top, xp.take_along_axis(logp, top, axis=1))]
         return [(c, r, list(zip(t, v))[:score.seq.params.prompt_logprobs])
@@ -82,9 +86,11 @@ class Sampler:
         host[3].view(np.int32)[:] = [s.params.top_k for s in seqs]
         host[4].view(np.float32)[:] = [s.params.top_p for s in seqs]
         with np.errstate(divide="ignore"):  # min_p 0: log -inf, off
-            host[5].view(np.float32)[:] = np.log(np.array([s.params.min_p for s in seqs], np.float32))
+            host[5].view(np.float32)[:] = np.log(np.array([s.params.min_p for s in seqs],
+                                                          np.float32))
         host[6].view(np.int32)[:] = counters
         xp = self.device.xp
         packed = xp.asarray(host)
         return (packed[2].view(xp.float32), packed[3].view(xp.int32), packed[4].view(xp.float32),
-                packed[5].view(xp.float32), packed[:2].reshape(-1).view(xp.uint64), packed[6].view(xp.int32))
+                packed[5].view(xp.float32), packed[:2].reshape(-1).view(xp.uint64),
+                packed[6].view(xp.int32))

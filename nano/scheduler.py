@@ -28,7 +28,8 @@ class Scheduler:
         self.running: list[Sequence] = []     # in admission order (swapped back in: admitted again)
         self.swapped: deque[Sequence] = deque()
         self.held: list[Sequence] = []        # out of the batch with their blocks (hold, reserve)
-        self.policy: FCFS = policy(self, cost_model, kv_bytes_per_token)  # it reads this scheduler live
+        # it reads this scheduler live
+        self.policy: FCFS = policy(self, cost_model, kv_bytes_per_token)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -50,7 +51,8 @@ class Scheduler:
         return plan.freeze(self.block_manager.block_size)
 
     def _takes_another(self, plan: StepPlan, budget: int) -> bool:
-        """Say whether the step takes another sequence: budget is left, and a seat under max_num_seqs."""
+        """Say whether the step takes another sequence: budget is left, and a seat under
+        max_num_seqs."""
         return budget > 0 and len(plan.scheduled) < self.config.max_num_seqs
 
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
@@ -61,7 +63,8 @@ class Scheduler:
         budget = self.policy.prefill_budget(budget, [s for s, _ in plan.scheduled],
                                             [*prefills, *self.swapped, *arrived])
         reserved = self.policy.reserved_for_admissions(budget, prefills, arrived)
-        return self._schedule_each(self.policy.prefill_order(prefills), plan, budget - reserved) + reserved
+        return self._schedule_each(self.policy.prefill_order(prefills), plan,
+                                   budget - reserved) + reserved
 
     def _schedule_each(self, seqs: list[Sequence], plan: StepPlan, budget: int) -> int:
         for seq in seqs:
@@ -125,13 +128,15 @@ class Scheduler:
             # A cached token has no logits: a request that scores its prompt takes from the
             # cache only the tokens it holds scores for (after a recompute), none at first.
             scoring = seq.params.prompt_logprobs is not None
-            hits = self.block_manager.match_prefix(seq.token_ids[:len(seq.prompt_logprobs)] if scoring else seq.token_ids)
+            hits = self.block_manager.match_prefix(
+                seq.token_ids[:len(seq.prompt_logprobs)] if scoring else seq.token_ids)
             if not self.block_manager.can_admit(seq, hits, self.watermark_blocks):
                 break  # no skipping ahead: a large request must not starve behind small ones
             self.waiting.remove(seq)
             self.block_manager.admit(seq, hits)
             seq.num_cached_tokens = len(hits) * self.block_manager.block_size
-            if seq.scheduled_time is None:  # first admitted (not readmitted after a preemption, when
+            # first admitted (not readmitted after a preemption, when
+            if seq.scheduled_time is None:
                 # it queued once already and the hit is its own blocks found again)
                 seq.scheduled_time, seq.num_cached_prompt_tokens = self.now, seq.num_cached_tokens
             plan.admitted.append(seq)
