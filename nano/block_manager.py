@@ -147,7 +147,8 @@ class BlockManager:
     def can_swap_in(self, seq: Sequence, num_new_tokens: int, watermark_blocks: int) -> bool:
         # Every swapped block comes back, even one grown for tokens it had not computed when
         # preempted (a later step may give it a smaller chunk).
-        need = max(len(seq.block_table), self.num_blocks_for(seq.num_computed_tokens + num_new_tokens))
+        need = max(len(seq.block_table),
+                   self.num_blocks_for(seq.num_computed_tokens + num_new_tokens))
         return self.num_free_blocks - need >= watermark_blocks
 
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:

@@ -14,7 +14,8 @@ def integer(name: str, value, low: int | None = None, high: int | None = None,
     if value is None and optional:
         return None
     # bool is an int to Python, but `"max_tokens": true` is a mistake, not 1.
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not _within(value, low, high):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not _within(value, low,
+                                                                                         high):
         raise NanoError(f"{name} must be {_kind('an integer', low, high)}, got {_show(value)}")
     return int(value)
 
@@ -25,7 +26,8 @@ def number(name: str, value, low: float | None = None, high: float | None = None
     if value is None and optional:
         return None
     try:  # bool is a number to Python too, but never a temperature
-        x = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else math.nan
+        x = float(value) if isinstance(value, numbers.Real) and not isinstance(value,
+                                                                               bool) else math.nan
     except OverflowError:  # an int beyond any float
         x = math.inf
     if not (math.isfinite(x) and _within(x, low, high) and not (open_low and x == low)
@@ -43,7 +45,8 @@ def flag(name: str, value) -> bool:
 
 def choice(name: str, value, options: tuple[str, ...]) -> str:
     if value not in options:
-        raise NanoError(f"{name} must be {', '.join(options[:-1])} or {options[-1]}, got {_show(value)}")
+        raise NanoError(f"{name} must be {', '.join(options[:-1])} or {options[-1]}, got "
+                        f"{_show(value)}")
     return value
 
 

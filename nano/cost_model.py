@@ -26,7 +26,8 @@ DEVICE_PRIORS = {  # flop/s, memory bytes/s, host<->device bytes/s
     "cpu": (5e10, 1e10, 5e9),
     "gpu": (3e14, 3e12, 2e10),
 }
-SUBSETS = np.array(list(itertools.product((0.0, 1.0), repeat=4)))  # (16, 4): the terms each fit keeps
+# (16, 4): the terms each fit keeps
+SUBSETS = np.array(list(itertools.product((0.0, 1.0), repeat=4)))
 
 
 class CostModel:
@@ -34,14 +35,17 @@ class CostModel:
         self.prior = np.array(prior, dtype=np.float64)   # StepCoefficients' order
         self.coef = self.prior.copy()                     # the fitted ones, same order
         self.samples: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
-        self.swap_bandwidth = swap_bandwidth              # bytes/s host<->device, updated from real swaps
+        # bytes/s host<->device, updated from real swaps
+        self.swap_bandwidth = swap_bandwidth
 
     @classmethod
-    def for_device(cls, kind: str, weight_bytes: int, itemsize: int, kv_bytes_per_token: int) -> "CostModel":
+    def for_device(cls, kind: str, weight_bytes: int, itemsize: int,
+                   kv_bytes_per_token: int) -> "CostModel":
         """A step reads every weight and does 2 flops per parameter per token."""
         flops, bandwidth, link = DEVICE_PRIORS[kind]
         per_token = 2 * (weight_bytes / itemsize) / flops
-        return cls(StepCoefficients(weight_bytes / bandwidth, per_token, per_token, kv_bytes_per_token / bandwidth), link)
+        return cls(StepCoefficients(weight_bytes / bandwidth, per_token, per_token,
+                                    kv_bytes_per_token / bandwidth), link)
 
     @staticmethod
     def features(prefill_tokens: int, decode_seqs: int, context_tokens: int) -> np.ndarray:
@@ -54,20 +58,28 @@ class CostModel:
     def step_time(self, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> float:
         return float(self.features(prefill_tokens, decode_seqs, context_tokens) @ self.coef)
 
-    def observe_step(self, prefill_tokens: int, decode_seqs: int, context_tokens: int, seconds: float) -> None:
+    def observe_step(self, prefill_tokens: int, decode_seqs: int, context_tokens: int,
+                     seconds: float) -> None:
         self.samples.append((self.features(prefill_tokens, decode_seqs, context_tokens), seconds))
         if len(self.samples) >= 8:
-            self.coef = self._fit(np.stack([f for f, _ in self.samples]), np.array([t for _, t in self.samples]))
+            self.coef = self._fit(np.stack([f for f, _ in self.samples]),
+                                  np.array([t for _, t in self.samples]))
 
     def _fit(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
-        """Ridge towards the prior (similar steps cannot pin all four terms), every term >= 0: the best of the
-        fits on each subset of the terms (the others pinned to 0; all 16 at once) with none negative (perf_notes)."""
+        """Ridge towards the prior (similar steps cannot pin all four terms), every term >= 0: the
+        best of the fits on each subset of the terms (the others pinned to 0; all 16 at once) with
+        none negative (perf_notes)."""
         scale = np.maximum(np.abs(x).max(axis=0), 1.0)
         xs, lam = x / scale, 1e-3 * len(y)
-        gram, moment = xs.T @ xs + lam * np.eye(4), xs.T @ y + lam * self.prior * scale  # normal equations
-        systems = SUBSETS[:, :, None] * gram * SUBSETS[:, None, :] + np.eye(4) * (1 - SUBSETS[:, None, :])  # (16, 4, 4)
+        # normal equations
+        gram, moment = xs.T @ xs + lam * np.eye(4), xs.T @ y + lam * self.prior * scale
+        # (16, 4, 4)
+        systems = SUBSETS[:, :, None] * gram * SUBSETS[:, None, :] + np.eye(4) * (1 - SUBSETS[:,
+                                                                                              None,
+                                                                                              :])
         w = np.linalg.solve(systems, (SUBSETS * moment)[..., None])[..., 0]               # (16, 4)
-        loss = np.einsum("si,ij,sj->s", w, gram, w) - 2 * w @ moment  # the ridge loss less a constant
+        # the ridge loss less a constant
+        loss = np.einsum("si,ij,sj->s", w, gram, w) - 2 * w @ moment
         return w[np.where((w >= 0).all(axis=1), loss, np.inf).argmin()] / scale
 
     def observe_swap(self, num_bytes: int, seconds: float) -> None:

@@ -18,7 +18,8 @@ def _cpu_info() -> dict[str, str]:
             first = f.read().split("\n\n", 1)[0]
     except OSError:
         return {}
-    return {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in first.splitlines())}
+    return {key.strip(): value.strip() for key, _,
+            value in (line.partition(":") for line in first.splitlines())}
 
 
 def configure() -> None:
@@ -48,12 +49,14 @@ def configure() -> None:
 class BlasThreads:
     """BLAS threads for the cores this process can have now, since each GEMM's join waits for a
     thread another process descheduled (docs/perf_notes.md#blas-threads-beside-a-busy-process).
-    Nothing is changed where the user set OPENBLAS_NUM_THREADS, or without threadpoolctl or /proc."""
+    Nothing is changed where the user set OPENBLAS_NUM_THREADS, or without threadpoolctl or
+    /proc."""
 
     CHECK = 0.5  # seconds between measurements
 
     def __init__(self, read=None):
-        self.read = read or _usage  # -> (seconds, idle core-seconds of our cores, our CPU seconds) | None
+        # -> (seconds, idle core-seconds of our cores, our CPU seconds) | None
+        self.read = read or _usage
         self.last = self.read()
         try:
             from threadpoolctl import ThreadpoolController

@@ -1,9 +1,9 @@
 """cuBLAS called through ctypes: the GEMM behind ops.linear on the GPU, eager and captured.
 
-Row-major y (T, N) = x (T, K) @ w (N, K)^T is the column-major GEMM y^T = w x^T:
-    m = N, n = T, k = K;  A = w read as (K, N) with lda = K, transposed (OP_T) -> (N, K);
-    B = x read as (K, T) with ldb = x's row stride, not transposed;  C = y with ldc = N.
-Why ctypes (CuPy refuses cuBLAS during a capture), and the layout derived: docs/gpu-path.md#cublas-through-ctypes.
+Row-major y (T, N) = x (T, K) @ w (N, K)^T is the column-major GEMM y^T = w x^T: m = N, n = T, k =
+K;  A = w read as (K, N) with lda = K, transposed (OP_T) -> (N, K); B = x read as (K, T) with ldb =
+x's row stride, not transposed;  C = y with ldc = N. Why ctypes (CuPy refuses cuBLAS during a
+capture), and the layout derived: docs/gpu-path.md#cublas-through-ctypes.
 """
 import ctypes
 import functools
@@ -39,7 +39,8 @@ def _candidates() -> list[str]:
     try:
         import nvidia
         for root in nvidia.__path__:
-            paths += sorted(glob.glob(os.path.join(root, "**", "lib", "libcublas.so*"), recursive=True))
+            paths += sorted(glob.glob(os.path.join(root, "**", "lib", "libcublas.so*"),
+                                      recursive=True))
     except ImportError:
         pass
     return paths + ["libcublas.so.13"]
@@ -61,7 +62,8 @@ def _library() -> ctypes.CDLL:
         lib.cublasGemmEx.argtypes = [p, i, i, i, i, i, p, p, i, i, p, i, i, p, p, i, i, i, i]
         return lib
     raise RuntimeError("libcublas.so.13 not found (looked in CUDA_PATH, the CUDA toolkit, the "
-                       "nvidia wheels and the loader's path): install the CUDA toolkit or nvidia-cublas")
+                       "nvidia wheels and the loader's path): install the CUDA toolkit or "
+                       "nvidia-cublas")
 
 
 def _check(status: int, call: str) -> None:
@@ -81,7 +83,8 @@ class Handle:
         # (inside DecodeGraphs' warm-up that is a graph pool, freed with its engine).
         self.workspace = cupy.cuda.Memory(WORKSPACE_BYTES)
         self.stream = None  # the stream the handle was last set to
-        self.one, self.zero = ctypes.c_float(1.0), ctypes.c_float(0.0)  # alpha, beta (float32 compute)
+        # alpha, beta (float32 compute)
+        self.one, self.zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
     def _use_current_stream(self) -> None:
         """Enqueue on CuPy's current stream: the legacy default stream when eager, the
@@ -104,7 +107,8 @@ class Handle:
         _check(self.lib.cublasGemmEx(
             self.ptr, OP_T, OP_N, n, tokens, k, ctypes.byref(self.one),
             weight.data.ptr, R_16F, k, x.data.ptr, R_16F, x.strides[0] // x.itemsize,
-            ctypes.byref(self.zero), out.data.ptr, R_16F, n, COMPUTE_32F, GEMM_DEFAULT), "cublasGemmEx")
+            ctypes.byref(self.zero), out.data.ptr, R_16F, n, COMPUTE_32F, GEMM_DEFAULT),
+               "cublasGemmEx")
 
 
 @functools.cache

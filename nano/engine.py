@@ -1,8 +1,9 @@
-"""LLMEngine: requests in, one step at a time, finished sequences out; the step and the seams
-add-ons use: docs/how-it-works.md#one-step. Under tensor parallelism (parallel.py) this engine
-is rank 0, and its runner sends each step's packed plan to the other ranks (worker.Worker).
-Add-ons use only its public methods and LLMEngine.PUBLISHED (tests/test_layout.py): the order
-of the scheduler's, block manager's and runner's calls is the engine's alone.
+"""LLMEngine takes requests in, runs one step at a time and hands finished sequences out.
+docs/how-it-works.md#one-step follows a step; docs/extending.md lists the seams add-ons use.
+Under tensor parallelism (parallel.py) this engine is rank 0, and its runner sends each step's
+packed plan to the other ranks (worker.Worker). Add-ons use only its public methods and
+LLMEngine.ADDON_ATTRIBUTES (tests/test_layout.py): the order of the scheduler's, block
+manager's and runner's calls is the engine's alone.
 """
 import numpy as np
 
@@ -12,7 +13,7 @@ from nano.clock import Clock
 from nano.config import EngineConfig
 from nano.cost_model import CostModel
 from nano.errors import NanoError
-from nano.plan import SchedulerOutput
+from nano.plan import StepPlan
 from nano.policy import FCFS
 from nano.sampler import Sampler
 from nano.scheduler import Scheduler
@@ -20,59 +21,72 @@ from nano.sequence import SamplingParams, Sequence
 from nano.shard import load_shard
 
 
-class LLMEngine:
-    PUBLISHED = ("config", "model_config", "tokenizer", "clock", "observers", "device", "cost", "capacity",
-                 "max_model_len", "kv_bytes_per_token", "weight_bytes", "model_name", "ops", "added",
-                 "forward", "proposer")
+def accepted(tokens: list[int], drafts: list[int]) -> list[int]:
+    """Keep the sampled tokens up to and including the first that differs from its draft;
+    without drafts, keep the one token (docs/speculative.md#the-accept-rule)."""
+    for j, draft in enumerate(drafts):
+        if tokens[j] != draft:
+            return tokens[:j + 1]
+    return tokens
 
-    def __init__(self, config: EngineConfig, clock: Clock | None = None, policy=FCFS, wrap_forward=None):
-        """policy: the scheduling policy's class (policy.py), e.g. nano/deadline's;
-        wrap_forward(forward) -> the forward pass steps run (a simulated clock's, timing each)."""
+
+class LLMEngine:
+    # What add-ons may read besides the public methods (tests/test_layout.py holds them to it).
+    ADDON_ATTRIBUTES = ("config", "model_config", "tokenizer", "clock", "observers", "device",
+                        "cost", "capacity", "max_model_len", "kv_bytes_per_token", "weight_bytes",
+                        "model_name", "ops", "num_requests_queued", "forward", "proposer")
+
+    def __init__(self, config: EngineConfig, clock: Clock | None = None, policy=FCFS,
+                 wrap_forward=None):
+        """Load the model's shard and build the scheduler around its KV pool. policy is the
+        scheduling policy's class (policy.py), such as nano/deadline's; wrap_forward(forward)
+        returns the forward pass that steps run, as a simulated clock's times each one."""
         self.config, self.clock = config, clock or Clock()
         self.group = parallel.tp_group()  # TP ranks: one, without MPI, unless under mpirun
         if self.group.rank > 0:
             raise NanoError("LLMEngine runs on TP rank 0; the other ranks run worker.Worker")
         self.shard = shard = load_shard(config, self.group)
-        self.model_config, self.tokenizer, self.model_name = shard.model_config, shard.tokenizer, shard.model_dir.name
+        self.model_config, self.tokenizer, self.model_name = (shard.model_config, shard.tokenizer,
+                                                              shard.model_dir.name)
         self.ops = shard.runner.model.ops  # the forward's op set (ops.py), chosen by load_shard
-        self.max_model_len, self.device, self.runner = shard.max_model_len, shard.device, shard.runner
+        self.max_model_len, self.device, self.runner = (shard.max_model_len, shard.device,
+                                                        shard.runner)
         self.kv_bytes_per_token, self.weight_bytes = shard.kv_bytes_per_token, shard.weight_bytes
         self.forward = wrap_forward(self.runner.forward) if wrap_forward else self.runner.forward
         self.sampler = Sampler(self.device, self.ops)
-        self.block_manager = BlockManager(shard.num_blocks, config.block_size, shard.num_swap_blocks,
+        self.block_manager = BlockManager(shard.num_blocks, config.block_size,
+                                          shard.num_swap_blocks,
                                           config.enable_prefix_caching)
-        self.cost = CostModel.for_device(self.device.kind, self.weight_bytes, self.device.itemsize, self.kv_bytes_per_token)
+        self.cost = CostModel.for_device(self.device.kind, self.weight_bytes, self.device.itemsize,
+                                         self.kv_bytes_per_token)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len,
                                    self.kv_bytes_per_token, self.cost, policy)
         self.capacity = self.scheduler.capacity
         # What watches the run (nano/telemetry's Metrics): each gets on_step(plan, start, end,
-        # free_blocks, swap_bytes, all_reduce_seconds, all_reduce_bytes), on_finish(seq), on_abort(seq)
+        # free_blocks, swap_bytes, all_reduce_seconds, all_reduce_bytes), on_finish(seq) and
+        # on_abort(seq).
         self.observers: list = []
-        # Draft tokens to check (nano/speculative's n-gram lookup): propose(seq) -> a list, or None: off
+        # What proposes draft tokens to check (nano/speculative's n-gram lookup): its
+        # propose(seq) returns a list. None turns speculative decoding off.
         self.proposer = None
         self.rng = np.random.default_rng(config.seed % 2**64)  # any int seed, as the sampler's
         self.next_id = 0
-        self.added = 0  # requests queued, ever: less those still to arrive, the arrived count
+        self.num_requests_queued = 0  # ever; less those still to arrive, the arrived count
 
-    # ---- requests -----------------------------------------------------------------------
+    # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> Sequence:
-        """Queue a request. A future arrival_time makes it invisible to the scheduler until then
-        (how the --request-rate bench replays a Poisson arrival trace). Bad input raises
+        """Queue a request. A future arrival_time hides it from the scheduler until then, which
+        is how the --request-rate bench replays a Poisson arrival trace. Bad input raises
         NanoError here, before anything is queued: once in a step, it would fail the step."""
         seq = self.make_sequence(prompt, params, arrival_time)
         self.queue(seq)
         return seq
 
-    def queue(self, seq: Sequence) -> None:
-        """Queue a made sequence (make_sequence's, or one a router sends)."""
-        self.added += 1
-        self.scheduler.waiting.append(seq)
-
     def make_sequence(self, prompt: str | list[int], params: SamplingParams,
                       arrival_time: float | None = None) -> Sequence:
-        """A request checked, tokenized and given an id and a seed, not queued (add_request
-        queues it here; disaggregated serving's router sends it to a prefill instance)."""
+        """Check a request, tokenize it and give it an id and a seed, without queueing it:
+        add_request queues it here, and disaggregated serving's router sends it elsewhere."""
         if not isinstance(params, SamplingParams):
             raise NanoError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
@@ -86,51 +100,26 @@ class LLMEngine:
         self.next_id += 1
         return seq
 
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
-
-    def unfinished(self) -> list[Sequence]:
-        """Every unfinished sequence, queue by queue (each one's status says which)."""
-        s = self.scheduler
-        return [*s.waiting, *s.running, *s.swapped, *s.held]
-
-    def touch_kv_cache(self) -> None:
-        """Write the whole KV pool once: its first-touch page faults out of measured steps."""
-        self.runner.touch_kv_cache()
-
-    def swap(self, blocks_out: list[tuple[int, int]], blocks_in: list[tuple[int, int]]) -> tuple[int, float]:
-        """Copy (device, host) block pairs out to host and back, as a preempting step does: (bytes, seconds)."""
-        return self.runner.swap(blocks_out, blocks_in)
-
-    def kv_blocks(self) -> tuple[int, int, int, int]:
-        """The KV pool now: (device blocks, of them free, host swap blocks, of them free)."""
-        bm = self.block_manager
-        return bm.num_blocks, bm.num_free_blocks, bm.num_swap_blocks, len(bm.free_host_blocks)
-
-    def cached_tokens(self, token_ids: list[int]) -> int:
-        """How many leading tokens of token_ids the prefix cache holds now."""
-        return len(self.block_manager.match_prefix(token_ids)) * self.config.block_size
-
-    def take_cache_events(self) -> list[tuple[bool, int]]:
-        """The prefix cache's blocks stored (True, hash) and evicted (False, hash) since the
-        last call; the first call starts the record (a data-parallel router's)."""
-        events, self.block_manager.cache_events = self.block_manager.cache_events or [], []
-        return events
+    def queue(self, seq: Sequence) -> None:
+        """Queue a made sequence: make_sequence's, or one a router sends."""
+        self.num_requests_queued += 1
+        self.scheduler.waiting.append(seq)
 
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """Run one forward pass over a freshly decided batch; returns sequences that finished."""
+        """Run one forward pass over a freshly decided batch; return the sequences that finished."""
         start = self.clock.now()
-        drafted = self._propose()
-        plan = self.scheduler.schedule(start)  # the step's inputs and logits rows, fixed
+        drafted = self._propose_drafts() if self.proposer else []  # speculative decoding only
+        plan = self.scheduler.schedule(start)  # the step's inputs and logits rows, frozen
         swap = self.runner.swap(plan.blocks_to_swap_out, plan.blocks_to_swap_in)
         inputs = self.runner.prepare(plan.packed)  # under TP, sent to the other ranks too
         finished = list(plan.finished)
         if inputs is not None:
             logits = self.forward(inputs)
-            scores = self.sampler.score(logits, plan.rows)  # prompt logprobs
-            tokens, kept = self.sampler.sample(logits, plan.rows)  # kept: rows for return_logits
-            finished += self._postprocess(plan, scores, tokens, kept)
+            if plan.scores:  # prompt logprobs only
+                self._score_prompts(plan, logits)
+            tokens, returned_logits = self.sampler.sample(logits, plan.samples)
+            finished += self._postprocess(plan, tokens, returned_logits)
         elif not finished and self.scheduler.has_work():
             self._idle(start)
             return []
@@ -139,71 +128,80 @@ class LLMEngine:
         self._observe(plan, start, swap, finished)
         return finished
 
-    def _propose(self) -> list[Sequence]:
-        """Drafts for the decoding sequences, as many as their max_tokens and the model context allow."""
-        seqs = [s for s in self.scheduler.running if s.num_uncomputed_tokens == 1] if self.proposer else []
+    def _propose_drafts(self) -> list[Sequence]:
+        """Ask the proposer for drafts for the decoding sequences, as many as their max_tokens
+        and the model's context allow; return the sequences that got them."""
+        seqs = [s for s in self.scheduler.running if s.num_uncomputed_tokens == 1]
         for seq in seqs:
-            room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+            room = min(seq.params.max_tokens - seq.num_output_tokens,
+                       self.max_model_len - seq.num_tokens) - 1
             seq.draft_token_ids = self.proposer.propose(seq)[:max(room, 0)]
         return seqs
 
-    def _idle(self, now: float) -> None:
-        """Nothing could run: only requests that have not arrived yet are left; wait for one
-        (or for whoever holds sequences' blocks, Scheduler.hold, to release them)."""
-        arrival = self.scheduler.next_arrival()
-        if arrival is not None:
-            self.clock.sleep(arrival - now)
-        elif not self.scheduler.held:  # else a pool full of held blocks: their holder frees them between steps
-            raise RuntimeError("scheduler made no progress")  # a bug, never a user error
+    def _score_prompts(self, plan: StepPlan, logits) -> None:
+        """Append the prompt logprobs the step's scoring rows give to their sequences."""
+        for score, logprobs in zip(plan.scores, self.sampler.score(logits, plan.scores)):
+            score.seq.prompt_logprobs.append(logprobs)
 
-    def stop_workers(self) -> None:
-        if self.group.world > 1:
-            self.group.broadcast(None)
-
-    def _postprocess(self, plan: SchedulerOutput, scores: list, tokens: list[int], kept: dict) -> list[Sequence]:
-        """The step's results into its sequences: the only place a step writes them."""
-        for seq, score in zip(plan.rows.scoring, scores):
-            seq.prompt_logprobs.append(score)
+    def _postprocess(self, plan: StepPlan, tokens: list[list[int]],
+                     returned_logits: list[list]) -> list[Sequence]:
+        """Write the step's tokens into its sequences, the only place a step changes them:
+        append each accepted token, check for a stop, and free a finished sequence."""
         for seq, n in plan.scheduled:
-            seq.num_computed_tokens += n - len(seq.draft_token_ids)  # a draft's KV counts once accepted
+            # a draft's KV counts once accepted
+            seq.num_computed_tokens += n - len(seq.draft_token_ids)
             self.block_manager.register_full_blocks(seq)
-        now, finished, settled = self.clock.now(), [], set()  # settled: no more tokens this step
-        for i, (seq, token, draft) in enumerate(zip(plan.rows.sampling, tokens, plan.rows.drafts)):
-            if seq.seq_id in settled:  # a row after a rejected draft, or after the end
-                continue
-            if i in kept:
-                seq.logits.append(kept[i])
-            if seq.params.max_tokens == 0:  # it only scored its prompt: the token is not wanted
-                reason = "length"
-            else:
-                seq.token_ids.append(token)
-                seq.token_times.append(now)
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                if token == draft:  # the draft this row checked is accepted: its KV, written this step, is right
-                    seq.num_computed_tokens += 1
-                    self.block_manager.register_full_blocks(seq)
-                reason = self._stop_reason(seq, token)
-            if reason:
-                self.scheduler.finish(seq, reason)
-                finished.append(seq)
-            if reason or token != draft:
-                settled.add(seq.seq_id)
+        now, finished = self.clock.now(), []
+        for sample, sampled, kept in zip(plan.samples, tokens, returned_logits):
+            seq = sample.seq
+            for j, token in enumerate(accepted(sampled, sample.drafts)):
+                seq.logits += kept[j:j + 1]  # empty unless the request asked (return_logits)
+                if seq.params.max_tokens == 0:  # it only scored its prompt: no token is wanted
+                    reason = "length"
+                else:
+                    self._append(seq, token, now)
+                    if j < len(sample.drafts) and token == sample.drafts[j]:
+                        # the KV this step wrote for the draft is right
+                        seq.num_computed_tokens += 1
+                        self.block_manager.register_full_blocks(seq)
+                    reason = self._stop_reason(seq, token)
+                if reason:
+                    self.scheduler.finish(seq, reason)
+                    finished.append(seq)
+                    break
         return finished
 
+    def _append(self, seq: Sequence, token: int, now: float) -> None:
+        seq.token_ids.append(token)
+        seq.token_times.append(now)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        if (token in self.tokenizer.eos_token_ids and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:
+        if ((token in self.tokenizer.eos_token_ids and not seq.params.ignore_eos)
+                or token in seq.params.stop_token_ids):
             return "stop"
         if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 
-    def _observe(self, plan: SchedulerOutput, start: float, swap: tuple[int, float],
+    def _idle(self, now: float) -> None:
+        """Wait for the next arrival when nothing could run, since only requests that have not
+        arrived yet are left; with none, wait for whoever holds blocks (Scheduler.hold)."""
+        arrival = self.scheduler.next_arrival()
+        if arrival is not None:
+            self.clock.sleep(arrival - now)
+        # else a pool full of held blocks: their holder frees them between steps
+        elif not self.scheduler.held:
+            raise RuntimeError("scheduler made no progress")  # a bug, never a user error
+
+    def _observe(self, plan: StepPlan, start: float, swap: tuple[int, float],
                  finished: list[Sequence]) -> None:
         now = self.clock.now()
         swap_bytes, swap_seconds = swap
         if plan.scheduled:
-            self.cost.observe_step(plan.prefill_tokens, plan.num_decodes, plan.decode_kv_tokens, now - start - swap_seconds)
+            self.cost.observe_step(plan.prefill_tokens, plan.num_decodes, plan.decode_kv_tokens,
+                                   now - start - swap_seconds)
         self.cost.observe_swap(swap_bytes, swap_seconds)
         all_reduce = self.group.take_all_reduce_stats()  # taken every step, watched or not
         for o in self.observers:
@@ -214,11 +212,12 @@ class LLMEngine:
     # ---- all at once --------------------------------------------------------------------
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams],
                  on_step=None) -> list[Sequence]:
-        """Run every prompt to completion; returns their sequences in input order.
+        """Run every prompt to completion; return their sequences in input order.
         If anything raises (bad input, an interrupt), this call's requests are dropped, so
         the engine is left as it was and the next call runs normally."""
         if not isinstance(prompts, (list, tuple)):
-            raise NanoError(f"prompts must be a list of strings or token-id lists, got {type(prompts).__name__}")
+            raise NanoError(f"prompts must be a list of strings or token-id lists, got "
+                            f"{type(prompts).__name__}")
         if isinstance(params, (list, tuple)) and len(params) != len(prompts):
             raise NanoError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
         params = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
@@ -239,37 +238,85 @@ class LLMEngine:
             raise
         return seqs
 
+    # ---- what add-ons use ------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def unfinished(self) -> list[Sequence]:
+        """List every unfinished sequence, queue by queue; each one's status says which."""
+        s = self.scheduler
+        return [*s.waiting, *s.running, *s.swapped, *s.held]
+
+    def stop_workers(self) -> None:
+        if self.group.world > 1:
+            self.group.broadcast(None)
+
+    def touch_kv_cache(self) -> None:
+        """Write the whole KV pool once: its first-touch page faults out of measured steps."""
+        self.runner.touch_kv_cache()
+
+    def swap(self, blocks_out: list[tuple[int, int]],
+             blocks_in: list[tuple[int, int]]) -> tuple[int, float]:
+        """Copy (device, host) block pairs out to the host and back, as a preempting step
+        does; return the bytes moved and the seconds it took."""
+        return self.runner.swap(blocks_out, blocks_in)
+
+    def kv_blocks(self) -> tuple[int, int, int, int]:
+        """Count the KV pool's device blocks, the free ones, its host swap blocks and the free
+        ones."""
+        pool = self.block_manager
+        return (pool.num_blocks, pool.num_free_blocks, pool.num_swap_blocks,
+                len(pool.free_host_blocks))
+
+    def cached_tokens(self, token_ids: list[int]) -> int:
+        """Count the leading tokens of token_ids that the prefix cache holds now."""
+        return len(self.block_manager.match_prefix(token_ids)) * self.config.block_size
+
+    def take_cache_events(self) -> list[tuple[bool, int]]:
+        """Return the prefix cache's blocks stored, as (True, hash), and evicted, as (False,
+        hash), since the last call; the first call starts the record a data-parallel router
+        reads."""
+        events, self.block_manager.cache_events = self.block_manager.cache_events or [], []
+        return events
+
     def finish(self, seq: Sequence, reason: str) -> None:
-        """End a running request from outside a step (the server found a stop string in its
-        text): its blocks freed, counted as finished."""
+        """End a running request from outside a step, as the server does when it finds a stop
+        string in the text: free its blocks and count it as finished."""
         if not seq.is_finished:
             self.scheduler.finish(seq, reason)
-            for o in self.observers if reason != "handed_off" else ():  # counted where it ends: another engine
+            # counted where it ends: another engine
+            for o in self.observers if reason != "handed_off" else ():
                 (o.on_abort if reason == "aborted" else o.on_finish)(seq)
 
     def abort(self, seq: Sequence) -> None:
-        """Drop an unfinished request: out of its queue, its blocks freed; counted as aborted."""
+        """Drop an unfinished request: take it out of its queue, free its blocks and count it
+        as aborted."""
         self.finish(seq, "aborted")
 
-    # ---- a KV handoff between engines ---------------------------------------------------
+    # A KV handoff between engines (nano/disagg):
     def hand_off(self, seq: Sequence, take=None) -> np.ndarray:
-        """A running seq out of the batch for another engine's adopt, its blocks kept until
-        finish(seq, "handed_off"); returns their KV, a row per block (in take(nbytes)'s buffer)."""
+        """Take a running seq out of the batch for another engine to adopt, keeping its blocks
+        until finish(seq, "handed_off"); return their KV, a row per block, in the buffer
+        take(nbytes) gives."""
         self.scheduler.hold(seq)
-        n, size = self.block_manager.num_blocks_for(seq.num_computed_tokens), self.runner.kv_cache.block_nbytes
-        return self.runner.read_blocks(seq.block_table[:n], take(n * size)[:n * size].reshape(n, size) if take else None)
+        n, size = (self.block_manager.num_blocks_for(seq.num_computed_tokens),
+                   self.runner.kv_cache.block_nbytes)
+        return self.runner.read_blocks(seq.block_table[:n],
+                                       take(n * size)[:n * size].reshape(n, size) if take else None)
 
     def adopt(self, seq: Sequence) -> str | bool:
-        """Blocks for another engine's handed-off seq, held for write_kv (Scheduler.reserve's answer)."""
+        """Reserve blocks for another engine's handed-off seq, held for write_kv; return
+        Scheduler.reserve's answer."""
         return self.scheduler.reserve(seq)
 
     def write_kv(self, seq: Sequence, first: int, rows: np.ndarray) -> None:
-        """hand_off's rows first.. into an adopted seq's blocks; after the last, seq joins the batch."""
+        """Write hand_off's rows into an adopted seq's blocks from block `first` on; after the
+        last, seq joins the batch."""
         self.runner.write_blocks(seq.block_table[first:first + len(rows)], rows)
         if first + len(rows) == self.block_manager.num_blocks_for(seq.num_computed_tokens):
             self.block_manager.register_full_blocks(seq)
             self.scheduler.resume(seq)
 
     def detokenize(self, seq: Sequence) -> str:
-        """The text of seq's generated tokens."""
+        """Decode the text of seq's generated tokens."""
         return self.tokenizer.decode(seq.output_token_ids)

@@ -21,7 +21,8 @@ def read_file(path, limit: int) -> bytes:
 
 
 def read_json(path, limit: int = 16 << 20):
-    """A model's JSON file (real ones are at most a few MB): unreadable, too large or not JSON is one line."""
+    """A model's JSON file (real ones are at most a few MB): unreadable, too large or not JSON is
+    one line."""
     try:
         return json.loads(read_file(path, limit))
     except (ValueError, RecursionError) as e:  # JSONDecodeError and bad UTF-8 are ValueErrors

@@ -1,14 +1,15 @@
-"""CUDA graphs for decode steps: one graph per batch-size bucket, captured on first use. A step
-of n decoding sequences replays the smallest bucket >= n, rows n.. padded, its inputs views into
-the bucket's static int32 buffer (a packed step, plan.py); prefill and mixed steps stay eager.
-The buckets, the padding, the memory pool, and why they are safe: docs/gpu-path.md#cuda-graphs-for-decode-steps.
+"""CUDA graphs for decode steps: one graph per batch-size bucket, captured on first use. A step of n
+decoding sequences replays the smallest bucket >= n, rows n.. padded, its inputs views into the
+bucket's static int32 buffer (a packed step, plan.py); prefill and mixed steps stay eager. The
+buckets, the padding, the memory pool, and why they are safe:
+docs/gpu-path.md#cuda-graphs-for-decode-steps.
 """
 from dataclasses import dataclass
 
 import numpy as np
 
 from nano.model import ForwardBatch
-from nano.plan import StepSizes, pack_step, unpack_step
+from nano.plan import PackedShape, pack_step, unpack_step
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -36,16 +37,18 @@ class DecodeGraphs:
         self.model, self.kv_cache = model, kv_cache
         self.buckets = batch_buckets(max_num_seqs)
         self.max_blocks = max_blocks  # block table width
-        self.stream = cupy.cuda.Stream(non_blocking=True)  # capture cannot use the legacy default stream
+        # capture cannot use the legacy default stream
+        self.stream = cupy.cuda.Stream(non_blocking=True)
         self.pool = cupy.cuda.MemoryPool()
         self.captured: dict[int, _Captured] = {}
 
     def fits(self, num_seqs: int, max_blocks: int) -> bool:
         return num_seqs <= self.buckets[-1] and max_blocks <= self.max_blocks
 
-    def sizes(self, bucket: int) -> StepSizes:
+    def shape(self, bucket: int) -> PackedShape:
         """A bucket's packed step: `bucket` one-token rows that all sample, no swaps."""
-        return StepSizes(tokens=bucket, seqs=bucket, decodes=bucket, max_blocks=self.max_blocks, logits=bucket)
+        return PackedShape(tokens=bucket, seqs=bucket, decodes=bucket, max_blocks=self.max_blocks,
+                           logits=bucket)
 
     def layout(self, bucket: int, ids, positions, slots, context_lens, block_tables) -> np.ndarray:
         """The bucket's input buffer on the host: the step's n rows, then padding rows."""
@@ -59,7 +62,7 @@ class DecodeGraphs:
         tables = np.full((bucket, self.max_blocks), -1, np.int32)
         tables[:n, :w] = block_tables
         tables[n:, 0] = 0  # padding rows read block 0
-        return pack_step(self.sizes(bucket), blocks_to_swap_out=(), blocks_to_swap_in=(),
+        return pack_step(self.shape(bucket), blocks_to_swap_out=(), blocks_to_swap_in=(),
                          input_ids=padded(ids, 0), positions=padded(positions, 0),
                          slot_mapping=padded(slots, -1), context_lens=padded(context_lens, 1),
                          block_tables=tables, cu_seqlens_q=[0],  # no prefill chunk
@@ -82,7 +85,7 @@ class DecodeGraphs:
         return captured.logits[:step.num_seqs]
 
     def _batch(self, inputs, bucket: int) -> ForwardBatch:
-        return ForwardBatch.from_step(unpack_step(inputs, self.sizes(bucket)), bucket)
+        return ForwardBatch.from_step(unpack_step(inputs, self.shape(bucket)), bucket)
 
     def _capture(self, bucket: int) -> _Captured:
         """Warm up (loads kernels, lets cuBLAS choose its algorithms, fills the graph pool with

@@ -25,7 +25,8 @@ CUDA_DIR = Path(__file__).resolve().parent.parent / "cuda"
 HEAD_DIMS = (64, 128, 256)
 GROUPS = (1, 2, 3, 4, 5, 6, 7, 8)
 CACHE_TYPES = {np.dtype(np.float16): "__half", np.dtype(np.int8): "int8_t"}  # dtype -> CacheT
-DECODE_TILE = 64  # TILE_TOKENS in cuda/decode_paths.cuh: the decode kernel's largest tile, in tokens
+# TILE_TOKENS in cuda/decode_paths.cuh: the decode kernel's largest tile, in tokens
+DECODE_TILE = 64
 PREFILL_ROWS = 64  # ROWS in cuda/prefill_attention.cu: (token, head) rows per block
 SWAP_UNITS = {16: "uint4", 2: "unsigned short"}  # copy unit of gather/scatter_blocks, in bytes
 
@@ -53,7 +54,8 @@ def _options() -> tuple:
         import nvidia
         for root in nvidia.__path__:
             candidates += [os.path.dirname(h) for h in
-                           glob.glob(os.path.join(root, "**", "include", "cuda_fp16.h"), recursive=True)]
+                           glob.glob(os.path.join(root, "**", "include", "cuda_fp16.h"),
+                                     recursive=True)]
     except ImportError:
         pass
     for include in candidates:
@@ -91,9 +93,11 @@ def _check_cache(cache, op: str):
     instances never read)."""
     k, v = cache.k, cache.v
     if k.dtype != v.dtype or np.dtype(k.dtype) not in CACHE_TYPES:
-        raise TypeError(f"{op}: KV cache must be float16 or int8 (k and v alike), got {k.dtype} / {v.dtype}")
+        raise TypeError(f"{op}: KV cache must be float16 or int8 (k and v alike), got {k.dtype} / "
+                        f"{v.dtype}")
     if k.ndim != 4 or v.shape != k.shape:
-        raise ValueError(f"{op}: k and v must be (num_blocks, nkv, block_size, head_dim), got {k.shape} / {v.shape}")
+        raise ValueError(f"{op}: k and v must be (num_blocks, nkv, block_size, head_dim), got "
+                         f"{k.shape} / {v.shape}")
     quantized = k.dtype == np.int8
     scales = (cache.k_scale, cache.v_scale)
     if quantized:
@@ -131,7 +135,8 @@ def _check_attention(q, cache, nq, d, op):
 
 def _check_rows(name, width):
     if width % 8:
-        raise ValueError(f"{name} must be a multiple of 8 (rows move as 16-byte chunks), got {width}")
+        raise ValueError(f"{name} must be a multiple of 8 (rows move as 16-byte chunks), got "
+                         f"{width}")
 
 
 # ---------------------------------------------------------------- layers.cu
@@ -171,7 +176,8 @@ def add_rms_norm(x, residual, weight, eps):
     out, new_residual = cupy.empty_like(x), cupy.empty_like(x)
     if tokens:
         _kernel("layers.cu", "add_rms_norm")(
-            (tokens,), (256,), (x, residual, weight, out, new_residual, np.int32(hidden), np.float32(eps)))
+            (tokens,), (256,),
+            (x, residual, weight, out, new_residual, np.int32(hidden), np.float32(eps)))
     return out, new_residual
 
 
@@ -198,7 +204,8 @@ def _gated(kernel, gate_up):
     out = cupy.empty((tokens, inter), cupy.float16)
     n8 = tokens * inter // 8  # one thread per 8 outputs
     if n8:
-        _kernel("layers.cu", kernel)(((n8 + 255) // 256,), (256,), (gate_up, out, np.int32(inter), np.int64(n8)))
+        _kernel("layers.cu", kernel)(((n8 + 255) // 256,), (256,),
+                                     (gate_up, out, np.int32(inter), np.int64(n8)))
     return out
 
 
@@ -222,7 +229,8 @@ def sample(logits, temperature, top_k, top_p, log_min_p, seeds, counters):
     out = cupy.empty((rows,), cupy.int32)
     if rows:
         _kernel("sampling.cu", "sample")(
-            (rows,), (1024,), (logits, np.int32(vocab), *(cupy.ascontiguousarray(x) for x in rows_params), out))
+            (rows,), (1024,),
+            (logits, np.int32(vocab), *(cupy.ascontiguousarray(x) for x in rows_params), out))
     return out
 
 
@@ -233,7 +241,8 @@ def edit_logits(logits, rows, tokens, biases, penalties, shifts):
     _check(cupy.float32, biases=biases, penalties=penalties, shifts=shifts)
     if n := len(rows):
         _kernel("sampling.cu", "edit_logits")(((n + 255) // 256,), (256,), (
-            logits, np.int32(logits.shape[1]), rows, tokens, biases, penalties, shifts, np.int32(n)))
+            logits, np.int32(logits.shape[1]), rows, tokens, biases, penalties, shifts,
+                                                                            np.int32(n)))
     return logits
 
 
@@ -249,11 +258,12 @@ def mask_logits(logits, rows, masks):
 
 # ---------------------------------------------------------------- cache.cu
 
-def rope_store_kvcache(q, k, v, positions, cos_sin, cache, slot_mapping, q_norm=None, k_norm=None, eps=0.0):
-    """q, k, v may be views into the fused QKV output: rows strided (k and v alike), each
-    row's heads and dims contiguous and 16-byte aligned. cache: one layer's LayerKV, float16
-    or int8 (quantized here, per (token, KV head)), with or without the Hadamard key rotation;
-    q_norm, k_norm (d,) float16 or None. Returns the rotated q (Hadamard-rotated too), contiguous."""
+def rope_store_kvcache(q, k, v, positions, cos_sin, cache, slot_mapping, q_norm=None, k_norm=None,
+                       eps=0.0):
+    """q, k, v may be views into the fused QKV output: rows strided (k and v alike), each row's
+    heads and dims contiguous and 16-byte aligned. cache: one layer's LayerKV, float16 or int8
+    (quantized here, per (token, KV head)), with or without the Hadamard key rotation; q_norm,
+    k_norm (d,) float16 or None. Returns the rotated q (Hadamard-rotated too), contiguous."""
     _check(cupy.float16, q=q, k=k, v=v)
     cache_type, (k_scale, v_scale) = _check_cache(cache, "rope_store_kvcache")
     _check(cupy.int32, positions=positions, slot_mapping=slot_mapping)
@@ -275,14 +285,16 @@ def rope_store_kvcache(q, k, v, positions, cos_sin, cache, slot_mapping, q_norm=
         raise ValueError(f"rope_store_kvcache: {nq} query and {nkv} KV heads of {d} dims do not "
                          f"match the cache {cache.k.shape}")
     rotate, norms = bool(getattr(cache, "k_rotate", False)), q_norm is not None
-    if (rotate or norms) and (d & (d - 1) or d > 512):  # a head's lanes: a power of two up to a warp
+    # a head's lanes: a power of two up to a warp
+    if (rotate or norms) and (d & (d - 1) or d > 512):
         raise ValueError(f"rope_store_kvcache: the Hadamard key rotation and the q/k norm need a "
                          f"power-of-two head_dim up to 512, got {d}")
     if norms:
         _check(cupy.float16, q_norm=q_norm, k_norm=k_norm)
         for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
             if w.shape != (d,) or not w.flags.c_contiguous:
-                raise ValueError(f"rope_store_kvcache: {name} must be contiguous ({d},), got {w.shape}")
+                raise ValueError(f"rope_store_kvcache: {name} must be contiguous ({d},), got "
+                                 f"{w.shape}")
     else:
         q_norm = k_norm = cupy.empty(0, cupy.float16)  # never read
     out = cupy.empty((tokens, nq, d), cupy.float16)
@@ -290,10 +302,12 @@ def rope_store_kvcache(q, k, v, positions, cos_sin, cache, slot_mapping, q_norm=
         _kernel("cache.cu", f"rope_store_kvcache<{cache_type}>")(
             (tokens,), (128,), (q, k, v, np.int64(q.strides[0] // 2), np.int64(k.strides[0] // 2),
                                 cupy.ascontiguousarray(positions), cupy.ascontiguousarray(cos_sin),
-                                cupy.ascontiguousarray(slot_mapping), q_norm, k_norm, np.int32(norms),
+                                cupy.ascontiguousarray(slot_mapping), q_norm, k_norm,
+                                np.int32(norms),
                                 np.float32(eps), np.int32(rotate), out, cache.k, cache.v,
                                 k_scale, v_scale,
-                                np.int32(nq), np.int32(nkv), np.int32(cache.k.shape[2]), np.int32(d)))
+                                np.int32(nq), np.int32(nkv), np.int32(cache.k.shape[2]),
+                                np.int32(d)))
     return out
 
 
@@ -305,7 +319,8 @@ def _swap(kernel, pool, block_ids, staging):
     if staging.dtype != pool.dtype:
         raise TypeError(f"gather/scatter_blocks: staging must be {pool.dtype}, got {staging.dtype}")
     if pool.ndim < 3 or staging.shape != pool.shape[:2] + (block_ids.size,) + pool.shape[3:]:
-        raise ValueError(f"gather/scatter_blocks: pool {pool.shape} (L, 2, num_blocks, ...) and staging "
+        raise ValueError(f"gather/scatter_blocks: pool {pool.shape} (L, 2, num_blocks, ...) and "
+                         f"staging "
                          f"{staging.shape} do not match {block_ids.size} blocks")
     if not (pool.flags.c_contiguous and staging.flags.c_contiguous):
         raise ValueError("gather/scatter_blocks: pool and staging must be contiguous")
@@ -314,7 +329,8 @@ def _swap(kernel, pool, block_ids, staging):
     aligned = pool.data.ptr % 16 == 0 and staging.data.ptr % 16 == 0
     unit = 16 if chunk % 16 == 0 and aligned else 2
     if chunk % unit or pool.data.ptr % unit or staging.data.ptr % unit:
-        raise ValueError(f"gather/scatter_blocks: a block of {chunk} bytes cannot move in 2-byte units")
+        raise ValueError(f"gather/scatter_blocks: a block of {chunk} bytes cannot move in 2-byte "
+                         f"units")
     n = block_ids.size
     if n and chunk:
         _kernel("cache.cu", f"{kernel}<{SWAP_UNITS[unit]}>")(
@@ -355,14 +371,17 @@ def paged_attention(q, cache, block_tables, context_lens, scale, window=None):
     are chosen for the window's length, not the context's."""
     seqs, nq, d = q.shape
     nkv = cache.k.shape[1]
-    group, log2_block_size, cache_type, (k_scale, v_scale) = _check_attention(q, cache, nq, d, "paged_attention")
+    group, log2_block_size, cache_type, (k_scale, v_scale) = _check_attention(q, cache, nq, d,
+                                                                              "paged_attention")
     _check(cupy.int32, block_tables=block_tables, context_lens=context_lens)
-    q, block_tables, context_lens = (cupy.ascontiguousarray(x) for x in (q, block_tables, context_lens))
+    q, block_tables, context_lens = (cupy.ascontiguousarray(x) for x in (q, block_tables,
+                                                                         context_lens))
     out = cupy.empty_like(q)
     if seqs == 0:
         return out
     max_blocks = block_tables.shape[1]
-    window = min(window or INT32_MAX, max_blocks << log2_block_size)  # keys read: at most the whole table
+    # keys read: at most the whole table
+    window = min(window or INT32_MAX, max_blocks << log2_block_size)
     parts, size = decode_partitions(seqs * nkv, window, _num_sms())
     if parts == 1:
         partial_out = partial_max = partial_sum = cupy.empty(0, cupy.float32)  # unused
@@ -372,9 +391,9 @@ def paged_attention(q, cache, block_tables, context_lens, scale, window=None):
         partial_sum = cupy.empty((seqs, nq, parts), cupy.float32)
     _kernel("paged_attention.cu", f"paged_attention_kernel<{d}, {group}, {cache_type}>")(
         (nkv, seqs, parts), (128,),
-        (out, partial_out, partial_max, partial_sum, q, cache.k, cache.v, k_scale, v_scale, block_tables,
-         context_lens, np.int32(max_blocks), np.int32(log2_block_size), np.int32(size), np.int32(window),
-         np.float32(scale)))
+        (out, partial_out, partial_max, partial_sum, q, cache.k, cache.v, k_scale, v_scale,
+         block_tables, context_lens, np.int32(max_blocks), np.int32(log2_block_size),
+         np.int32(size), np.int32(window), np.float32(scale)))
     if parts > 1:
         _kernel("paged_attention.cu", "paged_attention_merge")(
             (nq, seqs), (128,), (out, partial_out, partial_max, partial_sum, context_lens,
@@ -389,8 +408,10 @@ def prefill_attention(q, cache, cu_seqlens_q, block_tables, context_lens, scale,
     chunk lengths live on the GPU; blocks past their chunk's end exit at once."""
     tokens, nq, d = q.shape
     nkv = cache.k.shape[1]
-    group, log2_block_size, cache_type, (k_scale, v_scale) = _check_attention(q, cache, nq, d, "prefill_attention")
-    _check(cupy.int32, cu_seqlens_q=cu_seqlens_q, block_tables=block_tables, context_lens=context_lens)
+    group, log2_block_size, cache_type, (k_scale, v_scale) = _check_attention(q, cache, nq, d,
+                                                                              "prefill_attention")
+    _check(cupy.int32, cu_seqlens_q=cu_seqlens_q, block_tables=block_tables,
+           context_lens=context_lens)
     q, cu_seqlens_q, block_tables, context_lens = (
         cupy.ascontiguousarray(x) for x in (q, cu_seqlens_q, block_tables, context_lens))
     out = cupy.empty_like(q)
@@ -408,9 +429,13 @@ def prefill_attention(q, cache, cu_seqlens_q, block_tables, context_lens, scale,
 
 def attention(q, cache, batch, scale, window=None):
     """A step's attention (ops.step_attention) through these two kernels."""
-    return ops.step_attention(q, cache, batch, scale, window, paged_attention, prefill_attention, cupy.concatenate)
+    return ops.step_attention(q, cache, batch, scale, window, paged_attention, prefill_attention,
+                              cupy.concatenate)
 
 
-CUDA = ops.OpSet(linear, attention, fixed_threads=False, embedding=embedding, add_rms_norm=add_rms_norm,
-                 rope_store_kvcache=rope_store_kvcache, silu_mul=silu_mul, gelu_tanh_mul=gelu_tanh_mul, sample=sample,
-                 edit_logits=edit_logits, mask_logits=mask_logits, gather_blocks=gather_blocks, scatter_blocks=scatter_blocks)
+CUDA = ops.OpSet(linear, attention, fixed_threads=False, embedding=embedding,
+                 add_rms_norm=add_rms_norm,
+                 rope_store_kvcache=rope_store_kvcache, silu_mul=silu_mul,
+                 gelu_tanh_mul=gelu_tanh_mul, sample=sample,
+                 edit_logits=edit_logits, mask_logits=mask_logits, gather_blocks=gather_blocks,
+                 scatter_blocks=scatter_blocks)

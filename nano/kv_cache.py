@@ -23,7 +23,8 @@ DEFAULT_CPU_KV_MEMORY = 2 * 2**30
 GPU_FREE_MEMORY_FRACTION = 0.9
 
 
-def bytes_per_token(cfg: ModelConfig, num_kv_heads: int, kv_cache_dtype: str, device_itemsize: int) -> int:
+def bytes_per_token(cfg: ModelConfig, num_kv_heads: int, kv_cache_dtype: str,
+                    device_itemsize: int) -> int:
     """KV bytes one token costs on a rank holding num_kv_heads: K and V of every layer and
     KV head, plus their scales in an int8 pool (the default model's: docs/int8-kv.md)."""
     rows = 2 * cfg.num_layers * num_kv_heads
@@ -80,7 +81,8 @@ class KVCache:
     def layer(self, i: int) -> LayerKV:
         if self.scales is None:
             return LayerKV(self.data[i, 0], self.data[i, 1])
-        return LayerKV(self.data[i, 0], self.data[i, 1], self.scales[i, 0], self.scales[i, 1], self.k_rotate)
+        return LayerKV(self.data[i, 0], self.data[i, 1], self.scales[i, 0], self.scales[i, 1],
+                       self.k_rotate)
 
     def block_arrays(self) -> list:
         """Every array indexed by block on axis 2: what moves when a block moves."""

@@ -18,8 +18,10 @@ class RequestOutput:
     finish_reason: str                    # stop | length | rejected
     num_prompt_tokens: int
     error: str | None = None              # why a request was rejected
-    logits: list[np.ndarray] = field(default_factory=list)  # with SamplingParams(return_logits=True)
-    prompt_logprobs: list | None = None   # with SamplingParams(prompt_logprobs=k): Sequence.prompt_logprobs
+    # with SamplingParams(return_logits=True)
+    logits: list[np.ndarray] = field(default_factory=list)
+    # with SamplingParams(prompt_logprobs=k): Sequence.prompt_logprobs
+    prompt_logprobs: list | None = None
 
 
 class LLM:
@@ -33,7 +35,8 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args), policy=policy)
 
     def generate(self, prompts: list[str] | list[list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
         """Bad input raises NanoError before any work starts, and leaves this LLM usable."""
         seqs = self.engine.generate(prompts, SamplingParams() if params is None else params)
         return [self.output(seq) for seq in seqs]
@@ -41,4 +44,5 @@ class LLM:
     def output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(seq.prompt, self.engine.detokenize(seq), seq.output_token_ids,
                              seq.finish_reason, seq.num_prompt_tokens, seq.error, seq.logits,
-                             seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None)
+                             (seq.prompt_logprobs if seq.params.prompt_logprobs is not None
+                              else None))

@@ -4,7 +4,8 @@ the shard is loaded: NumPy or CUDA kernels, batch-invariant or not).
 One straight line per step: embed -> per layer [RMSNorm (+ residual), fused QKV, (q/k head
 norms,) RoPE + KV-cache write, attention (in the layer's window), output projection, (its norm,)
 RMSNorm, fused gate/up, SiLU*up or GELU*up, down, (its norm)] -> final norm -> LM head on the
-rows of plan.StepRows; the parts in brackets and what else differs by family: docs/models.md.
+rows that sample or score a prompt (plan.StepPlan); the parts in brackets and what else
+differs by family: docs/models.md.
 On the GPU a decode step of this function is captured once per batch-size bucket and
 replayed as a CUDA graph (nano/graphs.py), so it must stay free of host synchronisation:
 shapes and launch choices may depend only on array shapes, never on array values.
@@ -22,17 +23,21 @@ class ForwardBatch:
     Sequences with one new token (decodes) come first; their rows are 0..num_decodes-1."""
     input_ids: object       # (T,) int32
     positions: object       # (T,) int32 position of each token in its sequence
-    slot_mapping: object    # (T,) int32 cache slot of each token (block * block_size + offset), -1 = skip
+    # (T,) int32 cache slot of each token (block * block_size + offset), -1 = skip
+    slot_mapping: object
     num_decodes: int        # sequences 0..num_decodes-1 have exactly one token (one row each)
-    context_lens: object    # (S,) int32 tokens in the cache per sequence once this step's are written
+    # (S,) int32 tokens in the cache per sequence once this step's are written
+    context_lens: object
     block_tables: object    # (S, max_blocks) int32, -1 padded
-    cu_seqlens_q: object    # (S - num_decodes + 1,) int32 offsets of prefill chunks, relative to row num_decodes
+    # (S - num_decodes + 1,) int32 offsets of prefill chunks, relative to row num_decodes
+    cu_seqlens_q: object
     logits_indices: object  # (R,) int32 rows whose next-token logits are needed
 
     @classmethod
     def from_step(cls, views: dict, num_decodes: int) -> "ForwardBatch":
         """From the views of a packed step (plan.unpack_step), whose fields bear these names."""
-        return cls(num_decodes=num_decodes, **{f.name: views[f.name] for f in fields(cls) if f.name in views})
+        return cls(num_decodes=num_decodes,
+                   **{f.name: views[f.name] for f in fields(cls) if f.name in views})
 
 
 @dataclass
@@ -44,7 +49,8 @@ class LayerWeights:
     post_norm: object       # (H,)
     gate_up: object         # (2 I, H)  gate and up stacked
     down: object            # (H, I)
-    q_norm: object = None   # (d,) RMSNorm weight of every q head before RoPE (Qwen3, Gemma 3), or None
+    # (d,) RMSNorm weight of every q head before RoPE (Qwen3, Gemma 3), or None
+    q_norm: object = None
     k_norm: object = None   # (d,) of every k head, or None
     attn_out_norm: object = None  # (H,) RMSNorm of the attention's output (Gemma 3), or None
     mlp_out_norm: object = None   # (H,) of the MLP's output, or None
@@ -61,14 +67,16 @@ class LlamaModel:
         self.lm_head = lm_head          # (V, H), the embedding itself when tied
         self.final_norm = final_norm    # (H,)
         self.layers = layers
-        self.cos_sin = cos_sin          # per layer: (max_positions, d) float32, one table per RoPE base
+        # per layer: (max_positions, d) float32, one table per RoPE base
+        self.cos_sin = cos_sin
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.all_reduce = all_reduce or (lambda x: x)  # sums partial outputs across TP ranks
 
     @property
     def nbytes(self) -> int:
         """Bytes of the weights this rank holds (a tied LM head counted once)."""
-        arrays = [self.embed, self.final_norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        arrays = ([self.embed, self.final_norm]
+                  + ([] if self.lm_head is self.embed else [self.lm_head]))
         for w in self.layers:
             arrays += [a for a in vars(w).values() if a is not None]
         return sum(a.nbytes for a in arrays)
@@ -76,7 +84,8 @@ class LlamaModel:
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> object:
         """kv_cache: the pool (nano/kv_cache.py). Returns logits (R, V) float32."""
         d, eps, ops = self.cfg.head_dim, self.cfg.rms_norm_eps, self.ops
-        act_mul = ops.gelu_tanh_mul if self.cfg.activation == "gelu_tanh" else ops.silu_mul  # GeGLU or SwiGLU
+        # GeGLU or SwiGLU
+        act_mul = ops.gelu_tanh_mul if self.cfg.activation == "gelu_tanh" else ops.silu_mul
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         h = ops.embedding(batch.input_ids, self.embed)                       # (T, H)
         if self.cfg.embed_scale != 1.0:
@@ -89,8 +98,10 @@ class LlamaModel:
             k = qkv[:, q_size:q_size + kv_size].reshape(-1, self.num_kv_heads, d)
             v = qkv[:, q_size + kv_size:].reshape(-1, self.num_kv_heads, d)
             cache = kv_cache.layer(layer)
-            q = ops.rope_store_kvcache(q, k, v, batch.positions, self.cos_sin[layer], cache, batch.slot_mapping,
-                                       w.q_norm, w.k_norm, eps)            # rotated q (normed first); K, V cached
+            # rotated q (normed first); K, V cached
+            q = ops.rope_store_kvcache(q, k, v, batch.positions, self.cos_sin[layer], cache,
+                                       batch.slot_mapping,
+                                       w.q_norm, w.k_norm, eps)
             o = ops.attention(q, cache, batch, self.scale, self.cfg.windows[layer])  # (T, nq, d)
             h = self.all_reduce(ops.linear(o.reshape(-1, q_size), w.o_proj))  # (T, H)
             if w.attn_out_norm is not None:  # normed before it joins the residual stream

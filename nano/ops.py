@@ -59,7 +59,8 @@ def invariant_linear(x, weight, bias=None):
     """linear as one GEMM per INVARIANT_ROWS rows of x (numpy's batched matmul loops)."""
     rows, tiles = x.shape[0], -(-x.shape[0] // INVARIANT_ROWS)
     x = np.concatenate([x, np.zeros((tiles * INVARIANT_ROWS - rows, x.shape[1]), x.dtype)])
-    y = (x.reshape(tiles, INVARIANT_ROWS, x.shape[1]) @ weight.T).reshape(-1, weight.shape[0])[:rows]
+    y = (x.reshape(tiles, INVARIANT_ROWS, x.shape[1]) @ weight.T).reshape(-1,
+                                                                          weight.shape[0])[:rows]
     if bias is not None:
         y += bias
     return y
@@ -84,7 +85,8 @@ def gelu_tanh_mul(gate_up):
     return np.float32(0.5) * gate * (1 + inner) * up
 
 
-def rope_store_kvcache(q, k, v, positions, cos_sin, cache: LayerKV, slot_mapping, q_norm=None, k_norm=None, eps=0.0):
+def rope_store_kvcache(q, k, v, positions, cos_sin, cache: LayerKV, slot_mapping, q_norm=None,
+                       k_norm=None, eps=0.0):
     """Rotate-half RoPE on q and k (each head RMS-normed first with q_norm, k_norm (d,) if given:
     Qwen3), then write k and v into their cache slots (one kernel on the GPU), quantized if the
     cache is int8. q: (T, nq, d), k, v: (T, nkv, d), possibly views into the fused QKV output, not
@@ -96,7 +98,8 @@ def rope_store_kvcache(q, k, v, positions, cos_sin, cache: LayerKV, slot_mapping
     cos = cos_sin[positions, None, :half]  # (T, 1, d/2)
     sin = cos_sin[positions, None, half:]
     qk = np.concatenate([q, k], axis=1)  # q and k rotated together: one set of small ops, not two
-    if q_norm is not None:  # so normalized together too: each head's row by its weight, (nq + nkv, d)
+    # so normalized together too: each head's row by its weight, (nq + nkv, d)
+    if q_norm is not None:
         qk = rms_norm(qk, np.stack([q_norm] * nq + [k_norm] * k.shape[1]), eps)
     rotated = np.empty_like(qk)
     x1, x2 = qk[..., :half], qk[..., half:]
@@ -170,7 +173,8 @@ def _attend(q, keys, values, query_positions, scale, window, k_scale=None, v_sca
     scores = qg @ keys.transpose(0, 2, 1).astype(np.float32, copy=False)  # (nkv, n*group, ctx)
     scores *= scale if k_scale is None else scale * k_scale[:, None, :].astype(np.float32)
     pos = np.repeat(query_positions, group)  # row r belongs to query r // group
-    np.copyto(scores, -np.inf, where=~_seen(np.arange(ctx), pos[:, None], window))  # in place: no temporaries
+    # in place: no temporaries
+    np.copyto(scores, -np.inf, where=~_seen(np.arange(ctx), pos[:, None], window))
     scores -= scores.max(axis=-1, keepdims=True)
     probs = np.exp(scores, out=scores)
     probs /= probs.sum(axis=-1, keepdims=True)
@@ -193,10 +197,12 @@ def paged_attention(q, cache: LayerKV, block_tables, context_lens, scale, window
     out = np.empty_like(q)
     # A few sequences at a time, padded to the longest: one batched product instead of S
     # small ones, with bounded memory.
-    group = max(1, min(DECODE_GROUP, DECODE_GROUP_TOKENS // max(int(context_lens.max(initial=1)), 1)))
+    group = max(1, min(DECODE_GROUP,
+                       DECODE_GROUP_TOKENS // max(int(context_lens.max(initial=1)), 1)))
     for lo in range(0, q.shape[0], group):
         hi = min(lo + group, q.shape[0])
-        out[lo:hi] = _decode_group(q[lo:hi], cache, block_tables[lo:hi], context_lens[lo:hi], scale, window)
+        out[lo:hi] = _decode_group(q[lo:hi], cache, block_tables[lo:hi], context_lens[lo:hi], scale,
+                                   window)
     return out
 
 
@@ -204,7 +210,8 @@ def _gather_tables(array, tables):
     """array (num_blocks, nkv, block_size, *rest), tables (s, n) -> (s, nkv, n * block_size,
     *rest), in one copy: index straight into that order."""
     heads = np.arange(array.shape[1])[None, :, None]
-    return array[tables[:, None, :], heads].reshape(tables.shape[0], array.shape[1], -1, *array.shape[3:])
+    return array[tables[:, None, :], heads].reshape(tables.shape[0], array.shape[1], -1,
+                                                    *array.shape[3:])
 
 
 def _decode_group(q, cache: LayerKV, block_tables, context_lens, scale, window):
@@ -223,9 +230,11 @@ def _decode_group(q, cache: LayerKV, block_tables, context_lens, scale, window):
     # (group x d) @ (d x length) product (docs/perf_notes.md).
     qg = q.reshape(s, nkv, nq // nkv, d)
     scores = np.matvec(rows(cache.k), qg)                             # (s, nkv, group, length)
-    scores *= scale if cache.k_scale is None else scale * gather(cache.k_scale)[:, :, None].astype(np.float32)
+    scores *= (scale if cache.k_scale is None
+               else scale * gather(cache.k_scale)[:, :, None].astype(np.float32))
     valid = _seen(np.arange(length), context_lens[:, None] - 1, window)  # (s, length)
-    np.copyto(scores, -np.inf, where=~valid[:, None, None, :])  # in place, as below: no more temporaries
+    # in place, as below: no more temporaries
+    np.copyto(scores, -np.inf, where=~valid[:, None, None, :])
     scores -= scores.max(axis=-1, keepdims=True)
     probs = np.exp(scores, out=scores)
     probs /= probs.sum(axis=-1, keepdims=True)
@@ -240,12 +249,12 @@ def _decode_group(q, cache: LayerKV, block_tables, context_lens, scale, window):
 PREFILL_SCORE_BYTES = 8 * 2**20
 
 
-def prefill_attention(q, cache: LayerKV, cu_seqlens_q, block_tables, context_lens, scale, window=None):
-    """A chunk of query tokens per sequence over that sequence's cached blocks, causal (and windowed).
-    The chunk's own K/V are already in the cache; a chunk may start mid-sequence (a later
-    chunk, or after a prefix-cache hit): its queries sit at positions
-    context_len - chunk_len .. context_len - 1.
-    q: (T, nq, d); cu_seqlens_q: (S+1,) chunk offsets into q -> (T, nq, d)."""
+def prefill_attention(q, cache: LayerKV, cu_seqlens_q, block_tables, context_lens, scale,
+                      window=None):
+    """A chunk of query tokens per sequence over that sequence's cached blocks, causal (and
+    windowed). The chunk's own K/V are already in the cache; a chunk may start mid-sequence (a later
+    chunk, or after a prefix-cache hit): its queries sit at positions context_len - chunk_len ..
+    context_len - 1. q: (T, nq, d); cu_seqlens_q: (S+1,) chunk offsets into q -> (T, nq, d)."""
     out = np.empty_like(q)
     for i, ctx in enumerate(context_lens.tolist()):
         start, end = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
@@ -255,14 +264,15 @@ def prefill_attention(q, cache: LayerKV, cu_seqlens_q, block_tables, context_len
         rows = max(1, PREFILL_SCORE_BYTES // (4 * q.shape[1] * ctx))
         for lo in range(start, end, rows):  # a few queries at a time: the scores stay small
             hi = min(lo + rows, end)
-            out[lo:hi] = _attend(q[lo:hi], context[0], context[1], positions[lo - start:hi - start], scale,
-                                 window, *context[2:])
+            out[lo:hi] = _attend(q[lo:hi], context[0], context[1], positions[lo - start:hi - start],
+                                 scale, window, *context[2:])
     return out
 
 
 def attention(q, cache: LayerKV, batch, scale, window=None):
     """A step's attention (batch: model.ForwardBatch) through this module's two attentions."""
-    return step_attention(q, cache, batch, scale, window, paged_attention, prefill_attention, np.concatenate)
+    return step_attention(q, cache, batch, scale, window, paged_attention, prefill_attention,
+                          np.concatenate)
 
 
 def step_attention(q, cache: LayerKV, batch, scale, window, paged, prefill, concatenate):
@@ -283,7 +293,8 @@ def invariant_attention(q, cache: LayerKV, batch, scale, window=None):
     other rows are: scores and sums per cache block of block_size keys, then the blocks
     added in order (np.cumsum), so that a block past the row's context (exp(-inf) = 0)
     changes nothing; a max is exact in any order. q: (T, nq, d) -> (T, nq, d)."""
-    rows = np.concatenate([np.ones(batch.num_decodes, np.int64), np.diff(batch.cu_seqlens_q)])  # per sequence
+    # per sequence
+    rows = np.concatenate([np.ones(batch.num_decodes, np.int64), np.diff(batch.cu_seqlens_q)])
     tables, positions = np.repeat(batch.block_tables, rows, axis=0), batch.positions  # each row's
     out = np.empty_like(q)
     # Each row gathers its own K/V as float32: rows whose gathered K is ~1 MiB at a time stay
@@ -300,13 +311,16 @@ def _invariant_rows(q, cache: LayerKV, tables, positions, scale, window):
     nkv, bs = cache.k.shape[1:3]
     nb = int(positions.max()) // bs + 1
 
-    def blocks(array):  # (t, nkv, 1, nb, bs, *rest) float32; -1 entries gather some block, masked out below
+    # (t, nkv, 1, nb, bs, *rest) float32; -1 entries gather some block, masked out below
+    def blocks(array):
         rows = _gather_tables(array, tables[:, :nb]).reshape(t, nkv, 1, nb, bs, *array.shape[3:])
         return rows.astype(np.float32, copy=False)
 
-    scores = np.matvec(blocks(cache.k), q.reshape(t, nkv, nq // nkv, 1, d))   # (t, nkv, group, nb, bs)
+    # (t, nkv, group, nb, bs)
+    scores = np.matvec(blocks(cache.k), q.reshape(t, nkv, nq // nkv, 1, d))
     scores *= scale if cache.k_scale is None else scale * blocks(cache.k_scale)
-    valid = _seen(np.arange(nb * bs).reshape(nb, bs), positions[:, None, None], window)  # (t, nb, bs)
+    # (t, nb, bs)
+    valid = _seen(np.arange(nb * bs).reshape(nb, bs), positions[:, None, None], window)
     scores = np.where(valid[:, None, None], scores, -np.inf)
     probs = np.exp(scores - scores.max(axis=(-2, -1), keepdims=True))       # masked: exactly 0
     total = np.cumsum(probs.sum(axis=-1), axis=-1)[..., -1:]                # (t, nkv, group, 1)
@@ -347,18 +361,20 @@ def mask_logits(logits, rows, masks):
 
 
 def sample(logits, temperature, top_k, top_p, log_min_p, seeds, counters):
-    """One token per row. logits: (R, V); temperature: (R,) float32, 0 = greedy;
-    top_k: (R,) int32, <= 0 or >= V = off; top_p: (R,) float32, 1 = off; log_min_p: (R,)
-    float32, log of min_p (-inf = off); seeds: (R,) uint64; counters: (R,) int32, the row's
-    sequence's output tokens so far -> (R,) int32.
-    Thresholds by bisection over order-preserving keys, then a Gumbel-max draw whose noise
-    hashes (seed, counter, token id); cuda/sampling.cu runs the same steps (docs/how-it-works.md)."""
+    """One token per row. logits: (R, V); temperature: (R,) float32, 0 = greedy; top_k: (R,) int32,
+    <= 0 or >= V = off; top_p: (R,) float32, 1 = off; log_min_p: (R,) float32, log of min_p (-inf =
+    off); seeds: (R,) uint64; counters: (R,) int32, the row's sequence's output tokens so far ->
+    (R,) int32. Thresholds by bisection over order-preserving keys, then a Gumbel-max draw whose
+    noise hashes (seed, counter, token id); cuda/sampling.cu runs the same steps
+    (docs/how-it-works.md)."""
     logits = np.asarray(logits, np.float32)
     if not np.any(temperature):  # all greedy: one argmax for the step, not one per row
         return np.argmax(logits, axis=-1).astype(np.int32)
     seeds = np.asarray(seeds, np.uint64)
-    return np.array([_sample_row(x, np.float32(t), int(k), np.float32(p), np.float32(m), int(seed), int(c))
-                     for x, t, k, p, m, seed, c in zip(logits, temperature, top_k, top_p, log_min_p, seeds, counters)],
+    return np.array([_sample_row(x, np.float32(t), int(k), np.float32(p), np.float32(m), int(seed),
+                                 int(c))
+                     for x, t, k, p, m, seed,
+                     c in zip(logits, temperature, top_k, top_p, log_min_p, seeds, counters)],
                     dtype=np.int32).reshape(len(logits))
 
 
@@ -420,14 +436,17 @@ def _sample_row(x, t, top_k, top_p, log_min_p, seed, counter) -> int:
     np.log(noise, out=noise)
     scores = x / t
     scores -= noise
-    if not (0 < top_k < x.size or top_p < 1 or log_min_p > -np.inf):  # the whole vocabulary is allowed
+    # the whole vocabulary is allowed
+    if not (0 < top_k < x.size or top_p < 1 or log_min_p > -np.inf):
         return int(np.argmax(scores))
     keys = float_keys(x)
     key_max = int(keys.max())
-    # min_p: p_i >= min_p * p_max  <=>  x_i >= max(x) + T * log(min_p); keys >= threshold are allowed
+    # min_p: p_i >= min_p * p_max  <=>  x_i >= max(x) + T * log(min_p); keys >= threshold are
+    # allowed
     threshold = int(float_keys(x.max() + t * log_min_p)) if log_min_p > -np.inf else 0
     if 0 < top_k < x.size:
-        threshold = max(threshold, _largest_passing(0, key_max, lambda m: np.count_nonzero(keys >= m) >= top_k))
+        threshold = max(threshold, _largest_passing(
+            0, key_max, lambda m: np.count_nonzero(keys >= m) >= top_k))
     if top_p < 1:
         e = np.exp(x / t - x.max() / t)
         target = top_p * e[keys >= threshold].sum(dtype=np.float32)

@@ -33,7 +33,8 @@ class Group:
 
     def require(self, tp: int) -> None:
         if tp != self.world and self.world == 1:
-            raise NanoError(f"--tp {tp} needs {tp} MPI ranks: run mpirun -n {tp} python run.py --tp {tp} ...")
+            raise NanoError(f"--tp {tp} needs {tp} MPI ranks: run mpirun -n {tp} python run.py "
+                            f"--tp {tp} ...")
         if tp != self.world:
             raise NanoError(f"--tp {tp} but mpirun started {self.world} ranks: "
                             f"give --tp {self.world} or mpirun -n {tp}")
@@ -113,8 +114,9 @@ _world: Group | None = None  # after split_replicas(): every rank, of every repl
 
 def split_replicas(tp: int) -> Group | None:
     """Replicas of `tp` ranks, each an engine of its own (data parallel; tp 1: also disaggregated
-    instances): world rank w is TP rank w % tp of replica w // tp, this process's TP group from
-    now on. Returns the group of replica leaders (TP rank 0 of each) the engines talk over, else None."""
+    instances): world rank w is TP rank w % tp of replica w // tp, this process's TP group from now
+    on. Returns the group of replica leaders (TP rank 0 of each) the engines talk over, else
+    None."""
     global _group, _world
     _world = world()  # split again for a second run in the same processes (nano/dp's --dp-compare)
     from mpi4py import MPI
@@ -123,7 +125,8 @@ def split_replicas(tp: int) -> Group | None:
     return Group(leaders) if _group.rank == 0 else None
 
 
-def world() -> Group:  # every rank of the run (an error anywhere ends them): the TP group unless split
+# every rank of the run (an error anywhere ends them): the TP group unless split
+def world() -> Group:
     return _world or tp_group()
 
 

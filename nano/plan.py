@@ -1,6 +1,6 @@
-"""One step's plan, fixed when the scheduler is done (SchedulerOutput), and the packed step: the
-plan flattened into one int32 array laid out by StepSizes.fields(), which rank 0 broadcasts
-under TP and one host-to-device copy moves (docs/how-it-works.md#one-step).
+"""One step's plan, frozen when the scheduler is done (StepPlan), and the packed step: the plan
+flattened into one int32 array laid out by PackedShape.layout(), which rank 0 broadcasts under
+TP and one host-to-device copy moves (docs/how-it-works.md#one-step).
 """
 from dataclasses import astuple, dataclass, field, fields
 
@@ -10,15 +10,16 @@ from nano.sequence import Sequence
 
 
 def is_decode(num_tokens: int) -> bool:
-    """A row of one new token runs as a decode (paged attention over its cache), whether that
+    """Treat a row of one new token as a decode (paged attention over its cache), whether that
     token was generated or is a one-token prefill chunk."""
     return num_tokens == 1
 
 
 def scored(seq: Sequence, num_tokens: int) -> range:
-    """Positions among this step's num_tokens whose logits score the prompt's next token, for
-    a request that asked for prompt logprobs: those before the prompt's last token (whose
-    logits sample) that it holds no score for yet (a prompt recomputed is scored once)."""
+    """Return the positions among this step's num_tokens whose logits score the prompt's next
+    token, for a request that asked for prompt logprobs: those before the prompt's last token
+    (whose logits sample) that it holds no score for yet, so that a recomputed prompt is
+    scored once."""
     if seq.params.prompt_logprobs is None:
         return range(0)
     start = max(seq.num_computed_tokens, len(seq.prompt_logprobs) - 1)
@@ -26,8 +27,8 @@ def scored(seq: Sequence, num_tokens: int) -> range:
 
 
 def decode_context(seqs) -> int:
-    """KV tokens the decoding sequences `seqs` hold: what their attention reads, the input the
-    cost model prices a decode by."""
+    """Count the KV tokens the decoding sequences `seqs` hold: what their attention reads, the
+    input the cost model prices a decode by."""
     return sum(seq.num_computed_tokens for seq in seqs)
 
 
@@ -35,45 +36,57 @@ def decode_context(seqs) -> int:
 class Preemption:
     seq: Sequence
     mode: str          # swap | recompute
-    reason: str        # why this mode: forced | swap_cheaper | recompute_cheaper | no_swap_space
+    reason: str        # forced | swap_cheaper | recompute_cheaper | no_swap_space
 
 
 @dataclass
-class StepRows:  # what each row of a step's logits (the forward pass's output) is for
-    sampling: list[Sequence] = field(default_factory=list)  # the sequences that sample a token,
-    counters: list[int] = field(default_factory=list)       # their output counts (keys of their draws),
-    sample_rows: list[int] = field(default_factory=list)    # their logits rows,
-    drafts: list[int] = field(default_factory=list)         # the draft token each row checks, -1: none
-    scoring: list[Sequence] = field(default_factory=list)   # per row that scores a prompt token: its sequence,
-    targets: list[int] = field(default_factory=list)        # the token it scores,
-    score_rows: list[int] = field(default_factory=list)     # its logits row
+class Sample:
+    """A sequence that samples this step: a logits row after its last token, and one more
+    after each draft it checks (docs/speculative.md#the-accept-rule)."""
+    seq: Sequence
+    rows: list[int]      # its logits rows, one per token it may gain
+    drafts: list[int]    # the draft token each row but the last checks
+    output_count: int    # its output tokens when planned: the first row's draw key
 
 
 @dataclass
-class SchedulerOutput:
-    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens this step)
+class Score:
+    """A prompt position whose logits row scores the prompt's next token (prompt logprobs)."""
+    seq: Sequence
+    row: int
+    target: int          # the prompt token it scores
+
+
+@dataclass
+class StepPlan:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host, device)
     preempted: list[Preemption] = field(default_factory=list)
-    admitted: list[Sequence] = field(default_factory=list)  # newly given blocks from the waiting queue
-    prefix_queried: int = 0  # their tokens looked up in the prefix cache (before this step samples)
-    finished: list[Sequence] = field(default_factory=list)  # ended by the scheduler (rejected, or out of KV)
-    # Fixed when planning ends (fix), whatever happens to the sequences after:
+    admitted: list[Sequence] = field(default_factory=list)  # given blocks from the waiting queue
+    prefix_queried: int = 0  # their tokens looked up in the prefix cache
+    finished: list[Sequence] = field(default_factory=list)  # ended by the scheduler
+    # What freeze() sets, whatever happens to the sequences afterwards:
     packed: np.ndarray | None = None  # the packed step (below): the device's whole input
-    rows: StepRows = field(default_factory=StepRows)
+    samples: list[Sample] = field(default_factory=list)
+    scores: list[Score] = field(default_factory=list)
     prefill_tokens: int = 0
     num_decodes: int = 0
-    decode_kv_tokens: int = 0  # KV tokens the decodes attend to, theirs this step included
+    decode_kv_tokens: int = 0  # KV tokens the decodes attend to, this step's included
 
-    def fix(self, block_size: int) -> "SchedulerOutput":
-        """Pack the rows, decodes first (stable); a logits row for each position that scores a prompt,
-        and for a row's last and its drafts' if it reaches the end of its tokens (a chunk short of it samples nothing)."""
+    def freeze(self, block_size: int) -> "StepPlan":
+        """Pack the scheduled sequences, decodes first (a stable sort), and give each logits
+        row its purpose: one row per prompt position scored, and for a sequence whose tokens
+        this step reaches the end of, one row after its last token and after each draft. A
+        prefill chunk short of the prompt's end samples nothing."""
         seqs = sorted(self.scheduled, key=lambda item: not is_decode(item[1]))
         max_blocks = max((len(seq.block_table) for seq, _ in seqs), default=0)
         tables = np.full((len(seqs), max_blocks), -1, np.int32)
-        ids, positions, context_lens, cu_seqlens, logits, rows = [], [], [], [0], [], self.rows
+        ids, positions, context_lens, cu_seqlens, logits_indices = [], [], [], [0], []
         for i, (seq, n) in enumerate(seqs):
             start, drafts = seq.num_computed_tokens, seq.draft_token_ids
+            # the packed index of this sequence's position p is offset + p
+            offset = len(ids) - start
             ids += seq.token_ids[start:start + n] + drafts
             positions += range(start, start + n)
             context_lens.append(start + n)
@@ -81,34 +94,32 @@ class SchedulerOutput:
             if not is_decode(n):
                 cu_seqlens.append(cu_seqlens[-1] + n)
             for p in scored(seq, n):
-                rows.scoring.append(seq)
-                rows.targets.append(seq.token_ids[p + 1])
-                rows.score_rows.append(len(logits))
-                logits.append(len(ids) - n + p - start)
-            # A row samples after the last token and after each draft (docs/speculative.md#the-accept-rule).
-            for j, draft in enumerate([*drafts, -1] if start + n == seq.num_tokens + len(drafts) else []):
-                rows.sampling.append(seq)
-                rows.counters.append(seq.num_output_tokens + j)
-                rows.sample_rows.append(len(logits))
-                rows.drafts.append(draft)
-                logits.append(len(ids) - 1 - len(drafts) + j)
+                self.scores.append(Score(seq, len(logits_indices), seq.token_ids[p + 1]))
+                logits_indices.append(offset + p)
+            if start + n == seq.num_tokens + len(drafts):
+                rows = range(len(logits_indices), len(logits_indices) + len(drafts) + 1)
+                self.samples.append(Sample(seq, list(rows), list(drafts), seq.num_output_tokens))
+                logits_indices += range(offset + seq.num_tokens - 1, offset + start + n)
         positions = np.asarray(positions, np.int32)
         row_of_token = np.repeat(np.arange(len(seqs)), [n for _, n in seqs])
-        slot_mapping = tables[row_of_token, positions // block_size] * block_size + positions % block_size
+        slot_mapping = (tables[row_of_token, positions // block_size] * block_size
+                        + positions % block_size)
         self.num_decodes = sum(is_decode(n) for _, n in seqs)
-        self.prefill_tokens, self.decode_kv_tokens = len(ids) - self.num_decodes, sum(context_lens[:self.num_decodes])
-        sizes = StepSizes(len(self.blocks_to_swap_out), len(self.blocks_to_swap_in), len(ids), len(seqs),
-                          self.num_decodes, max_blocks, len(logits))
-        self.packed = pack_step(sizes, blocks_to_swap_out=self.blocks_to_swap_out,
-                                blocks_to_swap_in=self.blocks_to_swap_in, input_ids=ids, positions=positions,
-                                slot_mapping=slot_mapping, context_lens=context_lens, block_tables=tables,
-                                cu_seqlens_q=cu_seqlens, logits_indices=logits)
+        self.prefill_tokens = len(ids) - self.num_decodes
+        self.decode_kv_tokens = sum(context_lens[:self.num_decodes])
+        shape = PackedShape(len(self.blocks_to_swap_out), len(self.blocks_to_swap_in), len(ids),
+                            len(seqs), self.num_decodes, max_blocks, len(logits_indices))
+        self.packed = pack_step(shape, blocks_to_swap_out=self.blocks_to_swap_out,
+                                blocks_to_swap_in=self.blocks_to_swap_in, input_ids=ids,
+                                positions=positions, slot_mapping=slot_mapping,
+                                context_lens=context_lens, block_tables=tables,
+                                cu_seqlens_q=cu_seqlens, logits_indices=logits_indices)
         return self
 
 
 # ---- the packed step -------------------------------------------------------------------
 @dataclass(frozen=True)
-class StepSizes:
+class PackedShape:
     """The packed step's header: the counts that give every field its shape."""
     swap_out: int = 0     # block pairs to swap out
     swap_in: int = 0      # block pairs to swap in
@@ -116,10 +127,10 @@ class StepSizes:
     seqs: int = 0         # S: rows, decodes first
     decodes: int = 0      # rows 0..decodes-1 have one token each
     max_blocks: int = 0   # block table width
-    logits: int = 0       # R: rows that sample or score a prompt (SchedulerOutput.rows)
+    logits: int = 0       # R: rows that sample or score a prompt (StepPlan.samples, .scores)
 
-    def fields(self) -> dict[str, tuple[int, ...]]:
-        """The layout, in order: each field a C-order int32 block of this shape. The input
+    def layout(self) -> dict[str, tuple[int, ...]]:
+        """Return the fields in order, each a C-order int32 block of this shape. The input
         fields are named as model.ForwardBatch's."""
         return {
             "blocks_to_swap_out": (self.swap_out, 2),   # (device block, host block)
@@ -134,28 +145,29 @@ class StepSizes:
         }
 
 
-HEADER = len(fields(StepSizes))
+HEADER = len(fields(PackedShape))
 
 
-def pack_step(sizes: StepSizes, **values) -> np.ndarray:
-    """The header, then every field of sizes.fields() in order, in one int32 host array."""
-    parts = [np.asarray(astuple(sizes), np.int32)]
-    parts += [np.asarray(values[name], np.int32).reshape(shape).ravel()
-              for name, shape in sizes.fields().items()]
+def pack_step(shape: PackedShape, **values) -> np.ndarray:
+    """Write the header, then every field of shape.layout() in order, into one int32 host
+    array."""
+    parts = [np.asarray(astuple(shape), np.int32)]
+    parts += [np.asarray(values[name], np.int32).reshape(dims).ravel()
+              for name, dims in shape.layout().items()]
     return np.concatenate(parts)
 
 
-def step_sizes(packed: np.ndarray) -> StepSizes:
-    """The header of a packed step on the host."""
-    return StepSizes(*packed[:HEADER].tolist())
+def packed_shape(packed: np.ndarray) -> PackedShape:
+    """Read the header of a packed step on the host."""
+    return PackedShape(*packed[:HEADER].tolist())
 
 
-def unpack_step(packed, sizes: StepSizes) -> dict:
-    """Views into a packed step (NumPy or CuPy), one per field, in its shape. The sizes come
-    from the host copy: reading a device copy's header would wait for the device."""
+def unpack_step(packed, shape: PackedShape) -> dict:
+    """Return views into a packed step (NumPy or CuPy), one per field, in its shape. The shape
+    comes from the host copy: reading a device copy's header would wait for the device."""
     views, at = {}, HEADER
-    for name, shape in sizes.fields().items():
-        size = int(np.prod(shape))
-        views[name] = packed[at:at + size].reshape(shape)
+    for name, dims in shape.layout().items():
+        size = int(np.prod(dims))
+        views[name] = packed[at:at + size].reshape(dims)
         at += size
     return views

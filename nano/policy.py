@@ -19,7 +19,7 @@ class SchedulerView(Protocol):
     """What a policy reads of its scheduler (scheduler.Scheduler), live as it changes during
     the step; a policy modifies none of it."""
     config: EngineConfig
-    bm: BlockManager
+    block_manager: BlockManager
     now: float                   # the time of the step being scheduled
     running: list[Sequence]      # in admission order
     swapped: deque[Sequence]
@@ -32,7 +32,7 @@ class FCFS:
 
     def __init__(self, view: SchedulerView, cost: CostModel, kv_bytes_per_token: int):
         self.view, self.cost, self.config = view, cost, view.config
-        self.block_size, self.kv_bytes_per_token = view.bm.block_size, kv_bytes_per_token
+        self.block_size, self.kv_bytes_per_token = view.block_manager.block_size, kv_bytes_per_token
 
     def admission_order(self, arrived: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
         """(the arrived waiting requests in the order they are admitted, those of them the
@@ -50,11 +50,13 @@ class FCFS:
     def prefill_budget(self, budget: int, decoding: list[Sequence], prompts: list[Sequence]) -> int:
         """What the rest of the step (prefill chunks, swap-ins, admissions) may take of the
         budget its decodes left, the prompts it could carry being `prompts`."""
-        return min(budget, self.step_tokens(self.cost.step_time(0, len(decoding), decode_context(decoding))))
+        return min(budget, self.step_tokens(
+            self.cost.step_time(0, len(decoding), decode_context(decoding))))
 
     def step_tokens(self, decode_time: float) -> int:
         """The prefill tokens one step carries beside decodes taking `decode_time`: the token
-        budget, by default what keeps the step near STEP_TARGET (docs/how-it-works.md#admission-and-preemption)."""
+        budget, by default what keeps the step near STEP_TARGET
+        (docs/how-it-works.md#admission-and-preemption)."""
         if self.config.max_num_batched_tokens:
             return self.config.max_num_batched_tokens
         return min(TOKEN_BUDGET, self._tokens_within(STEP_TARGET, decode_time))
@@ -67,7 +69,8 @@ class FCFS:
             return 1 << 30
         return max(int((limit - decode_time) / per_token), self.block_size)
 
-    def held_for_waiting(self, budget: int, prefills: list[Sequence], arrived: list[Sequence]) -> int:
+    def reserved_for_admissions(self, budget: int, prefills: list[Sequence],
+                                arrived: list[Sequence]) -> int:
         """Tokens of that budget that admissions get before the running prompts' chunks."""
         return 0
 
@@ -80,7 +83,7 @@ class FCFS:
         swap_cheaper | recompute_cheaper)."""
         if self.config.preemption == "recompute":
             return "recompute", "forced"
-        if not self.view.bm.can_swap_out(seq):
+        if not self.view.block_manager.can_swap_out(seq):
             return "recompute", "no_swap_space"
         if self.config.preemption == "swap":
             return "swap", "forced"

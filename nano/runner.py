@@ -9,13 +9,14 @@ from nano.device import Device
 from nano.graphs import DecodeGraphs, GraphStep
 from nano.kv_cache import KVCache
 from nano.model import ForwardBatch
-from nano.plan import step_sizes, unpack_step
+from nano.plan import packed_shape, unpack_step
 
 
 class ModelRunner:
     def __init__(self, model, device: Device, num_blocks: int, num_swap_blocks: int,
-                 block_size: int, kv_cache_dtype: str = "auto", key_scheme: str | None = None, broadcast=None,
-                 cuda_graphs: bool = False, max_num_seqs: int = 1, max_model_len: int = 1):
+                 block_size: int, kv_cache_dtype: str = "auto", key_scheme: str | None = None,
+                 broadcast=None, cuda_graphs: bool = False, max_num_seqs: int = 1,
+                 max_model_len: int = 1):
         """kv_cache_dtype: auto (the device's dtype) or int8, with key_scheme (kv_cache.py).
         broadcast: sends rank 0's packed steps to the other TP ranks (parallel.Group).
         cuda_graphs: on a GPU, replay decode steps of up to max_num_seqs sequences from
@@ -33,8 +34,10 @@ class ModelRunner:
         self.kv_cache, self.host_cache = pool(device.xp, num_blocks), pool(np, num_swap_blocks)
         self.graphs = None
         if cuda_graphs and device.kind == "gpu":
-            self.graphs = DecodeGraphs(model, self.kv_cache, max_num_seqs, -(-max_model_len // block_size))
-        self.blas_threads = BlasThreads() if device.kind == "cpu" and not model.ops.fixed_threads else None
+            self.graphs = DecodeGraphs(model, self.kv_cache, max_num_seqs,
+                                       -(-max_model_len // block_size))
+        self.blas_threads = (BlasThreads() if device.kind == "cpu" and not model.ops.fixed_threads
+                             else None)
 
     def touch_kv_cache(self) -> None:
         """Write every page of the KV pool now: on the CPU np.zeros maps pages on first write,
@@ -69,14 +72,17 @@ class ModelRunner:
 
     # ---- blocks read out and written in ------------------------------------------------
     def read_blocks(self, block_ids: list[int], out: np.ndarray | None = None) -> np.ndarray:
-        """Blocks of the pool as host bytes (into out if given), (n, block_bytes) uint8: a row is that
-        block's slice of each block array (KV, then int8 scales), all layers, for a pool of the same layout."""
-        payload = out if out is not None else np.empty((len(block_ids), self.kv_cache.block_nbytes), np.uint8)
+        """Blocks of the pool as host bytes (into out if given), (n, block_bytes) uint8: a row is
+        that block's slice of each block array (KV, then int8 scales), all layers, for a pool of the
+        same layout."""
+        payload = out if out is not None else np.empty((len(block_ids), self.kv_cache.block_nbytes),
+                                                       np.uint8)
         ids = self.device.xp.asarray(np.asarray(block_ids, np.int32))
         for pool, rows in zip(self.kv_cache.block_arrays(), self._payload_rows(payload)):
             blocks = np.moveaxis(rows, 0, 2)  # (L, 2, n, *rest), a view into the payload
             if self.device.kind == "cpu":
-                self.model.ops.gather_blocks(pool, ids, out=blocks)  # straight into the payload: no temporary
+                # straight into the payload: no temporary
+                self.model.ops.gather_blocks(pool, ids, out=blocks)
             else:
                 blocks[...] = self.device.to_host(self.model.ops.gather_blocks(pool, ids))
         return payload
@@ -85,7 +91,8 @@ class ModelRunner:
         """Write read_blocks' rows into these blocks of this pool."""
         ids = self.device.xp.asarray(np.asarray(block_ids, np.int32))
         for pool, rows in zip(self.kv_cache.block_arrays(), self._payload_rows(payload)):
-            self.model.ops.scatter_blocks(pool, ids, self.device.xp.asarray(np.moveaxis(rows, 0, 2)))
+            self.model.ops.scatter_blocks(pool, ids,
+                                          self.device.xp.asarray(np.moveaxis(rows, 0, 2)))
         self.device.synchronize()
 
     def _payload_rows(self, payload: np.ndarray) -> list[np.ndarray]:
@@ -109,12 +116,13 @@ class ModelRunner:
         """A packed step's inputs on the device, None if no row runs: one host-to-device copy
         of the whole array, then views into it. A decode-only step that a CUDA graph can run
         goes into its bucket's static buffer instead (also one copy)."""
-        n = step_sizes(packed)
+        n = packed_shape(packed)
         if n.seqs == 0:
             return None
         # Graphs run steps where every sequence has one token and a logits row (a one-token
         # prefill chunk short of the prompt's end has none, unless it scores the prompt).
-        if self.graphs is not None and n.tokens == n.decodes == n.logits and self.graphs.fits(n.seqs, n.max_blocks):
+        if (self.graphs is not None and n.tokens == n.decodes == n.logits
+                and self.graphs.fits(n.seqs, n.max_blocks)):
             host = unpack_step(packed, n)
             return self.graphs.prepare(host["input_ids"], host["positions"], host["slot_mapping"],
                                        host["context_lens"], host["block_tables"])
@@ -122,7 +130,8 @@ class ModelRunner:
 
     # ---- forward -----------------------------------------------------------------------
     def forward(self, inputs: ForwardBatch | GraphStep):
-        """Logits (R, V) of the rows that sample or score a prompt (plan.StepRows)."""
+        """Logits (R, V) of the rows that sample or score a prompt (plan.StepPlan's samples and
+        scores)."""
         if isinstance(inputs, GraphStep):
             return self.graphs.replay(inputs)
         if self.blas_threads:

@@ -13,18 +13,21 @@ class SamplingParams:
     top_p: float = 1.0             # nucleus mass, in (0, 1]
     top_k: int = -1                # -1 or 0 = off
     min_p: float = 0.0             # drop tokens below min_p x the likeliest's probability; 0 = off
-    max_tokens: int = 16           # 0 only with prompt_logprobs: the prompt scored, nothing generated
+    # 0 only with prompt_logprobs: the prompt scored, nothing generated
+    max_tokens: int = 16
     seed: int | None = None        # same seed, same output, whatever the batch around it
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)  # each ends the output, as EOS does
     logits_processor: "LogitsProcessor | None" = None  # penalties, grammars: nano/controls
     return_logits: bool = False    # keep the logits row behind every sampled token
-    prompt_logprobs: int | None = None  # score the prompt: each token's logprob and this many top ones
+    # score the prompt: each token's logprob and this many top ones
+    prompt_logprobs: int | None = None
     ttft_slo: float | None = None  # seconds from arrival to the first token (deadline policy)
     tpot_slo: float | None = None  # seconds per output token after the first
 
     def validate(self) -> None:
-        scores_only = self.max_tokens == 0 and self.prompt_logprobs is not None  # no token generated
+        # no token generated
+        scores_only = self.max_tokens == 0 and self.prompt_logprobs is not None
         for name, check in FIELD_RULES.items():
             if not (scores_only and name == "max_tokens"):
                 check(name, getattr(self, name))
@@ -38,11 +41,14 @@ FIELD_RULES = {
     "top_k": lambda name, v: checks.integer(name, v, -1, checks.INT32_MAX),
     "min_p": lambda name, v: checks.number(name, v, 0, 1),
     "max_tokens": lambda name, v: checks.integer(name, v, 1, checks.INT32_MAX),
-    "seed": lambda name, v: checks.integer(name, v, optional=True),  # any int: the sampler takes it mod 2**64
+    # any int: the sampler takes it mod 2**64
+    "seed": lambda name, v: checks.integer(name, v, optional=True),
     "ignore_eos": checks.flag,
-    "stop_token_ids": lambda name, v: [checks.integer(f"{name}[{i}]", t, 0, checks.INT32_MAX)
-                                       for i, t in enumerate(checks.instance(name, v, (list, tuple), "a list"))],
-    "logits_processor": lambda name, v: checks.instance(name, v, (LogitsProcessor, type(None)), "a LogitsProcessor"),
+    "stop_token_ids": lambda name, v: [
+        checks.integer(f"{name}[{i}]", t, 0, checks.INT32_MAX)
+        for i, t in enumerate(checks.instance(name, v, (list, tuple), "a list"))],
+    "logits_processor": lambda name, v: checks.instance(name, v, (LogitsProcessor, type(None)),
+                                                        "a LogitsProcessor"),
     "return_logits": checks.flag,
     "prompt_logprobs": lambda name, v: checks.integer(name, v, 0, checks.INT32_MAX, optional=True),
     "ttft_slo": lambda name, v: checks.number(name, v, low=0, open_low=True, optional=True),
@@ -89,21 +95,27 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []            # prefix-cache hash of each full computed block
         self.num_computed_tokens = 0                 # tokens whose KV is in the cache
-        self.num_cached_tokens = 0                   # of those, found in the prefix cache at admission
-        self.num_cached_prompt_tokens: int | None = None  # the same at the first admission (the request's hit)
+        # of those, found in the prefix cache at admission
+        self.num_cached_tokens = 0
+        # the same at the first admission (the request's hit)
+        self.num_cached_prompt_tokens: int | None = None
         self.arrival_time = arrival_time
-        self.scheduled_time: float | None = None     # first admitted to run (the end of its queueing)
+        # first admitted to run (the end of its queueing)
+        self.scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.token_times: list[float] = []
-        self.finish_reason: str | None = None        # stop | length | rejected (error says why) | aborted
+        # stop | length | rejected (error says why) | aborted
+        self.finish_reason: str | None = None
         self.error: str | None = None
         self.logits: list[np.ndarray] = []           # only with params.return_logits
         # With params.prompt_logprobs, prompt token i's (logprob, rank, [(token, logprob)] best
-        # first) at [i]; the first token has none. Filled as prefill chunks run (engine._postprocess).
+        # first) at [i]; the first token has none. Prefill chunks fill it as they run.
         self.prompt_logprobs: list = [None]
         self.seed = seed                             # with the output count, keys each random draw
-        self.processor_state = None                  # params.logits_processor's own, for this request
-        self.draft_token_ids: list[int] = []         # proposed to follow token_ids, checked in this step (engine.proposer)
+        # params.logits_processor's own, for this request
+        self.processor_state = None
+        # proposed to follow token_ids, checked in this step (engine.proposer)
+        self.draft_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

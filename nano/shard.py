@@ -49,12 +49,15 @@ def load_shard(config: EngineConfig, group: parallel.Group) -> Shard:
         # same tokens whatever the batch) holds only with them (docs/int8-kv.md).
         default = kind == "cpu" and config.kv_cache_dtype == "int8"
         invariant = default if config.batch_invariant is None else config.batch_invariant
-        model = load_model(folder.reader, cfg, part, device.put, context, group.all_reduce, op_set(kind, invariant))
+        model = load_model(folder.reader, cfg, part, device.put, context, group.all_reduce,
+                           op_set(kind, invariant))
 
-    per_token = kv_cache.bytes_per_token(cfg, part.num_kv_heads, config.kv_cache_dtype, device.itemsize)
+    per_token = kv_cache.bytes_per_token(cfg, part.num_kv_heads, config.kv_cache_dtype,
+                                         device.itemsize)
     block_bytes = per_token * config.block_size
     # Free memory measured once every rank has loaded its weights (the together block above).
-    memory = kv_cache.pool_memory(config, device.kind, device.free_memory(), group.rank, group.world)
+    memory = kv_cache.pool_memory(config, device.kind, device.free_memory(), group.rank,
+                                  group.world)
     num_blocks = group.min(kv_cache.pool_blocks(config, memory, per_token))
     if num_blocks < 1:  # agreed, so every rank raises it
         raise parallel.SharedError(f"KV cache memory holds no block of {block_bytes} bytes")
@@ -86,8 +89,10 @@ def _check_memory(device: Device, kv_bytes: int, swap_bytes: int) -> None:
     free = device.free_memory()
     if kv_bytes > free:
         where = "GPU" if device.kind == "gpu" else "host"
-        raise NanoError(f"a KV cache of {kv_bytes / 1e9:.2f} GB does not fit: {free / 1e9:.2f} GB of "
-                        f"{where} memory is available (give a smaller --kv-cache-memory or --num-blocks)")
+        raise NanoError(f"a KV cache of {kv_bytes / 1e9:.2f} GB does not fit: {free / 1e9:.2f} GB "
+                        f"of "
+                        f"{where} memory is available (give a smaller --kv-cache-memory or "
+                        f"--num-blocks)")
     _, total = host_memory()
     if swap_bytes > total:
         raise NanoError(f"swap space of {swap_bytes / 1e9:.2f} GB does not fit: this machine has "

@@ -35,11 +35,15 @@ class Tokenizer:
 
         self.bos_token, self.eos_token = token("bos_token"), token("eos_token")
         template = cfg.get("chat_template")
-        if isinstance(template, list) and all(isinstance(t, dict) for t in template):  # named: HF uses "default"
-            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-        self.chat_template = None if template is None else checks.text(f"{cfg_path} chat_template", template)
+        # named: HF uses "default"
+        if isinstance(template, list) and all(isinstance(t, dict) for t in template):
+            template = next((t.get("template") for t in template if t.get("name") == "default"),
+                            None)
+        self.chat_template = None if template is None else checks.text(f"{cfg_path} chat_template",
+                                                                       template)
 
-        add_bos = checks.flag(f"{cfg_path} add_bos_token", cfg.get("add_bos_token") or False) and self.bos_token
+        add_bos = checks.flag(f"{cfg_path} add_bos_token",
+                              cfg.get("add_bos_token") or False) and self.bos_token
         self._bos_id = self._tok.token_to_id(self.bos_token) if add_bos else None
         if add_bos and self._bos_id is None:
             raise NanoError(f"{cfg_path} bos_token {self.bos_token!r:.40} is not a token of {path}")
@@ -48,12 +52,14 @@ class Tokenizer:
         # for text a user typed: "<|im_end|>" in it is those ten characters, not the end of a turn.
         self._plain = tokenizers.Tokenizer.from_str(self._tok.to_str())
         self._plain.encode_special_tokens = True
-        specials = sorted((t.content for t in self._tok.get_added_tokens_decoder().values() if t.special),
-                          key=len, reverse=True)  # longest first: the regex takes the first that matches
+        # longest first: the regex takes the first that matches
+        specials = sorted((t.content for t in self._tok.get_added_tokens_decoder().values()
+                           if t.special), key=len, reverse=True)
         self.special_tokens = re.compile("|".join(map(re.escape, specials))) if specials else None
 
         eos_id = self._tok.token_to_id(self.eos_token) if self.eos_token is not None else None
-        self.eos_token_ids: set[int] = set(eos_token_ids) | ({eos_id} if eos_id is not None else set())
+        self.eos_token_ids: set[int] = (set(eos_token_ids)
+                                        | ({eos_id} if eos_id is not None else set()))
 
     def encode(self, text: str, plain: bool = False) -> list[int]:
         """plain: user text, in which a special token's text is plain text (never the token)."""
@@ -65,7 +71,8 @@ class Tokenizer:
         ids = [self._bos_id] if self._bos_id is not None else []
         for text, plain in parts:
             if text:
-                ids += (self._plain if plain else self._tok).encode(text, add_special_tokens=False).ids
+                ids += (self._plain if plain else self._tok).encode(text,
+                                                                    add_special_tokens=False).ids
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

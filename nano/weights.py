@@ -24,11 +24,13 @@ MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_
 
 
 def resolve_model(model: str | None) -> Path:
-    """Return the folder of `model`: a name of FETCHED (None: the default) or a path to a HF folder."""
+    """Return the folder of `model`: a name of FETCHED (None: the default) or a path to a HF
+    folder."""
     if model is None or model in FETCHED:
         folder = WEIGHTS_DIR / (model or DEFAULT_MODEL)
         if not is_complete(folder):
-            raise NanoError(f"weights/{folder.name} is not there yet: python -m nano.default_model {folder.name} "
+            raise NanoError(f"weights/{folder.name} is not there yet: python -m nano.default_model "
+                            f"{folder.name} "
                             f"fetches and converts it (run.py does on first use)")
         return folder
     if not isinstance(model, (str, os.PathLike)):
@@ -36,7 +38,8 @@ def resolve_model(model: str | None) -> Path:
     folder = Path(model)
     if not folder.is_dir():
         raise NanoError(f"model folder not found: {model}")
-    if not (folder / "config.json").exists():  # anything but a regular file is refused as it is read
+    # anything but a regular file is refused as it is read
+    if not (folder / "config.json").exists():
         raise NanoError(f"no config.json in {model}")
     return folder
 
@@ -52,7 +55,8 @@ class ModelFolder:
 def open_model(model: str | None, tokenizer: bool = True) -> ModelFolder:
     """The one place a model folder is opened and checked: config.json, the checkpoint files'
     structure (every tensor's bytes inside its file) and names (tp.check_checkpoint), the tokenizer
-    (if asked for; its ids are embedding rows). Damage is a NanoError. Shapes: as they load (tp.load_model)."""
+    (if asked for; its ids are embedding rows). Damage is a NanoError. Shapes: as they load
+    (tp.load_model)."""
     folder = resolve_model(model)
     config, reader = ModelConfig.from_hf(load_config(folder)), CheckpointReader(folder)
     check_checkpoint(config, reader.names())
@@ -99,12 +103,14 @@ class CheckpointReader:
             return NanoError(f"{path} is damaged or truncated: {why}")
 
         if not path.is_file():
-            raise NanoError(f"{path} is not a regular file" if path.exists() else f"missing checkpoint file: {path}")
+            raise NanoError(f"{path} is not a regular file" if path.exists()
+                            else f"missing checkpoint file: {path}")
         size = path.stat().st_size
         with open(path, "rb") as f:
             header_len = int.from_bytes(f.read(8), "little")
             if size < 8 or header_len > min(size - 8, 10**8):  # the format caps headers at 100 MB
-                raise damaged(f"its header says {header_len} bytes, but the file has {size} and headers are <= 100 MB")
+                raise damaged(f"its header says {header_len} bytes, but the file has {size} and "
+                              f"headers are <= 100 MB")
             try:
                 header = json.loads(f.read(header_len))
             except (ValueError, RecursionError):
@@ -118,12 +124,16 @@ class CheckpointReader:
             try:
                 dtype, shape = info["dtype"], tuple(int(n) for n in info["shape"])
                 start, end = (int(n) for n in info["data_offsets"])
-                itemsize = self._DTYPES[dtype].itemsize if dtype in self._DTYPES else None  # others: get() refuses them
-            except (TypeError, KeyError, ValueError, OverflowError):  # a dtype that is a list, a size of 1e999
+                # others: get() refuses them
+                itemsize = self._DTYPES[dtype].itemsize if dtype in self._DTYPES else None
+            # a dtype that is a list, a size of 1e999
+            except (TypeError, KeyError, ValueError, OverflowError):
                 raise damaged(f"bad header entry for {name}: {info!r:.80}") from None
             if not 0 <= start <= end <= size - base:
-                raise damaged(f"tensor {name} ends at byte {end} of the data, which holds {size - base}")
-            if itemsize and (min(shape, default=0) < 0 or end - start != math.prod(shape) * itemsize):
+                raise damaged(f"tensor {name} ends at byte {end} of the data, which holds "
+                              f"{size - base}")
+            if itemsize and (min(shape, default=0) < 0
+                             or end - start != math.prod(shape) * itemsize):
                 raise damaged(f"tensor {name} of shape {shape} has {end - start} bytes")
             self._tensors[name] = (data[base + start:base + end], dtype, shape)
 

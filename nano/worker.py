@@ -4,7 +4,7 @@ import signal
 
 from nano import parallel
 from nano.config import EngineConfig
-from nano.plan import step_sizes, unpack_step
+from nano.plan import packed_shape, unpack_step
 from nano.shard import load_shard
 
 
@@ -19,7 +19,7 @@ class Worker:
         the run (a rank leaving mid-step would leave the others waiting in a collective)."""
         signal.signal(signal.SIGINT, lambda *_: parallel.world().tell_interrupted())
         while (packed := self.group.broadcast(None)) is not None:
-            swaps = unpack_step(packed, step_sizes(packed))
+            swaps = unpack_step(packed, packed_shape(packed))
             self.runner.swap(swaps["blocks_to_swap_out"], swaps["blocks_to_swap_in"])
             inputs = self.runner.to_device(packed)
             if inputs is not None:

@@ -168,12 +168,12 @@ class StepKinds:
                                          forward(inputs))[1]
 
     def on_step(self, plan, *_):
-        rows = plan.rows
-        if any(d != -1 for d in rows.drafts):
+        if any(sample.drafts for sample in plan.samples):
             self.kinds[-1] = "drafts"
-        # A row's draft was accepted if the row's output token (this step's, at its counter) is it.
-        self.accepted += sum(d != -1 and len(s.output_token_ids) > c and s.output_token_ids[c] == d
-                             for s, c, d in zip(rows.sampling, rows.counters, rows.drafts))
+        # A draft was accepted if the output token at its row's output count is it.
+        self.accepted += sum(len(s.seq.output_token_ids) > s.output_count + j
+                             and s.seq.output_token_ids[s.output_count + j] == d
+                             for s in plan.samples for j, d in enumerate(s.drafts))
 
     def on_finish(self, seq):
         pass

@@ -4,7 +4,7 @@ static-buffer layout that one host-to-device copy moves per step."""
 import numpy as np
 
 from nano.graphs import DecodeGraphs, batch_buckets
-from nano.plan import SchedulerOutput, StepSizes, step_sizes, unpack_step
+from nano.plan import PackedShape, StepPlan, packed_shape, unpack_step
 from nano.sequence import SamplingParams, Sequence
 
 
@@ -21,7 +21,7 @@ def test_layout_pads_rows_safely():
     tables = np.array([[4, 9], [7, -1], [2, 3]], np.int32)
     host = graphs.layout(4, np.int32([11, 12, 13]), np.int32([20, 3, 17]), np.int32([73, 115, 49]),
                          np.int32([21, 4, 18]), tables)
-    fields = unpack_step(host, step_sizes(host))
+    fields = unpack_step(host, packed_shape(host))
     ids, positions, slots, context, rows = (fields[k] for k in (
         "input_ids", "positions", "slot_mapping", "context_lens", "logits_indices"))
     np.testing.assert_array_equal(ids, [11, 12, 13, 0])
@@ -48,12 +48,12 @@ def test_a_mixed_step_packs_in_the_plan_layout():
     chunk = sequence(0, list(range(100, 110)), 0, [5, 6])       # 6 of 10 prompt tokens this step
     decode = sequence(1, [7, 8, 9, 10, 11], 4, [2, 3])          # its 5th token
     prefill = sequence(2, [20, 21, 22], 0, [9])                 # the whole prompt: samples
-    plan = SchedulerOutput(scheduled=[(chunk, 6), (decode, 1), (prefill, 3)],
-                           blocks_to_swap_out=[(4, 0)], blocks_to_swap_in=[(1, 8), (2, 9)]).fix(block_size=4)
-    assert plan.rows.sampling == [decode, prefill]
+    plan = StepPlan(scheduled=[(chunk, 6), (decode, 1), (prefill, 3)],
+                           blocks_to_swap_out=[(4, 0)], blocks_to_swap_in=[(1, 8), (2, 9)]).freeze(block_size=4)
+    assert [sample.seq for sample in plan.samples] == [decode, prefill]
     packed = plan.packed
-    sizes = step_sizes(packed)
-    assert sizes == StepSizes(swap_out=1, swap_in=2, tokens=10, seqs=3, decodes=1, max_blocks=2, logits=2)
+    sizes = packed_shape(packed)
+    assert sizes == PackedShape(swap_out=1, swap_in=2, tokens=10, seqs=3, decodes=1, max_blocks=2, logits=2)
     f = unpack_step(packed, sizes)
     assert f["blocks_to_swap_out"].tolist() == [[4, 0]] and f["blocks_to_swap_in"].tolist() == [[1, 8], [2, 9]]
     assert f["input_ids"].tolist() == [11] + list(range(100, 106)) + [20, 21, 22]
@@ -67,8 +67,8 @@ def test_a_mixed_step_packs_in_the_plan_layout():
 
 def test_a_decode_step_packs_as_its_graph_bucket_lays_it_out():
     seqs = [sequence(i, list(range(3 + i)), 2 + i, [i, 10 + i]) for i in range(2)]
-    packed = SchedulerOutput(scheduled=[(s, 1) for s in seqs]).fix(block_size=4).packed
-    f = unpack_step(packed, step_sizes(packed))
+    packed = StepPlan(scheduled=[(s, 1) for s in seqs]).freeze(block_size=4).packed
+    f = unpack_step(packed, packed_shape(packed))
     graphs = DecodeGraphs.__new__(DecodeGraphs)
     graphs.max_blocks = 2
     host = graphs.layout(2, f["input_ids"], f["positions"], f["slot_mapping"], f["context_lens"],
@@ -83,16 +83,16 @@ def test_the_plan_is_fixed_when_planned():
     scorer.block_table = [7]
     decode = sequence(1, [7, 8, 9, 10], 4, [2, 3])
     decode.token_ids.append(11)  # its first output token, now fed back
-    plan = SchedulerOutput(scheduled=[(scorer, 4), (decode, 1)]).fix(block_size=4)
-    fixed = (plan.packed.copy(), [s.seq_id for s in plan.rows.sampling], plan.rows.counters,
-             plan.rows.sample_rows, [s.seq_id for s in plan.rows.scoring], plan.rows.targets,
-             plan.rows.score_rows, plan.prefill_tokens, plan.num_decodes, plan.decode_kv_tokens)
-    assert fixed[1:] == ([1, 3], [1, 0], [0, 4], [3, 3, 3], [31, 32, 33], [1, 2, 3], 4, 1, 5)
+    plan = StepPlan(scheduled=[(scorer, 4), (decode, 1)]).freeze(block_size=4)
+    fixed = (plan.packed.copy(), [(s.seq.seq_id, s.rows, s.drafts, s.output_count) for s in plan.samples],
+             [(s.seq.seq_id, s.row, s.target) for s in plan.scores], plan.prefill_tokens, plan.num_decodes,
+             plan.decode_kv_tokens)
+    assert fixed[1:] == ([(1, [0], [], 1), (3, [4], [], 0)], [(3, 1, 31), (3, 2, 32), (3, 3, 33)], 4, 1, 5)
     for seq, n in plan.scheduled:  # the engine's postprocessing
         seq.num_computed_tokens += n
         seq.token_ids.append(99)
     scorer.prompt_logprobs += [(0.0, 1, [])] * 3
     np.testing.assert_array_equal(plan.packed, fixed[0])
-    assert (plan.rows.sampling, plan.rows.counters, plan.rows.sample_rows) == ([decode, scorer], [1, 0], [0, 4])
-    assert (plan.rows.scoring, plan.rows.targets, plan.rows.score_rows) == ([scorer] * 3, [31, 32, 33], [1, 2, 3])
+    assert [(s.seq, s.rows, s.drafts, s.output_count) for s in plan.samples] == [(decode, [0], [], 1), (scorer, [4], [], 0)]
+    assert [(s.seq, s.row, s.target) for s in plan.scores] == [(scorer, 1, 31), (scorer, 2, 32), (scorer, 3, 33)]
     assert (plan.prefill_tokens, plan.num_decodes, plan.decode_kv_tokens) == (4, 1, 5)

@@ -2,9 +2,11 @@
 engine never imports, add-ons that build only on shared foundations, no modules that import
 each other, the engine small enough to read, and run.py only assembling the add-ons."""
 import ast
+import io
 import re
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 NANO = Path(__file__).resolve().parent.parent / "nano"
@@ -158,7 +160,7 @@ def engine_surface() -> set[str]:
     """What an add-on may touch on an engine: LLMEngine's public methods and properties, and
     the attributes it publishes."""
     from nano.engine import LLMEngine
-    return {n for n in vars(LLMEngine) if not n.startswith("_")} | set(LLMEngine.PUBLISHED)
+    return {n for n in vars(LLMEngine) if not n.startswith("_")} | set(LLMEngine.ADDON_ATTRIBUTES)
 
 
 def engine_reaches(path: Path, surface: set[str]) -> list[str]:
@@ -194,7 +196,7 @@ DEVICE_SIDE = ("runner", "model", "graphs", "worker")
 def test_the_device_side_is_never_handed_a_sequence():
     """No device-side module imports Sequence, the plan that holds sequences, or the scheduler:
     what it runs comes as arrays, fixed when the step was planned."""
-    banned = {"nano.sequence", "nano.scheduler", "nano.plan.SchedulerOutput", "nano.plan.StepRows"}
+    banned = {"nano.sequence", "nano.scheduler", "nano.plan.StepPlan", "nano.plan.Sample", "nano.plan.Score"}
     offenders = {name: sorted(imported_modules(NANO / f"{name}.py") & banned) for name in DEVICE_SIDE}
     assert not any(offenders.values()), f"the device side imports {offenders}"
 
@@ -223,21 +225,73 @@ def test_the_numpy_ops_never_look_for_a_device():
 # batch-invariant CPU path that int8 runs by default, the never-fit rule a disaggregated
 # router shares with the scheduler, prompt logprobs scored from the prefill rows across
 # chunks, cache hits and recomputes, the prefix cache's stored and evicted blocks as events
-# for a data-parallel router) in 4,000 lines: deep dives live in docs/, helpers only add-ons
-# use live with them. The figure is never raised: growing past it means moving something out
-# first.
-CORE_LINES = 4000
-# Of those, one step's path (STEP_PATH), prompt logprobs included, which every stage of a
-# step carries (the plan's rows, the packed logits rows, the scoring, the cache hits a
-# scoring request may not take): 1,900 lines.
-STEP_LINES = 1900
+# for a data-parallel router). Deep dives live in docs/, and helpers only add-ons use live
+# with them. The budget counts code, not lines: a statement counts once however it is
+# wrapped, and docstrings, comments and blank lines count nothing, so that neither packing
+# nor prose pays. The ceilings are the code as it stood when they were set (2,580 and
+# 1,185 lines), rounded up to the next hundred. They are never raised: growing past one
+# means moving something out first.
+CORE_CODE_LINES = 2600
+# Of those, one step's path (STEP_PATH), prompt logprobs and drafts included.
+STEP_CODE_LINES = 1200
+LINE_LENGTH = 100  # characters, in every core file
+
+
+def code_lines(source: str) -> int:
+    """Count the logical lines of code in source: each statement, decorator or clause header
+    once, however many physical lines it is wrapped over; docstrings, comments and blank
+    lines not at all."""
+    docstrings = set()
+    for node in ast.walk(ast.parse(source)):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body:
+            first = body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                    and isinstance(first.value.value, str):
+                docstrings.add(first.lineno)
+    skipped = {tokenize.COMMENT, tokenize.NL, tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING,
+               tokenize.ENDMARKER}
+    count, start = 0, None
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type in skipped:
+            continue
+        start = token.start[0] if start is None else start
+        if token.type == tokenize.NEWLINE:
+            count += start not in docstrings
+            start = None
+    return count
+
+
+def long_lines(source: str, name: str) -> list[str]:
+    """'name:line' for each line of source longer than LINE_LENGTH characters."""
+    return [f"{name}:{i}" for i, line in enumerate(source.splitlines(), 1) if len(line) > LINE_LENGTH]
 
 
 def test_the_core_stays_small():
-    lines = {p.stem: len(p.read_text().splitlines()) for p in CORE}
-    assert sum(lines.values()) <= CORE_LINES, f"the core is {sum(lines.values())} lines"
-    step = sum(lines[name] for name in STEP_PATH)
-    assert step <= STEP_LINES, f"one step's path is {step} lines"
+    counts = {p.stem: code_lines(p.read_text()) for p in CORE}
+    assert sum(counts.values()) <= CORE_CODE_LINES, f"the core is {sum(counts.values())} lines of code"
+    step = sum(counts[name] for name in STEP_PATH)
+    assert step <= STEP_CODE_LINES, f"one step's path is {step} lines of code"
+
+
+def test_no_core_line_is_longer_than_the_limit():
+    offenders = [hit for p in CORE for hit in long_lines(p.read_text(), p.name)]
+    assert not offenders, f"core lines over {LINE_LENGTH} characters: {offenders}"
+
+
+def test_the_budget_sees_a_planted_line():
+    """One more statement is one more line of code, however it is written; a docstring, a
+    comment, a wrapped call and blank lines are none; a 101-character line is one too long."""
+    source = (NANO / "engine.py").read_text()
+    base = code_lines(source)
+    assert code_lines(source + "\nPLANTED = 1\n") == base + 1
+    assert code_lines(source + '\n\n# a comment\ndef f():\n    """A docstring."""\n    return g(1,\n             2)\n') == base + 2
+    counts = {p.stem: code_lines(p.read_text()) for p in CORE}
+    room = CORE_CODE_LINES - sum(counts.values())
+    planted = source + "".join(f"\nPLANTED_{i} = {i}" for i in range(room + 1)) + "\n"
+    assert sum(counts.values()) - counts["engine"] + code_lines(planted) > CORE_CODE_LINES
+    assert long_lines("x = 1\n" + "y = '" + "z" * 95 + "'\n", "planted.py") == ["planted.py:2"]
+    assert long_lines("y = '" + "z" * 94 + "'\n", "planted.py") == []
 
 
 def test_the_engine_imports_without_the_add_ons_dependencies():

@@ -5,7 +5,7 @@ import pytest
 
 from nano import ops
 from nano.device import Device
-from nano.plan import StepRows
+from nano.plan import Sample
 from nano.sampler import Sampler
 from nano.sequence import LogitsProcessor, SamplingParams, Sequence
 
@@ -130,7 +130,10 @@ def test_sampler_rows_params_and_logits():
               SamplingParams(temperature=1.0, top_p=0.5, seed=-3)]
     seqs = [Sequence(i, "", [1, 2, 3], p, 0.0, seed=-3 if i == 2 else 10 + i) for i, p in enumerate(params)]
     seqs[1].token_ids.append(4)  # one output token so far: counter 1
-    tokens, kept = Sampler(Device("cpu"), ops.REFERENCE).sample(logits, StepRows(seqs, [s.num_output_tokens for s in seqs], [0, 1, 2]))
+    samples = [Sample(seq, [i], [], seq.num_output_tokens) for i, seq in enumerate(seqs)]
+    tokens, kept = Sampler(Device("cpu"), ops.REFERENCE).sample(logits, samples)
+    tokens = [t for (t,) in tokens]
+    kept = {i: rows[0] for i, rows in enumerate(kept) if rows}
     assert tokens[0] == int(logits[0].argmax())
     assert tokens[1] == ops.sample(logits[1:2], np.float32([0.9]), np.int32([5]), np.float32([1.0]), np.float32([-np.inf]),
                                    np.uint64([11]), np.int32([1]))[0]
@@ -192,7 +195,10 @@ def test_a_processor_changes_its_own_rows_only_and_logits_are_kept_raw():
               SamplingParams(temperature=0, return_logits=True, logits_processor=BanAndAllow(10, 64)),
               SamplingParams(temperature=0, logits_processor=BanAndAllow(0, 12))]
     seqs = [Sequence(i, "", [1, 2], p, 0.0, seed=i) for i, p in enumerate(params)]
-    tokens, kept = Sampler(Device("cpu"), ops.REFERENCE).sample(logits.copy(), StepRows(seqs, [0, 0, 0], [0, 1, 2]))
+    samples = [Sample(seq, [i], [], 0) for i, seq in enumerate(seqs)]
+    tokens, kept = Sampler(Device("cpu"), ops.REFERENCE).sample(logits.copy(), samples)
+    tokens = [t for (t,) in tokens]
+    kept = {i: rows[0] for i, rows in enumerate(kept) if rows}
     assert tokens == [10, 12, 10]  # row 1: 10 banned; row 2: 12 masked out, 10 kept
     np.testing.assert_array_equal(kept[1], logits[1])  # raw, as return_logits and logprobs report them
     assert [s.processor_state for s in seqs] == [None, 1, 1]

@@ -9,7 +9,7 @@ from nano.block_manager import BlockManager
 from nano.config import STEP_TARGET, EngineConfig
 from nano.cost_model import CostModel
 from nano.deadline.cli import policy_factory
-from nano.plan import SchedulerOutput
+from nano.plan import StepPlan
 from nano.scheduler import Scheduler
 from nano.sequence import SamplingParams, Sequence, Status
 
@@ -96,7 +96,7 @@ def test_admission_keeps_the_free_blocks_at_or_above_the_watermark():
     a, b, c = request(sched, 4 * BLOCK), request(sched, 4 * BLOCK), request(sched, BLOCK)
     out = step(sched)
     assert out.admitted == [a, b] and list(sched.waiting) == [c]
-    assert sched.bm.num_free_blocks == 2
+    assert sched.block_manager.num_free_blocks == 2
     sched.finish(a, "stop")
     assert step(sched).admitted == [c]
 
@@ -109,7 +109,7 @@ def test_never_fits_the_pool_is_rejected_at_once_and_does_not_block_the_queue():
     out = step(sched)
     assert out.finished == [too_long] and too_long.finish_reason == "rejected"
     assert "needs 9 KV blocks" in too_long.error and "can ever give one request 8" in too_long.error
-    assert out.admitted == [fits] and sched.bm.num_free_blocks == 2
+    assert out.admitted == [fits] and sched.block_manager.num_free_blocks == 2
 
 
 def test_never_fits_the_context_is_rejected_at_once_and_does_not_block_the_queue():
@@ -130,7 +130,7 @@ def test_swapped_sequence_waits_for_the_watermark_while_others_run():
     for _ in range(6):
         step(sched)                          # c and b decode, into 3 blocks each
     sched.finish(b, "stop")
-    assert sched.bm.num_free_blocks == 7     # a needs 7 back: 0 would be left, below 2
+    assert sched.block_manager.num_free_blocks == 7     # a needs 7 back: 0 would be left, below 2
     d = request(sched, BLOCK)                # fits beside the watermark, but a was first
     out = step(sched)
     assert not out.blocks_to_swap_in and [s for s, _ in out.scheduled] == [c]
@@ -178,7 +178,7 @@ def test_reserve_holds_blocks_within_the_watermark_and_refuses_what_never_fits()
     assert sched.reserve(second) is False and second.status is Status.WAITING  # 0 left, under 1
     assert "model context of 64 tokens" in sched.reserve(handed(100))
     sched.finish(first, "aborted")
-    assert sched.bm.num_free_blocks == 4 and not sched.held
+    assert sched.block_manager.num_free_blocks == 4 and not sched.held
 
 
 def test_swap_out_and_in_brings_every_token_back_to_its_slot():
@@ -197,10 +197,10 @@ def test_swap_out_and_in_brings_every_token_back_to_its_slot():
             (p,) = out.preempted
             assert p.mode == "swap" and [h for _, h in out.blocks_to_swap_out] == p.seq.block_table
     assert swapped_in and swapped_out > swapped_in  # a out, back in, out again (still there)
-    assert a.status is Status.SWAPPED and len(sched.bm.free_host_blocks) == 10 - len(a.block_table)
+    assert a.status is Status.SWAPPED and len(sched.block_manager.free_host_blocks) == 10 - len(a.block_table)
     for seq in (a, c):
         sched.finish(seq, "aborted")
-    assert len(sched.bm.free_host_blocks) == 10 and sched.bm.num_free_blocks == 10
+    assert len(sched.block_manager.free_host_blocks) == 10 and sched.block_manager.num_free_blocks == 10
 
 
 def test_recompute_victim_gives_its_blocks_up_and_goes_back_ahead_of_the_queue():
@@ -215,7 +215,7 @@ def test_recompute_victim_gives_its_blocks_up_and_goes_back_ahead_of_the_queue()
     assert [(p.seq, p.mode) for p in out.preempted] == [(b, "recompute")]
     assert b.status is Status.WAITING and b.num_computed_tokens == 0 and b.block_table == []
     assert list(sched.waiting) == [b, c]       # it was admitted before c: first in line
-    assert len(a.block_table) == 2 and sched.bm.num_free_blocks == 1  # a grew into b's freed block
+    assert len(a.block_table) == 2 and sched.block_manager.num_free_blocks == 1  # a grew into b's freed block
     sched.finish(a, "stop")
     out = step(sched, kv=kv)
     assert out.admitted == [b] and out.scheduled == [(b, BLOCK + 1)]  # its prompt and its token, again
@@ -295,7 +295,7 @@ def test_swapped_in_tokens_count_against_the_budget_of_admissions():
                            max_num_batched_tokens=8)
     s = request(sched, 8)
     step(sched)
-    sched._preempt(s, SchedulerOutput())
+    sched._preempt(s, StepPlan())
     assert s.status is Status.SWAPPED
     w = request(sched, 20)
     out = step(sched)                          # s's decode comes back, w gets what is left
@@ -325,7 +325,7 @@ def test_alone_and_out_of_blocks_finishes_with_length():
     out = step(sched)                        # the 9th needs a third block: there is none, ever
     assert out.finished == [seq] and not out.preempted and not out.scheduled
     assert seq.finish_reason == "length" and not sched.has_work()
-    assert sched.bm.num_free_blocks == 2
+    assert sched.block_manager.num_free_blocks == 2
 
 
 @pytest.mark.parametrize("policy,chunk", [("fcfs", 1000), ("deadline", 28)])

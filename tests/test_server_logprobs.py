@@ -120,7 +120,7 @@ def test_a_piece_of_a_character_shows_as_its_bytes(srv):
 
 
 def test_two_tokens_of_the_same_text_get_two_keys():
-    from nano.server.responses import top_by_token
+    from nano.server.completions import top_by_token
     top = [{"token": "the", "id": 5, "logprob": -1.0}, {"token": "the", "id": 9, "logprob": -2.0}]
     assert top_by_token(top) == {"the": -1.0, "token_id:9": -2.0}
 

@@ -30,20 +30,16 @@ class Checked:
         self.accepted_at: dict[int, set[int]] = {}  # seq id -> output positions that were accepted drafts
 
     def on_step(self, plan, *_):
-        rows, i = plan.rows, 0
-        while i < len(rows.sampling):
-            seq, first = rows.sampling[i], i
-            while i < len(rows.sampling) and rows.sampling[i] is seq:
-                i += 1
-            drafts = [d for d in rows.drafts[first:i] if d != -1]
-            new = seq.output_token_ids[rows.counters[first]:]
+        for sample in plan.samples:
+            seq, drafts = sample.seq, sample.drafts
+            new = seq.output_token_ids[sample.output_count:]
             n = 0
             while n < min(len(drafts), len(new)) and new[n] == drafts[n]:
                 n += 1
             self.drafts += len(drafts)
             self.accepted += n
             self.rejected += len(drafts) > n and len(new) > n  # a draft the target model replaced
-            self.accepted_at.setdefault(seq.seq_id, set()).update(rows.counters[first] + j for j in range(n))
+            self.accepted_at.setdefault(seq.seq_id, set()).update(sample.output_count + j for j in range(n))
         bm, size = self.engine.block_manager, self.engine.config.block_size
         for seq in self.engine.scheduler.running:
             assert seq.num_computed_tokens <= seq.num_tokens - 1 and not seq.draft_token_ids

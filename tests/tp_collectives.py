@@ -20,19 +20,19 @@ assert nbytes == (base.nbytes if n > 1 else 0) and seconds >= 0  # one rank: not
 assert group.take_all_reduce_stats() == (0.0, 0)
 
 # The step message: a packed step (swap pairs and inputs) arrives whole on every rank.
-sizes = plan.StepSizes(swap_out=2, swap_in=1, tokens=3, seqs=2, decodes=1, max_blocks=2, logits=2)
+sizes = plan.PackedShape(swap_out=2, swap_in=1, tokens=3, seqs=2, decodes=1, max_blocks=2, logits=2)
 swap_out, swap_in = [(3, 0), (4, 1)], [(7, 9)]
 fields = dict(blocks_to_swap_out=swap_out, blocks_to_swap_in=swap_in, input_ids=[5, 6, 7],
               positions=[9, 0, 1], slot_mapping=[41, 16, 17], context_lens=[10, 2],
               block_tables=[[1, 2], [3, -1]], cu_seqlens_q=[0, 2], logits_indices=[0, 2])
 message = plan.pack_step(sizes, **fields) if r == 0 else None
 got = group.broadcast(message)
-assert plan.step_sizes(got) == sizes
+assert plan.packed_shape(got) == sizes
 views = plan.unpack_step(got, sizes)
 assert all(np.array_equal(views[k], np.asarray(v)) for k, v in fields.items())
 nothing = {k: () for k in fields} | {"cu_seqlens_q": [0]}  # a step that only waits
-empty = plan.pack_step(plan.StepSizes(), **nothing) if r == 0 else None
-assert plan.step_sizes(group.broadcast(empty)) == plan.StepSizes()
+empty = plan.pack_step(plan.PackedShape(), **nothing) if r == 0 else None
+assert plan.packed_shape(group.broadcast(empty)) == plan.PackedShape()
 assert group.broadcast(None) is None  # STOP
 
 assert group.min(10 + r) == 10

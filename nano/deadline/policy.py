@@ -171,7 +171,7 @@ class Deadline(FCFS):
         urgent = [t for t in self.recent_ttft if self.view.now + t < last_deadline]
         return self.STEP_SHARE_OF_TTFT * min(urgent, default=math.inf)
 
-    def held_for_waiting(self, budget: int, prefills: list[Sequence], arrived: list[Sequence]) -> int:
+    def reserved_for_admissions(self, budget: int, prefills: list[Sequence], arrived: list[Sequence]) -> int:
         """EDF across the queue line: arrived requests whose TTFT deadline comes before every
         running prompt's (and that can still make it) get their prompts' tokens first."""
         if self.view.swapped or not prefills:  # swapped sequences come back before any admission

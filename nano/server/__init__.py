@@ -6,7 +6,7 @@
   schemas.py        what it takes: OpenAI's request bodies, the text checks, errors in OpenAI's shape
   fields.py         the request fields nano does not implement: each a 400 naming it, unless "off"
   middleware.py     what every request passes first: body size, Host header, one log line
-  responses.py      what it answers: one response or a stream, usage and logprobs in OpenAI's shapes
+  completions.py    what it answers: one response or a stream, usage and logprobs in OpenAI's shapes
   engine_thread.py  the thread that owns the engine: jobs in, steps, text and logprobs out
   limits.py         what one request may ask for (the --serve flags' defaults)
   cli.py            run.py --serve: its flags, their checks, the server started

@@ -40,7 +40,7 @@ from starlette.exceptions import HTTPException
 from nano.server import __version__, tool_parsers, tools
 from nano.server.limits import CORS, SHUTDOWN_TIMEOUT, Limits
 from nano.server.middleware import AccessLog, BodyLimit, Cors, HostCheck, log, log_config
-from nano.server.responses import respond
+from nano.server.completions import respond
 from nano.server.responses_api import create as create_response
 from nano.server.responses_schemas import ResponsesRequest
 from nano.server.schemas import (BadRequest, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,

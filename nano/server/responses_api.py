@@ -6,7 +6,7 @@ response.completed), each a server-sent event named by its type. text.format (st
 output) and function tools take the chat endpoint's paths too: the format is compiled as
 response_format, the tools reach the template, tool_choice is checked and forced (tools.py) and
 the calls read back (responses.tool_parser) as function_call output items. Failures, rejections
-and a client that goes away take the chat endpoint's paths (responses.py's unless_gone, the jobs
+and a client that goes away take the chat endpoint's paths (completions.py's unless_gone, the jobs
 released, a mid-stream error as an error event). nano keeps no responses: store is false."""
 import asyncio
 import itertools
@@ -19,7 +19,7 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 
 from nano.server import tools
 from nano.server.engine_thread import Job
-from nano.server.responses import collect, tool_parser, unless_gone, usage_of
+from nano.server.completions import collect, tool_parser, unless_gone, usage_of
 from nano.server.responses_schemas import ResponsesRequest
 from nano.server.schemas import BadRequest, error_response
 from nano.server.serving import Server

@@ -1,6 +1,6 @@
 """The server's requests on the event loop's side: each checked against the limits before it
 costs anything, started as jobs on the engine thread (engine_thread.py), aborted when its
-client goes away, ended at shutdown. app.py routes HTTP to it; responses.py turns its jobs'
+client goes away, ended at shutdown. app.py routes HTTP to it; completions.py turns its jobs'
 events into OpenAI's responses."""
 import asyncio
 import dataclasses

@@ -52,7 +52,7 @@ def queue_state(engine, now: float) -> QueueState:
     running = [q for q in seqs if q.status is Status.RUNNING]
     swapped = [q for q in seqs if q.status is Status.SWAPPED]
     return QueueState(
-        arrived=engine.added - (len(queued) - len(waiting)), running=len(running),
+        arrived=engine.num_requests_queued - (len(queued) - len(waiting)), running=len(running),
         waiting=len(waiting), swapped=len(swapped),
         queue_tokens=sum(q.num_uncomputed_tokens for q in waiting)
         + sum(q.params.max_tokens - q.num_output_tokens for q in waiting + running + swapped))

@@ -7,7 +7,7 @@ it with metrics_of(engine), which attaches one if none is (counting from then on
 reset_metrics(engine) starts the figures afresh (after a warm-up), its request_observers kept."""
 from collections import Counter, deque
 
-from nano.plan import SchedulerOutput
+from nano.plan import StepPlan
 from nano.policy import LATE
 from nano.sequence import Sequence
 
@@ -61,7 +61,7 @@ class Metrics:
         engine.observers.append(metrics)
         return metrics
 
-    def on_step(self, plan: SchedulerOutput, start: float, end: float, free_blocks: int, swap_bytes: int,
+    def on_step(self, plan: StepPlan, start: float, end: float, free_blocks: int, swap_bytes: int,
                 all_reduce_seconds: float = 0.0, all_reduce_bytes: int = 0) -> None:
         seconds = end - start
         self.step_log.append((start, end, plan.prefill_tokens, plan.num_decodes))
@@ -85,19 +85,14 @@ class Metrics:
             self.prefix_hits += seq.num_cached_tokens
         self.count_drafts(plan)
 
-    def count_drafts(self, plan: SchedulerOutput) -> None:
-        """The step's drafts and how many were accepted: a sequence's rows are consecutive, each
-        but its last checks a draft (rows.drafts), and its new tokens start at its first row's
-        counter; the accepted drafts are the leading ones its new tokens equal."""
-        rows, i = plan.rows, 0
-        while i < len(rows.sampling):
-            seq, start = rows.sampling[i], i
-            while i < len(rows.sampling) and rows.sampling[i] is seq:
-                i += 1
-            drafts = [d for d in rows.drafts[start:i] if d >= 0]
+    def count_drafts(self, plan: StepPlan) -> None:
+        """The step's drafts and how many were accepted: a sample's new tokens start at its
+        output count, and the accepted drafts are the leading ones its new tokens equal."""
+        for sample in plan.samples:
+            drafts = sample.drafts
             if not drafts:
                 continue
-            new = seq.output_token_ids[rows.counters[start]:]
+            new = sample.seq.output_token_ids[sample.output_count:]
             accepted = 0
             while accepted < min(len(drafts), len(new)) and new[accepted] == drafts[accepted]:
                 accepted += 1
