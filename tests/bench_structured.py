@@ -2,7 +2,7 @@
 unconstrained requests; and what compiling a large schema costs the requests already running.
 
     HF_HUB_OFFLINE=1 python tests/bench_structured.py [--model weights/SmolLM2-135M-Instruct]
-        [--prompts 3] [--max-tokens 256] [--free 8]
+        [--prompts 3] [--max-tokens 256] [--free 8] [--whitespace-flexible]
 
 Part 1: SCHEMAS (nested objects, arrays with min/max items, enums, bounded numbers, optional
 fields, anyOf unions, string formats and patterns) x --prompts chat prompts each, greedy, all
@@ -31,7 +31,7 @@ from nano.config import EngineConfig  # noqa: E402
 from nano.engine import LLMEngine  # noqa: E402
 from nano.errors import NanoError  # noqa: E402
 from nano.sequence import SamplingParams  # noqa: E402
-from nano.structured import Vocabulary, compile_grammar  # noqa: E402
+from nano.structured import Vocabulary, compile_grammar, grammar  # noqa: E402
 
 
 def obj(props: dict, required=None, **extra) -> dict:
@@ -216,7 +216,10 @@ def main() -> None:
     p.add_argument("--free", type=int, default=8)
     p.add_argument("--itl-tokens", type=int, default=64)
     p.add_argument("--skip", choices=["1", "2"])
+    p.add_argument("--whitespace-flexible", action="store_true",
+                   help="any whitespace between JSON tokens, as vLLM allows by default (nano's JSON is compact)")
     args = p.parse_args()
+    grammar.JSON_DEFAULTS["whitespace_flexible"] = args.whitespace_flexible  # this process's grammars only
     engine = LLMEngine(EngineConfig(model=args.model, device="cpu"))
     vocab = Vocabulary.of(engine.tokenizer, engine.model_config.vocab_size)
     print(f"{args.model}: {len(SCHEMAS)} schemas")
