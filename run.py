@@ -34,7 +34,7 @@ from nano.server import cli as server
 from nano.speculative import attach
 from nano.speculative import cli as speculative
 from nano.telemetry import heartbeat
-from nano.telemetry.watchdog import abort_all
+from nano.telemetry.watchdog import abort_all, launcher_stderr
 
 
 def build_parser() -> flags.Parser:
@@ -112,7 +112,7 @@ def parse(argv, rank: int):
     speculative.check_args(args)
     if args.lab is not None:
         return args, config, policy, None, None
-    params = flags.check_args(args)
+    params = flags.check_args(args, rank)
     bench.check_args(args, config)
     flags.check_mode(args)
     server.check_args(args)
@@ -136,19 +136,6 @@ def on_sigterm(*_) -> None:
     if not heartbeat.just_resumed():  # else another rank found this one stopped and said so
         os.write(launcher_stderr(), b"error: terminated (SIGTERM)\n")
     raise Terminated
-
-
-def launcher_stderr() -> int:
-    """Where a rank's last line reaches the user: under Open MPI's mpirun, which stops passing
-    on the ranks' output the moment it gets a signal, the stderr of the launcher that started
-    this rank (prterun, which mpirun is, or its daemon prted on another host); else ours."""
-    parent = f"/proc/{os.getppid()}"
-    try:
-        if os.path.basename(os.readlink(parent + "/exe")) in ("prterun", "prted"):
-            return os.open(parent + "/fd/2", os.O_WRONLY | os.O_APPEND)
-    except OSError:  # not Open MPI's launcher, or its stderr out of reach
-        pass
-    return sys.stderr.fileno()
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -293,7 +294,7 @@ def test_dp_without_mpirun_and_bad_flags_are_one_line(tenant_file):
         assert_one_line_error(launch(["run.py", "--prompt-file", str(tenant_file), *flags]), message)
 
 
-STALL = "has sent nothing for 6 s: stopped or wedged (--stall-timeout)"
+STALL = f"on {socket.gethostname()} has sent nothing for 6 s: stopped, wedged or cut off (--stall-timeout)"
 
 
 @needs_mpi

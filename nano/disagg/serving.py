@@ -70,6 +70,20 @@ def payload_tag(seq_id: int) -> int:
     return 2 + seq_id % TAG_SPAN
 
 
+def on_clock(offer: kv_transfer.Offer, now: float) -> kv_transfer.Offer:
+    """The offer with its times (its sequence's and its own) moved onto the clock that reads
+    now on its arrival: the prefill instance's clock may be another host's, whose monotonic
+    clock counts from another boot. Its time in flight is counted as none."""
+    shift = now - offer.offered_at
+    seq = offer.seq
+    seq.arrival_time += shift
+    seq.scheduled_time = None if seq.scheduled_time is None else seq.scheduled_time + shift
+    seq.first_token_time = None if seq.first_token_time is None else seq.first_token_time + shift
+    seq.token_times = [t + shift for t in seq.token_times]
+    offer.offered_at = now
+    return offer
+
+
 class PrefillInstance(Instance):
     def __init__(self, engine, link):
         super().__init__(engine, link)
@@ -82,7 +96,8 @@ class PrefillInstance(Instance):
     def receive(self, source: int, message: tuple) -> None:
         kind = message[0]
         if kind == "request":
-            _, seq, decode = message
+            _, seq, decode, sent_at = message
+            seq.arrival_time = self.engine.clock.now() - (sent_at - seq.arrival_time)  # onto this host's clock
             self.seqs[seq.seq_id], self.decode_rank[seq.seq_id] = seq, decode
             self.engine.queue(seq)
             self.received += 1
@@ -159,7 +174,7 @@ class DecodeInstance(Instance):
     def receive(self, source: int, message: tuple) -> None:
         kind = message[0]
         if kind == "offer":
-            self.offers.append(message[1])
+            self.offers.append(on_clock(message[1], self.engine.clock.now()))
         elif kind == "abort":
             self.abort(message[1])
         elif kind == "stop":
@@ -321,7 +336,7 @@ class Router(RouterBase):
             self.in_flight[p].append((seq.num_prompt_tokens,))  # a prefill instance's queue: prompt tokens
             self.promised[d][seq.seq_id] = -(-(seq.num_prompt_tokens + 1) // self.block_size)
             self.where[seq.seq_id] = (p, d)
-            self.link.send(p, ("request", seq, d))
+            self.link.send(p, ("request", seq, d, self.clock.now()))
         return bool(arrived)
 
     def free_blocks(self, d: int) -> int:
@@ -351,7 +366,7 @@ class Router(RouterBase):
         for name, pool in pools.items():
             self.pool_samples[name].append((pool["queue_depth_tokens"], pool["kv_occupancy"]))
         if self.on_snapshot:
-            self.on_snapshot({"time": s.time, "arrived": self.expected - len(self.pending),
+            self.on_snapshot({"time": self.clock.now(), "arrived": self.expected - len(self.pending),
                               "finished": len(self.results), "pools": pools})
 
     def pools(self) -> dict:

@@ -179,7 +179,7 @@ class Router(RouterBase):
         super().on_status(s)
         self.samples[s.rank].append((s.queue_tokens, s.used_blocks / s.num_blocks))
         if self.on_snapshot:
-            self.on_snapshot({"time": s.time, "arrived": self.expected - len(self.pending),
+            self.on_snapshot({"time": self.clock.now(), "arrived": self.expected - len(self.pending),
                               "finished": len(self.results), "replicas": self.replicas()})
 
     def replicas(self) -> dict:

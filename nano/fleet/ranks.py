@@ -11,8 +11,10 @@ Liveness is not the router's to judge: a step, however long, sends the router no
 rank that computes is alive. Every rank's heartbeat thread (telemetry/heartbeat.py) tells a
 stopped rank, the router's included, from a busy one.
 
-Times are each process's time.perf_counter(): CLOCK_MONOTONIC, one clock for all ranks
-on one host (the arrival trace, TTFT and TPOT mix ranks' times).
+Times are each process's time.perf_counter(): CLOCK_MONOTONIC, which on another host counts
+from another boot. So no time read on one rank is compared with one read on another: a
+request's times are moved onto each rank's clock as it arrives there (the time it spent in
+flight counted as none), and the router stamps the snapshots with its own clock.
 """
 import signal
 from collections import deque

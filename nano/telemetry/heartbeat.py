@@ -7,9 +7,11 @@ rank runs a thread that sends every other rank a one-byte heartbeat every --stal
 seconds (at most a second apart), on a communicator of its own (a duplicate of the world's,
 so heartbeats never meet the run's messages), and hears theirs. A long step is no silence:
 the thread runs beside it (NumPy's kernels and MPI's calls release the GIL). A rank silent
-past --stall-timeout has stopped: the job ends with one line naming it, said by the
-lowest-ranked rank that still hears the others (so it is said once), after the drivers are
-told (watchdog.end_stalled: the server fails its open requests first).
+past --stall-timeout has stopped, or its host is cut off: the job ends with one line naming
+it and its host, said by the lowest-ranked rank that still hears the others (so it is said
+once by each side of a cut), after the drivers are told (watchdog.end_stalled: the server
+fails its open requests first). Each rank's first message to the others is its host name,
+so that the line can name the host even when the ranks' hosts share nothing but the network.
 
 A rank that finds a gap in its own ticks far past their period was itself stopped (or
 starved of CPU): the silence it did not hear is not the others', so it listens afresh
@@ -19,6 +21,7 @@ watching those not yet gone, so that MPI_Finalize, where they all meet, is reach
 """
 import atexit
 import math
+import socket
 import threading
 import time
 
@@ -28,6 +31,7 @@ from nano.errors import NanoError
 from nano.telemetry import watchdog
 
 BEAT, BYE = np.array([1], np.int8), np.array([0], np.int8)  # what one rank sends another
+NAME = 1  # the tag of a rank's first message: its host name (beats and goodbyes go on tag 0)
 _heartbeat = None  # this process's, once started
 
 
@@ -38,6 +42,7 @@ class Monitor:
     def __init__(self, rank: int, peers, timeout: float, now: float):
         self.rank, self.timeout = rank, timeout
         self.heard = dict.fromkeys(peers, now)  # the peers still watched (until their goodbye): when last heard
+        self.hosts: dict[int, str] = {}          # each peer's host name, once it has sent it
         self.ticked = now
         self.resumed = -math.inf  # when this rank last found it had been stopped
 
@@ -60,7 +65,9 @@ class Monitor:
             return None
         sayer = min(r for r in (self.rank, *self.heard) if r not in silent)
         if self.rank == sayer or now - self.heard[silent[0]] > 2 * self.timeout:
-            return f"rank {silent[0]} has sent nothing for {self.timeout:g} s: stopped or wedged (--stall-timeout)"
+            host = self.hosts.get(silent[0], "a host not yet heard from")
+            return (f"rank {silent[0]} on {host} has sent nothing for {self.timeout:g} s: stopped, wedged or cut "
+                    f"off (--stall-timeout)")
         return None
 
     def stopped_lately(self, now: float) -> bool:
@@ -77,12 +84,14 @@ class Heartbeat(threading.Thread):
         self.comm = comm
         self.peers = [r for r in range(comm.Get_size()) if r != comm.Get_rank()]
         self.monitor = Monitor(comm.Get_rank(), self.peers, timeout, time.monotonic())
-        self.sends = []                  # heartbeats and goodbyes not yet known to be delivered
+        self.host = np.frombuffer(bytearray(socket.gethostname().encode()), np.uint8)
+        self.sends = []                  # its name, heartbeats and goodbyes not yet known to be delivered
         self.leaving = False             # set at exit: say goodbye, then wait for the others'
         self.wake = threading.Event()    # cuts a wait short: the timeout changed, or leaving
 
     def run(self) -> None:
         said_bye = False
+        self.sends += [self.comm.Isend(self.host, p, NAME) for p in self.peers]
         while not (said_bye and not self.monitor.heard):
             self.sends = [s for s in self.sends if not s.Test()]
             if not said_bye:
@@ -99,9 +108,16 @@ class Heartbeat(threading.Thread):
     def news(self) -> list[tuple[int, bool]]:
         from mpi4py import MPI
         news, status, message = [], MPI.Status(), np.empty(1, np.int8)
-        while self.comm.Iprobe(MPI.ANY_SOURCE, 0, status):
-            self.comm.Recv(message, status.Get_source(), 0)
-            news.append((status.Get_source(), message[0] == BYE[0]))
+        while self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
+            source = status.Get_source()
+            if status.Get_tag() == NAME:
+                name = np.empty(status.Get_count(MPI.BYTE), np.uint8)
+                self.comm.Recv(name, source, NAME)
+                self.monitor.hosts[source] = name.tobytes().decode(errors="replace")
+                news.append((source, False))  # its name is news from it, as a beat is
+            else:
+                self.comm.Recv(message, source, 0)
+                news.append((source, message[0] == BYE[0]))
         return news
 
     def leave(self) -> None:

@@ -34,8 +34,28 @@ def end_stalled(message: str, on_stall=()) -> None:
         tell(message)
     if on_stall:
         time.sleep(GRACE)
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.stderr.flush()
+    os.write(launcher_stderr(), f"error: {message}\n".encode())
     abort_all(1)
+
+
+def launcher_stderr() -> int:
+    """Where a rank's last line reaches the user: under Open MPI's mpirun, which stops passing
+    on the ranks' output the moment it gets a signal, and cannot pass on those of a host cut off
+    from it, the stderr of the launcher that started this rank (prterun, which mpirun is, or on
+    another host the daemon prted, whose stderr is its ssh's); else ours. A prted that went into
+    the background has its stderr on /dev/null: the prted that started it has the ssh's. Only
+    this rank's own host's processes are read (its /proc)."""
+    pid = os.getppid()
+    try:
+        while os.path.basename(os.readlink(f"/proc/{pid}/exe")) in ("prterun", "prted"):
+            if os.readlink(f"/proc/{pid}/fd/2") != os.devnull:
+                return os.open(f"/proc/{pid}/fd/2", os.O_WRONLY | os.O_APPEND)
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])  # its parent
+    except (OSError, ValueError):  # not Open MPI's launcher, or its stderr out of reach
+        pass
+    return sys.stderr.fileno()
 
 
 def abort_all(code: int) -> None:
