@@ -2,7 +2,8 @@
 flattened into one int32 array laid out by PackedShape.layout(), which rank 0 broadcasts under
 TP and one host-to-device copy moves (docs/how-it-works.md#one-step).
 """
-from dataclasses import astuple, dataclass, field, fields
+import math
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -80,26 +81,29 @@ class StepPlan:
         this step reaches the end of, one row after its last token and after each draft. A
         prefill chunk short of the prompt's end samples nothing."""
         seqs = sorted(self.scheduled, key=lambda item: not is_decode(item[1]))
-        max_blocks = max((len(seq.block_table) for seq, _ in seqs), default=0)
-        tables = np.full((len(seqs), max_blocks), -1, np.int32)
         ids, positions, context_lens, cu_seqlens, logits_indices = [], [], [], [0], []
-        for i, (seq, n) in enumerate(seqs):
-            start, drafts = seq.num_computed_tokens, seq.draft_token_ids
+        for seq, n in seqs:  # one pass, each attribute read once: it runs for every row
+            start, drafts, tokens = seq.num_computed_tokens, seq.draft_token_ids, seq.token_ids
             # the packed index of this sequence's position p is offset + p
             offset = len(ids) - start
-            ids += seq.token_ids[start:start + n] + drafts
+            ids += tokens[start:start + n] + drafts
             positions += range(start, start + n)
             context_lens.append(start + n)
-            tables[i, :len(seq.block_table)] = seq.block_table
             if not is_decode(n):
                 cu_seqlens.append(cu_seqlens[-1] + n)
             for p in scored(seq, n):
-                self.scores.append(Score(seq, len(logits_indices), seq.token_ids[p + 1]))
+                self.scores.append(Score(seq, len(logits_indices), tokens[p + 1]))
                 logits_indices.append(offset + p)
-            if start + n == seq.num_tokens + len(drafts):
+            if start + n == len(tokens) + len(drafts):
                 rows = range(len(logits_indices), len(logits_indices) + len(drafts) + 1)
-                self.samples.append(Sample(seq, list(rows), list(drafts), seq.num_output_tokens))
-                logits_indices += range(offset + seq.num_tokens - 1, offset + start + n)
+                self.samples.append(Sample(seq, list(rows), list(drafts),
+                                           len(tokens) - seq.num_prompt_tokens))
+                logits_indices += range(offset + len(tokens) - 1, offset + start + n)
+        # the tables as rows padded with -1, filled in one assignment rather than one per row
+        widths = np.asarray([len(seq.block_table) for seq, _ in seqs], np.int32)
+        tables = np.full((len(seqs), widths.max(initial=0)), -1, np.int32)
+        tables[np.arange(tables.shape[1]) < widths[:, None]] = [
+            block for seq, _ in seqs for block in seq.block_table]
         positions = np.asarray(positions, np.int32)
         row_of_token = np.repeat(np.arange(len(seqs)), [n for _, n in seqs])
         slot_mapping = (tables[row_of_token, positions // block_size] * block_size
@@ -108,7 +112,7 @@ class StepPlan:
         self.prefill_tokens = len(ids) - self.num_decodes
         self.decode_kv_tokens = sum(context_lens[:self.num_decodes])
         shape = PackedShape(len(self.blocks_to_swap_out), len(self.blocks_to_swap_in), len(ids),
-                            len(seqs), self.num_decodes, max_blocks, len(logits_indices))
+                            len(seqs), self.num_decodes, tables.shape[1], len(logits_indices))
         self.packed = pack_step(shape, blocks_to_swap_out=self.blocks_to_swap_out,
                                 blocks_to_swap_in=self.blocks_to_swap_in, input_ids=ids,
                                 positions=positions, slot_mapping=slot_mapping,
@@ -151,7 +155,7 @@ HEADER = len(fields(PackedShape))
 def pack_step(shape: PackedShape, **values) -> np.ndarray:
     """Write the header, then every field of shape.layout() in order, into one int32 host
     array."""
-    parts = [np.asarray(astuple(shape), np.int32)]
+    parts = [np.asarray([getattr(shape, f.name) for f in fields(shape)], np.int32)]
     parts += [np.asarray(values[name], np.int32).reshape(dims).ravel()
               for name, dims in shape.layout().items()]
     return np.concatenate(parts)
@@ -167,7 +171,7 @@ def unpack_step(packed, shape: PackedShape) -> dict:
     comes from the host copy: reading a device copy's header would wait for the device."""
     views, at = {}, HEADER
     for name, dims in shape.layout().items():
-        size = int(np.prod(dims))
+        size = math.prod(dims)
         views[name] = packed[at:at + size].reshape(dims)
         at += size
     return views

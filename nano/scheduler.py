@@ -82,8 +82,9 @@ class Scheduler:
     def _find_blocks(self, seq: Sequence, n: int, plan: StepPlan) -> bool:
         """Find blocks for seq's next n tokens, preempting others if needed.
         Returns False if seq itself had to give way."""
-        scheduled = {s.seq_id for s, _ in plan.scheduled}
         while self.block_manager.blocks_to_grow(seq, n) > self.block_manager.num_free_blocks:
+            # built only when blocks run short: per sequence, it made scheduling O(B^2)
+            scheduled = {s.seq_id for s, _ in plan.scheduled}
             candidates = [s for s in self.running if s.seq_id not in scheduled]
             if candidates == [seq] and not scheduled:
                 # Alone and still out of blocks: no one can ever make room for it.
