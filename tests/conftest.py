@@ -1,5 +1,7 @@
-"""Shared fixtures (the real default model, a tiny random model, the dense reference) and the
-`gpu` marker: gpu-marked tests run only where CuPy sees a CUDA device."""
+"""Shared fixtures (the real default model, a tiny random model, the dense reference), the
+`gpu` marker (gpu-marked tests run only where CuPy sees a CUDA device), the `slow` marker (the
+tests `-m "not slow"` leaves out), and parallel workers (pytest-xdist) for a plain run."""
+import os
 import shutil
 import sys
 import tempfile
@@ -9,6 +11,27 @@ import pytest
 from nano import default_model as fetcher
 from nano.weights import resolve_model
 from reference import DenseLlama, make_random_model
+
+
+# Workers a plain `pytest` starts where pytest-xdist is installed: one per core, at least two,
+# since many tests wait on a subprocess (mpirun, run.py, a server) while the other runs.
+WORKERS = int(os.environ.get("NANO_TEST_WORKERS", max(2, os.cpu_count() or 1)))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """Runs a whole-suite run (no paths named: README's command, `-m "not slow"`) on WORKERS
+    processes, unless the command line chose (-n N, -n 0, -p no:xdist) or pytest-xdist is
+    missing (a GPU machine's bare Python). A run of named files stays one process, which
+    starts at once. This hook comes before xdist's own, which turns numprocesses into
+    workers; an xdist worker runs it too, and must stay one process."""
+    if (not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput")
+            or config.args_source == pytest.Config.ArgsSource.ARGS
+            or config.option.numprocesses is not None or config.option.collectonly or WORKERS < 2):
+        return
+    config.option.numprocesses = WORKERS
+    if config.option.dist == "no":
+        config.option.dist = "loadgroup"  # tests marked xdist_group(name) share one worker
 
 
 TEMP = tempfile.gettempdir()  # this process's, fixed now: the fixture below changes TMPDIR
@@ -64,17 +87,46 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def pytest_terminal_summary(terminalreporter):
-    """How much of cuda/ ran on the CPU emulator (tests/cuda_host) in this run."""
+# What the emulator compiled and launched in the xdist workers, summed here in the controller.
+worker_emulators = {"compiled": set(), "launches": {}}
+
+
+def pytest_sessionfinish(session):
+    """An xdist worker hands what its emulator compiled and launched to the controller."""
     emulator = sys.modules.get("cuda_host.emulator")
-    if not emulator or not emulator.launches:
+    if emulator and hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["emulator"] = {"compiled": sorted(emulator.compiled),
+                                                   "launches": dict(emulator.launches)}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """The controller keeps a finished worker's emulator counts (an xdist hook)."""
+    done = getattr(node, "workeroutput", {}).get("emulator")
+    if done:
+        worker_emulators["compiled"].update(done["compiled"])
+        for name, n in done["launches"].items():
+            worker_emulators["launches"][name] = worker_emulators["launches"].get(name, 0) + n
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How much of cuda/ ran on the CPU emulator (tests/cuda_host) in this run, in this process
+    or in its xdist workers."""
+    emulator = sys.modules.get("cuda_host.emulator")
+    compiled, launches = set(worker_emulators["compiled"]), dict(worker_emulators["launches"])
+    if emulator:
+        compiled |= emulator.compiled
+        for name, n in emulator.launches.items():
+            launches[name] = launches.get(name, 0) + n
+    if not launches:
         return
+    from cuda_host.emulator import ORDERS
     passed = terminalreporter.stats.get("passed", [])
     cases = sum("[emulator" in r.nodeid for r in passed)
     checks = sum(r.nodeid.startswith("tests/test_cuda_host.py") for r in passed)
-    unlaunched = sorted(set(emulator.compiled) - set(emulator.launches))
+    unlaunched = sorted(compiled - set(launches))
     listed = ", ".join(unlaunched[:4]) + (f" and {len(unlaunched) - 4} more" if len(unlaunched) > 4 else "")
     terminalreporter.write_line(
         f"cuda_host emulator: {cases} kernel test cases and {checks} emulator checks passed; "
-        f"{sum(emulator.launches.values())} launches of {len(emulator.launches)} kernels, each in "
-        f"{len(emulator.ORDERS)} thread orders; compiled but never launched: {listed or 'none'}")
+        f"{sum(launches.values())} launches of {len(launches)} kernels, each in "
+        f"{len(ORDERS)} thread orders; compiled but never launched: {listed or 'none'}")
