@@ -78,7 +78,57 @@ def have_gpu() -> bool:
         return False
 
 
+# The slow tests, left out by `pytest -m "not slow"` (docs/testing.md): whole files (mpirun
+# ranks, the emulated engine, every kernel compiled, the lab's experiments), tests by function
+# name (the default model's long runs, servers under load, sanitizer builds), and tests by a
+# module fixture that costs a minute (deadline's simulated policy matrices). Kept here, not on
+# the tests, so that the list is one place to read and tune; a name here that its file lacks
+# stops the run, so a renamed test is not quietly moved into the fast tier.
+SLOW_FILES = {"test_tp.py", "test_dp.py", "test_disagg.py", "test_stall.py", "test_engine_emulated.py",
+              "test_kernels_compile.py", "test_server_speculative.py", "test_lab.py", "test_lab_b.py"}
+SLOW_TESTS = {
+    "test_batch_invariant.py": {"test_the_default_model_int8_batched_and_one_at_a_time_agree",
+                                "test_every_schedule_gives_the_same_tokens_and_logits"},
+    "test_cuda_host.py": {"test_kernels_under_address_and_undefined_behaviour_sanitizers",
+                          "test_sanitizers_catch_a_read_before_the_start", "test_injected_bug_is_caught"},
+    "test_equivalence.py": {"test_default_model_matches_dense"},
+    "test_families.py": {"test_tp2"},
+    "test_kernels.py": {"test_sample_matches_reference", "test_prefill_attention_window", "test_prefill_attention"},
+    "test_server.py": {"test_serving_under_tp2_gives_the_one_rank_tokens",
+                       "test_a_few_hundred_concurrent_requests_all_complete",
+                       "test_health_stays_fast_while_the_engine_is_saturated"},
+    "test_server_abuse.py": {"test_a_signal_ends_open_streams_cleanly_within_the_grace_period"},
+    "test_server_api.py": {"test_every_status_the_server_sends_is_documented_and_every_documented_one_is_sent"},
+    "test_server_fields.py": {"test_every_field_is_honoured_or_refused_by_name"},
+    "test_server_responses.py": {"test_a_forced_choice_gives_function_calls_whole_and_streamed",
+                                 "test_every_field_is_honoured_or_refused_by_name"},
+    "test_server_tools.py": {"test_a_forced_choice_gets_valid_calls_whole_and_streamed"},
+    "test_speculative.py": {"test_default_model_and_a_stop_token_inside_an_accepted_run",
+                            "test_sampling_keeps_the_target_distribution"},
+    "test_stress.py": {"test_stress_invariants"},
+    "test_weights.py": {"test_safetensors_equal_gguf_dequantized"},
+}
+SLOW_FIXTURES = {"policy_matrix", "cpu_shaped_matrix"}
+
+
+def is_slow(item) -> bool:
+    file = item.path.name
+    if file in SLOW_FILES or set(item.fixturenames) & SLOW_FIXTURES:
+        return True
+    names = SLOW_TESTS.get(file, set())
+    missing = sorted(n for n in names if not hasattr(item.module, n))
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py SLOW_TESTS names tests {file} lacks: {missing}")
+    return getattr(item, "originalname", item.name) in names
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    """Marks the slow tests before `-m` selects and before xdist's loadgroup reads the marks."""
+    slow = pytest.mark.slow
+    for item in items:
+        if isinstance(item, pytest.Function) and is_slow(item):
+            item.add_marker(slow)
     if have_gpu():
         return
     skip = pytest.mark.skip(reason="no CUDA GPU")
