@@ -122,13 +122,25 @@ def is_slow(item) -> bool:
     return getattr(item, "originalname", item.name) in names
 
 
+def shares_a_module_fixture(item) -> bool:
+    """Whether the test uses a fixture built once per file (a server, a matrix of simulated
+    runs, one rank's tokens): xdist's loadgroup then runs that file's tests on one worker, which
+    builds it once, not once on each worker."""
+    info = getattr(item, "_fixtureinfo", None)
+    return bool(info) and any(d.scope in ("module", "class") for defs in info.name2fixturedefs.values()
+                              for d in defs)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Marks the slow tests before `-m` selects and before xdist's loadgroup reads the marks."""
+    """Marks the slow tests, and the tests of a file that share a module fixture, before `-m`
+    selects and before xdist's loadgroup reads the marks."""
     slow = pytest.mark.slow
     for item in items:
         if isinstance(item, pytest.Function) and is_slow(item):
             item.add_marker(slow)
+        if shares_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
     if have_gpu():
         return
     skip = pytest.mark.skip(reason="no CUDA GPU")
