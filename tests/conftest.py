@@ -1,5 +1,7 @@
-"""Shared fixtures (the real default model, a tiny random model, the dense reference) and the
-`gpu` marker: gpu-marked tests run only where CuPy sees a CUDA device."""
+"""Shared fixtures (the real default model, a tiny random model, the dense reference), the
+`gpu` marker (gpu-marked tests run only where CuPy sees a CUDA device), the `slow` marker (the
+tests `-m "not slow"` leaves out), and parallel workers (pytest-xdist) for a plain run."""
+import os
 import shutil
 import sys
 import tempfile
@@ -9,6 +11,27 @@ import pytest
 from nano import default_model as fetcher
 from nano.weights import resolve_model
 from reference import DenseLlama, make_random_model
+
+
+# Workers a plain `pytest` starts where pytest-xdist is installed: one per core, at least two,
+# since many tests wait on a subprocess (mpirun, run.py, a server) while the other runs.
+WORKERS = int(os.environ.get("NANO_TEST_WORKERS", max(2, os.cpu_count() or 1)))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """Runs a whole-suite run (no paths named: README's command, `-m "not slow"`) on WORKERS
+    processes, unless the command line chose (-n N, -n 0, -p no:xdist) or pytest-xdist is
+    missing (a GPU machine's bare Python). A run of named files stays one process, which
+    starts at once. This hook comes before xdist's own, which turns numprocesses into
+    workers; an xdist worker runs it too, and must stay one process."""
+    if (not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput")
+            or config.args_source == pytest.Config.ArgsSource.ARGS
+            or config.option.numprocesses is not None or config.option.collectonly or WORKERS < 2):
+        return
+    config.option.numprocesses = WORKERS
+    if config.option.dist == "no":
+        config.option.dist = "loadgroup"  # tests marked xdist_group(name) share one worker
 
 
 TEMP = tempfile.gettempdir()  # this process's, fixed now: the fixture below changes TMPDIR
@@ -55,7 +78,69 @@ def have_gpu() -> bool:
         return False
 
 
+# The slow tests, left out by `pytest -m "not slow"` (docs/testing.md): whole files (mpirun
+# ranks, the emulated engine, every kernel compiled, the lab's experiments), tests by function
+# name (the default model's long runs, servers under load, sanitizer builds), and tests by a
+# module fixture that costs a minute (deadline's simulated policy matrices). Kept here, not on
+# the tests, so that the list is one place to read and tune; a name here that its file lacks
+# stops the run, so a renamed test is not quietly moved into the fast tier.
+SLOW_FILES = {"test_tp.py", "test_dp.py", "test_disagg.py", "test_stall.py", "test_engine_emulated.py",
+              "test_kernels_compile.py", "test_server_speculative.py", "test_lab.py", "test_lab_b.py"}
+SLOW_TESTS = {
+    "test_batch_invariant.py": {"test_the_default_model_int8_batched_and_one_at_a_time_agree",
+                                "test_every_schedule_gives_the_same_tokens_and_logits"},
+    "test_cuda_host.py": {"test_kernels_under_address_and_undefined_behaviour_sanitizers",
+                          "test_sanitizers_catch_a_read_before_the_start", "test_injected_bug_is_caught"},
+    "test_equivalence.py": {"test_default_model_matches_dense"},
+    "test_families.py": {"test_tp2"},
+    "test_kernels.py": {"test_sample_matches_reference", "test_prefill_attention_window", "test_prefill_attention"},
+    "test_server.py": {"test_serving_under_tp2_gives_the_one_rank_tokens",
+                       "test_a_few_hundred_concurrent_requests_all_complete",
+                       "test_health_stays_fast_while_the_engine_is_saturated"},
+    "test_server_abuse.py": {"test_a_signal_ends_open_streams_cleanly_within_the_grace_period"},
+    "test_server_api.py": {"test_every_status_the_server_sends_is_documented_and_every_documented_one_is_sent"},
+    "test_server_fields.py": {"test_every_field_is_honoured_or_refused_by_name"},
+    "test_server_responses.py": {"test_a_forced_choice_gives_function_calls_whole_and_streamed",
+                                 "test_every_field_is_honoured_or_refused_by_name"},
+    "test_server_tools.py": {"test_a_forced_choice_gets_valid_calls_whole_and_streamed"},
+    "test_speculative.py": {"test_default_model_and_a_stop_token_inside_an_accepted_run",
+                            "test_sampling_keeps_the_target_distribution"},
+    "test_stress.py": {"test_stress_invariants"},
+    "test_weights.py": {"test_safetensors_equal_gguf_dequantized"},
+}
+SLOW_FIXTURES = {"policy_matrix", "cpu_shaped_matrix"}
+
+
+def is_slow(item) -> bool:
+    file = item.path.name
+    if file in SLOW_FILES or set(item.fixturenames) & SLOW_FIXTURES:
+        return True
+    names = SLOW_TESTS.get(file, set())
+    missing = sorted(n for n in names if not hasattr(item.module, n))
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py SLOW_TESTS names tests {file} lacks: {missing}")
+    return getattr(item, "originalname", item.name) in names
+
+
+def shares_a_module_fixture(item) -> bool:
+    """Whether the test uses a fixture built once per file (a server, a matrix of simulated
+    runs, one rank's tokens): xdist's loadgroup then runs that file's tests on one worker, which
+    builds it once, not once on each worker."""
+    info = getattr(item, "_fixtureinfo", None)
+    return bool(info) and any(d.scope in ("module", "class") for defs in info.name2fixturedefs.values()
+                              for d in defs)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    """Marks the slow tests, and the tests of a file that share a module fixture, before `-m`
+    selects and before xdist's loadgroup reads the marks."""
+    slow = pytest.mark.slow
+    for item in items:
+        if isinstance(item, pytest.Function) and is_slow(item):
+            item.add_marker(slow)
+        if shares_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
     if have_gpu():
         return
     skip = pytest.mark.skip(reason="no CUDA GPU")
@@ -64,17 +149,46 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def pytest_terminal_summary(terminalreporter):
-    """How much of cuda/ ran on the CPU emulator (tests/cuda_host) in this run."""
+# What the emulator compiled and launched in the xdist workers, summed here in the controller.
+worker_emulators = {"compiled": set(), "launches": {}}
+
+
+def pytest_sessionfinish(session):
+    """An xdist worker hands what its emulator compiled and launched to the controller."""
     emulator = sys.modules.get("cuda_host.emulator")
-    if not emulator or not emulator.launches:
+    if emulator and hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["emulator"] = {"compiled": sorted(emulator.compiled),
+                                                   "launches": dict(emulator.launches)}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """The controller keeps a finished worker's emulator counts (an xdist hook)."""
+    done = getattr(node, "workeroutput", {}).get("emulator")
+    if done:
+        worker_emulators["compiled"].update(done["compiled"])
+        for name, n in done["launches"].items():
+            worker_emulators["launches"][name] = worker_emulators["launches"].get(name, 0) + n
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How much of cuda/ ran on the CPU emulator (tests/cuda_host) in this run, in this process
+    or in its xdist workers."""
+    emulator = sys.modules.get("cuda_host.emulator")
+    compiled, launches = set(worker_emulators["compiled"]), dict(worker_emulators["launches"])
+    if emulator:
+        compiled |= emulator.compiled
+        for name, n in emulator.launches.items():
+            launches[name] = launches.get(name, 0) + n
+    if not launches:
         return
+    from cuda_host.emulator import ORDERS
     passed = terminalreporter.stats.get("passed", [])
     cases = sum("[emulator" in r.nodeid for r in passed)
     checks = sum(r.nodeid.startswith("tests/test_cuda_host.py") for r in passed)
-    unlaunched = sorted(set(emulator.compiled) - set(emulator.launches))
+    unlaunched = sorted(compiled - set(launches))
     listed = ", ".join(unlaunched[:4]) + (f" and {len(unlaunched) - 4} more" if len(unlaunched) > 4 else "")
     terminalreporter.write_line(
         f"cuda_host emulator: {cases} kernel test cases and {checks} emulator checks passed; "
-        f"{sum(emulator.launches.values())} launches of {len(emulator.launches)} kernels, each in "
-        f"{len(emulator.ORDERS)} thread orders; compiled but never launched: {listed or 'none'}")
+        f"{sum(launches.values())} launches of {len(launches)} kernels, each in "
+        f"{len(ORDERS)} thread orders; compiled but never launched: {listed or 'none'}")

@@ -27,6 +27,7 @@ an int's range converted to int; set NANO_CUDA_HOST_SANITIZE=1 and preload libas
 subprocess).
 """
 import ctypes
+import fcntl
 import functools
 import hashlib
 import importlib.machinery
@@ -102,6 +103,16 @@ def _compile(source: str, out_name: str, extra: list[str], inputs: str = "", ker
     if target.exists():
         return target
     BUILD_DIR.mkdir(exist_ok=True)
+    # One process builds a key while the others (xdist workers, the engine tests' subprocesses)
+    # wait on its lock and then load its library, instead of each running the same g++.
+    with open(BUILD_DIR / f"{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not target.exists():
+            _build(source, flags, out_name, target, kernels)
+    return target
+
+
+def _build(source: str, flags: list[str], out_name: str, target: Path, kernels: bool) -> None:
     with tempfile.TemporaryDirectory(dir=BUILD_DIR) as tmp:
         src = Path(tmp) / f"{out_name}.cpp"
         src.write_text(source)
@@ -112,8 +123,7 @@ def _compile(source: str, out_name: str, extra: list[str], inputs: str = "", ker
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             raise EmulatorError(f"g++ failed for {out_name}:\n{done.stderr[-6000:]}")
-        os.replace(out, target)  # atomic: a concurrent build of the same key is harmless
-    return target
+        os.replace(out, target)  # atomic: a reader never sees a half-written library
 
 
 def cublas_header() -> Path:
