@@ -6,12 +6,12 @@ This is a script, not a pytest test: it needs the clients, which the project's v
 hold (pytest does not collect it: its name does not start with test_). Run it so, from the
 repository's root:
 
-    python3 -m venv /work/clients-venv
-    /work/clients-venv/bin/pip install openai langchain-openai instructor pydantic-ai litellm llm
+    python3 -m venv ../clients-venv
+    ../clients-venv/bin/pip install openai langchain-openai instructor pydantic-ai litellm llm
     HF_HUB_OFFLINE=1 .venv/bin/python run.py --serve --port 8766 \\
         --chat-template tests/data/hermes_tools.jinja --enable-auto-tool-choice --tool-call-parser hermes &
-    /work/clients-venv/bin/python tests/clients_check.py                  # every row
-    /work/clients-venv/bin/python tests/clients_check.py instructor_tools  # some rows, by name
+    ../clients-venv/bin/python tests/clients_check.py                  # every row
+    ../clients-venv/bin/python tests/clients_check.py instructor_tools  # some rows, by name
 
 --url names another server. The `llm` row writes its extra-openai-models.yaml into a temporary
 LLM_USER_PATH, so the user's own llm settings are neither read nor changed."""
