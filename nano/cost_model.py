@@ -33,8 +33,7 @@ SUBSETS = np.array(list(itertools.product((0.0, 1.0), repeat=4)))
 class CostModel:
     def __init__(self, prior: StepCoefficients, swap_bandwidth: float, window: int = 256):
         self.prior = np.array(prior, dtype=np.float64)   # StepCoefficients' order
-        self._coef = self.prior.copy()                    # the fitted ones, same order
-        self._stale = False                               # steps observed since the last fit
+        self.coef = self.prior.copy()                     # the fitted ones, same order
         self.samples: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
         # bytes/s host<->device, updated from real swaps
         self.swap_bandwidth = swap_bandwidth
@@ -53,16 +52,6 @@ class CostModel:
         return np.array([1.0, prefill_tokens, decode_seqs, context_tokens])
 
     @property
-    def coef(self) -> np.ndarray:
-        """The fitted coefficients, StepCoefficients' order. The fit runs when they are read
-        after new steps, not when a step is observed: the same figures, and none of its work
-        on the step's path while nothing asks (a decode-only step under FCFS)."""
-        if self._stale:
-            self._coef, self._stale = self._fit(np.stack([f for f, _ in self.samples]),
-                                                np.array([t for _, t in self.samples])), False
-        return self._coef
-
-    @property
     def coefficients(self) -> StepCoefficients:
         return StepCoefficients(*self.coef.tolist())
 
@@ -72,7 +61,9 @@ class CostModel:
     def observe_step(self, prefill_tokens: int, decode_seqs: int, context_tokens: int,
                      seconds: float) -> None:
         self.samples.append((self.features(prefill_tokens, decode_seqs, context_tokens), seconds))
-        self._stale = len(self.samples) >= 8  # fitted from 8 steps on, when next read (coef)
+        if len(self.samples) >= 8:
+            self.coef = self._fit(np.stack([f for f, _ in self.samples]),
+                                  np.array([t for _, t in self.samples]))
 
     def _fit(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
         """Ridge towards the prior (similar steps cannot pin all four terms), every term >= 0: the
