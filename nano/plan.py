@@ -82,34 +82,28 @@ class StepPlan:
         prefill chunk short of the prompt's end samples nothing."""
         seqs = sorted(self.scheduled, key=lambda item: not is_decode(item[1]))
         ids, positions, context_lens, cu_seqlens, logits_indices = [], [], [], [0], []
-        table_ids, table_widths = [], []  # every block table, end to end, and each one's width
         for seq, n in seqs:  # one pass, each attribute read once: it runs for every row
-            start, drafts, tokens, table = (seq.num_computed_tokens, seq.draft_token_ids,
-                                            seq.token_ids, seq.block_table)
-            end, num_tokens = start + n, len(tokens)
+            start, drafts, tokens = seq.num_computed_tokens, seq.draft_token_ids, seq.token_ids
             # the packed index of this sequence's position p is offset + p
             offset = len(ids) - start
-            ids += tokens[start:end]
-            ids += drafts
-            positions += range(start, end)
-            context_lens.append(end)
-            table_ids += table
-            table_widths.append(len(table))
+            ids += tokens[start:start + n] + drafts
+            positions += range(start, start + n)
+            context_lens.append(start + n)
             if not is_decode(n):
                 cu_seqlens.append(cu_seqlens[-1] + n)
             for p in scored(seq, n):
                 self.scores.append(Score(seq, len(logits_indices), tokens[p + 1]))
                 logits_indices.append(offset + p)
-            if end == num_tokens + len(drafts):
+            if start + n == len(tokens) + len(drafts):
                 rows = range(len(logits_indices), len(logits_indices) + len(drafts) + 1)
                 self.samples.append(Sample(seq, list(rows), list(drafts),
-                                           num_tokens - seq.num_prompt_tokens))
-                logits_indices += range(offset + num_tokens - 1, offset + end)
+                                           len(tokens) - seq.num_prompt_tokens))
+                logits_indices += range(offset + len(tokens) - 1, offset + start + n)
         # the tables as rows padded with -1, filled in one assignment rather than one per row
-        widths = np.asarray(table_widths, np.int32)
-        max_blocks = int(widths.max(initial=0))
-        tables = np.full((len(seqs), max_blocks), -1, np.int32)
-        tables[np.arange(max_blocks) < widths[:, None]] = table_ids
+        widths = np.asarray([len(seq.block_table) for seq, _ in seqs], np.int32)
+        tables = np.full((len(seqs), widths.max(initial=0)), -1, np.int32)
+        tables[np.arange(tables.shape[1]) < widths[:, None]] = [
+            block for seq, _ in seqs for block in seq.block_table]
         positions = np.asarray(positions, np.int32)
         row_of_token = np.repeat(np.arange(len(seqs)), [n for _, n in seqs])
         slot_mapping = (tables[row_of_token, positions // block_size] * block_size
@@ -118,7 +112,7 @@ class StepPlan:
         self.prefill_tokens = len(ids) - self.num_decodes
         self.decode_kv_tokens = sum(context_lens[:self.num_decodes])
         shape = PackedShape(len(self.blocks_to_swap_out), len(self.blocks_to_swap_in), len(ids),
-                            len(seqs), self.num_decodes, max_blocks, len(logits_indices))
+                            len(seqs), self.num_decodes, tables.shape[1], len(logits_indices))
         self.packed = pack_step(shape, blocks_to_swap_out=self.blocks_to_swap_out,
                                 blocks_to_swap_in=self.blocks_to_swap_in, input_ids=ids,
                                 positions=positions, slot_mapping=slot_mapping,
