@@ -211,8 +211,8 @@ def test_serve_tp2_across_hosts_answers_and_a_cut_link_ends_it_naming_host_and_r
 
 
 def test_a_killed_rank_on_the_other_host_ends_the_job_naming_host_and_rank(hosts, files):
-    """kill -9 of rank 1 on the second host mid-run: its daemon tells mpirun, which ends the
-    job at once with a line naming the rank and its host, and no rank is left."""
+    """kill -9 of rank 1 on the second host mid-run: mpirun ends the job at once with a notice
+    naming the other host (and the rank, when the daemon's word comes first), and no rank is left."""
     metrics = files / "killed.jsonl"
     job = subprocess.Popen([*hosts.mpirun(mpirun()), sys.executable, "run.py", "--tp", "2", "--bench", "--num-seqs",
                             "2", "--input-len", "8", "--output-len", "4000", "--kv-cache-memory", "100MB",
@@ -228,7 +228,10 @@ def test_a_killed_rank_on_the_other_host_ends_the_job_naming_host_and_rank(hosts
         job.wait(timeout=STALL + 10)
         assert job.returncode != 0 and not python_ranks(hosts)
         notice = " ".join(lines)
-        assert re.search(rf"rank 1 with PID \d+ on node {hosts.b} exited on signal 9", notice), lines[-20:]
+        # Open MPI reports whichever it sees first: the daemon's word that the rank died, or rank 0's
+        # TCP link to it closing (its "peer hung up" notice names the peer's host, not its rank).
+        assert re.search(rf"rank 1 with PID \d+ on node {hosts.b} exited on signal 9|Peer host:\s+{hosts.b}",
+                         notice), lines[-20:]
     finally:
         if job.poll() is None:
             job.kill()
