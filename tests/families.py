@@ -169,11 +169,11 @@ def weights(case: str, edit: dict | None = None) -> dict[str, np.ndarray]:
             for name, (shape, mean, std) in _weight_shapes(CASES[case]["config"] | (edit or {})).items()}
 
 
-def weights_checksum(folder: Path) -> str:
-    """sha256 of a folder's model.safetensors by content (each tensor's name, dtype, shape and
+def weights_checksum(folder: Path, file: str = "model.safetensors") -> str:
+    """sha256 of a folder's safetensors file by content (each tensor's name, dtype, shape and
     bytes, by name), not by file bytes, which the library's header layout may change."""
     digest = hashlib.sha256()
-    for name, tensor in sorted(load_file(str(Path(folder) / "model.safetensors")).items()):
+    for name, tensor in sorted(load_file(str(Path(folder) / file)).items()):
         digest.update(f"{name}|{tensor.dtype.str}|{tensor.shape}|".encode())
         digest.update(np.ascontiguousarray(tensor).tobytes())
     return digest.hexdigest()

@@ -39,7 +39,13 @@ def test_data_shapes(case):
     if window and ref["config"].get("use_sliding_window", True):
         assert ref["window_keys"] == "p-W+1..p"
         assert max(len(p["prompt_ids"]) for p in ref["prompts"]) > window, "no prompt crosses the window"
-    for p in ref["prompts"]:
+    check_prompts(ref["prompts"], vocab)
+
+
+def check_prompts(prompts: list[dict], vocab: int) -> None:
+    """The prompt records (make_family_reference.greedy's) hold what a forward's test reads."""
+    assert prompts
+    for p in prompts:
         ids, lps = p["prompt_ids"], p["prompt_logprobs"]
         assert len(lps) == len(ids) and lps[0] is None and all(lp <= 0 for lp in lps[1:])
         assert len(p["greedy_ids"]) == len(p["greedy_logprobs"]) == len(p["top2_logit_gaps"]) == STEPS
