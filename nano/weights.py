@@ -77,11 +77,12 @@ def load_config(model_dir: Path) -> dict:
 
 class CheckpointReader:
     """Reads float tensors from *.safetensors files, memory-mapped: get(name, rows=...)
-    touches only those rows' bytes, so a tensor-parallel rank pays only for its shard."""
+    touches only those rows' bytes, so a tensor-parallel rank pays only for its shard. A folder
+    without an index holds one file, `single` (a LoRA adapter's is adapter_model.safetensors)."""
 
     _DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
 
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, single: str = "model.safetensors"):
         model_dir = Path(model_dir)
         index = model_dir / "model.safetensors.index.json"
         if index.is_file():
@@ -91,7 +92,7 @@ class CheckpointReader:
                 raise NanoError(f"{index} has no weight_map object")
             files = sorted(set(map(str, weight_map.values())))
         else:
-            files = ["model.safetensors"]
+            files = [single]
         self._tensors = {}  # name -> (its bytes, memory-mapped; dtype string; shape)
         for fname in files:
             self._read_header(model_dir / fname)
