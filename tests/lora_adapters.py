@@ -13,7 +13,9 @@ scaling: far above a float32 forward's 1e-4, yet the same model.
 
 VARIANTS names the adapters the reference data cover, for every case: all seven projections
 at rank 8, attention alone at rank 4 with use_rslora (scaling alpha / sqrt(r)), and the MLP
-alone at an odd rank. adapter_checksum says which tensors a JSON was recorded from.
+alone at an odd rank. adapter_checksum says which tensors a JSON was recorded from. merge
+folds an adapter into its base model's weights, W + scaling * B @ A: a plain checkpoint that
+computes what the adapter on the base computes, for a forward that knows no LoRA.
 
 Imports nothing but NumPy, safetensors and the standard library: the tests import it in CI,
 where there is no torch or PEFT."""
@@ -21,10 +23,11 @@ where there is no torch or PEFT."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import save_file
+from safetensors.numpy import load_file, save_file
 
 from tests import families
 
@@ -80,6 +83,11 @@ def lora_names(layer: int, target: str) -> tuple[str, str]:
     return f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight"
 
 
+def base_name(name: str) -> str:
+    """The base weight a saved A or B name adapts: model.layers.{i}.self_attn.q_proj.weight."""
+    return name.removeprefix("base_model.model.").replace("lora_A.", "").replace("lora_B.", "")
+
+
 def tensors(case: str, seed: int, rank: int, alpha: float, targets, use_rslora: bool = False,
             edit: dict | None = None) -> dict[str, np.ndarray]:
     """The adapter's tensors by saved name, for the case's model (edit: as in
@@ -94,8 +102,7 @@ def tensors(case: str, seed: int, rank: int, alpha: float, targets, use_rslora: 
     for layer in range(cfg["num_hidden_layers"]):
         for target in (t for t in TARGETS if t in targets):
             a_name, b_name = lora_names(layer, target)
-            base = a_name.removeprefix("base_model.model.").replace("lora_A.", "")
-            rows, cols = shapes[base][0]
+            rows, cols = shapes[base_name(a_name)][0]
             out[a_name] = (rng.standard_normal((rank, cols)) * cols ** -0.5).astype(np.float32)
             out[b_name] = (rng.standard_normal((rows, rank)) * b_std).astype(np.float32)
     return out
@@ -122,3 +129,21 @@ def make_variant(case: str, variant: str, folder: Path, base_model: str | None =
 def adapter_checksum(folder: Path) -> str:
     """sha256 of a folder's adapter tensors by content, as families.weights_checksum."""
     return families.weights_checksum(folder, "adapter_model.safetensors")
+
+
+def merge(base: Path, adapter: Path, folder: Path) -> Path:
+    """Copy the base model folder into `folder` with the adapter folded into its weights
+    (float64 sums rounded to float32), as PEFT's merge_and_unload does, and return it."""
+    folder = Path(folder)
+    shutil.copytree(base, folder)
+    cfg = json.loads((Path(adapter) / "adapter_config.json").read_text())
+    scale = scaling(cfg["r"], cfg["lora_alpha"], cfg["use_rslora"])
+    lora = load_file(str(Path(adapter) / "adapter_model.safetensors"))
+    weights = load_file(str(folder / "model.safetensors"))
+    for name, a in lora.items():
+        if ".lora_A." in name:
+            b = lora[name.replace(".lora_A.", ".lora_B.")]
+            merged = weights[base_name(name)] + scale * (b.astype(np.float64) @ a.astype(np.float64))
+            weights[base_name(name)] = merged.astype(np.float32)
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder

@@ -11,6 +11,7 @@ from safetensors.numpy import load_file
 
 from test_family_reference import check_prompts
 from tests import families, lora_adapters
+from tests.reference import DenseLlama
 
 DATA = Path(__file__).resolve().parent / "data" / "lora"
 TOL = 1e-4  # what a float32 forward is held to against the data
@@ -94,3 +95,28 @@ def test_adapter_folder_is_peft_s(case, tmp_path):
     assert all(v.dtype == np.float32 and np.all(v != 0) for v in tensors.values()), "PEFT's zero B would do nothing"
     with pytest.raises(ValueError, match="embed_tokens"):
         lora_adapters.make_adapter(case, tmp_path / "b", seed=7, rank=3, alpha=5, targets=("embed_tokens",))
+
+
+def log_softmax(logits) -> np.ndarray:
+    rows = np.asarray(logits, dtype=np.float64)
+    rows = rows - rows.max(axis=-1, keepdims=True)
+    return rows - np.log(np.exp(rows).sum(axis=-1, keepdims=True))
+
+
+def test_the_data_are_the_adapter_folded_into_the_weights(tmp_path):
+    """The Llama case's data against tests/reference.py's dense forward of its weights with each
+    adapter merged (W + scaling * B @ A): the LoRA product each name, shape and scaling rule
+    stands for, read as a forward without LoRA would, agrees with PEFT's within TOL."""
+    base = families.make_model("llama", tmp_path / "base")
+    for name, variant in reference("llama")["variants"].items():
+        adapter = lora_adapters.make_variant("llama", name, tmp_path / name)
+        dense = DenseLlama(lora_adapters.merge(base, adapter, tmp_path / f"{name}-merged"))
+        for ref in variant["prompts"]:
+            ids = ref["prompt_ids"] + ref["greedy_ids"][:-1]
+            rows = log_softmax(dense.logits(ids))
+            n = len(ref["prompt_ids"])
+            got = rows[np.arange(n - 1), ids[1:n]]
+            np.testing.assert_allclose(got, ref["prompt_logprobs"][1:], rtol=0, atol=TOL, err_msg=name)
+            steps = rows[n - 1:]
+            assert steps.argmax(-1).tolist() == ref["greedy_ids"], name
+            np.testing.assert_allclose(steps.max(-1), ref["greedy_logprobs"], rtol=0, atol=TOL, err_msg=name)
