@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from nano.config import ModelConfig
+from nano.lora import LoRARequest, read_adapter
 from test_family_reference import check_prompts
 from tests import families, lora_adapters
 from tests.reference import DenseLlama
@@ -120,3 +122,20 @@ def test_the_data_are_the_adapter_folded_into_the_weights(tmp_path):
             steps = rows[n - 1:]
             assert steps.argmax(-1).tolist() == ref["greedy_ids"], name
             np.testing.assert_allclose(steps.max(-1), ref["greedy_logprobs"], rtol=0, atol=TOL, err_msg=name)
+
+
+@pytest.mark.parametrize("case", families.CASES)
+def test_nano_reads_each_adapter_as_peft_did(case, tmp_path):
+    """nano's reader takes each folder as PEFT 0.21 writes it (every key of its config), with
+    the scaling PEFT applied and every tensor where PEFT put it."""
+    cfg = ModelConfig.from_hf(families.config(case))
+    for i, (name, variant) in enumerate(reference(case)["variants"].items()):
+        folder = lora_adapters.make_variant(case, name, tmp_path / name)
+        adapter = read_adapter(LoRARequest(name, i + 1, str(folder)), cfg, 8)
+        assert adapter.rank == variant["adapter_config"]["r"]
+        assert adapter.scale == pytest.approx(variant["scaling"], rel=1e-6)  # 7 digits kept
+        saved = load_file(str(folder / "adapter_model.safetensors"))
+        assert len(adapter.weights) * 2 == len(saved)
+        for (layer, module), (a, b) in adapter.weights.items():
+            a_name, b_name = lora_adapters.lora_names(layer, module)
+            assert np.array_equal(a, saved[a_name]) and np.array_equal(b, saved[b_name])

@@ -16,9 +16,10 @@ MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
            "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 TENSOR = "base_model.model.model.layers.{layer}.{block}.{module}.lora_{half}.weight"
 # Keys that only shape training or PEFT's own bookkeeping: they change no output, so any value.
+# qalora_group_size (16 in every config PEFT 0.21 writes) acts only with use_qalora, refused.
 TRAINING_KEYS = {"task_type", "base_model_name_or_path", "revision", "inference_mode",
                  "lora_dropout", "init_lora_weights", "auto_mapping", "peft_version",
-                 "layers_pattern", "megatron_core", "exclude_modules"}
+                 "layers_pattern", "megatron_core", "exclude_modules", "qalora_group_size"}
 # Keys of features nano does not implement, with the value that means "off" (also refused
 # when absent from the list but set: any other key must be null, false or empty).
 OFF = {"use_dora": False, "modules_to_save": None, "bias": "none", "fan_in_fan_out": False,
