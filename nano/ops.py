@@ -48,24 +48,6 @@ def linear(x, weight, bias=None):
     return y
 
 
-# Batch-invariant mode (EngineConfig.batch_invariant, CPU only): each row's result is bitwise
-# the same whatever else is in the step. OpenBLAS rounds a row by where it falls in its
-# kernel's tiles, but computes every row of a product of exactly 8 rows alike: the rows go
-# through GEMMs of that many, zero-padded (docs/int8-kv.md).
-INVARIANT_ROWS = 8
-
-
-def invariant_linear(x, weight, bias=None):
-    """linear as one GEMM per INVARIANT_ROWS rows of x (numpy's batched matmul loops)."""
-    rows, tiles = x.shape[0], -(-x.shape[0] // INVARIANT_ROWS)
-    x = np.concatenate([x, np.zeros((tiles * INVARIANT_ROWS - rows, x.shape[1]), x.dtype)])
-    y = (x.reshape(tiles, INVARIANT_ROWS, x.shape[1]) @ weight.T).reshape(-1,
-                                                                          weight.shape[0])[:rows]
-    if bias is not None:
-        y += bias
-    return y
-
-
 def silu_mul(gate_up):
     """gate_up: (T, 2I) = [gate | up] -> silu(gate) * up: (T, I)."""
     inter = gate_up.shape[-1] // 2
@@ -152,10 +134,10 @@ def _gather_context(cache, block_table, context_len):
     """One sequence's first context_len cached rows: cache (num_blocks, nkv, block_size, *rest)
     -> (nkv, context_len, *rest); rest is (d,) for K/V and () for their scales."""
     num_blocks = -(-context_len // cache.shape[2])
-    return _gather_tables(cache, block_table[None, :num_blocks])[0, :, :context_len]
+    return gather_tables(cache, block_table[None, :num_blocks])[0, :, :context_len]
 
 
-def _seen(keys, positions, window):
+def seen(keys, positions, window):
     """Which keys the queries see: key positions (..., n) against query positions p broadcast
     to them, e.g. (q, 1, ..., 1) -> (q, ..., n) bool: keys 0 .. p, or the last `window` of them."""
     seen = keys <= positions
@@ -164,7 +146,7 @@ def _seen(keys, positions, window):
 
 def _attend(q, keys, values, query_positions, scale, window, k_scale=None, v_scale=None):
     """q: (n, nq, d) at query_positions (n,); keys/values: (nkv, ctx, d) float or int8, with
-    k_scale/v_scale (nkv, ctx) for int8. Each query attends to the keys _seen by its position.
+    k_scale/v_scale (nkv, ctx) for int8. Each query attends to the keys seen by its position.
     Returns (n, nq, d)."""
     n, nq, d = q.shape
     nkv, ctx, _ = keys.shape
@@ -174,7 +156,7 @@ def _attend(q, keys, values, query_positions, scale, window, k_scale=None, v_sca
     scores *= scale if k_scale is None else scale * k_scale[:, None, :].astype(np.float32)
     pos = np.repeat(query_positions, group)  # row r belongs to query r // group
     # in place: no temporaries
-    np.copyto(scores, -np.inf, where=~_seen(np.arange(ctx), pos[:, None], window))
+    np.copyto(scores, -np.inf, where=~seen(np.arange(ctx), pos[:, None], window))
     scores -= scores.max(axis=-1, keepdims=True)
     probs = np.exp(scores, out=scores)
     probs /= probs.sum(axis=-1, keepdims=True)
@@ -206,7 +188,7 @@ def paged_attention(q, cache: LayerKV, block_tables, context_lens, scale, window
     return out
 
 
-def _gather_tables(array, tables):
+def gather_tables(array, tables):
     """array (num_blocks, nkv, block_size, *rest), tables (s, n) -> (s, nkv, n * block_size,
     *rest), in one copy: index straight into that order."""
     heads = np.arange(array.shape[1])[None, :, None]
@@ -221,7 +203,7 @@ def _decode_group(q, cache: LayerKV, block_tables, context_lens, scale, window):
     tables = block_tables[:, :num_blocks]  # -1 entries gather some block; masked out below
     length = num_blocks * block_size
 
-    gather = functools.partial(_gather_tables, tables=tables)  # (s, nkv, length, *rest)
+    gather = functools.partial(gather_tables, tables=tables)  # (s, nkv, length, *rest)
 
     def rows(array):  # K or V rows as float32: an int8 gather moves a quarter of the bytes
         return gather(array).astype(np.float32, copy=False)[:, :, None]
@@ -232,7 +214,7 @@ def _decode_group(q, cache: LayerKV, block_tables, context_lens, scale, window):
     scores = np.matvec(rows(cache.k), qg)                             # (s, nkv, group, length)
     scores *= (scale if cache.k_scale is None
                else scale * gather(cache.k_scale)[:, :, None].astype(np.float32))
-    valid = _seen(np.arange(length), context_lens[:, None] - 1, window)  # (s, length)
+    valid = seen(np.arange(length), context_lens[:, None] - 1, window)  # (s, length)
     # in place, as below: no more temporaries
     np.copyto(scores, -np.inf, where=~valid[:, None, None, :])
     scores -= scores.max(axis=-1, keepdims=True)
@@ -285,49 +267,6 @@ def step_attention(q, cache: LayerKV, batch, scale, window, paged, prefill, conc
     if nd == 0:
         return chunks
     return concatenate([paged(q[:nd], cache, tables[:nd], lens[:nd], scale, window), chunks])
-
-
-def invariant_attention(q, cache: LayerKV, batch, scale, window=None):
-    """Batch-invariant attention, decode and prefill rows alike: row t attends to the keys
-    _seen by positions[t] in its own sequence, through the same fixed-shape steps whatever the
-    other rows are: scores and sums per cache block of block_size keys, then the blocks
-    added in order (np.cumsum), so that a block past the row's context (exp(-inf) = 0)
-    changes nothing; a max is exact in any order. q: (T, nq, d) -> (T, nq, d)."""
-    # per sequence
-    rows = np.concatenate([np.ones(batch.num_decodes, np.int64), np.diff(batch.cu_seqlens_q)])
-    tables, positions = np.repeat(batch.block_tables, rows, axis=0), batch.positions  # each row's
-    out = np.empty_like(q)
-    # Each row gathers its own K/V as float32: rows whose gathered K is ~1 MiB at a time stay
-    # in cache (8 MiB: 1.4x slower at 32 x 1k contexts; docs/perf_notes.md).
-    rows = max(1, 2**20 // (4 * q.shape[-1] * cache.k.shape[1] * (int(positions.max()) + 16)))
-    for lo in range(0, q.shape[0], rows):
-        part = slice(lo, lo + rows)
-        out[part] = _invariant_rows(q[part], cache, tables[part], positions[part], scale, window)
-    return out
-
-
-def _invariant_rows(q, cache: LayerKV, tables, positions, scale, window):
-    t, nq, d = q.shape
-    nkv, bs = cache.k.shape[1:3]
-    nb = int(positions.max()) // bs + 1
-
-    # (t, nkv, 1, nb, bs, *rest) float32; -1 entries gather some block, masked out below
-    def blocks(array):
-        rows = _gather_tables(array, tables[:, :nb]).reshape(t, nkv, 1, nb, bs, *array.shape[3:])
-        return rows.astype(np.float32, copy=False)
-
-    # (t, nkv, group, nb, bs)
-    scores = np.matvec(blocks(cache.k), q.reshape(t, nkv, nq // nkv, 1, d))
-    scores *= scale if cache.k_scale is None else scale * blocks(cache.k_scale)
-    # (t, nb, bs)
-    valid = _seen(np.arange(nb * bs).reshape(nb, bs), positions[:, None, None], window)
-    scores = np.where(valid[:, None, None], scores, -np.inf)
-    probs = np.exp(scores - scores.max(axis=(-2, -1), keepdims=True))       # masked: exactly 0
-    total = np.cumsum(probs.sum(axis=-1), axis=-1)[..., -1:]                # (t, nkv, group, 1)
-    if cache.v_scale is not None:
-        probs *= blocks(cache.v_scale)
-    out = np.cumsum(np.vecmat(probs, blocks(cache.v)), axis=-2)[..., -1, :]  # (t, nkv, group, d)
-    return (out / total).reshape(t, nq, d)
 
 
 def gather_blocks(pool, block_ids, out=None):
@@ -458,10 +397,10 @@ def _sample_row(x, t, top_k, top_p, log_min_p, seed, counter) -> int:
 @dataclass(frozen=True)
 class OpSet:
     """The ops on one kind of array: those a forward pass runs (model.LlamaModel calls no other),
-    sampling and swap copies; chosen once per shard (shard.op_set), never per call: REFERENCE or
-    BATCH_INVARIANT on the CPU, kernels.CUDA on a GPU. The NumPy sets differ in how a GEMM and
-    attention group rows; a GEMM's rounding depends on BLAS's thread count too, which a
-    batch-invariant set keeps (fixed_threads)."""
+    sampling and swap copies; chosen once per shard (shard.op_set), never per call: REFERENCE
+    or invariant.BATCH_INVARIANT on the CPU, kernels.CUDA on a GPU. The NumPy sets differ in how
+    a GEMM and attention group rows; a GEMM's rounding depends on BLAS's thread count too,
+    which a batch-invariant set keeps (fixed_threads)."""
     linear: Callable
     attention: Callable
     fixed_threads: bool
@@ -478,4 +417,3 @@ class OpSet:
 
 
 REFERENCE = OpSet(linear, attention, fixed_threads=False)
-BATCH_INVARIANT = OpSet(invariant_linear, invariant_attention, fixed_threads=True)  # CPU only

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nano import kv_cache, ops, parallel
+from nano.invariant import BATCH_INVARIANT
 from nano.config import EngineConfig, ModelConfig, max_model_len
 from nano.device import Device, gpu_of, host_memory, select_device
 from nano.errors import NanoError
@@ -39,7 +40,8 @@ def load_shard(config: EngineConfig, group: parallel.Group) -> Shard:
         cfg, context = folder.config, max_model_len(config, folder.config)
         part = partition(cfg, group.rank, group.world)  # this rank's heads and columns
         kind = select_device(config.device)
-        if config.batch_invariant and kind == "gpu":  # its ops are NumPy's (ops.BATCH_INVARIANT)
+        # The batch-invariant ops (invariant.BATCH_INVARIANT) are NumPy's.
+        if config.batch_invariant and kind == "gpu":
             raise NanoError("--batch-invariant is CPU-only")
         device = Device(kind, gpu_of(group.rank) if kind == "gpu" else 0)
         if config.key_scheme == "rotate" and cfg.head_dim & (cfg.head_dim - 1):
@@ -79,7 +81,7 @@ def op_set(kind: str, invariant: bool) -> ops.OpSet:
     if kind == "gpu":
         from nano import kernels
         return kernels.CUDA
-    return ops.BATCH_INVARIANT if invariant else ops.REFERENCE
+    return BATCH_INVARIANT if invariant else ops.REFERENCE
 
 
 def _check_memory(device: Device, kv_bytes: int, swap_bytes: int) -> None:

@@ -10,7 +10,7 @@ import pytest
 from test_disagg import cluster, serve, tiny_config, workload
 from test_equivalence import CHAT, CONFIGS, run, shared_prefix_prompts
 
-from nano import ops, shard
+from nano import invariant, ops, shard
 from nano.chat.template import render as render_chat
 from nano.config import KEY_SCHEMES, EngineConfig
 from nano.engine import LLMEngine
@@ -33,10 +33,10 @@ def test_a_linear_row_is_the_same_in_any_product(default_model, name):
     model = LLMEngine(EngineConfig(device="cpu", num_blocks=4)).runner.model
     weight = model.lm_head if name == "lm_head" else getattr(model.layers[0], name)
     x = np.random.default_rng(0).normal(size=(64, weight.shape[1])).astype(np.float32)
-    full = ops.invariant_linear(x, weight)  # (64, N)
+    full = invariant.invariant_linear(x, weight)  # (64, N)
     for m in (1, 3, 7, 16, 40):
         for lo in (0, 64 - m):
-            np.testing.assert_array_equal(ops.invariant_linear(x[lo:lo + m], weight), full[lo:lo + m],
+            np.testing.assert_array_equal(invariant.invariant_linear(x[lo:lo + m], weight), full[lo:lo + m],
                                           err_msg=f"{m} rows at {lo}")
 
 
@@ -85,7 +85,7 @@ def attention(cache, parts, num_decodes, window=None):
                          num_decodes=num_decodes, context_lens=np.array([p[-1] + 1 for _, p, _ in parts]),
                          block_tables=tables, logits_indices=None,
                          cu_seqlens_q=np.cumsum([0] + [len(p) for _, p, _ in parts[num_decodes:]]))
-    return ops.BATCH_INVARIANT.attention(np.concatenate([q for _, _, q in parts]), cache, batch, D ** -0.5, window)
+    return invariant.BATCH_INVARIANT.attention(np.concatenate([q for _, _, q in parts]), cache, batch, D ** -0.5, window)
 
 
 @pytest.mark.parametrize("window", [None, 20])
@@ -126,7 +126,7 @@ def test_every_schedule_gives_the_same_tokens_and_logits(tiny_model, pool, name)
     prompts = shared_prefix_prompts(512, np.random.default_rng(1))
     _, batched = run(tiny_model, prompts, 24, **RUNS[pool])
     engine, seqs = run(tiny_model, prompts, 24, **RUNS[pool], **CONFIGS[name])
-    assert engine.runner.model.ops is ops.BATCH_INVARIANT
+    assert engine.runner.model.ops is invariant.BATCH_INVARIANT
     if name.startswith("preempt"):
         assert sum(metrics_of(engine).preemptions.values()) > 0
     for b, s in zip(batched, seqs):
@@ -153,9 +153,9 @@ def test_int8_without_the_mode_parts_from_the_batched_run(tiny_model):
     args = dict(RUNS["int8 rotate"], batch_invariant=False)
     engine, batched = run(tiny_model, prompts, 24, **args)
     _, alone = run(tiny_model, prompts, 24, max_num_seqs=1, **args)
-    assert engine.runner.model.ops is not ops.BATCH_INVARIANT
+    assert engine.runner.model.ops is not invariant.BATCH_INVARIANT
     assert any(not np.array_equal(np.stack(a.logits), np.stack(b.logits)) for a, b in zip(alone, batched))
-    assert run(tiny_model, prompts[:1], 1)[0].runner.model.ops is not ops.BATCH_INVARIANT  # float32: off unless asked
+    assert run(tiny_model, prompts[:1], 1)[0].runner.model.ops is not invariant.BATCH_INVARIANT  # float32: off unless asked
 
 
 def test_batch_invariant_mode_is_refused_on_a_gpu(tiny_model, monkeypatch):

@@ -11,7 +11,7 @@ import shutil
 import numpy as np
 import pytest
 
-from nano import ops
+from nano import invariant
 from nano.config import ARCHITECTURES, ModelConfig
 from nano.errors import NanoError
 from nano.llm import LLM
@@ -109,10 +109,10 @@ def test_chunked_prefill(case, folders):
 
 @pytest.mark.parametrize("case", SUPPORTED)
 def test_batch_invariant_mode(case, folders):
-    """The batch-invariant op set (ops.BATCH_INVARIANT: its own GEMMs and attention), the
+    """The batch-invariant op set (invariant.BATCH_INVARIANT: its own GEMMs and attention), the
     prompts batched."""
     llm = LLM(model=str(folders(case)), device="cpu", batch_invariant=True)
-    assert llm.engine.runner.model.ops is ops.BATCH_INVARIANT
+    assert llm.engine.runner.model.ops is invariant.BATCH_INVARIANT
     check_all(case, llm.generate([ref["prompt_ids"] for ref in reference(case)["prompts"]], SCORING))
 
 

@@ -10,7 +10,7 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from nano import kv_cache, ops, parallel, tp
+from nano import invariant, kv_cache, ops, parallel, tp
 from nano.errors import NanoError
 from nano.telemetry.export import MetricsWriter, writing
 from nano.telemetry.watchdog import abort_all
@@ -56,7 +56,7 @@ def kv_label(kv_cache_dtype: str, key_scheme: str | None, device_dtype) -> str:
 
 
 def _ops(chosen: ops.OpSet) -> str:
-    return "; batch-invariant forward" if chosen is ops.BATCH_INVARIANT else ""
+    return "; batch-invariant forward" if chosen is invariant.BATCH_INVARIANT else ""
 
 
 def _int8_gain(engine) -> str:
