@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -72,6 +73,26 @@ def test_stillness_is_time_without_cpu_not_time_this_process_was_stopped():
 
 
 # ---- one process --------------------------------------------------------------------------------
+def test_a_closed_watchdog_lets_its_driver_go():
+    """A driver whose steps are over (a stopped server's engine thread) is held by nothing the
+    watchdog made: its watching thread ends and on_stall is not kept in the drivers' list."""
+    from nano.telemetry import watchdog
+
+    class Driver:
+        def on_stall(self, error):
+            pass
+
+    driver = Driver()
+    freed = weakref.ref(driver)
+    w = watchdog.Watchdog(0.2, driver.on_stall)
+    watcher = next(t for t in threading.enumerate() if t.name == "nano-watchdog")
+    w.close()
+    watcher.join(timeout=5)
+    assert not watcher.is_alive()
+    del w, driver
+    assert freed() is None and not watchdog.drivers
+
+
 def test_one_process_a_computing_step_runs_on_a_resumed_one_too_a_blocked_one_ends_it():
     """The watchdog alone, no model: the first step is not judged (on a GPU it compiles);
     a step of twice the timeout's CPU is a slow step, not a stall, even with the process

@@ -155,6 +155,8 @@ class EngineThread(threading.Thread):
             if not parallel.alone():  # then the job ends: the other ranks would wait for this one forever
                 time.sleep(GRACE)
                 exit_on_error(e, 1)
+        finally:
+            self.watchdog.close()
 
     def _fail(self, error: str) -> None:
         self.error = error

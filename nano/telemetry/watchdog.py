@@ -93,10 +93,18 @@ class Watchdog:
         self.timeout, self.on_stall = timeout, on_stall
         self.clock: int | None = None  # the stepping thread's CPU clock while a timed step runs
         self.steps = 0                 # steps finished
+        self.closed = False
         if timeout and parallel.alone():
             threading.Thread(target=self._watch, name="nano-watchdog", daemon=True).start()
-        elif on_stall:
+        elif on_stall and not parallel.alone():
             drivers.append(on_stall)
+
+    def close(self) -> None:
+        """Stop judging once the driver's steps are over: the watching thread ends and the
+        heartbeats forget on_stall, so nothing here keeps the driver (and its engine) alive."""
+        self.closed = True
+        if self.on_stall in drivers:
+            drivers.remove(self.on_stall)
 
     @contextmanager
     def step(self):
@@ -118,5 +126,7 @@ class Watchdog:
         stillness = Stillness(self.timeout, time.monotonic())
         while stillness.still(time.monotonic(), self._cpu()) <= self.timeout:
             time.sleep(min(1.0, self.timeout / 4))
+            if self.closed:
+                return
         end_stalled(f"a step has used no CPU for {self.timeout:g} s (--stall-timeout): the engine is "
                     f"blocked, not computing", [self.on_stall] if self.on_stall else [])
