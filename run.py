@@ -22,7 +22,7 @@ import sys
 
 from nano import default_model, parallel
 from nano.bench import cli as bench
-from nano.cli import flags
+from nano.cli import flags, offline
 from nano.cli.output import exit_on_error
 from nano.cli.prompts import prompt_workload
 from nano.deadline import cli as deadline
@@ -82,6 +82,7 @@ def main(argv=None) -> int:
         worker = Worker(config)
         if args.bench:  # as rank 0's warm-up does: page faults stay out of the figures
             worker.runner.touch_kv_cache()
+        offline.forward_interrupts(parallel.world())
         worker.run()
         return 0
     from nano.cli.output import describe
@@ -95,8 +96,7 @@ def main(argv=None) -> int:
         return server.serve(args, engine)
     if args.bench:
         return bench.run_bench(args, engine, params)
-    from nano.cli.offline import run_prompts
-    return run_prompts(args, engine, requests)
+    return offline.run_prompts(args, engine, requests)
 
 
 def parse(argv, rank: int):
@@ -131,7 +131,7 @@ def on_sigterm(*_) -> None:
     run; another rank tells world rank 0, as for a Ctrl-C, and goes on until then."""
     group = parallel.world()
     if group.rank > 0:
-        group.tell_interrupted()
+        offline.tell_interrupted(group)
         return
     if not heartbeat.just_resumed():  # else another rank found this one stopped and said so
         os.write(launcher_stderr(), b"error: terminated (SIGTERM)\n")

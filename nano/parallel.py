@@ -10,7 +10,6 @@ import numpy as np
 from nano.errors import NanoError
 
 STOP = -1  # a step message's length that means "no more steps"
-INTERRUPTED = 7  # the tag of a rank's message to rank 0 that it was interrupted (cli/offline.py)
 # Set by the launcher in every process it starts (Open MPI, PMIx, MPICH/Hydra).
 _LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE")
 
@@ -29,7 +28,6 @@ class Group:
         self.world = comm.Get_size() if comm else 1  # the number of ranks
         self.all_reduce_seconds = 0.0    # since the last take_all_reduce_stats()
         self.all_reduce_bytes = 0
-        self.pending = None              # tell_interrupted()'s send, kept until it completes
 
     def require(self, tp: int) -> None:
         if tp != self.world and self.world == 1:
@@ -85,10 +83,6 @@ class Group:
             message = np.empty(int(size[0]), dtype=np.int32)
         self.comm.Bcast(message, root=0)
         return message
-
-    def tell_interrupted(self) -> None:
-        """A rank > 0 got SIGINT: tell rank 0, without waiting (its steps go on until then)."""
-        self.pending = self.comm.isend(self.rank, dest=0, tag=INTERRUPTED)
 
     @contextmanager
     def together(self):

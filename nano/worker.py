@@ -1,7 +1,5 @@
 """A tensor-parallel rank > 0: it loads its shard (shard.py) and replays the steps rank 0
 broadcasts (engine.LLMEngine schedules and samples for every rank)."""
-import signal
-
 from nano import parallel
 from nano.config import EngineConfig
 from nano.plan import packed_shape, unpack_step
@@ -14,10 +12,9 @@ class Worker:
         self.runner = load_shard(config, self.group).runner
 
     def run(self) -> None:
-        """Replay each step rank 0 broadcasts on this rank's shard, until it says stop. A
-        SIGINT here is passed on to world rank 0 (rank 0 here, or nano/dp's router), which ends
-        the run (a rank leaving mid-step would leave the others waiting in a collective)."""
-        signal.signal(signal.SIGINT, lambda *_: parallel.world().tell_interrupted())
+        """Replay each step rank 0 broadcasts on this rank's shard, until it says stop. What a
+        SIGINT does here is its driver's (the command line passes it on to rank 0:
+        cli/offline.forward_interrupts)."""
         while (packed := self.group.broadcast(None)) is not None:
             swaps = unpack_step(packed, packed_shape(packed))
             self.runner.swap(swaps["blocks_to_swap_out"], swaps["blocks_to_swap_in"])

@@ -1,6 +1,8 @@
 """Offline inference: a list of requests run to completion through the engine's public API
 (add_request, step), with progress, and --output written as requests finish; and the
-warm-up every measured run starts with."""
+warm-up every measured run starts with; and how a Ctrl-C on one MPI rank ends the run."""
+import signal
+
 from nano import parallel
 from nano.cli.output import OutputFile, Progress, metrics_writer, print_completions, write_summary
 from nano.cli.prompts import bound, model_inputs
@@ -9,17 +11,34 @@ from nano.telemetry.metrics import metrics_of, reset_metrics
 from nano.telemetry.summary import format_summary, summarize
 from nano.telemetry.watchdog import Watchdog
 
+INTERRUPTED = 7  # the tag of a rank's message to rank 0 that it was interrupted
+_pending = None  # tell_interrupted()'s send, kept until it completes
+
 
 class PeerInterrupted(KeyboardInterrupt):
     """On rank 0: another rank (args[0]) was interrupted. The run ends as after a Ctrl-C on
     rank 0 (its finished outputs written in order), not killed from that rank."""
 
 
+def tell_interrupted(group: parallel.Group) -> None:
+    """On a rank > 0 that got SIGINT or SIGTERM: tell group's rank 0, without waiting (this
+    rank's steps go on until then)."""
+    global _pending
+    _pending = group.comm.isend(group.rank, dest=0, tag=INTERRUPTED)
+
+
+def forward_interrupts(group: parallel.Group) -> None:
+    """On a rank > 0: a SIGINT is passed on to group's rank 0 (the engine's, or nano/dp's
+    router), which ends the run; a rank leaving mid-step would leave the others waiting in a
+    collective."""
+    signal.signal(signal.SIGINT, lambda *_: tell_interrupted(group))
+
+
 def check_interrupted(group: parallel.Group) -> None:
     """On rank 0, between steps: raise PeerInterrupted if another rank told it
-    (Group.tell_interrupted) that it was interrupted."""
-    if group.world > 1 and group.comm.Iprobe(tag=parallel.INTERRUPTED):
-        raise PeerInterrupted(group.comm.recv(tag=parallel.INTERRUPTED))
+    (tell_interrupted) that it was interrupted."""
+    if group.world > 1 and group.comm.Iprobe(tag=INTERRUPTED):
+        raise PeerInterrupted(group.comm.recv(tag=INTERRUPTED))
 
 
 def warm_up(engine) -> None:

@@ -16,7 +16,6 @@ from another boot. So no time read on one rank is compared with one read on anot
 request's times are moved onto each rank's clock as it arrives there (the time it spent in
 flight counted as none), and the router stamps the snapshots with its own clock.
 """
-import signal
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -284,6 +283,7 @@ def start(config, num_instances: int, wrong_size, make_instance, make_router, ma
     if leaders is None:
         if warm_up:  # as the leader's warm-up does: page faults stay out of the figures
             worker.runner.touch_kv_cache()
+        offline.forward_interrupts(world)
         worker.run()
         return None
     if warm_up:
@@ -321,7 +321,7 @@ def run_node(node: Node, world) -> None:
     on to the router's, which ends the run (its finished outputs written in order)."""
     from nano.cli import offline
     if not node.router:
-        signal.signal(signal.SIGINT, lambda *_: world.tell_interrupted())
+        offline.forward_interrupts(world)
     while not node.done:
         if node.router:
             offline.check_interrupted(world)
