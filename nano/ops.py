@@ -107,14 +107,13 @@ def rope_store_kvcache(q, k, v, positions, cos_sin, cache: LayerKV, slot_mapping
 
 @functools.cache
 def hadamard(d: int) -> np.ndarray:
-    """(d, d) float32 Sylvester Hadamard matrix / sqrt(d), d a power of two: symmetric and
-    orthonormal (H H = I). x @ H is what the GPU computes as log2(d) butterfly stages
-    (a, b) -> (a + b, a - b), one per bit of the channel index, then a 1/sqrt(d) factor."""
+    """(d, d) float32 Sylvester Hadamard matrix / sqrt(d), d a power of two (shard.py refuses
+    the rotation for a model of another head dim): symmetric and orthonormal (H H = I). x @ H
+    is what the GPU computes as log2(d) butterfly stages (a, b) -> (a + b, a - b), one per bit
+    of the channel index, then a 1/sqrt(d) factor."""
     h = np.ones((1, 1))
     while h.shape[0] < d:
         h = np.block([[h, h], [h, -h]])
-    if h.shape[0] != d:
-        raise ValueError(f"the Hadamard rotation needs a power-of-two head_dim, got {d}")
     h = (h / np.sqrt(d)).astype(np.float32)
     h.flags.writeable = False
     return h

@@ -410,6 +410,19 @@ def test_api_key_scheme_must_be_one_nano_has(tiny_model):
         LLM(model=str(tiny_model), kv_cache_dtype="int8", kv_int8_keys="channel")
 
 
+def test_rotated_int8_keys_need_a_power_of_two_head_dim(tmp_path):
+    """The Hadamard key rotation (int8's default) needs a power-of-two head dim: a model of
+    another is refused as it loads, naming the way out, not met mid-step."""
+    from reference import make_random_model
+    model = str(make_random_model(tmp_path / "m", hidden=48, layers=1, intermediate=32))
+    with pytest.raises(NanoError, match=r"^--kv-int8-keys rotate needs a power-of-two head dim, the model's is "
+                                        r"12 \(give --kv-int8-keys token\)$"):
+        LLM(model=model, kv_cache_dtype="int8", num_blocks=8)
+    out = LLM(model=model, kv_cache_dtype="int8", kv_int8_keys="token", num_blocks=8).generate(
+        [[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))
+    assert len(out[0].token_ids) == 2
+
+
 def test_api_policy_is_a_class_not_a_name(tiny_model):
     """The scheduling policy is chosen as its class (nano/policy.py); a name is refused before
     the model loads, not met as a TypeError after."""
