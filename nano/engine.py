@@ -159,7 +159,10 @@ class LLMEngine:
                 if seq.params.max_tokens == 0:  # it only scored its prompt: no token is wanted
                     reason = "length"
                 else:
-                    self._append(seq, token, now)
+                    seq.token_ids.append(token)
+                    seq.token_times.append(now)
+                    if seq.first_token_time is None:
+                        seq.first_token_time = now
                     if j < len(sample.drafts) and token == sample.drafts[j]:
                         # the KV this step wrote for the draft is right
                         seq.num_computed_tokens += 1
@@ -170,12 +173,6 @@ class LLMEngine:
                     finished.append(seq)
                     break
         return finished
-
-    def _append(self, seq: Sequence, token: int, now: float) -> None:
-        seq.token_ids.append(token)
-        seq.token_times.append(now)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         if ((token in self.tokenizer.eos_token_ids and not seq.params.ignore_eos)
