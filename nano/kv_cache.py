@@ -89,10 +89,6 @@ class KVCache:
         return [self.data] if self.scales is None else [self.data, self.scales]
 
     @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.block_arrays())
-
-    @property
     def block_nbytes(self) -> int:
         """What one block holds, all layers and arrays."""
         return sum(a.nbytes // a.shape[2] for a in self.block_arrays())
