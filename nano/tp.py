@@ -62,10 +62,6 @@ def _split(n: int, parts: int, i: int) -> range:
     return range(start, start + base + (i < extra))
 
 
-def _rows(heads: range, d: int) -> slice:
-    return slice(heads.start * d, heads.stop * d)
-
-
 def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the forward reads (load_model reads these, check_checkpoint holds a
     checkpoint to them), with the whole shape config.json implies."""
@@ -110,7 +106,9 @@ def load_model(reader, cfg: ModelConfig, part: Partition, to_device, max_positio
                all_reduce=None, ops: OpSet = REFERENCE) -> LlamaModel:
     """Read only this rank's slices from the checkpoint and build the model, running ops, on the
     device."""
-    q_rows, kv_rows = _rows(part.q_heads, cfg.head_dim), _rows(part.kv_heads, cfg.head_dim)
+    # the rows of this rank's heads in q_proj, in k_proj and v_proj
+    q_rows, kv_rows = (slice(heads.start * cfg.head_dim, heads.stop * cfg.head_dim)
+                       for heads in (part.q_heads, part.kv_heads))
     shapes = checkpoint_shapes(cfg)
 
     def get(name, rows=None, cols=None):
