@@ -34,7 +34,7 @@ from nano.server import cli as server
 from nano.speculative import attach
 from nano.speculative import cli as speculative
 from nano.telemetry import heartbeat
-from nano.telemetry.watchdog import abort_all, launcher_stderr
+from nano.telemetry.watchdog import abort_all, alone, launcher_stderr
 
 
 def build_parser() -> flags.Parser:
@@ -153,6 +153,6 @@ if __name__ == "__main__":
     except KeyboardInterrupt as e:  # here, or on another rank (PeerInterrupted): every rank ends
         exit_on_error(NanoError("interrupted"), 130, e.args[0] if e.args else None)
     except Exception as e:  # a bug: alone, show the traceback; under MPI, end every rank
-        if parallel.alone():
+        if alone():
             raise
         exit_on_error(e, 1)

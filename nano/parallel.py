@@ -124,11 +124,6 @@ def world() -> Group:
     return _world or tp_group()
 
 
-def alone() -> bool:
-    """Whether this process is the whole run (no other MPI rank to end on an error)."""
-    return world().world == 1
-
-
 def launched_by_mpirun() -> bool:
     return any(var in os.environ for var in _LAUNCHER_VARS)
 

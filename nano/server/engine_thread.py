@@ -12,13 +12,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from nano import parallel
 from nano.cli.output import exit_on_error
 from nano.errors import NanoError
 from nano.sequence import SamplingParams, Sequence
 from nano.telemetry.export import gauges
 from nano.telemetry.prometheus import EngineExport
-from nano.telemetry.watchdog import GRACE, Watchdog
+from nano.telemetry.watchdog import GRACE, Watchdog, alone
 
 log = logging.getLogger("nano.server")
 
@@ -152,7 +151,7 @@ class EngineThread(threading.Thread):
                         job.put(event)
         except Exception as e:  # a bug, or a rank that stopped: every waiting client gets an error,
             self._fail(str(e) if isinstance(e, NanoError) else f"{type(e).__name__}: {e}")  # /health says so
-            if not parallel.alone():  # then the job ends: the other ranks would wait for this one forever
+            if not alone():  # then the job ends: the other ranks would wait for this one forever
                 time.sleep(GRACE)
                 exit_on_error(e, 1)
         finally:

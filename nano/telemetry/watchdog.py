@@ -58,6 +58,11 @@ def launcher_stderr() -> int:
     return sys.stderr.fileno()
 
 
+def alone() -> bool:
+    """Whether this process is the whole run (no other MPI rank to end on an error)."""
+    return parallel.world().world == 1
+
+
 def abort_all(code: int) -> None:
     """End this process and every other rank now, from any thread (sys.exit would end only
     the calling thread, and not the ranks waiting for this one)."""
@@ -94,9 +99,9 @@ class Watchdog:
         self.clock: int | None = None  # the stepping thread's CPU clock while a timed step runs
         self.steps = 0                 # steps finished
         self.closed = False
-        if timeout and parallel.alone():
+        if timeout and alone():
             threading.Thread(target=self._watch, name="nano-watchdog", daemon=True).start()
-        elif on_stall and not parallel.alone():
+        elif on_stall and not alone():
             drivers.append(on_stall)
 
     def close(self) -> None:
