@@ -101,6 +101,54 @@ def test_shuffles_follow_ptx_lane_arithmetic(cp, width):
     np.testing.assert_array_equal(cp.asnumpy(out), expect)
 
 
+WMMA = textwrap.dedent("""
+    #include <mma.h>
+    namespace wmma = nvcuda::wmma;
+    // D = A B + C for one 16 x 16 x 16 tile per warp, B read column-major (B^T's rows) or
+    // row-major, through shared memory as the attention kernel does; offset misaligns A.
+    extern "C" __global__ void mma(const __half* a, const __half* b, const float* c, float* d,
+                                   int b_col_major, int offset) {
+        __shared__ __align__(32) __half s_a[16 * 24 + 16];
+        for (int i = threadIdx.x; i < 256; i += 32) s_a[i / 16 * 24 + i % 16] = a[i];
+        __syncwarp();
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> fa;
+        wmma::fragment<wmma::accumulator, 16, 16, 16, float> fc;
+        wmma::load_matrix_sync(fa, s_a + offset, 24);
+        wmma::load_matrix_sync(fc, c, 16, wmma::mem_row_major);
+        if (b_col_major) {
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> fb;
+            wmma::load_matrix_sync(fb, b, 16);
+            wmma::mma_sync(fc, fa, fb, fc);
+        } else {
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::row_major> fb;
+            wmma::load_matrix_sync(fb, b, 16);
+            wmma::mma_sync(fc, fa, fb, fc);
+        }
+        for (int i = 0; i < fc.num_elements; i++) fc.x[i] *= 2.0f;
+        wmma::store_matrix_sync(d, fc, 16, wmma::mem_col_major);
+    }""")
+
+
+@pytest.mark.parametrize("b_col_major", [0, 1])
+def test_wmma_multiplies_tiles_in_float32(cp, b_col_major):
+    """The WMMA stand-in (tests/cuda_host/include/mma.h): D = A B + C from half tiles with
+    float32 sums, whatever layout B is read in, an element-wise operation on the accumulator,
+    D stored column-major; a pointer that is not 32-byte aligned is an error, as on a GPU."""
+    rng = np.random.default_rng(0)
+    a, b = (rng.normal(size=(16, 16)).astype(np.float16) for _ in range(2))
+    c = rng.normal(size=(16, 16)).astype(np.float32)
+    d = cp.empty(256, cp.float32)
+    kernel = build(WMMA).get_function("mma")
+    b_stored = b.T if b_col_major else b
+    args = (cp.asarray(a.ravel()), cp.asarray(np.ascontiguousarray(b_stored).ravel()), cp.asarray(c.ravel()), d,
+            np.int32(b_col_major))
+    kernel((1,), (32,), (*args, np.int32(0)))
+    expect = 2 * (a.astype(np.float32) @ b.astype(np.float32) + c)
+    np.testing.assert_allclose(cp.asnumpy(d).reshape(16, 16).T, expect, rtol=1e-6, atol=1e-5)
+    with pytest.raises(emulator.EmulatorError, match="not 32-byte aligned"):
+        kernel((1,), (32,), (*args, np.int32(8)))
+
+
 DYNAMIC = textwrap.dedent("""
     // Block sum through dynamic shared memory: one float per thread.
     extern "C" __global__ void block_sum(const float* x, float* out, int overrun) {

@@ -96,8 +96,8 @@ def _compile(source: str, out_name: str, extra: list[str], inputs: str = "", ker
     flags = ["-std=c++17", "-fPIC", "-shared", "-pthread", "-fno-strict-aliasing", "-mf16c",
              "-fno-extern-tls-init", "-Wno-unknown-pragmas", *FLAGS,
              f"-I{HERE / 'include'}", f"-I{HERE}", *extra, f"-I{_cccl_include()}"]
-    key = hashlib.sha256("\0".join([source, inputs, *flags, (HERE / "shim.h").read_text(),
-                                    (HERE / "include" / "crt" / "host_defines.h").read_text()])
+    stand_ins = [p.read_text() for p in sorted((HERE / "include").rglob("*.h"))]
+    key = hashlib.sha256("\0".join([source, inputs, *flags, (HERE / "shim.h").read_text(), *stand_ins])
                          .encode()).hexdigest()[:16]
     target = BUILD_DIR / f"{out_name}-{'asan-' if SANITIZE else ''}{key}.so"
     if target.exists():

@@ -446,6 +446,11 @@ void syncthreads(const char* file, int line) {
     yield(w);
 }
 
+void kernel_error(const char* what, const char* file, int line) {
+    Worker& w = *this_worker;
+    fail(w, "thread %d: %s (%s)", w.running->tid, what, where({file, line}).c_str());
+}
+
 namespace {
 
 // --------------------------------------------------------------- the scheduler

@@ -21,6 +21,8 @@
 //   __half       the toolkit's own cuda_fp16.h host code, except the conversions the kernels
 //                use all the time: those go through the CPU's F16C instructions (exact IEEE,
 //                round to nearest even, NaN made CUDA's canonical 0x7fff), see below.
+//   wmma         nvcuda::wmma from include/mma.h (16 x 16 x 16, half inputs, float32 sums),
+//                each lane computing its own accumulator elements; see that file.
 //   math         __expf, expf, logf, rsqrtf, ... from libm in float32. The GPU's fast
 //                approximations differ in the last bits; the tests' tolerances cover both.
 // Not emulated: timing, the memory model between blocks or between threads that a barrier
@@ -70,6 +72,8 @@ extern thread_local CUDA_HOST_API const Builtins* current;
 enum ShuffleMode { SHFL_IDX, SHFL_UP, SHFL_DOWN, SHFL_XOR, SYNCWARP };
 
 CUDA_HOST_API void syncthreads(const char* file, int line);
+// Ends the block with an error a kernel's device library found (tests/cuda_host/include/mma.h).
+CUDA_HOST_API [[noreturn]] void kernel_error(const char* what, const char* file, int line);
 CUDA_HOST_API unsigned long long warp_op(ShuffleMode mode, unsigned mask, unsigned long long bits, int arg,
                            int width, const char* file, int line);
 
