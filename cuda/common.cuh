@@ -90,8 +90,10 @@ __device__ T block_reduce(T value, Op op, T* shared) {
 //      as they are (TileT int8_t) or as halfs (TileT __half; exact: an int8 value is a
 //      float16 integer). The scales are not applied here: the kernels fold them into the
 //      scores (K) and the probabilities (V).
-// Ends with a barrier: the tile is ready for every thread.
-template <int TILE, int HEAD_DIM, int K_ROW, int V_ROW, int NUM_THREADS, typename CacheT, typename TileT>
+// Ends with a barrier: the tile is ready for every thread. UNROLL (0: all) bounds the rounds
+// of loads in flight at once, for a caller whose registers are mostly taken.
+template <int TILE, int HEAD_DIM, int K_ROW, int V_ROW, int NUM_THREADS, int UNROLL = 0, typename CacheT,
+          typename TileT>
 __device__ __forceinline__ void stage_kv_tile(
         TileT* s_k, TileT* s_v, float* s_kscale, float* s_vscale, int* s_block,
         const CacheT* __restrict__ k_cache, const CacheT* __restrict__ v_cache,
@@ -101,6 +103,8 @@ __device__ __forceinline__ void stage_kv_tile(
     constexpr int PER_LOAD = 16 / sizeof(CacheT);  // cache values per 16-byte load
     constexpr int CHUNKS = HEAD_DIM / PER_LOAD;    // 16-byte chunks per row
     constexpr int WORK = TILE * CHUNKS;
+    constexpr int ROUNDS = WORK / NUM_THREADS;
+    static_assert(WORK % NUM_THREADS == 0, "every tile plan stages whole rounds of 16-byte loads");
     static_assert(TILE <= NUM_THREADS, "one thread per row in step 1");
     static_assert(sizeof(TileT) == sizeof(CacheT) || (QUANTIZED && sizeof(TileT) == 2),
                   "a copy, or int8 values to halfs");
@@ -110,10 +114,9 @@ __device__ __forceinline__ void stage_kv_tile(
     }
     __syncthreads();
     const int block_size = 1 << log2_block_size;
-#pragma unroll
-    for (int j = 0; j < (WORK + NUM_THREADS - 1) / NUM_THREADS; j++) {
+#pragma unroll(UNROLL ? UNROLL : ROUNDS)
+    for (int j = 0; j < ROUNDS; j++) {
         const int i = threadIdx.x + j * NUM_THREADS;
-        if (WORK % NUM_THREADS != 0 && i >= WORK) break;  // the last round is partial
         const int r = i / CHUNKS, c = i % CHUNKS;
         const int block = s_block[r];
         uint4 kval = make_uint4(0, 0, 0, 0), vval = kval;

@@ -24,64 +24,90 @@
 // (halfs or int8), so neighbouring threads load neighbouring 16-byte chunks of K/V rows
 // (coalesced); a token's scales sit at the same (block, head, offset) index of the scales.
 //
-// Design (CUDA cores, no tensor cores): a thread block of 256 threads takes 64 query
-// rows = 64 / GROUP query tokens x the GROUP query heads of one KV head, so each K/V tile is
-// read once for the whole group. Grid (ceil(T / tokens per block), nkv, S); blocks past
-// the end of their chunk exit at once. Per tile of KEYS keys (32; 8 at head dim 256, see
-// KEYS_PER_TILE):
+// Design (tensor cores, FlashAttention-2's loop through the WMMA API): a thread block of 4
+// warps (2 at head dim 256) takes ROWS = 64 (32) query rows = ROWS / GROUP query tokens x the
+// GROUP query heads of one KV head, so each K/V tile is read once for the whole group; each
+// warp owns 16 of the rows (one WMMA row tile), keeps their Q as fragments in registers (in
+// shared memory at head dim 256, see WARPS) and accumulates their output O (16 x d, float32)
+// in accumulator fragments. Grid (ceil(T / tokens per block), nkv, S); blocks past
+// the end of their chunk exit at once. Per tile of KEYS keys (see KEYS_PER_TILE):
 //   1. physical block of each key (-1: key skipped), 2. stage K, V in shared memory with
-//   16-byte loads, 3. scores: each thread computes 8 rows x 1 key in float32, masked
-//   causally, 4. online softmax, one thread per row (running max and sum-exp in
-//   registers), 5. acc = acc * alpha + P @ V, each thread owning a dim pair of 8 or 16 rows.
+//   16-byte loads, 3. S = Q K^T on tensor cores (16 x KEYS per warp, float32) into the
+//   warp's scratch, 4. online softmax, a lane pair per row (running max and sum-exp in
+//   float32 registers, masked causally and by the window), P = exp(S - max) rounded to
+//   halfs, 5. O = O * alpha + P V on tensor cores.
+// WMMA does not say which lane holds which element of a fragment, so the per-row factor
+// alpha = exp(old max - new max) reaches O through a fragment of the same type: step 4 writes
+// a 16 x 16 matrix whose row r is alpha of row r, step 5 loads it and multiplies element i
+// of each O fragment by its element i (same type, same load layout: the same position).
+// The output goes the same way: each O fragment through the scratch, divided by its row's sum.
 // Key tiles past the block's last query position are never visited (fully masked), nor keys
 // before its first query's window: the tiles start at that window's first key.
 // int8 cache: step 2 converts the int8 values to halfs in shared memory (exact) and stages
-// each key's two scales; step 3 multiplies a key's scores by its K scale, step 4 its
+// each key's two scales; step 4 multiplies a key's scores by its K scale and its
 // probabilities by its V scale (after the sum-exp, which is of p): nothing is dequantized
-// in global memory, and steps 3 and 5 run the float16 code. Prefill is compute-bound (each
-// K/V tile serves 64 query rows), so the conversion's cost is small next to the products.
-// Static shared memory: the block's 64 q rows and a tile's KEYS K and KEYS V rows, d + 8
-// halfs each (padded, see step 3); scores 64 x (KEYS + 1) floats; alpha and sum-exp per row
-// (2 x 64 floats); KEYS block ids; int8 cache also 2 x KEYS float scales.
+// in global memory, and steps 3 and 5 run the float16 code.
+// Static shared memory (at most 48 KB, see KEYS_PER_TILE): one tile buffer, first the block's
+// q rows, then a tile's KEYS K and KEYS V rows (over the q rows, or after them at head dim
+// 256), d + 8 halfs each (the padding staggers the rows over the banks for WMMA's loads); per warp, S (16 x (KEYS + 4) floats, later
+// alpha and the output) and P (16 x (KEYS + 8) halfs); KEYS block ids; int8 also 2 x KEYS
+// float scales.
+#include <mma.h>
+
 #include "common.cuh"
 
-constexpr int NUM_THREADS = 256;
-constexpr int ROWS = 64;  // query rows (token, head) per thread block
-// Keys per tile: 32, but 8 at head dim 256, where the 64 q rows alone take 33 KB of the 48 KB
-// of static shared memory a block may have (and 32 K and 32 V rows would take 34 more).
-template <int HEAD_DIM>
-constexpr int KEYS_PER_TILE = HEAD_DIM <= 128 ? 32 : 8;
+namespace wmma = nvcuda::wmma;
 
-// Blocks per SM that the int8 instances' registers must allow (__launch_bounds__'s second
-// argument, see paged_attention.cu); 0 (none) for float16.
-template <int HEAD_DIM, typename CacheT>
-constexpr int MIN_BLOCKS = sizeof(CacheT) == 2 ? 0 : HEAD_DIM == 64 ? 3 : 2;
+// The tile plan, by head dim: warps per block (each 16 query rows), keys per tile, and where
+// Q lives. Q as fragments in registers takes d / 4 registers a lane and O d / 2; at head dim
+// 256 the two (192) left too few for the rest (ptxas: 255 registers and spills), so there Q
+// stays in shared memory, each use loads its fragment, and staging a tile keeps 2 rounds of
+// loads in flight instead of 8 (168 registers); the q rows then take 17 KB of shared memory
+// for good, so 2 warps. Keys per tile: as many as the 48 KB of static shared memory hold next
+// to the other arrays (45 KB at 64, 31 KB at 128, 37 KB at 256). tests/test_kernels_compile.py
+// holds the instances to this plan; nano/kernels.py's PREFILL_ROWS repeats the rows per block.
+template <int HEAD_DIM> constexpr int WARPS = HEAD_DIM <= 128 ? 4 : 2;
+template <int HEAD_DIM> constexpr int KEYS_PER_TILE = HEAD_DIM == 64 ? 64 : HEAD_DIM == 128 ? 32 : 16;
+template <int HEAD_DIM> constexpr bool Q_IN_SHARED = HEAD_DIM > 128;
+constexpr int MAX_THREADS = 128;  // 4 warps
+
+using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major>;  // Q or P
+using FragK = wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major>;  // K^T
+using FragV = wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::row_major>;
+using FragAcc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
 
 template <int HEAD_DIM, int GROUP, typename CacheT>
-__global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS<HEAD_DIM, CacheT>) prefill_attention_kernel(
+__global__ void __launch_bounds__(MAX_THREADS) prefill_attention_kernel(
         __half* __restrict__ out, const __half* __restrict__ q,
         const CacheT* __restrict__ k_cache, const CacheT* __restrict__ v_cache,
         const __half* __restrict__ k_scales, const __half* __restrict__ v_scales,
         const int* __restrict__ cu_seqlens_q, const int* __restrict__ block_tables,
         const int* __restrict__ context_lens, int max_blocks, int log2_block_size, int window, float scale) {
     constexpr bool INT8 = sizeof(CacheT) == 1;
+    constexpr int NUM_THREADS = WARPS<HEAD_DIM> * 32;
+    constexpr int ROWS = WARPS<HEAD_DIM> * 16;  // query rows (token, head) per block
     constexpr int KEYS = KEYS_PER_TILE<HEAD_DIM>;
+    constexpr bool Q_SHARED = Q_IN_SHARED<HEAD_DIM>;
+    // Q's fragments in registers need every loop over them unrolled; from shared memory, an
+    // unrolled loop would have ptxas load them all ahead, into registers O needs.
+    constexpr int Q_UNROLL = Q_SHARED ? 2 : HEAD_DIM / 16;
     constexpr int TOKENS = ROWS / GROUP;  // query tokens per block; rows past TOKENS*GROUP idle
     constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks per row
-    constexpr int ROW = HEAD_DIM + 8;     // padded: conflict-free 16-byte reads, see step 3
-    constexpr int SCORE_ROWS = ROWS / (NUM_THREADS / KEYS);  // score rows per thread: 8 (2 at 256)
-    constexpr int PAIR_COLS = HEAD_DIM / 2;                   // dim pairs per row: 32, 64 or 128
-    constexpr int ROW_STEP = NUM_THREADS / PAIR_COLS;          // 8, 4 or 2
-    constexpr int OUT_ROWS = ROWS / ROW_STEP;                  // output rows per thread: 8, 16 or 32
+    constexpr int ROW = HEAD_DIM + 8;     // padded row of the tile buffer, in halfs
+    constexpr int DIM_TILES = HEAD_DIM / 16, KEY_TILES = KEYS / 16;
+    constexpr int S_LD = KEYS + 4, P_LD = KEYS + 8;  // WMMA's ldm: multiples of 16 bytes
+    // The tile buffer: q rows, then (over them, unless Q stays there) K and V rows.
+    constexpr int Q_END = Q_SHARED ? ROWS : 0;
+    constexpr int TILE_ROWS = ROWS > Q_END + 2 * KEYS ? ROWS : Q_END + 2 * KEYS;
     static_assert(ROWS * CHUNKS % NUM_THREADS == 0, "the q staging loop assumes whole rounds");
 
-    __shared__ __align__(16) __half s_q[ROWS * ROW];
-    __shared__ __align__(16) __half s_k[KEYS * ROW];
-    __shared__ __align__(16) __half s_v[KEYS * ROW];
-    __shared__ float s_p[ROWS][KEYS + 1];  // +1: the row-per-thread softmax reads a column
-    __shared__ float s_alpha[ROWS], s_sum[ROWS];
+    __shared__ __align__(32) __half s_tile[TILE_ROWS * ROW];
+    __shared__ __align__(32) float s_s[ROWS / 16][16 * S_LD];
+    __shared__ __align__(32) __half s_p[ROWS / 16][16 * P_LD];
     __shared__ int s_block[KEYS];
     __shared__ float s_kscale[INT8 ? KEYS : 1], s_vscale[INT8 ? KEYS : 1];  // int8 cache only
+    __half* s_k = s_tile + Q_END * ROW;
+    __half* s_v = s_k + KEYS * ROW;
 
     const int kv_head = blockIdx.y, seq = blockIdx.z;
     const int nkv = gridDim.y, nq = nkv * GROUP;
@@ -105,109 +131,123 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS<HEAD_DIM, CacheT>) pre
         if (t < tokens)
             val = *reinterpret_cast<const uint4*>(
                 q + ((long long)(q_begin + first + t) * nq + kv_head * GROUP + g) * HEAD_DIM + c * 8);
-        *reinterpret_cast<uint4*>(&s_q[r * ROW + c * 8]) = val;
+        *reinterpret_cast<uint4*>(&s_tile[r * ROW + c * 8]) = val;
     }
+    __syncthreads();
 
-    // Softmax state of row threadIdx.x (threads < ROWS), and this thread's output slice:
-    // dim pair `d2` of rows r0, r0 + ROW_STEP, ...
+    // This warp's rows warp * 16 .. + 15: O as float32 accumulators, Q as fragments (one,
+    // loaded at each use, where Q stays in shared memory).
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const __half* s_q = &s_tile[warp * 16 * ROW];
+    FragA q_frag[Q_SHARED ? 1 : DIM_TILES];
+    FragAcc o_frag[DIM_TILES];
+#pragma unroll
+    for (int d = 0; d < DIM_TILES; d++) {
+        if constexpr (!Q_SHARED) wmma::load_matrix_sync(q_frag[d], &s_q[d * 16], ROW);
+        wmma::fill_fragment(o_frag[d], 0.0f);
+    }
+    if constexpr (!Q_SHARED) __syncthreads();  // the buffer takes K and V next
+
+    // Step 4's share of the work: lane pair `row` (the warp's row lane / 2), each lane the
+    // columns of its parity (neighbouring lanes, neighbouring words). Both lanes of the pair
+    // keep the row's softmax state.
+    const int row = lane / 2, half = lane % 2;
+    const int t = (warp * 16 + row) / GROUP;
+    // The row's visible keys: last_visible - window < key <= last_visible (none for a padding
+    // row, t >= tokens).
+    const int last_visible = t < tokens ? pos0 + t : -1;
+    float* scratch = s_s[warp];
+    __half* p_tile = s_p[warp];
     float row_max = NEG_INF, row_sum = 0.0f;
-    const int d2 = threadIdx.x % PAIR_COLS, r0 = threadIdx.x / PAIR_COLS;
-    float2 acc[OUT_ROWS];
-    for (int i = 0; i < OUT_ROWS; i++) acc[i] = make_float2(0.0f, 0.0f);
-    // Score slice: key `kr` of rows sr0 .. sr0 + SCORE_ROWS - 1 (with 32 keys a warp shares
-    // its rows; with 8, four sets of rows).
-    const int kr = threadIdx.x % KEYS, sr0 = threadIdx.x / KEYS * SCORE_ROWS;
 
     for (int key0 = first_key; key0 <= last_key; key0 += KEYS) {
         // 1-2. Physical block of each key, then K and V rows into shared memory.
         // An int8 cache's values are staged as halfs (exact); its scales are folded in below.
-        stage_kv_tile<KEYS, HEAD_DIM, ROW, ROW, NUM_THREADS>(
+        stage_kv_tile<KEYS, HEAD_DIM, ROW, ROW, NUM_THREADS, Q_SHARED ? 2 : 0>(
             s_k, s_v, s_kscale, s_vscale, s_block, k_cache, v_cache, k_scales, v_scales, table,
             max_blocks, key0, last_key - key0 + 1, kv_head, nkv, log2_block_size);
 
-        // 3. Scores. Lanes read KEYS different K rows at the same chunk: rows are an odd
-        // number of 16-byte units apart, so no bank conflicts; q rows are broadcast.
-        float score[SCORE_ROWS];
-        for (int i = 0; i < SCORE_ROWS; i++) score[i] = 0.0f;
+        // 3. S = Q K^T, 16 keys at a time: K's rows are K^T's columns (col_major).
 #pragma unroll
-        for (int c = 0; c < CHUNKS; c++) {
-            const uint4 ku = *reinterpret_cast<const uint4*>(&s_k[kr * ROW + c * 8]);
-            const __half2* k2 = reinterpret_cast<const __half2*>(&ku);
-#pragma unroll
-            for (int i = 0; i < SCORE_ROWS; i++) {
-                const uint4 qu = *reinterpret_cast<const uint4*>(&s_q[(sr0 + i) * ROW + c * 8]);
-                const __half2* q2 = reinterpret_cast<const __half2*>(&qu);
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    const float2 kf = __half22float2(k2[e]), qf = __half22float2(q2[e]);
-                    score[i] += qf.x * kf.x + qf.y * kf.y;
-                }
+        for (int n = 0; n < KEY_TILES; n++) {
+            FragAcc s_frag;
+            wmma::fill_fragment(s_frag, 0.0f);
+#pragma unroll Q_UNROLL
+            for (int d = 0; d < DIM_TILES; d++) {
+                if constexpr (Q_SHARED) wmma::load_matrix_sync(q_frag[0], &s_q[d * 16], ROW);
+                FragK k_frag;
+                wmma::load_matrix_sync(k_frag, &s_k[n * 16 * ROW + d * 16], ROW);
+                wmma::mma_sync(s_frag, q_frag[Q_SHARED ? 0 : d], k_frag, s_frag);
             }
+            wmma::store_matrix_sync(&scratch[n * 16], s_frag, S_LD, wmma::mem_row_major);
         }
-        const int key = key0 + kr;
-        const bool key_ok = s_block[kr] >= 0;
-        float key_scale = scale;  // int8: times the key's scale
-        if constexpr (INT8) key_scale *= s_kscale[kr];
-#pragma unroll
-        for (int i = 0; i < SCORE_ROWS; i++) {
-            const int t = (sr0 + i) / GROUP;  // t >= tokens: padding row, fully masked
-            const bool visible = key_ok && t < tokens && key <= pos0 + t && key > pos0 + t - window;
-            s_p[sr0 + i][kr] = visible ? score[i] * key_scale : NEG_INF;
-        }
-        __syncthreads();
+        __syncwarp();
 
-        // 4. Online softmax, one thread per row. int8: s_p gets p * (the key's V scale); the
-        // sum is of p.
-        if (threadIdx.x < ROWS) {
-            const int r = threadIdx.x;
-            float tile_max = NEG_INF;
-            for (int k = 0; k < KEYS; k++) tile_max = fmaxf(tile_max, s_p[r][k]);
-            const float new_max = fmaxf(row_max, tile_max);
-            float sum = 0.0f;
-            for (int k = 0; k < KEYS; k++) {
-                const float s = s_p[r][k];
-                const float p = s == NEG_INF ? 0.0f : __expf(s - new_max);
-                if constexpr (INT8) s_p[r][k] = p * s_vscale[k];
-                else s_p[r][k] = p;
-                sum += p;
-            }
-            const float alpha = row_max == NEG_INF ? 0.0f : __expf(row_max - new_max);
-            row_sum = row_sum * alpha + sum;
-            row_max = new_max;
-            s_alpha[r] = alpha;
+        // 4. Online softmax of the row, masked, in two passes over the lane's columns (a
+        // register per column would be KEYS / 2 more); they are read before the lane
+        // overwrites its own columns with alpha.
+        auto score = [&](int c) {
+            const int key = key0 + c;
+            const bool visible = s_block[c] >= 0 && key <= last_visible && key > last_visible - window;
+            float key_scale = scale;  // int8: times the key's scale
+            if constexpr (INT8) key_scale *= s_kscale[c];
+            return visible ? scratch[row * S_LD + c] * key_scale : NEG_INF;
+        };
+        float tile_max = NEG_INF;
+#pragma unroll
+        for (int j = 0; j < KEYS / 2; j++) tile_max = fmaxf(tile_max, score(2 * j + half));
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 1));
+        const float new_max = fmaxf(row_max, tile_max);
+        float sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < KEYS / 2; j++) {
+            const int c = 2 * j + half;
+            const float s = score(c);
+            const float p = s == NEG_INF ? 0.0f : __expf(s - new_max);
+            sum += p;
+            float weight = p;  // int8: times the key's V scale; the sum is of p
+            if constexpr (INT8) weight *= s_vscale[c];
+            p_tile[row * P_LD + c] = __float2half_rn(weight);
         }
-        __syncthreads();
+        sum += __shfl_xor_sync(0xffffffff, sum, 1);
+        const float alpha = row_max == NEG_INF ? 0.0f : __expf(row_max - new_max);
+        row_sum = row_sum * alpha + sum;
+        row_max = new_max;
+#pragma unroll
+        for (int j = 0; j < 8; j++) scratch[row * S_LD + 2 * j + half] = alpha;  // alpha's row
+        __syncwarp();
 
-        // 5. acc = acc * alpha + P @ V. A warp shares its rows (p is broadcast) and reads
-        // consecutive dim pairs of a V row.
+        // 5. O = O * alpha + P V.
+        FragAcc alpha_frag;
+        wmma::load_matrix_sync(alpha_frag, scratch, S_LD, wmma::mem_row_major);
 #pragma unroll
-        for (int i = 0; i < OUT_ROWS; i++) {
-            const float alpha = s_alpha[r0 + i * ROW_STEP];
-            acc[i].x *= alpha;
-            acc[i].y *= alpha;
-        }
-        for (int k = 0; k < KEYS; k++) {
-            const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&s_v[k * ROW + 2 * d2]));
+        for (int d = 0; d < DIM_TILES; d++)
+            for (int i = 0; i < alpha_frag.num_elements; i++) o_frag[d].x[i] *= alpha_frag.x[i];
 #pragma unroll
-            for (int i = 0; i < OUT_ROWS; i++) {
-                const float p = s_p[r0 + i * ROW_STEP][k];
-                acc[i].x += p * v.x;
-                acc[i].y += p * v.y;
+        for (int k = 0; k < KEY_TILES; k++) {
+            FragA p_frag;
+            wmma::load_matrix_sync(p_frag, &p_tile[k * 16], P_LD);
+#pragma unroll
+            for (int d = 0; d < DIM_TILES; d++) {
+                FragV v_frag;
+                wmma::load_matrix_sync(v_frag, &s_v[k * 16 * ROW + d * 16], ROW);
+                wmma::mma_sync(o_frag[d], p_frag, v_frag, o_frag[d]);
             }
         }
-        __syncthreads();  // the next tile overwrites s_block, s_k, s_v and s_p
+        __syncthreads();  // the next tile overwrites s_block, s_k, s_v and the warp's scratch
     }
 
-    if (threadIdx.x < ROWS) s_sum[threadIdx.x] = row_sum;
-    __syncthreads();
+    // O / sum, 16 dims at a time through the scratch: a lane writes 8 dims of its row.
+    const int g = (warp * 16 + row) % GROUP;
+    const float inv = row_sum > 0.0f ? 1.0f / row_sum : 0.0f;
+    const long long dst = ((long long)(q_begin + first + t) * nq + kv_head * GROUP + g) * HEAD_DIM;
 #pragma unroll
-    for (int i = 0; i < OUT_ROWS; i++) {
-        const int r = r0 + i * ROW_STEP, t = r / GROUP, g = r % GROUP;
-        if (t < tokens) {
-            const float inv = s_sum[r] > 0.0f ? 1.0f / s_sum[r] : 0.0f;
-            const long long dst =
-                ((long long)(q_begin + first + t) * nq + kv_head * GROUP + g) * HEAD_DIM + 2 * d2;
-            *reinterpret_cast<__half2*>(out + dst) = __floats2half2_rn(acc[i].x * inv, acc[i].y * inv);
-        }
+    for (int d = 0; d < DIM_TILES; d++) {
+        wmma::store_matrix_sync(scratch, o_frag[d], S_LD, wmma::mem_row_major);
+        __syncwarp();
+        float o[8];
+        for (int i = 0; i < 8; i++) o[i] = scratch[row * S_LD + half * 8 + i] * inv;
+        if (t < tokens) store8(out + dst + d * 16 + half * 8, o);
+        __syncwarp();  // read before the next fragment overwrites it
     }
 }

@@ -27,7 +27,8 @@ GROUPS = (1, 2, 3, 4, 5, 6, 7, 8)
 CACHE_TYPES = {np.dtype(np.float16): "__half", np.dtype(np.int8): "int8_t"}  # dtype -> CacheT
 # TILE_TOKENS in cuda/decode_paths.cuh: the decode kernel's largest tile, in tokens
 DECODE_TILE = 64
-PREFILL_ROWS = 64  # ROWS in cuda/prefill_attention.cu: (token, head) rows per block
+# ROWS in cuda/prefill_attention.cu by head dim: (token, head) rows per block, 16 per warp
+PREFILL_ROWS = {64: 64, 128: 64, 256: 32}
 SWAP_UNITS = {16: "uint4", 2: "unsigned short"}  # copy unit of gather/scatter_blocks, in bytes
 
 _TEMPLATES = {
@@ -403,9 +404,10 @@ def paged_attention(q, cache, block_tables, context_lens, scale, window=None):
 
 def prefill_attention(q, cache, cu_seqlens_q, block_tables, context_lens, scale, window=None):
     """Prefill attention (cuda/prefill_attention.cu) over one layer's LayerKV, float16 or
-    int8. Grid (ceil(T / tokens per block), nkv, S), 256 threads, tokens per block =
-    64 // group. The x extent is sized for the longest possible chunk (all T tokens) because
-    chunk lengths live on the GPU; blocks past their chunk's end exit at once."""
+    int8. Grid (ceil(T / tokens per block), nkv, S), a warp per 16 rows of PREFILL_ROWS,
+    tokens per block = rows // group. The x extent is sized for the longest possible chunk
+    (all T tokens) because chunk lengths live on the GPU; blocks past their chunk's end exit
+    at once."""
     tokens, nq, d = q.shape
     nkv = cache.k.shape[1]
     group, log2_block_size, cache_type, (k_scale, v_scale) = _check_attention(q, cache, nq, d,
@@ -418,9 +420,9 @@ def prefill_attention(q, cache, cu_seqlens_q, block_tables, context_lens, scale,
     seqs = cu_seqlens_q.size - 1
     if tokens == 0 or seqs == 0:
         return out
-    per_block = PREFILL_ROWS // group
+    per_block = PREFILL_ROWS[d] // group
     _kernel("prefill_attention.cu", f"prefill_attention_kernel<{d}, {group}, {cache_type}>")(
-        (-(-tokens // per_block), nkv, seqs), (256,),
+        (-(-tokens // per_block), nkv, seqs), (2 * PREFILL_ROWS[d],),
         (out, q, cache.k, cache.v, k_scale, v_scale, cu_seqlens_q, block_tables, context_lens,
          np.int32(block_tables.shape[1]), np.int32(log2_block_size), np.int32(window or INT32_MAX),
          np.float32(scale)))
