@@ -29,6 +29,7 @@ from nano.deadline import cli as deadline
 from nano.disagg import cli as disagg
 from nano.dp import cli as dp
 from nano.errors import NanoError
+from nano.fleet.world import world
 from nano.lab import cli as lab
 from nano.server import cli as server
 from nano.speculative import attach
@@ -82,7 +83,7 @@ def main(argv=None) -> int:
         worker = Worker(config)
         if args.bench:  # as rank 0's warm-up does: page faults stay out of the figures
             worker.runner.touch_kv_cache()
-        offline.forward_interrupts(parallel.world())
+        offline.forward_interrupts(world())
         worker.run()
         return 0
     from nano.cli.output import describe
@@ -129,7 +130,7 @@ def on_sigterm(*_) -> None:
     """SIGTERM: what Slurm and Kubernetes send, and what mpirun, given SIGTERM or Ctrl-C,
     sends every rank 0.25 s before it kills them all. Rank 0 says so at once, then ends the
     run; another rank tells world rank 0, as for a Ctrl-C, and goes on until then."""
-    group = parallel.world()
+    group = world()
     if group.rank > 0:
         offline.tell_interrupted(group)
         return

@@ -103,25 +103,6 @@ class Group:
 
 
 _group: Group | None = None
-_world: Group | None = None  # after split_replicas(): every rank, of every replica
-
-
-def split_replicas(tp: int) -> Group | None:
-    """Replicas of `tp` ranks, each an engine of its own (data parallel; tp 1: also disaggregated
-    instances): world rank w is TP rank w % tp of replica w // tp, this process's TP group from now
-    on. Returns the group of replica leaders (TP rank 0 of each) the engines talk over, else
-    None."""
-    global _group, _world
-    _world = world()  # split again for a second run in the same processes (nano/dp's --dp-compare)
-    from mpi4py import MPI
-    _group = Group(_world.comm.Split(_world.rank // tp))  # ranked as in the world: TP rank w % tp
-    leaders = _world.comm.Split(0 if _group.rank == 0 else MPI.UNDEFINED)  # ranked by replica
-    return Group(leaders) if _group.rank == 0 else None
-
-
-# every rank of the run (an error anywhere ends them): the TP group unless split
-def world() -> Group:
-    return _world or tp_group()
 
 
 def launched_by_mpirun() -> bool:
@@ -143,7 +124,13 @@ def tp_group() -> Group:
     return _group
 
 
-# ---- for ending the run (telemetry/watchdog.py, cli/output.py) -------------------------
+def use_tp_group(group: Group) -> None:
+    """Make group this process's TP group from now on: nano/fleet splits the run's ranks into
+    replicas, each an engine of its own, before any engine is made."""
+    global _group
+    _group = group
+
+
 def started() -> Group | None:
-    """Every rank of the run, if this process has made its groups yet (None: MPI untouched)."""
-    return _world or _group
+    """This process's TP group, if it has made it yet (None: MPI untouched)."""
+    return _group

@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from nano import invariant, kv_cache, ops, parallel, tp
 from nano.errors import NanoError
+from nano.fleet.world import started
 from nano.telemetry.export import MetricsWriter, writing
 from nano.telemetry.watchdog import abort_all
 
@@ -21,7 +22,7 @@ def exit_on_error(error: Exception, code: int, rank: int | None = None) -> None:
     An error every rank shares is printed once (by rank 0) and the ranks exit together;
     any other one is printed with its rank (or `rank`, where it happened) and MPI_Abort
     ends the whole job."""
-    group = parallel.started()
+    group = started()
     message = str(error) if isinstance(error, NanoError) else f"{type(error).__name__}: {error}"
     if group is None or group.world == 1 or isinstance(error, parallel.SharedError):
         if group is None or group.rank == 0:

@@ -11,7 +11,7 @@ A request's life:
     r        --status-->   router      after each step: queued tokens, blocks in use
     r        --result-->   router      the finished sequence
 
-Under --tp T, world rank w is TP rank w % T of replica w // T (parallel.split_replicas): the
+Under --tp T, world rank w is TP rank w % T of replica w // T (fleet.world.split_replicas): the
 router talks to each replica's leader (its TP rank 0) only, and the leader's TP ranks
 replay its steps as under --tp alone.
 

@@ -3,6 +3,8 @@ serving (nano/disagg) and data-parallel replicas (nano/dp) both build on.
 
   ranks.py  the instance and the router's base (routing only where a request could ever fit:
             the fleet's capacity check), the loop every rank runs, the launch
+  world.py  every rank of the run, split into replicas of --tp ranks (the core knows only its
+            own TP group)
   links.py  how instances talk: MPI point-to-point, or in-process queues (tests)
   cli.py    the command line's side of such a run: requests, progress, --output, the report
 """

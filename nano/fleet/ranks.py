@@ -4,7 +4,7 @@
 Every instance runs a whole LLMEngine; rank 0 also runs the Router, in the same loop
 (Node.tick): deliver what has arrived, route, take one step. The router never waits on
 another rank: links are non-blocking (links.py), so a slow instance delays only its own
-requests. Under --tp T an instance is T ranks (parallel.split_replicas): its leader runs the
+requests. Under --tp T an instance is T ranks (world.split_replicas): its leader runs the
 engine and talks to the router, the others replay its steps (worker.Worker).
 
 Liveness is not the router's to judge: a step, however long, sends the router nothing, yet a
@@ -264,14 +264,15 @@ def start(config, num_instances: int, wrong_size, make_instance, make_router, ma
     from nano import parallel
     from nano.cli import offline
     from nano.engine import LLMEngine
+    from nano.fleet import world as fleet
     from nano.fleet.links import MpiLink
     from nano.speculative import attach
     from nano.worker import Worker
 
-    world = parallel.world()
+    world = fleet.world()
     if world.world != num_instances * config.tp:  # every rank sees it: each raises the same error
         raise parallel.SharedError(wrong_size(world.world))
-    leaders = parallel.split_replicas(config.tp)
+    leaders = fleet.split_replicas(config.tp)
     with world.together():
         if leaders is None:
             worker = Worker(config)

@@ -21,7 +21,7 @@ import threading
 import time
 from contextlib import contextmanager
 
-from nano import parallel
+from nano.fleet.world import started, world
 
 DEFAULT_STALL_TIMEOUT = 30.0  # seconds a step may go without CPU (MPI: a rank without a heartbeat)
 GRACE = 2.0                   # seconds between telling the drivers and ending the run
@@ -60,13 +60,13 @@ def launcher_stderr() -> int:
 
 def alone() -> bool:
     """Whether this process is the whole run (no other MPI rank to end on an error)."""
-    return parallel.world().world == 1
+    return world().world == 1
 
 
 def abort_all(code: int) -> None:
     """End this process and every other rank now, from any thread (sys.exit would end only
     the calling thread, and not the ranks waiting for this one)."""
-    group = parallel.started()
+    group = started()
     if group is None or group.world == 1:
         os._exit(code)
     time.sleep(0.2)  # for mpirun to pass the last line on before it prints its own abort notice
