@@ -3,7 +3,6 @@ template's source (rendered by nano/chat)."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import tokenizers
@@ -20,10 +19,12 @@ class Tokenizer:
         path, cfg_path = model_dir / "tokenizer.json", model_dir / "tokenizer_config.json"
         source = read_file(path, 256 << 20)  # the largest real ones are ~35 MB
         try:
-            self._tok = tokenizers.Tokenizer.from_str(source.decode())
+            # The library's tokenizer is public: add-ons read the vocabulary from it (grammars,
+            # the chat template's special tokens, the bytes of the server's logprobs).
+            self.hf = tokenizers.Tokenizer.from_str(source.decode())
         except Exception as e:  # the library raises a bare Exception for a bad file
             raise NanoError(f"cannot load {path}: {e}") from None
-        self.num_ids = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+        self.num_ids = max(self.hf.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         cfg = read_json(cfg_path) if cfg_path.exists() else {}
         if not isinstance(cfg, dict):
             raise NanoError(f"{cfg_path} is not a JSON object")
@@ -44,20 +45,16 @@ class Tokenizer:
 
         add_bos = checks.flag(f"{cfg_path} add_bos_token",
                               cfg.get("add_bos_token") or False) and self.bos_token
-        self._bos_id = self._tok.token_to_id(self.bos_token) if add_bos else None
+        self._bos_id = self.hf.token_to_id(self.bos_token) if add_bos else None
         if add_bos and self._bos_id is None:
             raise NanoError(f"{cfg_path} bos_token {self.bos_token!r:.40} is not a token of {path}")
 
         # The same tokenizer with special-token matching off (tokenizers' encode_special_tokens),
         # for text a user typed: "<|im_end|>" in it is those ten characters, not the end of a turn.
-        self._plain = tokenizers.Tokenizer.from_str(self._tok.to_str())
+        self._plain = tokenizers.Tokenizer.from_str(self.hf.to_str())
         self._plain.encode_special_tokens = True
-        # longest first: the regex takes the first that matches
-        specials = sorted((t.content for t in self._tok.get_added_tokens_decoder().values()
-                           if t.special), key=len, reverse=True)
-        self.special_tokens = re.compile("|".join(map(re.escape, specials))) if specials else None
 
-        eos_id = self._tok.token_to_id(self.eos_token) if self.eos_token is not None else None
+        eos_id = self.hf.token_to_id(self.eos_token) if self.eos_token is not None else None
         self.eos_token_ids: set[int] = (set(eos_token_ids)
                                         | ({eos_id} if eos_id is not None else set()))
 
@@ -71,13 +68,9 @@ class Tokenizer:
         ids = [self._bos_id] if self._bos_id is not None else []
         for text, plain in parts:
             if text:
-                ids += (self._plain if plain else self._tok).encode(text,
-                                                                    add_special_tokens=False).ids
+                ids += (self._plain if plain else self.hf).encode(text,
+                                                                  add_special_tokens=False).ids
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-    def piece(self, token_id: int) -> str | None:
-        """The token's vocabulary entry (in a byte-level vocabulary, one character per byte)."""
-        return self._tok.id_to_token(token_id)
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -173,7 +173,7 @@ def itl(engine, tokens: int) -> list[float]:
 def part2(engine, vocab, args) -> None:
     schema = large_schema()
     t = time.perf_counter()
-    Vocabulary(engine.tokenizer._tok.to_str(), engine.model_config.vocab_size, sorted(engine.tokenizer.eos_token_ids))
+    Vocabulary(engine.tokenizer.hf.to_str(), engine.model_config.vocab_size, sorted(engine.tokenizer.eos_token_ids))
     build = time.perf_counter() - t
     times = []
     for _ in range(3):

@@ -1,5 +1,6 @@
 """Default model conversion, checkpoint reading, tokenizer, and the dense reference."""
 
+import gc
 import json
 import os
 import shutil
@@ -7,12 +8,16 @@ import socket
 import subprocess
 import sys
 import time
+import weakref
 from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as HFTokenizer
 
+from nano.chat.template import encode as encode_chat
 from nano.chat.template import render as render_chat
 from nano.default_model import MODELS, ensure
 from nano.default_model.convert import _unpermute
@@ -121,8 +126,30 @@ def test_byte_tokenizer_of_random_model(tmp_path):
     tok = Tokenizer(make_random_model(tmp_path, vocab=300))
     text = "héllo 123 <x>"
     assert tok.decode(tok.encode(text)) == text
-    assert tok._tok.get_vocab_size() == 300 and tok.eos_token_ids == {2}
+    assert tok.hf.get_vocab_size() == 300 and tok.eos_token_ids == {2}
     assert render_chat(tok, "hi") == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_message_hides_the_special_tokens_of_its_own_tokenizer(tmp_path):
+    """The chat template keeps special-token text in a message plain with the special tokens of
+    the tokenizer it is given, which it remembers per tokenizer and lets go of with it: a second
+    tokenizer's own special token, after the first's conversation, is text too."""
+    folder = make_random_model(tmp_path, vocab=300)
+    first = Tokenizer(folder)
+    hf = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    hf.add_special_tokens([AddedToken("<|tool|>", special=True, normalized=False)])
+    hf.save(str(folder / "tokenizer.json"))
+    second = Tokenizer(folder)
+    messages = [{"role": "user", "content": "a <|tool|> b <|im_end|>"}]
+    specials = {second.hf.token_to_id(t) for t in ("<|tool|>", "<|im_end|>")}
+    for tok in (first, second):
+        ids = encode_chat(tok, messages)
+        assert sum(i in specials for i in ids) == 1  # the template's own <|im_end|>
+        assert tok.decode(ids, skip_special_tokens=False) == render_chat(tok, messages)
+    gone = weakref.ref(second)
+    del second, tok
+    gc.collect()
+    assert gone() is None
 
 
 # ---------------------------------------------------------------- checkpoint reader

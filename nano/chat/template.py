@@ -4,6 +4,7 @@ line's prompts (nano/cli) and the server's chat completions (nano/server)."""
 import codecs
 import json
 import re
+import weakref
 from datetime import datetime
 
 import jinja2
@@ -40,6 +41,19 @@ def render(tokenizer, messages: str | list[dict], add_generation_prompt: bool = 
 # Placeholders for special-token text in messages: lone surrogates, which no user text holds
 # (checks.text rejects them) and which a template passes through as any other character.
 _PLACEHOLDERS = (0xD800, 0xE000)
+# Each tokenizer's special tokens as one regex, made on its first conversation: listing them
+# takes milliseconds where there are hundreds (Llama 3 reserves 256).
+_SPECIAL_TOKENS = weakref.WeakKeyDictionary()
+
+
+def special_tokens(tokenizer) -> re.Pattern | None:
+    """A regex that finds the text of any of the tokenizer's special tokens (None: it has none),
+    the longer first where one is a prefix of another: a regex takes the first that matches."""
+    if tokenizer not in _SPECIAL_TOKENS:
+        specials = sorted((t.content for t in tokenizer.hf.get_added_tokens_decoder().values() if t.special),
+                          key=len, reverse=True)
+        _SPECIAL_TOKENS[tokenizer] = re.compile("|".join(map(re.escape, specials))) if specials else None
+    return _SPECIAL_TOKENS[tokenizer]
 
 
 def load(source: str) -> str:
@@ -63,6 +77,7 @@ def encode(tokenizer, messages: list[dict], add_generation_prompt: bool = True, 
     tools is swapped for a placeholder before rendering (so the template still sees, and may
     trim or split, the rest of the text), then tokenized on its own as plain text where the
     placeholder landed."""
+    specials = special_tokens(tokenizer)
     spelled: dict[str, str] = {}  # placeholder -> the special token's text it stands for
     by_text: dict[str, str] = {}
 
@@ -76,12 +91,12 @@ def encode(tokenizer, messages: list[dict], add_generation_prompt: bool = True, 
 
     def hidden(value):  # every string in the messages and the tools, keys too
         if isinstance(value, str):
-            return tokenizer.special_tokens.sub(hide, value)
+            return specials.sub(hide, value)
         if isinstance(value, dict):
             return {hidden(k): hidden(v) for k, v in value.items()}
         return [hidden(v) for v in value] if isinstance(value, list) else value
 
-    if tokenizer.special_tokens is not None:
+    if specials is not None:
         messages, tools = hidden(messages), hidden(tools)
     rendered = render(tokenizer, messages, add_generation_prompt, tools, chat_template)
     pieces = re.split("([\ud800-\udfff])", rendered)  # odd indexes: placeholders

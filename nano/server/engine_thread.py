@@ -56,7 +56,7 @@ def token_view(tokenizer, token_id: int) -> tuple[str, list[int]]:
     text = tokenizer.decode([token_id], skip_special_tokens=False)
     if "\ufffd" not in text:
         return text, list(text.encode())
-    piece = tokenizer.piece(token_id) or ""
+    piece = tokenizer.hf.id_to_token(token_id) or ""  # a byte-level vocabulary spells it a character a byte
     byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)  # SentencePiece's byte-fallback tokens
     if byte is None and not (piece and all(c in BYTE_OF for c in piece)):
         return f"token_id:{token_id}", []

@@ -51,7 +51,7 @@ class Vocabulary:
     @classmethod
     def of(cls, tokenizer, size: int) -> "Vocabulary":
         """The (cached) vocabulary of a nano.tokenizer.Tokenizer, for logits `size` wide."""
-        source = tokenizer._tok.to_str()  # the tokenizers library's JSON, added tokens included
+        source = tokenizer.hf.to_str()  # the tokenizers library's JSON, added tokens included
         return cls.cached(source, size, sorted(tokenizer.eos_token_ids))
 
     @classmethod
