@@ -45,12 +45,13 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # ---- prefix cache ------------------------------------------------------------------
-    def match_prefix(self, token_ids: list[int]) -> list[int]:
-        """Cached blocks holding a prefix of token_ids. Only full blocks before the last
-        token count: the last token is always computed, since its logits are needed."""
+    def match_prefix(self, token_ids: list[int], root=None) -> list[int]:
+        """Cached blocks holding a prefix of token_ids, computed under the adapter `root`
+        (None: the base model). Only full blocks before the last token count: the last token
+        is always computed, since its logits are needed."""
         if not self.enable_prefix_caching:
             return []
-        hits, parent = [], None
+        hits, parent = [], root
         for i in range((len(token_ids) - 1) // self.block_size):
             tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
             h = chain_hash(parent, tokens)
@@ -65,7 +66,8 @@ class BlockManager:
         """After a step: hash every block of seq that is now full of computed tokens."""
         for i in range(len(seq.block_hashes), seq.num_computed_tokens // self.block_size):
             tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            h = chain_hash(seq.block_hashes[-1] if i else None, tokens)
+            # the first block's parent is the adapter: a block's KV depends on it
+            h = chain_hash(seq.block_hashes[-1] if i else seq.lora, tokens)
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             # A block already registered (shared by a hit) is in the table under this very

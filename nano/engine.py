@@ -75,18 +75,19 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> Sequence:
+                    arrival_time: float | None = None, lora_request=None) -> Sequence:
         """Queue a request. A future arrival_time hides it from the scheduler until then, which
         is how the --request-rate bench replays a Poisson arrival trace. Bad input raises
         NanoError here, before anything is queued: once in a step, it would fail the step."""
-        seq = self.make_sequence(prompt, params, arrival_time)
+        seq = self.make_sequence(prompt, params, arrival_time, lora_request)
         self.queue(seq)
         return seq
 
     def make_sequence(self, prompt: str | list[int], params: SamplingParams,
-                      arrival_time: float | None = None) -> Sequence:
+                      arrival_time: float | None = None, lora_request=None) -> Sequence:
         """Check a request, tokenize it and give it an id and a seed, without queueing it:
-        add_request queues it here, and disaggregated serving's router sends it elsewhere."""
+        add_request queues it here, and disaggregated serving's router sends it elsewhere.
+        lora_request (nano/lora's LoRARequest) names its adapter, read now."""
         if not isinstance(params, SamplingParams):
             raise NanoError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
@@ -97,6 +98,10 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else int(self.rng.integers(2**63))
         seq = Sequence(self.next_id, prompt if isinstance(prompt, str) else "", token_ids,
                        params, self.clock.now() if arrival_time is None else arrival_time, seed)
+        if lora_request is not None:
+            if self.runner.adapters is None:
+                raise NanoError("lora_request needs LoRA enabled (enable_lora, nano/lora)")
+            seq.lora = self.runner.adapters.resolve(lora_request)
         self.next_id += 1
         return seq
 
@@ -208,21 +213,23 @@ class LLMEngine:
 
     # ---- all at once --------------------------------------------------------------------
     def generate(self, prompts: list, params: SamplingParams | list[SamplingParams],
-                 on_step=None) -> list[Sequence]:
+                 on_step=None, lora_request=None) -> list[Sequence]:
         """Run every prompt to completion; return their sequences in input order.
         If anything raises (bad input, an interrupt), this call's requests are dropped, so
         the engine is left as it was and the next call runs normally."""
         if not isinstance(prompts, (list, tuple)):
             raise NanoError(f"prompts must be a list of strings or token-id lists, got "
                             f"{type(prompts).__name__}")
-        if isinstance(params, (list, tuple)) and len(params) != len(prompts):
-            raise NanoError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
         params = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        for name, per_prompt in (("SamplingParams", params), ("lora_requests", loras)):
+            if len(per_prompt) != len(prompts):
+                raise NanoError(f"{len(prompts)} prompts but {len(per_prompt)} {name}")
         seqs = []
         try:
-            for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            for i, (prompt, sp, lora) in enumerate(zip(prompts, params, loras)):
                 try:
-                    seqs.append(self.add_request(prompt, sp))
+                    seqs.append(self.add_request(prompt, sp, lora_request=lora))
                 except NanoError as e:
                     raise NanoError(f"request {i}: {e}") from None
             while self.has_unfinished():
@@ -236,6 +243,12 @@ class LLMEngine:
         return seqs
 
     # ---- what add-ons use ------------------------------------------------------------------
+    def use_adapters(self, adapters) -> None:
+        """Serve LoRA adapters from nano/lora's pool: requests name them, each step places
+        its rows' adapters in the pool's slots, and at most max_loras run at once."""
+        self.runner.use_adapters(adapters)
+        self.scheduler.max_loras = adapters.max_loras
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 

@@ -50,7 +50,8 @@ class DecodeGraphs:
         return PackedShape(tokens=bucket, seqs=bucket, decodes=bucket, max_blocks=self.max_blocks,
                            logits=bucket)
 
-    def layout(self, bucket: int, ids, positions, slots, context_lens, block_tables) -> np.ndarray:
+    def layout(self, bucket: int, ids, positions, slots, context_lens, block_tables,
+               lora_slots) -> np.ndarray:
         """The bucket's input buffer on the host: the step's n rows, then padding rows."""
         n, w = block_tables.shape
 
@@ -66,13 +67,14 @@ class DecodeGraphs:
                          input_ids=padded(ids, 0), positions=padded(positions, 0),
                          slot_mapping=padded(slots, -1), context_lens=padded(context_lens, 1),
                          block_tables=tables, cu_seqlens_q=[0],  # no prefill chunk
-                         logits_indices=np.arange(bucket))   # every row's (padding rows' ignored)
+                         logits_indices=np.arange(bucket),   # every row's (padding rows' ignored)
+                         lora_slots=padded(lora_slots, -1))
 
-    def prepare(self, ids, positions, slots, context_lens, block_tables) -> GraphStep:
+    def prepare(self, ids, positions, slots, context_lens, block_tables, lora_slots) -> GraphStep:
         """Host arrays of a decode step (n rows) -> its bucket's static buffer, one copy."""
         n = len(ids)
         bucket = next(b for b in self.buckets if b >= n)
-        host = self.layout(bucket, ids, positions, slots, context_lens, block_tables)
+        host = self.layout(bucket, ids, positions, slots, context_lens, block_tables, lora_slots)
         if bucket not in self.captured:
             self.captured[bucket] = self._capture(bucket)
         self.captured[bucket].inputs.set(host)
@@ -93,7 +95,7 @@ class DecodeGraphs:
         The inputs are all padding rows, so neither run writes the KV cache."""
         import cupy
         none = np.zeros(0, np.int32)
-        inputs = cupy.asarray(self.layout(bucket, none, none, none, none, none.reshape(0, 0)))
+        inputs = cupy.asarray(self.layout(bucket, none, none, none, none, none.reshape(0, 0), none))
         batch = self._batch(inputs, bucket)
         cupy.cuda.Device().synchronize()  # the input copy ran on the default stream
         with cupy.cuda.using_allocator(self.pool.malloc), self.stream:

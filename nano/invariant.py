@@ -1,10 +1,12 @@
 """Batch-invariant mode (EngineConfig.batch_invariant, CPU only): a NumPy op set whose every row
 comes out bitwise the same whatever else is in the step, at some cost in speed. shard.py chooses it
 (by default for an int8 KV pool on the CPU); docs/int8-kv.md says why and what it costs."""
+import functools
+
 import numpy as np
 
 from nano.kv_cache import LayerKV
-from nano.ops import OpSet, gather_tables, seen
+from nano.ops import OpSet, add_lora, gather_tables, seen
 
 
 # OpenBLAS rounds a row by where it falls in its kernel's tiles, but computes every row of a
@@ -66,4 +68,5 @@ def _invariant_rows(q, cache: LayerKV, tables, positions, scale, window):
     return (out / total).reshape(t, nq, d)
 
 
-BATCH_INVARIANT = OpSet(invariant_linear, invariant_attention, fixed_threads=True)
+BATCH_INVARIANT = OpSet(invariant_linear, invariant_attention, fixed_threads=True,
+                        add_lora=functools.partial(add_lora, linear=invariant_linear))

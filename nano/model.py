@@ -10,7 +10,7 @@ On the GPU a decode step of this function is captured once per batch-size bucket
 replayed as a CUDA graph (nano/graphs.py), so it must stay free of host synchronisation:
 shapes and launch choices may depend only on array shapes, never on array values.
 """
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from nano.config import ModelConfig
 from nano.kv_cache import KVCache
@@ -32,6 +32,7 @@ class ForwardBatch:
     # (S - num_decodes + 1,) int32 offsets of prefill chunks, relative to row num_decodes
     cu_seqlens_q: object
     logits_indices: object  # (R,) int32 rows whose next-token logits are needed
+    lora_slots: object = None  # (S,) int32 each sequence's adapter slot, -1 = none (nano/lora)
 
     @classmethod
     def from_step(cls, views: dict, num_decodes: int) -> "ForwardBatch":
@@ -54,6 +55,8 @@ class LayerWeights:
     k_norm: object = None   # (d,) of every k head, or None
     attn_out_norm: object = None  # (H,) RMSNorm of the attention's output (Gemma 3), or None
     mlp_out_norm: object = None   # (H,) of the MLP's output, or None
+    # LoRA adapters' pools (nano/lora): projection name -> (A, B, scales); empty without them
+    lora: dict = field(default_factory=dict)
 
 
 class LlamaModel:
@@ -78,7 +81,7 @@ class LlamaModel:
         arrays = ([self.embed, self.final_norm]
                   + ([] if self.lm_head is self.embed else [self.lm_head]))
         for w in self.layers:
-            arrays += [a for a in vars(w).values() if a is not None]
+            arrays += [a for a in vars(w).values() if hasattr(a, "nbytes")]
         return sum(a.nbytes for a in arrays)
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> object:
@@ -91,9 +94,11 @@ class LlamaModel:
         if self.cfg.embed_scale != 1.0:
             h = h * self.cfg.embed_scale
         residual = None
+        # each projection plus its rows' adapters' product (nano/lora), or alone without them
+        add_lora = ops.add_lora if self.layers[0].lora else lambda y, x, lora, batch: y
         for layer, w in enumerate(self.layers):
             x, residual = ops.add_rms_norm(h, residual, w.input_norm, eps)
-            qkv = ops.linear(x, w.qkv, w.qkv_bias)                          # (T, (nq + 2 nkv) d)
+            qkv = add_lora(ops.linear(x, w.qkv, w.qkv_bias), x, w.lora.get("qkv"), batch)
             q = qkv[:, :q_size].reshape(-1, self.num_heads, d)              # (T, nq, d)
             k = qkv[:, q_size:q_size + kv_size].reshape(-1, self.num_kv_heads, d)
             v = qkv[:, q_size + kv_size:].reshape(-1, self.num_kv_heads, d)
@@ -102,12 +107,16 @@ class LlamaModel:
             q = ops.rope_store_kvcache(q, k, v, batch.positions, self.cos_sin[layer], cache,
                                        batch.slot_mapping,
                                        w.q_norm, w.k_norm, eps)
-            o = ops.attention(q, cache, batch, self.scale, self.cfg.windows[layer])  # (T, nq, d)
-            h = self.all_reduce(ops.linear(o.reshape(-1, q_size), w.o_proj))  # (T, H)
+            o = ops.attention(q, cache, batch, self.scale, self.cfg.windows[layer]).reshape(
+                -1, q_size)                                                   # (T, nq d)
+            h = self.all_reduce(add_lora(ops.linear(o, w.o_proj), o, w.lora.get("o_proj"),
+                                             batch))                          # (T, H)
             if w.attn_out_norm is not None:  # normed before it joins the residual stream
                 h, _ = ops.add_rms_norm(h, None, w.attn_out_norm, eps)
             x, residual = ops.add_rms_norm(h, residual, w.post_norm, eps)
-            h = self.all_reduce(ops.linear(act_mul(ops.linear(x, w.gate_up)), w.down))
+            act = act_mul(add_lora(ops.linear(x, w.gate_up), x, w.lora.get("gate_up"), batch))
+            h = self.all_reduce(add_lora(ops.linear(act, w.down), act, w.lora.get("down"),
+                                             batch))
             if w.mlp_out_norm is not None:
                 h, _ = ops.add_rms_norm(h, None, w.mlp_out_norm, eps)
         x, _ = ops.add_rms_norm(h, residual, self.final_norm, eps)

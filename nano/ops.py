@@ -48,6 +48,20 @@ def linear(x, weight, bias=None):
     return y
 
 
+def add_lora(y, x, lora, batch, linear=linear):
+    """y (T, N) plus, for each row with an adapter, scale * (x A^T) B^T, in place. lora: (A (L, r,
+    K), B (L, N, r), scales (L,)) pools of L slots; row t takes its sequence's slot from
+    batch.lora_slots (S,), -1 = none: decode rows one each, prefill chunks one per chunk. linear
+    is the products' GEMM (the batch-invariant op set's, there)."""
+    a, b, scales = lora
+    chunks = np.concatenate([np.ones(batch.num_decodes, np.int64), np.diff(batch.cu_seqlens_q)])
+    slots = np.repeat(batch.lora_slots, chunks)  # (T,)
+    for s in np.unique(slots[slots >= 0]):  # one pair of GEMMs per adapter in the step
+        rows = np.flatnonzero(slots == s)
+        y[rows] += scales[s] * linear(linear(x[rows], a[s]), b[s])
+    return y
+
+
 def silu_mul(gate_up):
     """gate_up: (T, 2I) = [gate | up] -> silu(gate) * up: (T, I)."""
     inter = gate_up.shape[-1] // 2
@@ -411,6 +425,7 @@ class OpSet:
     sample: Callable = sample
     edit_logits: Callable = edit_logits
     mask_logits: Callable = mask_logits
+    add_lora: Callable = add_lora
     gather_blocks: Callable = gather_blocks
     scatter_blocks: Callable = scatter_blocks
 

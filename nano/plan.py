@@ -117,7 +117,8 @@ class StepPlan:
                                 blocks_to_swap_in=self.blocks_to_swap_in, input_ids=ids,
                                 positions=positions, slot_mapping=slot_mapping,
                                 context_lens=context_lens, block_tables=tables,
-                                cu_seqlens_q=cu_seqlens, logits_indices=logits_indices)
+                                cu_seqlens_q=cu_seqlens, logits_indices=logits_indices,
+                                lora_slots=[s.lora.lora_int_id if s.lora else -1 for s, _ in seqs])
         return self
 
 
@@ -146,6 +147,8 @@ class PackedShape:
             "block_tables": (self.seqs, self.max_blocks),
             "cu_seqlens_q": (self.seqs - self.decodes + 1,),  # prefill chunks' offsets
             "logits_indices": (self.logits,),
+            # each row's adapter: its id as rank 0 packs it, its slot once placed (runner.py)
+            "lora_slots": (self.seqs,),
         }
 
 

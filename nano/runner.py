@@ -36,6 +36,7 @@ class ModelRunner:
         if cuda_graphs and device.kind == "gpu":
             self.graphs = DecodeGraphs(model, self.kv_cache, max_num_seqs,
                                        -(-max_model_len // block_size))
+        self.adapters = None  # nano/lora's pool: the device slots of LoRA adapters
         self.blas_threads = (BlasThreads() if device.kind == "cpu" and not model.ops.fixed_threads
                              else None)
 
@@ -105,6 +106,12 @@ class ModelRunner:
             start += width
         return views
 
+    def use_adapters(self, adapters) -> None:
+        """Add nano/lora's pool's LoRA product to each layer's projections."""
+        self.adapters = adapters
+        for weights, pools in zip(self.model.layers, adapters.layers):
+            weights.lora = {proj: (a, b, adapters.scales) for proj, (a, b) in pools.items()}
+
     # ---- inputs ------------------------------------------------------------------------
     def prepare(self, packed: np.ndarray) -> ForwardBatch | GraphStep | None:
         """Rank 0: a packed step (plan.py) sent to the other TP ranks (which replay it,
@@ -119,13 +126,16 @@ class ModelRunner:
         n = packed_shape(packed)
         if n.seqs == 0:
             return None
+        if self.adapters is not None:  # adapter ids -> this rank's slots, loaded if need be
+            packed = self.adapters.place_step(packed, n)
         # Graphs run steps where every sequence has one token and a logits row (a one-token
         # prefill chunk short of the prompt's end has none, unless it scores the prompt).
         if (self.graphs is not None and n.tokens == n.decodes == n.logits
                 and self.graphs.fits(n.seqs, n.max_blocks)):
             host = unpack_step(packed, n)
             return self.graphs.prepare(host["input_ids"], host["positions"], host["slot_mapping"],
-                                       host["context_lens"], host["block_tables"])
+                                       host["context_lens"], host["block_tables"],
+                                       host["lora_slots"])
         return ForwardBatch.from_step(unpack_step(self.device.xp.asarray(packed), n), n.decodes)
 
     # ---- forward -----------------------------------------------------------------------

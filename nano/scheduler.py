@@ -28,6 +28,7 @@ class Scheduler:
         self.running: list[Sequence] = []     # in admission order (swapped back in: admitted again)
         self.swapped: deque[Sequence] = deque()
         self.held: list[Sequence] = []        # out of the batch with their blocks (hold, reserve)
+        self.max_loras = 0                    # distinct adapters running at once (nano/lora)
         # it reads this scheduler live
         self.policy: FCFS = policy(self, cost_model, kv_bytes_per_token)
 
@@ -104,7 +105,7 @@ class Scheduler:
             # With nothing running the watermark protects no one: waive it, or a sequence
             # that grew past it could never come back.
             watermark = self.watermark_blocks if self.running else 0
-            if not self.block_manager.can_swap_in(seq, n, watermark):
+            if not self.block_manager.can_swap_in(seq, n, watermark) or not self._lora_fits(seq):
                 break
             self.swapped.popleft()
             plan.blocks_to_swap_in += self.block_manager.swap_in(seq)
@@ -117,7 +118,7 @@ class Scheduler:
     def _schedule_waiting(self, plan: StepPlan, budget: int) -> None:
         arrived = [s for s in self.waiting if s.arrival_time <= self.now]
         for seq in self._triage(arrived, plan):
-            if not self._takes_another(plan, budget):
+            if not self._takes_another(plan, budget) or not self._lora_fits(seq):
                 break
             error = self.capacity.never_fits(seq)
             if error:
@@ -130,7 +131,7 @@ class Scheduler:
             # cache only the tokens it holds scores for (after a recompute), none at first.
             scoring = seq.params.prompt_logprobs is not None
             hits = self.block_manager.match_prefix(
-                seq.token_ids[:len(seq.prompt_logprobs)] if scoring else seq.token_ids)
+                seq.token_ids[:len(seq.prompt_logprobs)] if scoring else seq.token_ids, seq.lora)
             if not self.block_manager.can_admit(seq, hits, self.watermark_blocks):
                 break  # no skipping ahead: a large request must not starve behind small ones
             self.waiting.remove(seq)
@@ -155,6 +156,12 @@ class Scheduler:
         return [s for s in order if s not in late]
 
     # ---- helpers -----------------------------------------------------------------------
+    def _lora_fits(self, seq: Sequence) -> bool:
+        """Say whether seq may run beside the running sequences: their distinct adapters stay
+        within the device's max_loras slots, so that every step's fit (nano/lora's pool)."""
+        running = {s.lora for s in self.running} - {None}
+        return seq.lora is None or seq.lora in running or len(running) < self.max_loras
+
     def _start_running(self, seq: Sequence) -> None:
         seq.status = Status.RUNNING
         self.running.append(seq)

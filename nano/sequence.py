@@ -116,6 +116,8 @@ class Sequence:
         self.processor_state = None
         # proposed to follow token_ids, checked in this step (engine.proposer)
         self.draft_token_ids: list[int] = []
+        # its adapter (nano/lora's LoRARequest), whose KV blocks it shares with no one else's
+        self.lora = None
 
     @property
     def num_tokens(self) -> int:

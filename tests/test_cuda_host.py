@@ -342,7 +342,7 @@ def test_a_failing_capture_is_ended_and_its_own_error_reported(cp, monkeypatch, 
     one = np.int32([1])
     error = ValueError if failure == "raises" else cp.cuda.runtime.CUDARuntimeError
     with pytest.raises(error, match="captured pass failed|cudaErrorStreamCaptureUnsupported"):
-        graphs.prepare(one, one - 1, one - 1, one, np.int32([[0]]))
+        graphs.prepare(one, one - 1, one - 1, one, np.int32([[0]]), one - 2)
     assert not graphs.stream.is_capturing() and not graphs.captured
 
 

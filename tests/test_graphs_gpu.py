@@ -120,7 +120,7 @@ def check_replay_with_padding(model_dir, n, kv_cache_dtype):
     ids = rng.integers(3, runner.model.cfg.vocab_size, n).astype(np.int32)
     before = snapshot()
 
-    step = graphs.prepare(ids, positions, slots, context, tables)
+    step = graphs.prepare(ids, positions, slots, context, tables, np.full(len(ids), -1, np.int32))
     graph_logits = runner.forward(step).copy()
     graph_kv = snapshot()
 

@@ -20,7 +20,7 @@ def test_layout_pads_rows_safely():
     graphs.max_blocks = 5
     tables = np.array([[4, 9], [7, -1], [2, 3]], np.int32)
     host = graphs.layout(4, np.int32([11, 12, 13]), np.int32([20, 3, 17]), np.int32([73, 115, 49]),
-                         np.int32([21, 4, 18]), tables)
+                         np.int32([21, 4, 18]), tables, np.int32([2, -1, 0]))
     fields = unpack_step(host, packed_shape(host))
     ids, positions, slots, context, rows = (fields[k] for k in (
         "input_ids", "positions", "slot_mapping", "context_lens", "logits_indices"))
@@ -34,6 +34,7 @@ def test_layout_pads_rows_safely():
     np.testing.assert_array_equal(padded[:3, :2], tables)
     assert (padded[:3, 2:] == -1).all()
     np.testing.assert_array_equal(padded[3], [0, -1, -1, -1, -1])  # ...in block 0, a real block
+    assert fields["lora_slots"].tolist() == [2, -1, 0, -1]  # padding rows have no adapter
 
 
 def sequence(seq_id, tokens, computed, blocks):
@@ -72,7 +73,7 @@ def test_a_decode_step_packs_as_its_graph_bucket_lays_it_out():
     graphs = DecodeGraphs.__new__(DecodeGraphs)
     graphs.max_blocks = 2
     host = graphs.layout(2, f["input_ids"], f["positions"], f["slot_mapping"], f["context_lens"],
-                         f["block_tables"])
+                         f["block_tables"], f["lora_slots"])
     np.testing.assert_array_equal(host, packed)
 
 

@@ -16,10 +16,12 @@ from collections import OrderedDict
 
 import numpy as np
 
+from nano import checks
 from nano.config import ModelConfig
 from nano.device import Device
 from nano.errors import NanoError
 from nano.lora.peft import Adapter, LoRARequest, check_request, read_adapter
+from nano.plan import PackedShape, unpack_step
 from nano.tp import Partition
 
 # The model's fused projections (model.LayerWeights) and the adapter modules each runs.
@@ -27,13 +29,22 @@ FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
          "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
 
 
+def check_limits(max_loras: int, max_lora_rank: int, max_cpu_loras: int | None) -> None:
+    """The pool's sizes, each in its range (the command line checks them before the model
+    loads, the pool again when built)."""
+    checks.integer("--max-loras", max_loras, 1, 1024)
+    checks.integer("--max-lora-rank", max_lora_rank, 1, 1024)
+    checks.integer("--max-cpu-loras", max_cpu_loras, 1, optional=True)
+    if max_cpu_loras is not None and max_cpu_loras < max_loras:
+        raise NanoError(f"--max-cpu-loras ({max_cpu_loras}) must be at least --max-loras "
+                        f"({max_loras})")
+
+
 class AdapterPool:
     def __init__(self, cfg: ModelConfig, part: Partition, device: Device, max_loras: int,
                  max_lora_rank: int, max_cpu_loras: int | None = None):
         """max_cpu_loras: adapters kept read in host memory, at least max_loras (its default)."""
-        if max_cpu_loras is not None and max_cpu_loras < max_loras:
-            raise NanoError(f"--max-cpu-loras ({max_cpu_loras}) must be at least --max-loras "
-                            f"({max_loras})")
+        check_limits(max_loras, max_lora_rank, max_cpu_loras)
         self.cfg, self.device = cfg, device
         self.max_loras, self.max_rank = max_loras, max_lora_rank
         self.max_cpu_loras = max_cpu_loras or max_loras
@@ -124,6 +135,14 @@ class AdapterPool:
         for adapter_id in step:
             lookup[adapter_id] = self.slots[adapter_id]
         return lookup[ids]
+
+    def place_step(self, packed: np.ndarray, shape: PackedShape) -> np.ndarray:
+        """A packed step (plan.py) whose lora_slots field holds adapter ids, as rank 0 packs
+        it -> a copy whose field holds this rank's slots, the adapters loaded into them."""
+        packed = packed.copy()
+        field = unpack_step(packed, shape)["lora_slots"]
+        field[:] = self.place(field)
+        return packed
 
     def _free_slot(self, step: list[int]) -> int:
         if len(self.slots) < self.max_loras:
