@@ -31,6 +31,7 @@ from nano.dp import cli as dp
 from nano.errors import NanoError
 from nano.fleet.world import world
 from nano.lab import cli as lab
+from nano.lora import cli as lora
 from nano.server import cli as server
 from nano.speculative import attach
 from nano.speculative import cli as speculative
@@ -41,7 +42,7 @@ from nano.telemetry.watchdog import abort_all, alone, launcher_stderr
 def build_parser() -> flags.Parser:
     p = flags.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     flags.add_arguments(p)
-    for add_on in (deadline, speculative, server, bench, disagg, dp, lab):
+    for add_on in (deadline, speculative, lora, server, bench, disagg, dp, lab):
         add_on.add_arguments(p)
     return p
 
@@ -81,6 +82,7 @@ def main(argv=None) -> int:
     if group.rank > 0:
         from nano.worker import Worker  # after argument checks: loading takes seconds
         worker = Worker(config)
+        lora.use_adapters(args, runner=worker.runner)
         if args.bench:  # as rank 0's warm-up does: page faults stay out of the figures
             worker.runner.touch_kv_cache()
         offline.forward_interrupts(world())
@@ -92,6 +94,7 @@ def main(argv=None) -> int:
     engine = LLMEngine(config, policy=policy)
     Metrics.attach(engine)
     attach(engine, args.speculative)
+    lora.use_adapters(args, engine)
     print(describe(engine), file=sys.stderr)
     if args.serve:
         return server.serve(args, engine)
@@ -119,7 +122,8 @@ def parse(argv, rank: int):
     server.check_args(args)
     disagg.check_args(args, config, rank)
     dp.check_args(args, config)
-    return args, config, policy, params, flags.read_prompts(args, params, rank)
+    lora.check_args(args)
+    return args, config, policy, params, lora.prompt_adapters(args, flags.read_prompts(args, params, rank))
 
 
 class Terminated(KeyboardInterrupt):

@@ -150,7 +150,7 @@ def test_prompts_from_a_pipe():
     os.write(w, b"one\r\n\ntwo\n")
     os.close(w)
     try:
-        assert [p for p, _ in prompts.read_requests(f"/dev/fd/{r}", SamplingParams())] == ["one", "two"]
+        assert [req.prompt for req in prompts.read_requests(f"/dev/fd/{r}", SamplingParams())] == ["one", "two"]
     finally:
         os.close(r)
 

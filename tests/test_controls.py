@@ -148,8 +148,9 @@ def test_a_jsonl_prompt_files_controls(engine, tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"prompt": "a", "temperature": 0, "logit_bias": {"300": 100}, "min_p": 0.1,
                                 "stop_token_ids": [2], "presence_penalty": 1}) + "\n" + json.dumps({"prompt": "b"}))
-    (_, pending), (_, plain) = prompts.read_requests(str(path), SamplingParams())
-    bound = prompts.bound(engine, [(None, pending), (None, plain)])
+    first, second = prompts.read_requests(str(path), SamplingParams())
+    pending, plain = first.params, second.params
+    bound = prompts.bound(engine, [first, second])
     assert isinstance(bound[0].logits_processor, Controls) and bound[0].min_p == 0.1 and bound[0].stop_token_ids == [2]
     assert bound[1] is plain
     for record, text in (({"frequency_penalty": 5}, "line 1: field frequency_penalty must be"),
@@ -158,9 +159,9 @@ def test_a_jsonl_prompt_files_controls(engine, tmp_path):
         with pytest.raises(NanoError, match=text):
             prompts.read_requests(str(path), SamplingParams())
     path.write_text(json.dumps({"prompt": "a", "logit_bias": {"999": 1}}))
-    [(_, params)] = prompts.read_requests(str(path), SamplingParams())
+    requests = prompts.read_requests(str(path), SamplingParams())
     with pytest.raises(NanoError, match="line 1: field logit_bias: token id 999 is out of the vocabulary"):
-        prompts.bound(engine, [(None, params)])
+        prompts.bound(engine, requests)
 
 
 # ---- the server ----

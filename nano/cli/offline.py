@@ -51,15 +51,18 @@ def warm_up(engine) -> None:
     reset_metrics(engine)
 
 
-def run_all(engine, inputs, per_request, arrivals=None, output=None, metrics=None, stall_timeout=None):
+def run_all(engine, inputs, per_request, arrivals=None, output=None, metrics=None, stall_timeout=None,
+            loras=None):
     """Generate everything (arrivals: seconds from now at which each request arrives; output:
     an OutputFile that gets each request as it finishes; metrics: a MetricsWriter, given
-    every step; stall_timeout: seconds a step may go without CPU before the run is ended).
-    Returns (sequences, wall seconds)."""
+    every step; stall_timeout: seconds a step may go without CPU before the run is ended;
+    loras: each request's LoRARequest or None, nano/lora's). Returns (sequences, wall seconds)."""
     progress, watchdog = Progress(len(inputs)), Watchdog(stall_timeout)
     start = engine.clock.now()
-    seqs = [engine.add_request(p, sp, None if arrivals is None else start + t)
-            for p, sp, t in zip(inputs, per_request, arrivals if arrivals is not None else [None] * len(inputs))]
+    none = [None] * len(inputs)
+    seqs = [engine.add_request(p, sp, None if t is None else start + t, lora_request=lora)
+            for p, sp, t, lora in zip(inputs, per_request, none if arrivals is None else arrivals,
+                                      none if loras is None else loras, strict=True)]
     index = {seq.seq_id: i for i, seq in enumerate(seqs)}
     while engine.has_unfinished():
         with watchdog.step():
@@ -74,13 +77,14 @@ def run_all(engine, inputs, per_request, arrivals=None, output=None, metrics=Non
     return seqs, engine.clock.now() - start
 
 
-def generate(path: str | None, engine, prompts, inputs, per_request, metrics=None, stall_timeout=None):
+def generate(path: str | None, engine, prompts, inputs, per_request, metrics=None, stall_timeout=None,
+             loras=None):
     """run_all, with --output written as requests finish and put in input order at the end,
     also on Ctrl-C or an error; then the TP ranks are told to stop."""
     output = OutputFile(path, prompts, engine.detokenize) if path else None
     try:
         seqs, wall = run_all(engine, inputs, per_request, output=output, metrics=metrics,
-                             stall_timeout=stall_timeout)
+                             stall_timeout=stall_timeout, loras=loras)
     finally:
         if output:
             output.close()
@@ -90,10 +94,10 @@ def generate(path: str | None, engine, prompts, inputs, per_request, metrics=Non
 
 def run_prompts(args, engine, requests) -> int:
     """--prompt-file: every prompt's completion printed, then the run's summary."""
-    prompts = [p for p, _ in requests]
+    prompts = [r.prompt for r in requests]
     inputs = model_inputs(engine.tokenizer, prompts, chat=not args.no_chat, chat_template=args.chat_template)
     seqs, wall = generate(args.output, engine, prompts, inputs, bound(engine, requests), metrics_writer(args, engine),
-                          args.stall_timeout)
+                          args.stall_timeout, [r.lora for r in requests])
     print_completions(prompts, seqs, engine.detokenize)
     summary = summarize(metrics_of(engine), wall)
     print(format_summary(summary))

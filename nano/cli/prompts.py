@@ -20,9 +20,17 @@ def ms(value: float | None) -> float | None:
     return None if value is None else value / 1e3
 
 
-def read_requests(path: str, defaults: SamplingParams) -> list[tuple[str, SamplingParams]]:
+class Request(NamedTuple):
+    """A prompt file's request: its prompt, its SamplingParams, and the adapter it names (a
+    JSONL "lora" field: the name, until nano/lora's command line makes it a LoRARequest)."""
+    prompt: str
+    params: SamplingParams
+    lora: object = None
+
+
+def read_requests(path: str, defaults: SamplingParams) -> list[Request]:
     """Prompts and their sampling parameters: plain text, one prompt per line, or JSONL with
-    per-request overrides (latency targets in ms)."""
+    per-request overrides (latency targets in ms) and adapters."""
     try:
         lines = _read_lines(path)
     except OSError as e:
@@ -32,7 +40,7 @@ def read_requests(path: str, defaults: SamplingParams) -> list[tuple[str, Sampli
     if not lines:
         raise NanoError(f"prompt file {path} has no prompts")
     if not path.endswith(".jsonl"):
-        return [(line, defaults) for _, line in lines]
+        return [Request(line, defaults) for _, line in lines]
     return [_jsonl_request(path, i, line, defaults) for i, line in lines]
 
 
@@ -78,10 +86,13 @@ def _jsonl_request(path: str, lineno: int, line: str, defaults: SamplingParams):
         raise NanoError(f"{where}: nested too deeply") from None
     if not isinstance(record, dict) or "prompt" not in record:
         raise NanoError(f'{where}: expected an object with a "prompt" string')
-    unknown = set(record) - set(JSONL_FIELDS) - set(controls.OFF) - {"prompt"}
+    unknown = set(record) - set(JSONL_FIELDS) - set(controls.OFF) - {"prompt", "lora"}
     if unknown:
         raise NanoError(f"{where}: unknown field {sorted(unknown)[0]!r}")
     prompt = checks.text(f"{where}: field prompt", record.pop("prompt"))
+    lora = record.pop("lora", None)
+    if lora is not None:
+        checks.text(f"{where}: field lora", lora)
     overrides, pending = {}, {key: record.pop(key) for key in controls.OFF if key in record}
     if pending or "stop_token_ids" in record:  # built once the model's tokenizer is loaded (bind)
         overrides["logits_processor"] = controls.Pending(pending, f"{where}: field ")
@@ -89,12 +100,12 @@ def _jsonl_request(path: str, lineno: int, line: str, defaults: SamplingParams):
         field = JSONL_FIELDS[key]
         value = FIELD_RULES[field](f"{where}: field {key}", value)
         overrides[field] = ms(value) if key.endswith("_ms") else value
-    return prompt, dataclasses.replace(defaults, **overrides)
+    return Request(prompt, dataclasses.replace(defaults, **overrides), lora)
 
 
 def bound(engine, requests) -> list[SamplingParams]:
     """The requests' SamplingParams, their controls (nano/controls) built for the engine's model."""
-    return [controls.bind(engine, sp) for _, sp in requests]
+    return [controls.bind(engine, r.params) for r in requests]
 
 
 def model_inputs(tokenizer, prompts: list[str], chat: bool, chat_template: str | None = None) -> list[str]:
@@ -118,6 +129,6 @@ class Workload(NamedTuple):
 def prompt_workload(requests, chat: bool, chat_template: str | None = None):
     """The prompt file's requests for the engine that runs them: engine -> Workload."""
     def make(engine) -> Workload:
-        prompts = [p for p, _ in requests]
+        prompts = [r.prompt for r in requests]
         return Workload(prompts, model_inputs(engine.tokenizer, prompts, chat, chat_template), bound(engine, requests))
     return make

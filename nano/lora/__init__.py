@@ -2,7 +2,7 @@
 read_adapter) and the pool they serve from (pool.py: an LRU of adapters in host memory, an LRU
 of device slots, each rank's tensor-parallel share), given to an engine by attach (to a
 tensor-parallel rank's runner by rank_pool and its use_adapters). LLM is the Python API's LLM
-with vLLM's LoRA arguments. docs/lora.md says how the pieces fit.
+with vLLM's LoRA arguments; cli.py, run.py's flags. docs/lora.md says how the pieces fit.
 
     from nano.lora import LLM, LoRARequest
     llm = LLM(enable_lora=True, max_loras=4, max_lora_rank=16)
