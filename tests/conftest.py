@@ -13,10 +13,23 @@ from nano.weights import resolve_model
 from reference import DenseLlama, make_random_model
 
 
-# Workers a plain `pytest` starts where pytest-xdist is installed: one unless NANO_TEST_WORKERS
-# asks for more. A worker's memory grows to 8-10 GB over the whole suite, so two of them on the
-# 24 GB VM ran out of memory (docs/testing.md); more than one is for a machine with room.
-WORKERS = int(os.environ.get("NANO_TEST_WORKERS", 1))
+# A worker's resident memory peaks near 7 GB over the whole suite (docs/testing.md): each
+# worker a plain run starts needs this much of the memory available when it starts.
+WORKER_MEMORY = 10 * 2**30
+
+
+def default_workers() -> int:
+    """Workers for a whole-suite run: one per core, as many as the available memory holds."""
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return 1
+    return max(1, min(len(os.sched_getaffinity(0)), available // WORKER_MEMORY))
+
+
+# Workers a plain `pytest` starts where pytest-xdist is installed; NANO_TEST_WORKERS chooses.
+WORKERS = int(os.environ.get("NANO_TEST_WORKERS") or default_workers())
 
 
 @pytest.hookimpl(tryfirst=True)

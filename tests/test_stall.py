@@ -84,8 +84,9 @@ def test_a_closed_watchdog_lets_its_driver_go():
 
     driver = Driver()
     freed = weakref.ref(driver)
+    before = set(threading.enumerate())
     w = watchdog.Watchdog(0.2, driver.on_stall)
-    watcher = next(t for t in threading.enumerate() if t.name == "nano-watchdog")
+    (watcher,) = set(threading.enumerate()) - before
     w.close()
     watcher.join(timeout=5)
     assert not watcher.is_alive()
