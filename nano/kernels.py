@@ -435,9 +435,10 @@ def attention(q, cache, batch, scale, window=None):
                               cupy.concatenate)
 
 
+# The LoRA product has no kernel yet: the set has none, and nano/lora refuses adapters on a GPU.
 CUDA = ops.OpSet(linear, attention, fixed_threads=False, embedding=embedding,
                  add_rms_norm=add_rms_norm,
                  rope_store_kvcache=rope_store_kvcache, silu_mul=silu_mul,
                  gelu_tanh_mul=gelu_tanh_mul, sample=sample,
                  edit_logits=edit_logits, mask_logits=mask_logits, gather_blocks=gather_blocks,
-                 scatter_blocks=scatter_blocks)
+                 scatter_blocks=scatter_blocks, add_lora=None)

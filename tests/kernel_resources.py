@@ -98,7 +98,8 @@ def resources(log: str) -> dict[str, Resources]:
 
 
 def cuobjdump() -> str | None:
-    """The cuobjdump of the nvidia-cuda-cuobjdump wheel (requirements.txt), else on PATH."""
+    """The cuobjdump of the nvidia-cuda-cuobjdump wheel (requirements.txt), else on PATH; its
+    -sass needs nvdisasm (the nvidia-cuda-nvdisasm wheel) in the same folder or on PATH."""
     import nvidia
     found = [p for root in nvidia.__path__ for p in glob.glob(os.path.join(root, "*", "bin", "cuobjdump"))]
     return found[0] if found else shutil.which("cuobjdump")
@@ -109,8 +110,12 @@ def sass(cubin: bytes) -> dict[str, str]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([cuobjdump(), "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
+        # cuobjdump runs nvdisasm for -sass: the nvidia-cuda-nvdisasm wheel puts it beside
+        # cuobjdump, in a folder that is on no PATH.
+        tool = cuobjdump()
+        env = dict(os.environ, PATH=os.path.dirname(tool) + os.pathsep + os.environ.get("PATH", ""))
+        text = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True,
+                              env=env).stdout
     parts = re.split(r"^\s*Function : (\S+)\s*$", text, flags=re.M)
     return {demangle(name): body for name, body in zip(parts[1::2], parts[2::2])}
 

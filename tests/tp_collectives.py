@@ -24,7 +24,8 @@ sizes = plan.PackedShape(swap_out=2, swap_in=1, tokens=3, seqs=2, decodes=1, max
 swap_out, swap_in = [(3, 0), (4, 1)], [(7, 9)]
 fields = dict(blocks_to_swap_out=swap_out, blocks_to_swap_in=swap_in, input_ids=[5, 6, 7],
               positions=[9, 0, 1], slot_mapping=[41, 16, 17], context_lens=[10, 2],
-              block_tables=[[1, 2], [3, -1]], cu_seqlens_q=[0, 2], logits_indices=[0, 2])
+              block_tables=[[1, 2], [3, -1]], cu_seqlens_q=[0, 2], logits_indices=[0, 2],
+              lora_slots=[-1, 3])
 message = plan.pack_step(sizes, **fields) if r == 0 else None
 got = group.broadcast(message)
 assert plan.packed_shape(got) == sizes
