@@ -259,8 +259,11 @@ def dumps(record: dict) -> str:
                   text) + "\n"
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def record_cases(doc: str, record_case, check, out: Path) -> None:
+    """Record the cases the command line names (default: all) with record_case(case, tmp)
+    into out/<case>.json, after check(case, record) has asserted what the data must show;
+    doc's first paragraph is the command's description."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("cases", nargs="*", help=f"some of {', '.join(families.CASES)} (default: all)")
     args = parser.parse_args()
     unknown = sorted(set(args.cases) - set(families.CASES))
@@ -270,18 +273,27 @@ def main():
     torch.set_num_threads(1)
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    OUT.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for case in args.cases or families.CASES:
             record = record_case(case, Path(tmp))
-            effects = record["feature_effects"]
-            weak = {k: v for k, v in effects.items() if v < MIN_EFFECT}
-            assert not weak, f"{case}: features barely change the logprobs: {weak}"
-            path = OUT / f"{case}.json"
+            check(case, record)
+            path = out / f"{case}.json"
             path.write_text(dumps(record))
-            print(f"{case}: {path.stat().st_size} bytes, window {record['window_keys']}, "
-                  f"max diffs {record['max_abs_diff']}, effects {effects}")
+            print(f"{case}: {path.stat().st_size} bytes")
 
+
+def check_features(case: str, record: dict) -> None:
+    """Assert that each feature the case is there for moves the logprobs well above the
+    comparison's tolerance, and say how far the data are from float64 and a KV cache."""
+    effects = record["feature_effects"]
+    weak = {k: v for k, v in effects.items() if v < MIN_EFFECT}
+    assert not weak, f"{case}: features barely change the logprobs: {weak}"
+    print(f"{case}: window {record['window_keys']}, max diffs {record['max_abs_diff']}, effects {effects}")
+
+
+def main():
+    record_cases(__doc__, record_case, check_features, OUT)
 
 if __name__ == "__main__":
     main()

@@ -27,7 +27,6 @@ the comparison's tolerance says the data catch a forward that makes it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -43,8 +42,8 @@ from safetensors.numpy import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests import families, lora_adapters  # noqa: E402
-from tests.make_family_reference import (MIN_EFFECT, draw_prompts, dumps, full_ids, load, logprobs,  # noqa: E402
-                                         max_diff)
+from tests.make_family_reference import (MIN_EFFECT, draw_prompts, full_ids, load, logprobs,  # noqa: E402
+                                         max_diff, record_cases)
 
 OUT = Path(__file__).resolve().parent / "data" / "lora"
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -133,30 +132,18 @@ def record_case(case: str, root: Path) -> dict:
     }
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("cases", nargs="*", help=f"some of {', '.join(families.CASES)} (default: all)")
-    args = parser.parse_args()
-    unknown = sorted(set(args.cases) - set(families.CASES))
-    if unknown:
-        print(f"error: no case {unknown[0]!r} (cases: {', '.join(families.CASES)})", file=sys.stderr)
-        sys.exit(2)
-    torch.set_num_threads(1)
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    OUT.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        for case in args.cases or families.CASES:
-            record = record_case(case, Path(tmp))
-            for name, v in record["variants"].items():
-                weak = {k: x for k, x in v["mistake_effects"].items() if x < MIN_EFFECT}
-                assert not weak, f"{case} {name}: mistakes barely change the logprobs: {weak}"
-                print(f"{case} {name}: effect {v['effect_size']:.3g}, max diffs {v['max_abs_diff']}, "
-                      f"smallest mistake {min(v['mistake_effects'].values()):.3g}")
-            path = OUT / f"{case}.json"
-            path.write_text(dumps(record))
-            print(f"{case}: {path.stat().st_size} bytes")
+def check_variants(case: str, record: dict) -> None:
+    """Assert that every planted mistake moves the logprobs well above the comparison's
+    tolerance, and say how large each adapter's effect is."""
+    for name, v in record["variants"].items():
+        weak = {k: x for k, x in v["mistake_effects"].items() if x < MIN_EFFECT}
+        assert not weak, f"{case} {name}: mistakes barely change the logprobs: {weak}"
+        print(f"{case} {name}: effect {v['effect_size']:.3g}, max diffs {v['max_abs_diff']}, "
+              f"smallest mistake {min(v['mistake_effects'].values()):.3g}")
 
+
+def main():
+    record_cases(__doc__, record_case, check_variants, OUT)
 
 if __name__ == "__main__":
     main()
