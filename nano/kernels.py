@@ -30,6 +30,7 @@ DECODE_TILE = 64
 # ROWS in cuda/prefill_attention.cu by head dim: (token, head) rows per block, 16 per warp
 PREFILL_ROWS = {64: 64, 128: 64, 256: 32}
 SWAP_UNITS = {16: "uint4", 2: "unsigned short"}  # copy unit of gather/scatter_blocks, in bytes
+LORA_ROWS = 16  # the rows a block of cuda/lora.cu's SGMV instance serves; the BGMV one serves 1
 
 _TEMPLATES = {
     "cache.cu": [f"rope_store_kvcache<{t}>" for t in CACHE_TYPES.values()]
@@ -38,8 +39,11 @@ _TEMPLATES = {
                            for t in CACHE_TYPES.values() for d in HEAD_DIMS for g in GROUPS],
     "prefill_attention.cu": [f"prefill_attention_kernel<{d}, {g}, {t}>"
                              for t in CACHE_TYPES.values() for d in HEAD_DIMS for g in GROUPS],
+    "lora.cu": [f"{k}<__half, {rows}>" for k in ("lora_shrink", "lora_expand")
+                for rows in (1, LORA_ROWS)],
 }
-SOURCES = ("layers.cu", "cache.cu", "sampling.cu", "paged_attention.cu", "prefill_attention.cu")
+SOURCES = ("layers.cu", "cache.cu", "sampling.cu", "paged_attention.cu", "prefill_attention.cu",
+           "lora.cu")
 
 
 @functools.cache
@@ -72,7 +76,9 @@ def _module(name: str) -> cupy.RawModule:
 
 
 @functools.cache  # get_function builds a new RawKernel each call: host time on every eager launch
-def _kernel(source: str, name: str):
+def kernel(source: str, name: str):
+    """The kernel name (a template instance as _TEMPLATES spells it) of cuda/source, compiled
+    on first use; add-ons launch their own kernels through it too."""
     return _module(source).get_function(name)
 
 
@@ -81,7 +87,7 @@ def _num_sms() -> int:
     return cupy.cuda.Device().attributes["MultiProcessorCount"]
 
 
-def _check(dtype, **arrays):
+def check_dtype(dtype, **arrays):
     for name, array in arrays.items():
         if array.dtype != dtype:
             raise TypeError(f"{name} must be {np.dtype(dtype).name}, got {array.dtype}")
@@ -108,7 +114,7 @@ def _check_cache(cache, op: str):
         for name, s in zip(("k_scale", "v_scale"), scales):
             if s is None:
                 raise ValueError(f"{op}: an int8 KV cache needs {name}")
-            _check(cupy.float16, **{name: s})
+            check_dtype(cupy.float16, **{name: s})
             if s.shape != k.shape[:3] or not s.flags.c_contiguous:
                 raise ValueError(f"{op}: {name} must be contiguous {k.shape[:3]}, got {s.shape}")
     elif any(s is not None for s in scales):
@@ -121,7 +127,7 @@ def _check_cache(cache, op: str):
 
 
 def _check_attention(q, cache, nq, d, op):
-    _check(cupy.float16, q=q)
+    check_dtype(cupy.float16, q=q)
     cache_type, scales = _check_cache(cache, op)
     num_blocks, nkv, block_size, cache_d = cache.k.shape
     if cache_d != d:
@@ -143,26 +149,26 @@ def _check_rows(name, width):
 # ---------------------------------------------------------------- layers.cu
 
 def embedding(ids, table):
-    _check(cupy.int32, ids=ids)
-    _check(cupy.float16, table=table)
+    check_dtype(cupy.int32, ids=ids)
+    check_dtype(cupy.float16, table=table)
     vocab, hidden = table.shape
     _check_rows("hidden size", hidden)
     out = cupy.empty((ids.size, hidden), cupy.float16)
     if ids.size:
-        _kernel("layers.cu", "embedding")(
+        kernel("layers.cu", "embedding")(
             (ids.size,), (128,), (cupy.ascontiguousarray(ids), cupy.ascontiguousarray(table), out,
                                   np.int32(vocab), np.int32(hidden)))
     return out
 
 
 def rms_norm(x, weight, eps):
-    _check(cupy.float16, x=x, weight=weight)
+    check_dtype(cupy.float16, x=x, weight=weight)
     x = cupy.ascontiguousarray(x)
     tokens, hidden = x.shape
     _check_rows("hidden size", hidden)
     out = cupy.empty_like(x)
     if tokens:
-        _kernel("layers.cu", "rms_norm")(
+        kernel("layers.cu", "rms_norm")(
             (tokens,), (256,), (x, weight, out, np.int32(hidden), np.float32(eps)))
     return out
 
@@ -170,13 +176,13 @@ def rms_norm(x, weight, eps):
 def add_rms_norm(x, residual, weight, eps):
     if residual is None:  # first layer: the residual stream starts as x
         return rms_norm(x, weight, eps), x
-    _check(cupy.float16, x=x, residual=residual, weight=weight)
+    check_dtype(cupy.float16, x=x, residual=residual, weight=weight)
     x, residual = cupy.ascontiguousarray(x), cupy.ascontiguousarray(residual)
     tokens, hidden = x.shape
     _check_rows("hidden size", hidden)
     out, new_residual = cupy.empty_like(x), cupy.empty_like(x)
     if tokens:
-        _kernel("layers.cu", "add_rms_norm")(
+        kernel("layers.cu", "add_rms_norm")(
             (tokens,), (256,),
             (x, residual, weight, out, new_residual, np.int32(hidden), np.float32(eps)))
     return out, new_residual
@@ -185,7 +191,7 @@ def add_rms_norm(x, residual, weight, eps):
 def linear(x, weight, bias=None):
     """cuBLAS GemmEx through ctypes (nano/cublas.py): float16 operands, float32 accumulation,
     float16 result. Capturable into a CUDA graph, unlike cupy.matmul."""
-    _check(cupy.float16, x=x, weight=weight)
+    check_dtype(cupy.float16, x=x, weight=weight)
     if x.strides[1] != x.itemsize:
         x = cupy.ascontiguousarray(x)
     weight = cupy.ascontiguousarray(weight)
@@ -197,39 +203,35 @@ def linear(x, weight, bias=None):
     return out
 
 
-def _gated(kernel, gate_up):
-    _check(cupy.float16, gate_up=gate_up)
+def _gated(name, gate_up):
+    check_dtype(cupy.float16, gate_up=gate_up)
     gate_up = cupy.ascontiguousarray(gate_up)
     tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
     _check_rows("intermediate size", inter)
     out = cupy.empty((tokens, inter), cupy.float16)
     n8 = tokens * inter // 8  # one thread per 8 outputs
     if n8:
-        _kernel("layers.cu", kernel)(((n8 + 255) // 256,), (256,),
-                                     (gate_up, out, np.int32(inter), np.int64(n8)))
+        kernel("layers.cu", name)(((n8 + 255) // 256,), (256,),
+                                  (gate_up, out, np.int32(inter), np.int64(n8)))
     return out
 
 
-def silu_mul(gate_up):
-    return _gated("silu_mul", gate_up)
-
-
-def gelu_tanh_mul(gate_up):
-    return _gated("gelu_tanh_mul", gate_up)
+silu_mul = functools.partial(_gated, "silu_mul")
+gelu_tanh_mul = functools.partial(_gated, "gelu_tanh_mul")
 
 
 def sample(logits, temperature, top_k, top_p, log_min_p, seeds, counters):
     """cuda/sampling.cu: grid R (one row per block), 1024 threads."""
-    _check(cupy.float16, logits=logits)
-    _check(cupy.float32, temperature=temperature, top_p=top_p, log_min_p=log_min_p)
-    _check(cupy.int32, top_k=top_k, counters=counters)
-    _check(cupy.uint64, seeds=seeds)
+    check_dtype(cupy.float16, logits=logits)
+    check_dtype(cupy.float32, temperature=temperature, top_p=top_p, log_min_p=log_min_p)
+    check_dtype(cupy.int32, top_k=top_k, counters=counters)
+    check_dtype(cupy.uint64, seeds=seeds)
     rows_params = (temperature, top_k, top_p, log_min_p, seeds, counters)
     logits = cupy.ascontiguousarray(logits)
     rows, vocab = logits.shape
     out = cupy.empty((rows,), cupy.int32)
     if rows:
-        _kernel("sampling.cu", "sample")(
+        kernel("sampling.cu", "sample")(
             (rows,), (1024,),
             (logits, np.int32(vocab), *(cupy.ascontiguousarray(x) for x in rows_params), out))
     return out
@@ -237,11 +239,11 @@ def sample(logits, temperature, top_k, top_p, log_min_p, seeds, counters):
 
 def edit_logits(logits, rows, tokens, biases, penalties, shifts):
     """cuda/sampling.cu: a thread per edit, in place on contiguous float16 logits (the step's)."""
-    _check(cupy.float16, logits=logits)
-    _check(cupy.int32, rows=rows, tokens=tokens)
-    _check(cupy.float32, biases=biases, penalties=penalties, shifts=shifts)
+    check_dtype(cupy.float16, logits=logits)
+    check_dtype(cupy.int32, rows=rows, tokens=tokens)
+    check_dtype(cupy.float32, biases=biases, penalties=penalties, shifts=shifts)
     if n := len(rows):
-        _kernel("sampling.cu", "edit_logits")(((n + 255) // 256,), (256,), (
+        kernel("sampling.cu", "edit_logits")(((n + 255) // 256,), (256,), (
             logits, np.int32(logits.shape[1]), rows, tokens, biases, penalties, shifts,
                                                                             np.int32(n)))
     return logits
@@ -249,10 +251,10 @@ def edit_logits(logits, rows, tokens, biases, penalties, shifts):
 
 def mask_logits(logits, rows, masks):
     """cuda/sampling.cu: grid (M, ceil(V / 256)), a thread per token, in place."""
-    _check(cupy.float16, logits=logits)
-    _check(cupy.int32, rows=rows, masks=masks)
+    check_dtype(cupy.float16, logits=logits)
+    check_dtype(cupy.int32, rows=rows, masks=masks)
     if len(rows):
-        _kernel("sampling.cu", "mask_logits")((len(rows), (logits.shape[1] + 255) // 256), (256,), (
+        kernel("sampling.cu", "mask_logits")((len(rows), (logits.shape[1] + 255) // 256), (256,), (
             logits, np.int32(logits.shape[1]), rows, masks))
     return logits
 
@@ -265,10 +267,10 @@ def rope_store_kvcache(q, k, v, positions, cos_sin, cache, slot_mapping, q_norm=
     heads and dims contiguous and 16-byte aligned. cache: one layer's LayerKV, float16 or int8
     (quantized here, per (token, KV head)), with or without the Hadamard key rotation; q_norm,
     k_norm (d,) float16 or None. Returns the rotated q (Hadamard-rotated too), contiguous."""
-    _check(cupy.float16, q=q, k=k, v=v)
+    check_dtype(cupy.float16, q=q, k=k, v=v)
     cache_type, (k_scale, v_scale) = _check_cache(cache, "rope_store_kvcache")
-    _check(cupy.int32, positions=positions, slot_mapping=slot_mapping)
-    _check(cupy.float32, cos_sin=cos_sin)
+    check_dtype(cupy.int32, positions=positions, slot_mapping=slot_mapping)
+    check_dtype(cupy.float32, cos_sin=cos_sin)
     tokens, nq, d = q.shape
     nkv = k.shape[1]
     if d % 16:
@@ -291,7 +293,7 @@ def rope_store_kvcache(q, k, v, positions, cos_sin, cache, slot_mapping, q_norm=
         raise ValueError(f"rope_store_kvcache: the Hadamard key rotation and the q/k norm need a "
                          f"power-of-two head_dim up to 512, got {d}")
     if norms:
-        _check(cupy.float16, q_norm=q_norm, k_norm=k_norm)
+        check_dtype(cupy.float16, q_norm=q_norm, k_norm=k_norm)
         for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
             if w.shape != (d,) or not w.flags.c_contiguous:
                 raise ValueError(f"rope_store_kvcache: {name} must be contiguous ({d},), got "
@@ -300,7 +302,7 @@ def rope_store_kvcache(q, k, v, positions, cos_sin, cache, slot_mapping, q_norm=
         q_norm = k_norm = cupy.empty(0, cupy.float16)  # never read
     out = cupy.empty((tokens, nq, d), cupy.float16)
     if tokens:
-        _kernel("cache.cu", f"rope_store_kvcache<{cache_type}>")(
+        kernel("cache.cu", f"rope_store_kvcache<{cache_type}>")(
             (tokens,), (128,), (q, k, v, np.int64(q.strides[0] // 2), np.int64(k.strides[0] // 2),
                                 cupy.ascontiguousarray(positions), cupy.ascontiguousarray(cos_sin),
                                 cupy.ascontiguousarray(slot_mapping), q_norm, k_norm,
@@ -312,11 +314,11 @@ def rope_store_kvcache(q, k, v, positions, cos_sin, cache, slot_mapping, q_norm=
     return out
 
 
-def _swap(kernel, pool, block_ids, staging):
+def _swap(name, pool, block_ids, staging):
     """One thread block per (block, layer * 2 + k/v); each copies one block of one layer's
     K or V (or their scales): prod(pool.shape[3:]) contiguous elements, moved as bytes in
     16-byte units where the block's bytes and both buffers allow, else 2-byte units."""
-    _check(cupy.int32, block_ids=block_ids)
+    check_dtype(cupy.int32, block_ids=block_ids)
     if staging.dtype != pool.dtype:
         raise TypeError(f"gather/scatter_blocks: staging must be {pool.dtype}, got {staging.dtype}")
     if pool.ndim < 3 or staging.shape != pool.shape[:2] + (block_ids.size,) + pool.shape[3:]:
@@ -334,7 +336,7 @@ def _swap(kernel, pool, block_ids, staging):
                          f"units")
     n = block_ids.size
     if n and chunk:
-        _kernel("cache.cu", f"{kernel}<{SWAP_UNITS[unit]}>")(
+        kernel("cache.cu", f"{name}<{SWAP_UNITS[unit]}>")(
             (n, layers * two), (256,), (pool.view(cupy.uint8), staging.view(cupy.uint8),
                                         cupy.ascontiguousarray(block_ids), np.int32(num_blocks),
                                         np.int32(n), np.int32(chunk // unit)))
@@ -374,7 +376,7 @@ def paged_attention(q, cache, block_tables, context_lens, scale, window=None):
     nkv = cache.k.shape[1]
     group, log2_block_size, cache_type, (k_scale, v_scale) = _check_attention(q, cache, nq, d,
                                                                               "paged_attention")
-    _check(cupy.int32, block_tables=block_tables, context_lens=context_lens)
+    check_dtype(cupy.int32, block_tables=block_tables, context_lens=context_lens)
     q, block_tables, context_lens = (cupy.ascontiguousarray(x) for x in (q, block_tables,
                                                                          context_lens))
     out = cupy.empty_like(q)
@@ -390,13 +392,13 @@ def paged_attention(q, cache, block_tables, context_lens, scale, window=None):
         partial_out = cupy.empty((seqs, nq, parts, d), cupy.float32)
         partial_max = cupy.empty((seqs, nq, parts), cupy.float32)
         partial_sum = cupy.empty((seqs, nq, parts), cupy.float32)
-    _kernel("paged_attention.cu", f"paged_attention_kernel<{d}, {group}, {cache_type}>")(
+    kernel("paged_attention.cu", f"paged_attention_kernel<{d}, {group}, {cache_type}>")(
         (nkv, seqs, parts), (128,),
         (out, partial_out, partial_max, partial_sum, q, cache.k, cache.v, k_scale, v_scale,
          block_tables, context_lens, np.int32(max_blocks), np.int32(log2_block_size),
          np.int32(size), np.int32(window), np.float32(scale)))
     if parts > 1:
-        _kernel("paged_attention.cu", "paged_attention_merge")(
+        kernel("paged_attention.cu", "paged_attention_merge")(
             (nq, seqs), (128,), (out, partial_out, partial_max, partial_sum, context_lens,
                                  np.int32(parts), np.int32(size), np.int32(d)))
     return out
@@ -412,7 +414,7 @@ def prefill_attention(q, cache, cu_seqlens_q, block_tables, context_lens, scale,
     nkv = cache.k.shape[1]
     group, log2_block_size, cache_type, (k_scale, v_scale) = _check_attention(q, cache, nq, d,
                                                                               "prefill_attention")
-    _check(cupy.int32, cu_seqlens_q=cu_seqlens_q, block_tables=block_tables,
+    check_dtype(cupy.int32, cu_seqlens_q=cu_seqlens_q, block_tables=block_tables,
            context_lens=context_lens)
     q, cu_seqlens_q, block_tables, context_lens = (
         cupy.ascontiguousarray(x) for x in (q, cu_seqlens_q, block_tables, context_lens))
@@ -421,7 +423,7 @@ def prefill_attention(q, cache, cu_seqlens_q, block_tables, context_lens, scale,
     if tokens == 0 or seqs == 0:
         return out
     per_block = PREFILL_ROWS[d] // group
-    _kernel("prefill_attention.cu", f"prefill_attention_kernel<{d}, {group}, {cache_type}>")(
+    kernel("prefill_attention.cu", f"prefill_attention_kernel<{d}, {group}, {cache_type}>")(
         (-(-tokens // per_block), nkv, seqs), (2 * PREFILL_ROWS[d],),
         (out, q, cache.k, cache.v, k_scale, v_scale, cu_seqlens_q, block_tables, context_lens,
          np.int32(block_tables.shape[1]), np.int32(log2_block_size), np.int32(window or INT32_MAX),
@@ -435,7 +437,8 @@ def attention(q, cache, batch, scale, window=None):
                               cupy.concatenate)
 
 
-# The LoRA product has no kernel yet: the set has none, and nano/lora refuses adapters on a GPU.
+# The LoRA product's wrapper is nano/lora's (nano/lora/kernels.py), which puts it in a GPU
+# engine's op set when adapters are attached: the core runs none by itself.
 CUDA = ops.OpSet(linear, attention, fixed_threads=False, embedding=embedding,
                  add_rms_norm=add_rms_norm,
                  rope_store_kvcache=rope_store_kvcache, silu_mul=silu_mul,

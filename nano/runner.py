@@ -109,6 +109,7 @@ class ModelRunner:
     def use_adapters(self, adapters) -> None:
         """Add nano/lora's pool's LoRA product to each layer's projections."""
         self.adapters = adapters
+        self.model.ops = adapters.op_set(self.model.ops)
         for weights, pools in zip(self.model.layers, adapters.layers):
             weights.lora = {proj: (a, b, adapters.scales) for proj, (a, b) in pools.items()}
 

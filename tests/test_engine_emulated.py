@@ -38,7 +38,7 @@ def test_gpu_engine_path_matches_cpu_on_the_emulator(tmp_path):
     done = subprocess.run([sys.executable, __file__, "engine", str(tmp_path)], capture_output=True,
                           text=True, timeout=600, cwd=TESTS.parent)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    for what in ("configs agree", "graphs agree", "prompt logprobs agree", "speculation agrees", "disaggregated handoffs agree",
+    for what in ("configs agree", "graphs agree", "prompt logprobs agree", "speculation agrees", "disaggregated handoffs agree", "lora agrees",
                  "qwen3 agrees", "gemma3 agrees"):
         assert what in done.stdout, what
 
@@ -63,7 +63,8 @@ def engine_checks(workdir: str) -> None:
     from nano.engine import LLMEngine
     from nano.errors import NanoError
     from test_disagg import check_gpu_handoff
-    from test_engine_gpu import GPU_CONFIGS, check_gpu_config, check_prompt_logprobs, check_speculation, prompts_for
+    from test_engine_gpu import (GPU_CONFIGS, check_gpu_config, check_lora, check_prompt_logprobs, check_speculation,
+                                 prompts_for)
     from test_graphs_gpu import check_graphs_keep_greedy_output, check_replay_with_padding
 
     from reference import make_random_model
@@ -85,6 +86,8 @@ def engine_checks(workdir: str) -> None:
     for kv in ("auto", "int8"):
         check_gpu_handoff(model_dir, kv)
     print("disaggregated handoffs agree")
+    check_lora(model_dir, prompts[:3], Path(workdir) / "lora")
+    print("lora agrees")
     qwen3 = make_random_model(Path(workdir) / "qwen3", max_pos=1024, dtype="float16", seed=7, qwen3=True, **SHAPE)
     for name in ("default", "int8"):  # its q/k head norms in the cache-writing kernel, eager and in graphs
         check_gpu_config(qwen3, prompts, name, cpu_runs)

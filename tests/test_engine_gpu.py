@@ -142,6 +142,26 @@ def cpu_reference(model_dir, prompts, max_tokens=MAX_TOKENS, **kv):
                     max_num_batched_tokens=TOKEN_BUDGET, **kv)[1]
 
 
+def check_lora(model_dir, prompts, folder) -> None:
+    """Two LoRA adapters and the base model in one batch on the GPU path (cuda/lora.cu, decode
+    steps from CUDA graphs, prefill chunks eager) against the CPU path: greedy tokens, logits
+    within LOGIT_TOL."""
+    from nano.lora import LoRARequest, attach
+    from test_lora_pool import make_adapter
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, return_logits=True)
+    runs = {}
+    for device in ("cpu", "gpu"):
+        engine = LLMEngine(EngineConfig(model=str(model_dir), device=device, num_blocks=256,
+                                        max_num_batched_tokens=64))
+        cfg = engine.model_config
+        loras = [LoRARequest("a", 1, str(make_adapter(folder / "a", seed=1, r=4, alpha=4, cfg=cfg))),
+                 LoRARequest("b", 2, str(make_adapter(folder / "b", seed=2, r=3, alpha=3, cfg=cfg,
+                                                      modules=("q_proj", "v_proj", "down_proj"))))]
+        attach(engine, max_loras=2, max_lora_rank=4)
+        runs[device] = engine.generate(prompts, params, lora_request=[loras[0], None, loras[1], loras[0]][:len(prompts)])
+    assert_greedy_runs_agree(runs["cpu"], runs["gpu"], LOGIT_TOL)
+
+
 def check_gpu_config(model_dir, prompts, name, cpu_runs: dict, max_tokens=MAX_TOKENS, **gpu_args):
     """GPU_CONFIGS[name], with gpu_args over it, against the CPU path with the same KV pool
     type (from cpu_runs, or run and kept there). Returns the GPU engine and its sequences."""
@@ -317,6 +337,13 @@ def test_gpu_speculation_matches_cpu(shaped_model):
     if shape != "smollm2_135m":
         pytest.skip("compared on the SmolLM2 shape")
     check_speculation(model_dir, prompts_for(vocab, n=3))
+
+
+def test_gpu_lora_matches_cpu(shaped_model, tmp_path):
+    model_dir, vocab, shape = shaped_model
+    if shape != "smollm2_135m":
+        pytest.skip("compared on the SmolLM2 shape")
+    check_lora(model_dir, prompts_for(vocab), tmp_path)
 
 
 def test_gpu_prompt_logprobs_match_cpu(shaped_model):

@@ -701,13 +701,18 @@ def test_attention_reads_nothing_before_the_window(cupy, rng, dtype, monkeypatch
 
 def test_a_gpu_shard_runs_the_kernels(cupy):
     """shard.op_set's choice on a GPU is kernels.CUDA, every op of which is a kernel: none is
-    left at its NumPy default. The LoRA product has no kernel yet: the GPU set has none, and
-    nano/lora refuses adapters on a GPU."""
+    left at its NumPy default. The LoRA product's kernel is nano/lora's: the core's set has none,
+    and an adapter pool on a GPU gives the model's op set nano/lora/kernels.py's."""
+    from nano.lora import kernels as lora_kernels
+    from nano.lora.pool import AdapterPool
     assert shard.op_set("gpu", invariant=False) is kernels.CUDA
     members = {f.name: getattr(kernels.CUDA, f.name) for f in dataclasses.fields(ops.OpSet) if f.type is not bool}
     assert {name for name, op in members.items() if op is None} == {"add_lora"}
-    assert {name: op.__module__ for name, op in members.items()
-            if op is not None and op.__module__ != kernels.__name__} == {}
+    defined_in = {name: getattr(op, "func", op).__module__ for name, op in members.items() if op is not None}
+    assert {name: module for name, module in defined_in.items() if module != kernels.__name__} == {}
+    with_lora = AdapterPool.op_set(SimpleNamespace(device=SimpleNamespace(kind="gpu")), kernels.CUDA)
+    assert with_lora.add_lora is lora_kernels.add_lora
+    assert dataclasses.replace(with_lora, add_lora=None) == kernels.CUDA
 
 
 @pytest.mark.parametrize("window", [None, 20])

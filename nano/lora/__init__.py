@@ -26,8 +26,6 @@ def rank_pool(cfg: ModelConfig, device: Device, max_loras: int = MAX_LORAS,
     """A pool of this tensor-parallel rank's shares: max_loras device slots (at most that many
     adapters run at once), ranks up to max_lora_rank, max_cpu_loras adapters kept read in host
     memory."""
-    if device.kind == "gpu":  # ops.add_lora is NumPy's alone: no CUDA kernel yet
-        raise NanoError("LoRA adapters run on the CPU path only for now (--device cpu)")
     group = parallel.tp_group()
     return AdapterPool(cfg, partition(cfg, group.rank, group.world), device, max_loras,
                        max_lora_rank, max_cpu_loras)

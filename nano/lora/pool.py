@@ -12,6 +12,7 @@ Under tensor parallelism each rank holds its share as the base projection is sha
 (tp.py): column-parallel qkv and gate_up keep A whole and their output rows of B; row-parallel
 o_proj and down keep their input columns of A and all of B, and the layer's all-reduce sums
 the partial products with the base's."""
+import dataclasses
 from collections import OrderedDict
 
 import numpy as np
@@ -20,6 +21,7 @@ from nano import checks
 from nano.config import ModelConfig
 from nano.device import Device
 from nano.errors import NanoError
+from nano.ops import OpSet
 from nano.lora.peft import Adapter, LoRARequest, check_request, read_adapter
 from nano.plan import PackedShape, unpack_step
 from nano.tp import Partition
@@ -118,6 +120,14 @@ class AdapterPool:
         return adapter
 
     # ---- device side -----------------------------------------------------------------------
+    def op_set(self, ops: OpSet) -> OpSet:
+        """The op set that runs this pool's LoRA product: a GPU's gains cuda/lora.cu's
+        (nano/lora/kernels.py), which the core's lacks; a CPU's keeps its NumPy add_lora."""
+        if self.device.kind != "gpu":
+            return ops
+        from nano.lora.kernels import add_lora  # needs CuPy, which only a GPU run has
+        return dataclasses.replace(ops, add_lora=add_lora)
+
     def place(self, ids: np.ndarray) -> np.ndarray:
         """A step's adapter ids (S,) int32, -1 for none -> the slots holding them (S,) int32,
         -1 for none. An adapter not in a slot is copied into a free one, or into the least

@@ -723,7 +723,7 @@ def emulating(kernels):
     the way in and out."""
     global _source_dir
     cublas = kernels.cublas
-    caches = [getattr(kernels, name) for name in ("_module", "_kernel", "_num_sms", "_options")]
+    caches = [getattr(kernels, name) for name in ("_module", "kernel", "_num_sms", "_options")]
     real, candidates = kernels.cupy, cublas._candidates
     _source_dir = kernels.CUDA_DIR
     for c in caches:
