@@ -48,7 +48,7 @@ tests() {
 nvidia-smi -L
 step preflight 15 $PY tests/device_steps.py preflight "$OUT" || exit 3
 step compile 75 $PY tests/device_steps.py compile "$OUT"
-tests kernels 50 20 tests/test_kernels.py
+tests kernels 50 20 tests/test_kernels.py tests/test_lora_kernels.py
 tests graphs 70 25 tests/test_graphs_gpu.py
 tests engine_smollm2 45 20 tests/test_engine_gpu.py -k smollm2
 tests engine_llama 80 40 tests/test_engine_gpu.py -k llama
