@@ -66,11 +66,13 @@ def test_the_check_sees_an_add_on_import(tmp_path):
 #              penalties and biases, for prompt files, the Python API and the server
 #   structured grammars as logits processors (llguidance), and the chain that combines
 #              processors: for the server, the offline LLM and any mode that samples
+#   lora       LoRA adapters as requests name them (LoRARequest, a PEFT folder's checks, the
+#              pool they serve from): one for prompt files, the Python API and the server
 # Any other add-on is a product of its own (bench, disagg, dp, server, ...): two of them meet
 # only in run.py, which assembles them (the server serves what dp gives it). The lab is a
 # driver like run.py: its experiments compare the modes, so it may import any of them; nothing
 # imports the lab.
-FOUNDATIONS = {"fleet", "cli", "telemetry", "chat", "controls", "structured", "speculative"}
+FOUNDATIONS = {"fleet", "cli", "telemetry", "chat", "controls", "structured", "speculative", "lora"}
 DRIVERS = {"lab"}
 
 
