@@ -94,10 +94,10 @@ def main(argv=None) -> int:
     engine = LLMEngine(config, policy=policy)
     Metrics.attach(engine)
     attach(engine, args.speculative)
-    lora.use_adapters(args, engine)
+    pool = lora.use_adapters(args, engine)
     print(describe(engine), file=sys.stderr)
     if args.serve:
-        return server.serve(args, engine)
+        return server.serve(args, engine, pool=pool)
     if args.bench:
         return bench.run_bench(args, engine, params)
     return offline.run_prompts(args, engine, requests)

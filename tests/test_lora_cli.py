@@ -61,6 +61,9 @@ def test_prompts_name_their_adapters(tmp_path, tiny_model, adapters, capsys):
     (["--enable-lora", "--lora-modules", '{"name": "a", "path": "x", "base_model_name": "other"}'],
      "--lora-modules a: base_model_name 'other' is not the served --model"),
     (["--enable-lora", "--lora-modules", "a={a}", "a={b}"], "--lora-modules: 'a' is given twice"),
+    (["--allow-runtime-lora-updating"], "--allow-runtime-lora-updating needs --enable-lora"),
+    (["--enable-lora", "--allow-runtime-lora-updating"], "--allow-runtime-lora-updating is the server's: it needs "
+                                                         "--serve"),
 ])
 def test_bad_flags(tmp_path, adapters, flags, message):
     (tmp_path / "p.txt").write_text("hi\n")
@@ -69,9 +72,9 @@ def test_bad_flags(tmp_path, adapters, flags, message):
 
 
 def test_modes_without_adapters_refuse_them():
-    for mode in (["--serve"], ["--bench"], ["--capacity"]):
-        assert main_error("--enable-lora", *mode) == (f"--enable-lora runs a --prompt-file (with --tp or "
-                                                      f"without), not {mode[0]}")
+    for mode in (["--bench"], ["--capacity"]):
+        assert main_error("--enable-lora", *mode) == (f"--enable-lora runs a --prompt-file or --serve (with --tp "
+                                                      f"or without), not {mode[0]}")
 
 
 @pytest.mark.parametrize("line, flags, message", [

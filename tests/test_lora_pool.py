@@ -207,3 +207,17 @@ def test_an_id_and_a_name_each_name_one_adapter(tmp_path):
         pool.resolve(LoRARequest("c", 0, str(b)))
     with pytest.raises(NanoError, match="lora_request must be a LoRARequest"):
         pool.resolve({"lora_name": "a"})
+
+
+def test_a_retired_adapter_frees_its_name_and_is_forgotten_after_its_sequences(tmp_path):
+    """A server's unload: retire frees the name for another folder while the old adapter still
+    loads into a slot for the sequences that use it; forget then drops its host copy and slot."""
+    pool = AdapterPool(CFG, partition(CFG, 0, 1), Device("cpu"), 1, 4, max_cpu_loras=2)
+    old = pool.resolve(request(make_adapter(tmp_path / "old"), "a", 1))
+    pool.retire(1)
+    new = pool.resolve(request(make_adapter(tmp_path / "new", seed=1), "a", 2))  # the name, another folder
+    pool.host.clear()  # dropped from host memory: a slot load reads the retired folder again
+    assert pool.place(np.array([1], np.int32)).tolist() == [0] and list(pool.host) == [old.lora_int_id]
+    pool.forget(1)
+    assert 1 not in pool.host and 1 not in pool.slots and 1 not in pool.leaving
+    assert pool.place(np.array([2], np.int32)).tolist() == [0] and pool.known == {2: new}

@@ -48,11 +48,13 @@ def free_port() -> int:
 class Running:
     """A server on a loopback port in this process (its engine reachable for checks)."""
 
-    def __init__(self, max_queued: int = 256, app: dict | None = None, sndbuf: int | None = None, **engine_args):
+    def __init__(self, max_queued: int = 256, app: dict | None = None, sndbuf: int | None = None, prepare=None,
+                 **engine_args):
         """app: create_app's keyword arguments (limits, api_key, hosts); sndbuf: the kernel's send
-        buffer for each connection (its own default grows to megabytes)."""
-        app = app or {}
+        buffer for each connection (its own default grows to megabytes); prepare(engine): more of
+        create_app's keyword arguments, made from the engine (a LoRA pool's adapters)."""
         self.engine = LLMEngine(EngineConfig(**{"kv_cache_memory": 300 * 10**6, **engine_args}))
+        app = {**(app or {}), **(prepare(self.engine) if prepare else {})}
         # IPPROTO_TCP named: asyncio turns Nagle off (TCP_NODELAY) only on sockets that say so,
         # else each small response waits for a delayed ACK (40 ms).
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)

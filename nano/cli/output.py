@@ -107,11 +107,12 @@ def check_writable(flag: str, path: str | None, replaced: bool = False) -> None:
 def metrics_writer(args, engine=None, model_name: str | None = None, export=None) -> MetricsWriter | None:
     """--metrics-file / --metrics-prom, every --metrics-interval snapshots; the Prometheus
     file is export's registry (by default the engine's, telemetry.prometheus.EngineExport,
-    labelled model_name: by default the engine's)."""
+    labelled model_name: by default the engine's; with --enable-lora, vLLM's LoRA gauge too)."""
     if not (args.metrics_file or args.metrics_prom):
         return None
     from nano.telemetry.prometheus import EngineExport  # prometheus_client: needed only here
-    return MetricsWriter(args.metrics_file, args.metrics_prom, export or EngineExport(engine, model_name),
+    max_loras = args.max_loras if getattr(args, "enable_lora", False) else None
+    return MetricsWriter(args.metrics_file, args.metrics_prom, export or EngineExport(engine, model_name, max_loras),
                          args.metrics_interval)
 
 

@@ -1,16 +1,24 @@
 """run.py's LoRA flags, vLLM's: --enable-lora, --lora-modules, --max-loras, --max-lora-rank,
---max-cpu-loras, checked before any model loads; the adapters given to the engine, and to
-each other tensor-parallel rank's runner, every one read at the start; a .jsonl prompt's
-"lora" field, the name of one of --lora-modules, made its request's LoRARequest."""
+--max-cpu-loras, and for the server --allow-runtime-lora-updating (or vLLM's environment
+variable VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), checked before any model loads; the adapters
+given to the engine, and to each other tensor-parallel rank's runner, every one read at the
+start; a .jsonl prompt's "lora" field, the name of one of --lora-modules, made its request's
+LoRARequest."""
 import json
+import os
 from pathlib import Path
 
 from nano.cli import flags
 from nano.errors import NanoError
 from nano.lora import MAX_LORA_RANK, MAX_LORAS, LoRARequest, attach, rank_pool
-from nano.lora.pool import check_limits
+from nano.lora.pool import AdapterPool, check_limits
 
 MODULE_KEYS = {"name", "path", "base_model_name"}  # vLLM's JSON form of one --lora-modules entry
+
+
+def runtime_updating_env() -> bool:
+    """vLLM's switch for the server's load and unload routes, read as vLLM reads it."""
+    return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true")
 
 
 def add_arguments(p) -> None:
@@ -25,6 +33,9 @@ def add_arguments(p) -> None:
     g.add_argument("--max-lora-rank", type=int, default=MAX_LORA_RANK, help="the largest adapter rank")
     g.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters kept read in host memory (default: --max-loras)")
+    g.add_argument("--allow-runtime-lora-updating", action="store_true", default=runtime_updating_env(),
+                   help="--serve: POST /v1/load_lora_adapter and /v1/unload_lora_adapter add and remove adapters "
+                        "while serving (default: on when VLLM_ALLOW_RUNTIME_LORA_UPDATING is True or 1, as vLLM)")
 
 
 def check_args(args) -> None:
@@ -36,11 +47,14 @@ def check_args(args) -> None:
             raise NanoError(f"{given[0]} needs --enable-lora")
         args.lora_modules = {}
         return
-    modes = {"--serve": args.serve, "--bench": args.bench, "--capacity": args.capacity,
-             "--disagg": args.disagg, "--dp": args.dp}
+    modes = {"--bench": args.bench, "--capacity": args.capacity, "--disagg": args.disagg,
+             "--dp": args.dp}
     for flag, on in modes.items():
         if on:
-            raise NanoError(f"--enable-lora runs a --prompt-file (with --tp or without), not {flag}")
+            raise NanoError(f"--enable-lora runs a --prompt-file or --serve (with --tp or without), "
+                            f"not {flag}")
+    if args.allow_runtime_lora_updating and not args.serve and not runtime_updating_env():
+        raise NanoError("--allow-runtime-lora-updating is the server's: it needs --serve")
     check_limits(args.max_loras, args.max_lora_rank, args.max_cpu_loras)
     modules = {}
     for entry in args.lora_modules or []:
@@ -90,11 +104,11 @@ def prompt_adapters(args, requests) -> list:
     return [r._replace(lora=args.lora_modules.get(r.lora)) for r in requests]
 
 
-def use_adapters(args, engine=None, runner=None) -> None:
+def use_adapters(args, engine=None, runner=None) -> AdapterPool | None:
     """With --enable-lora: rank 0's engine, or another tensor-parallel rank's runner, serves
-    every --lora-modules adapter, each read now."""
+    every --lora-modules adapter, each read now; returns the pool (None without)."""
     if not args.enable_lora:
-        return
+        return None
     sizes = (args.max_loras, args.max_lora_rank, args.max_cpu_loras)
     pool = (attach(engine, *sizes) if engine is not None
             else rank_pool(runner.model.cfg, runner.device, *sizes))
@@ -102,3 +116,4 @@ def use_adapters(args, engine=None, runner=None) -> None:
         runner.use_adapters(pool)
     for request in args.lora_modules.values():
         pool.resolve(request)
+    return pool

@@ -58,6 +58,7 @@ class AdapterPool:
                      "up_proj": part.inter}
         self.cols = {"o_proj": q, "down_proj": part.inter}
         self.known: dict[int, LoRARequest] = {}
+        self.leaving: dict[int, LoRARequest] = {}  # retired, still used by running sequences
         self.host: OrderedDict[int, Adapter] = OrderedDict()
         self.slots: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
         self.loads = 0  # adapters copied into a slot, ever
@@ -108,16 +109,38 @@ class AdapterPool:
         return request
 
     def read(self, request: LoRARequest) -> Adapter:
-        """The adapter in host memory: kept from before, or read now (and the least recently
-        used one dropped past max_cpu_loras; it is read again if asked for)."""
+        """The adapter in host memory: kept from before, or read now."""
         adapter = self.host.get(request.lora_int_id)
         if adapter is None:
             adapter = read_adapter(request, self.cfg, self.max_rank)
-            self.host[request.lora_int_id] = adapter
-            while len(self.host) > self.max_cpu_loras:
-                self.host.popitem(last=False)
-        self.host.move_to_end(request.lora_int_id)
+        self.keep(adapter)
         return adapter
+
+    def holds(self, adapter_id: int) -> bool:
+        """Say whether an adapter is in host memory, so that a request for it reads no folder."""
+        return adapter_id in self.host
+
+    def keep(self, adapter: Adapter) -> None:
+        """Keep an adapter in host memory as the most recently used, whether read here or by a
+        server's worker thread, and drop the least recently used one past max_cpu_loras (it is
+        read again if asked for)."""
+        self.host[adapter.request.lora_int_id] = adapter
+        self.host.move_to_end(adapter.request.lora_int_id)
+        while len(self.host) > self.max_cpu_loras:
+            self.host.popitem(last=False)
+
+    def retire(self, adapter_id: int) -> None:
+        """Free an adapter's name for another (a server unloaded it) while the sequences that
+        use it run on; forget drops it once they have ended."""
+        if adapter_id in self.known:  # else no request has asked for it yet
+            self.leaving[adapter_id] = self.known.pop(adapter_id)
+
+    def forget(self, adapter_id: int) -> None:
+        """Drop a retired adapter that no sequence uses any more: its request, its copy in host
+        memory and its slot, which the next adapter loaded takes."""
+        self.leaving.pop(adapter_id, None)
+        self.host.pop(adapter_id, None)
+        self.slots.pop(adapter_id, None)
 
     # ---- device side -----------------------------------------------------------------------
     def op_set(self, ops: OpSet) -> OpSet:
@@ -162,7 +185,7 @@ class AdapterPool:
 
     def _load(self, adapter_id: int, slot: int) -> None:
         """Copy an adapter's share for this rank into slot, zeros where it has no module."""
-        adapter = self.read(self.known[adapter_id])
+        adapter = self.read(self.known.get(adapter_id) or self.leaving[adapter_id])
         r, big = adapter.rank, self.max_rank
         for layer, pools in enumerate(self.layers):
             for proj, (a_pool, b_pool) in pools.items():

@@ -6,6 +6,7 @@
     POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (stream or not),
     GET /v1/models[/{id}], POST /tokenize, POST /detokenize (vLLM's), GET /health, GET|POST /ping, GET /version (vLLM's),
     GET /metrics (Prometheus text, vLLM's names: the registry --metrics-prom writes),
+    with --enable-lora and runtime updating allowed: POST /v1/load_lora_adapter, /v1/unload_lora_adapter (vLLM's),
     GET /openapi.json (each route's body, and the statuses it answers, as sent)
 
 Two threads. uvicorn's event loop speaks HTTP: it validates a request (pydantic; a wrong
@@ -32,12 +33,13 @@ import warnings
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from nano.server import __version__, tool_parsers, tools
+from nano.server.adapters import Adapters, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from nano.server.limits import CORS, SHUTDOWN_TIMEOUT, Limits
 from nano.server.middleware import AccessLog, BodyLimit, Cors, HostCheck, log, log_config
 from nano.server.completions import respond
@@ -65,15 +67,16 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
                api_key: str | None = None, hosts: list[str] = ("*",), stall_timeout: float | None = None,
                chat_template: str | None = None, tool_parser: str | None = None, auto_tools: bool = False,
                cors: dict = CORS, served_names: list[str] | None = None,
-               generation_defaults: dict | None = None) -> FastAPI:
+               generation_defaults: dict | None = None, adapters: Adapters | None = None) -> FastAPI:
     """The FastAPI app; its engine thread starts with the app and stops with it. chat_template:
     the template's text in place of the model's; tool_parser, auto_tools: tools.py's; cors:
     CORSMiddleware's arguments (limits.CORS: vLLM's defaults); served_names: the model's names
-    (None: its folder's); generation_defaults: generation_config.read's."""
+    (None: its folder's); generation_defaults: generation_config.read's; adapters: the LoRA
+    adapters served (adapters.py), or None."""
     if tool_parser is not None:
         tool_parsers.parser(tool_parser)  # an unknown name: a ValueError naming it
     server = Server(engine, max_queued, metrics, limits, stall_timeout, chat_template, tool_parser, auto_tools,
-                    served_names, generation_defaults)
+                    served_names, generation_defaults, adapters)
     # Every route may answer 400 for a Host header not allowed; the routes add what else they answer.
     app = FastAPI(title="nano", lifespan=_lifespan(server), responses=errors(400) if "*" not in hosts else None)
     app.state.server = server
@@ -145,14 +148,31 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
                 "root": str(server.model_dir), "parent": None, "max_model_len": engine.max_model_len,
                 "permission": [permission]}
 
+    def card_of(name: str) -> dict:
+        lora = server.lora_of(name)
+        return model_card(name) if lora is None else adapters.card(lora, model_card(server.model_name))
+
     @v1.get("/models")
     async def models():
-        return {"object": "list", "data": [model_card(name) for name in server.names]}
+        names = server.names + list(adapters.named if adapters else ())
+        return {"object": "list", "data": [card_of(name) for name in names]}
 
     @v1.get("/models/{model:path}", responses=errors(404))
     async def model(model: str):
         server.check_model(model)
-        return model_card(model)
+        return card_of(model)
+
+    if adapters is not None and adapters.runtime_updates:  # vLLM's switch: else no such routes (404)
+        log.warning("LoRA dynamic loading & unloading is enabled in the API server. This should ONLY be used for "
+                    "local development!")
+
+        @v1.post("/load_lora_adapter", response_class=PlainTextResponse, responses=errors(400, 404))
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+            return await adapters.load(body.lora_name, body.lora_path, server.thread.inbox)
+
+        @v1.post("/unload_lora_adapter", response_class=PlainTextResponse, responses=errors(400, 404))
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+            return adapters.unload(body.lora_name, server.thread.inbox)
 
     @v1.post("/completions", responses=GENERATION)
     async def completions(body: CompletionRequest, request: Request):
@@ -292,9 +312,10 @@ def serve(engine, host: str, port: int, max_queued: int, metrics=None, limits: L
           api_key: str | None = None, hosts: list[str] = ("*",), shutdown_timeout: float = SHUTDOWN_TIMEOUT,
           stall_timeout: float | None = None, log_level: str = "info", chat_template: str | None = None,
           tool_parser: str | None = None, auto_tools: bool = False, cors: dict = CORS,
-          served_names: list[str] | None = None, generation_defaults: dict | None = None) -> None:
+          served_names: list[str] | None = None, generation_defaults: dict | None = None,
+          adapters: Adapters | None = None) -> None:
     app = create_app(engine, max_queued, metrics, limits, api_key, hosts, stall_timeout, chat_template, tool_parser,
-                     auto_tools, cors, served_names, generation_defaults)
+                     auto_tools, cors, served_names, generation_defaults, adapters)
     # uvicorn's own lines at the same level and through the same formatter; its access log off:
     # AccessLog writes one line a request. uvicorn's limit on the graceful wait is a backstop: the
     # server ends its requests before it.

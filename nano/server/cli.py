@@ -147,16 +147,19 @@ def cors(args) -> dict:
     return out
 
 
-def serve(args, engine, engine_metrics: bool = True) -> int:
+def serve(args, engine, engine_metrics: bool = True, pool=None) -> int:
     """engine: an LLMEngine, or what answers its calls (nano/dp's front over replicas);
     engine_metrics: --metrics-file gets the engine's snapshot after each step (False: a
-    front, whose router writes its own)."""
+    front, whose router writes its own); pool: nano/lora's, with --enable-lora."""
     try:
+        from nano.server.adapters import Adapters
         from nano.server.app import serve as serve_http
         from nano.server.middleware import allowed_hosts
     except ImportError as e:
         raise NanoError(f"--serve needs FastAPI and uvicorn (pip install -r requirements.txt): {e}") from None
     name = served_name(args, engine)
+    adapters = None if pool is None else Adapters(pool, args.lora_modules, args.served_model_name or [engine.model_name],
+                                                  args.allow_runtime_lora_updating)
     print(f"serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     try:
         serve_http(engine, args.host, args.port, args.max_queued_requests,
@@ -165,7 +168,7 @@ def serve(args, engine, engine_metrics: bool = True) -> int:
                    0.0 if parallel.launched_by_mpirun() else args.shutdown_timeout,
                    args.stall_timeout, args.log_level, args.chat_template, args.tool_call_parser,
                    args.enable_auto_tool_choice, cors(args), args.served_model_name,
-                   generation_config.read(args.generation_config, resolve_model(engine.config.model)))
+                   generation_config.read(args.generation_config, resolve_model(engine.config.model)), adapters)
     finally:
         engine.stop_workers()
     return 0

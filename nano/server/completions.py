@@ -16,7 +16,7 @@ from nano.server.serving import Server
 
 async def respond(server: Server, request: Request, body: Sampling, jobs: list[Job], kind: str, prefix: str):
     rid, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
-    head = {"id": rid, "object": kind, "created": created, "model": server.model_name}
+    head = {"id": rid, "object": kind, "created": created, "model": server.name_of(jobs[0].lora)}
     parser = tool_parser(server, body.tools, body.tool_choice) if kind == "chat.completion" else None
     choice = tools.choice_of(getattr(body, "tools", None), getattr(body, "tool_choice", None))
     if body.stream:

@@ -1,7 +1,9 @@
 """The server's engine side: one thread owns the LLMEngine. It takes new jobs and aborts from
 its inbox between steps, runs a step, and turns each job's new tokens into text
 (Detokenizer), stop-string checks and logprobs, which it puts on the job's asyncio queue
-(loop.call_soon_threadsafe), so nothing the engine does blocks the event loop (app.py)."""
+(loop.call_soon_threadsafe), so nothing the engine does blocks the event loop (app.py). It
+alone touches nano/lora's pool of LoRA adapters: weights read on worker threads come in
+through the inbox (adapters.py)."""
 import asyncio
 import logging
 import queue
@@ -14,6 +16,8 @@ import numpy as np
 
 from nano.cli.output import exit_on_error
 from nano.errors import NanoError
+from nano.lora.peft import Adapter, LoRARequest
+from nano.lora.pool import AdapterPool
 from nano.sequence import SamplingParams, Sequence
 from nano.telemetry.export import gauges
 from nano.telemetry.prometheus import EngineExport
@@ -112,6 +116,8 @@ class Job:
     detok: Detokenizer | None = None
     stop_reason: str | int | None = None  # vLLM's: the stop string or stop_token_ids id that ended it, set
     # before the event that finishes it is put
+    lora: LoRARequest | None = None      # the adapter the request names (None: the base model)
+    adapter: Adapter | None = None       # its weights, read again on a worker thread: host memory had dropped them
 
     def put(self, event: dict) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -122,16 +128,22 @@ class EngineThread(threading.Thread):
     blocked for stall_timeout seconds, or under MPI a rank silent that long (telemetry/watchdog.py),
     fails every job, then ends the process."""
 
-    def __init__(self, engine, metrics=None, stall_timeout=None, model_name: str | None = None):
+    def __init__(self, engine, metrics=None, stall_timeout=None, model_name: str | None = None,
+                 pool: AdapterPool | None = None):
+        """pool: nano/lora's, when the server serves LoRA adapters."""
         super().__init__(name="nano-engine", daemon=True)
         self.engine, self.metrics = engine, metrics  # metrics: a MetricsWriter (--metrics-file)
+        self.pool = pool
+        self.retiring: list[LoRARequest] = []  # adapters unloaded that jobs still use
         # GET /metrics renders this registry, which this thread sets from the engine between steps:
         # --metrics-prom's, or one of its own (labelled model_name); a front over several engines
         # (nano/dp) has its own.
         front = engine if hasattr(engine, "snapshot") else None  # nano/dp's Front, not an LLMEngine
-        self.export = front.export if front else metrics.export if metrics else EngineExport(engine, model_name)
+        self.export = (front.export if front else metrics.export if metrics else
+                       EngineExport(engine, model_name, pool.max_loras if pool else None))
         self.snapshot = front.snapshot if front else lambda: gauges(engine, engine.clock.now())
-        self.inbox: queue.Queue = queue.Queue()  # ("add", job) | ("abort", job) | None
+        # ("add", job) | ("abort", job) | ("keep", an adapter's weights) | ("retire", its request) | None
+        self.inbox: queue.Queue = queue.Queue()
         self.jobs: list[Job] = []
         self.error: str | None = None
         self.watchdog = Watchdog(stall_timeout, self._fail)
@@ -149,6 +161,7 @@ class EngineThread(threading.Thread):
                     self._refresh()  # before the events go out: a client that has its answer finds it counted
                     for job, event in events:
                         job.put(event)
+                    self._forget_unused()
         except Exception as e:  # a bug, or a rank that stopped: every waiting client gets an error,
             self._fail(str(e) if isinstance(e, NanoError) else f"{type(e).__name__}: {e}")  # /health says so
             if not alone():  # then the job ends: the other ranks would wait for this one forever
@@ -176,6 +189,12 @@ class EngineThread(threading.Thread):
             elif kind == "abort" and value in self.jobs:
                 self.engine.abort(value.seq)
                 self.jobs.remove(value)
+            elif kind == "keep":
+                self.pool.keep(value)
+            elif kind == "retire":
+                self.pool.retire(value.lora_int_id)
+                self.retiring.append(value)
+        self._forget_unused()
         if items:  # arrivals and freed blocks show before the next step, which may take long
             self._refresh()
         return True
@@ -185,9 +204,21 @@ class EngineThread(threading.Thread):
         requests served so far (docs/server.md, Metrics)."""
         self.export.update(self.snapshot())
 
+    def _forget_unused(self) -> None:
+        """Drop the weights of each unloaded adapter that no job uses any more (the inbox's
+        order puts every job that names it before its "retire")."""
+        if not self.retiring:
+            return
+        used = {job.lora for job in self.jobs}
+        for request in [r for r in self.retiring if r not in used]:
+            self.pool.forget(request.lora_int_id)
+            self.retiring.remove(request)
+
     def _add(self, job: Job) -> None:
+        if job.adapter is not None:
+            self.pool.keep(job.adapter)
         try:
-            job.seq = self.engine.add_request(job.prompt, job.params)
+            job.seq = self.engine.add_request(job.prompt, job.params, lora_request=job.lora)
         except NanoError as e:
             job.put({"error": str(e)})
             return

@@ -104,7 +104,7 @@ class Shape:
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "completed_at": int(time.time()) if status == "completed" else None, "error": error,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-                "model": self.server.model_name, "output": output, "usage": usage if ended else None,
+                "model": self.server.name_of(self.jobs[0].lora), "output": output, "usage": usage if ended else None,
                 "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
                 "temperature": body.temperature, "top_p": body.top_p, "top_logprobs": 0,
                 "text": text, "tools": echoed, "tool_choice": body.tool_choice or "auto",

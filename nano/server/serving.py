@@ -20,6 +20,8 @@ from nano.sequence import SamplingParams, Sequence
 from nano.structured import Grammar, bounds
 from nano.structured.stack import lower_priority
 from nano.weights import resolve_model
+from nano.lora.peft import LoRARequest
+from nano.server.adapters import Adapters
 from nano.server.engine_thread import EngineThread, Job, StopStrings
 from nano.server.limits import Limits
 from nano.server.schemas import BadRequest, Message, Sampling, error_response
@@ -32,8 +34,9 @@ class Server:
     def __init__(self, engine, max_queued: int = 256, metrics=None, limits: Limits = Limits(),
                  stall_timeout: float | None = None, chat_template: str | None = None,
                  tool_parser: str | None = None, auto_tools: bool = False, served_names: list[str] | None = None,
-                 generation_defaults: dict | None = None):
+                 generation_defaults: dict | None = None, adapters: Adapters | None = None):
         self.engine, self.max_queued, self.limits = engine, max_queued, limits
+        self.adapters = adapters  # the LoRA adapters requests may name (adapters.py), or None
         # --chat-template (None: the model's), --tool-call-parser, --enable-auto-tool-choice (tools.py)
         self.chat_template, self.tool_parser, self.auto_tools = chat_template, tool_parser, auto_tools
         # --served-model-name (vLLM's): requests may name any; responses and metrics carry the first
@@ -42,7 +45,7 @@ class Server:
         self.model_dir = resolve_model(engine.config.model)  # the folder the weights came from
         # --generation-config's (generation_config.py): what a request that leaves a field out gets
         self.defaults = generation_defaults or {}
-        self.thread = EngineThread(engine, metrics, stall_timeout, self.model_name)
+        self.thread = EngineThread(engine, metrics, stall_timeout, self.model_name, adapters and adapters.pool)
         self.open: set[Job] = set()  # jobs submitted and not yet ended (event loop only)
         self.created = int(time.time())
         self.closing = False  # shutting down: no new requests
@@ -52,10 +55,20 @@ class Server:
         self.compiled: OrderedDict[bytes, Future] = OrderedDict()  # grammars by a digest of what asked for them
 
     def check_model(self, model: str | None) -> None:
-        """A model named in a request (or a URL) is one of this server's names, or a 404 as OpenAI answers it."""
-        if model is not None and model not in self.names:
-            raise BadRequest(f"the model {model!r} does not exist: this server has {', '.join(map(repr, self.names))}",
+        """A model named in a request (or a URL) is one of this server's names or adapters, or a 404
+        as OpenAI answers it."""
+        if model is not None and model not in self.names and self.lora_of(model) is None:
+            served = self.names + list(self.adapters.named if self.adapters else ())
+            raise BadRequest(f"the model {model!r} does not exist: this server has {', '.join(map(repr, served))}",
                              404, code="model_not_found", param="model")
+
+    def lora_of(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's model names (None: the base model, or no such adapter)."""
+        return self.adapters.get(model) if self.adapters and model not in self.names else None
+
+    def name_of(self, lora: LoRARequest | None) -> str:
+        """The model a response carries, as vLLM's: the adapter's name, or the base model's first name."""
+        return self.model_name if lora is None else lora.lora_name
 
     def check(self, body: Sampling) -> StopStrings:
         """What can be checked before tokenizing: the model, and the stop strings (returned)."""
@@ -190,16 +203,23 @@ class Server:
         asked = [k for k in (top_logprobs if echo else None, body.prompt_logprobs, 0 if max_tokens == 0 else None)
                  if k is not None]
         # One SamplingParams per prompt, made on a worker thread (bad_words are tokenized), its
-        # choices copies of it that differ in their seed.
-        made = await asyncio.to_thread(lambda: [self._params(body, most, top_logprobs is not None,
-                                                             max(asked, default=None), grammar) for most in capped])
+        # choices copies of it that differ in their seed; on that thread too, the adapter's
+        # weights if host memory has dropped them since they were last used.
+        lora = self.lora_of(body.model)
+        made, adapter = await asyncio.to_thread(lambda: (
+            [self._params(body, most, top_logprobs is not None, max(asked, default=None), grammar) for most in capped],
+            lora and self.adapters.read_dropped(lora)))
+        if self.lora_of(body.model) is not lora:
+            raise BadRequest(f"the model {body.model!r} was unloaded while the request was prepared", 404,
+                             code="model_not_found", param="model")
         loop, jobs = asyncio.get_running_loop(), []
         for prompt, params in zip(prompts, made):
             for i in range(body.n):
                 seed = None if body.seed is None else body.seed + i
                 jobs.append(Job(prompt, dataclasses.replace(params, seed=seed), stops, top_logprobs, asyncio.Queue(),
                                 loop, echo, body.prompt_logprobs, min_tokens=body.min_tokens,
-                                include_stop=body.include_stop_str_in_output, constrained=grammar is not None))
+                                include_stop=body.include_stop_str_in_output, constrained=grammar is not None,
+                                lora=lora, adapter=adapter))
         if grammar is not None:
             self.check_first_token(jobs[0])
         self.check_room(choices)  # again, with no await before the jobs count: others came in meanwhile

@@ -12,6 +12,7 @@ engine keeps (metrics.py), never going down, and gauges are set from the engine'
 GET /metrics renders the registry without waiting for one; --metrics-prom with each file."""
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, write_to_textfile
 
+from nano.sequence import Status
 from nano.telemetry.export import writing
 from nano.telemetry.metrics import metrics_of, tpot_of, ttft_of
 
@@ -59,11 +60,12 @@ class Export:
 
 
 class EngineExport(Export):
-    """One LLMEngine's metrics."""
+    """One LLMEngine's metrics; with max_loras (an engine that serves LoRA adapters), vLLM's
+    vllm:lora_requests_info too."""
 
-    def __init__(self, engine, model_name: str | None = None):
+    def __init__(self, engine, model_name: str | None = None, max_loras: int | None = None):
         super().__init__(model_name or engine.model_name)
-        self.engine = engine
+        self.engine, self.max_loras = engine, max_loras
         gauge, counter, histogram = (lambda *a, **k: self.metric(Gauge, *a, **k),
                                      lambda *a, **k: self.metric(Counter, *a, **k),
                                      lambda *a, **k: self.metric(Histogram, *a, **k))
@@ -131,6 +133,10 @@ class EngineExport(Export):
             self.counters[f"preemptions_{kind}"] = preemptions(kind=kind)
         self.accepted_per_pos = counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per "
                                         "draft position.", ["position"])
+        # vLLM's, labelled as vLLM labels it: no model_name, no engine
+        self.lora_info = None if max_loras is None else Gauge(
+            "vllm:lora_requests_info", "Running stats on lora requests.",
+            ("max_lora", "waiting_lora_adapters", "running_lora_adapters"), registry=self.registry)
         self.seen, self.seen_of = {}, None  # the engine's sums already counted, and of which Metrics
         self.arrived_seen = 0
         metrics_of(engine).request_observers.append(self.observe)
@@ -181,3 +187,18 @@ class EngineExport(Export):
             self.seen[key] = accepted
         self.arrived.inc(snap["arrived"] - self.arrived_seen)  # the engine never forgets an arrival
         self.arrived_seen = snap["arrived"]
+        if self.lora_info is not None:
+            self.update_lora(snap["time"])
+
+    def update_lora(self, now: float) -> None:
+        """vLLM's vllm:lora_requests_info: the names of the adapters that running requests use,
+        and of those that arrived requests waiting (or swapped out) use, each comma-separated
+        in order of first use, as labels; the wall-clock time as its value, so that a reader
+        takes the newest series. Only that series is kept, where vLLM keeps every one it set."""
+        running, waiting = {}, {}
+        for seq in self.engine.unfinished():
+            if seq.lora is not None and seq.arrival_time <= now:
+                (running if seq.status is Status.RUNNING else waiting)[seq.lora.lora_name] = None
+        self.lora_info.clear()
+        self.lora_info.labels(max_lora=str(self.max_loras), waiting_lora_adapters=",".join(waiting),
+                              running_lora_adapters=",".join(running)).set_to_current_time()
