@@ -36,7 +36,8 @@ from nano.server import cli as server
 from nano.speculative import attach
 from nano.speculative import cli as speculative
 from nano.telemetry import heartbeat
-from nano.telemetry.watchdog import abort_all, alone, launcher_stderr
+from nano.telemetry.launcher import launcher_stderr
+from nano.telemetry.watchdog import abort_all, alone
 
 
 def build_parser() -> flags.Parser:

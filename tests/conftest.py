@@ -98,8 +98,9 @@ def have_gpu() -> bool:
 # module fixture that costs a minute (deadline's simulated policy matrices). Kept here, not on
 # the tests, so that the list is one place to read and tune; a name here that its file lacks
 # stops the run, so a renamed test is not quietly moved into the fast tier.
-SLOW_FILES = {"test_tp.py", "test_lora_tp.py", "test_dp.py", "test_disagg.py", "test_stall.py", "test_engine_emulated.py",
-              "test_kernels_compile.py", "test_server_speculative.py", "test_lab.py", "test_lab_b.py"}
+SLOW_FILES = {"test_tp.py", "test_lora_tp.py", "test_dp.py", "test_disagg.py", "test_stall.py", "test_multihost.py",
+              "test_engine_emulated.py", "test_kernels_compile.py", "test_server_speculative.py", "test_lab.py",
+              "test_lab_b.py"}
 SLOW_TESTS = {
     "test_batch_invariant.py": {"test_the_default_model_int8_batched_and_one_at_a_time_agree",
                                 "test_every_schedule_gives_the_same_tokens_and_logits"},

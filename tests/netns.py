@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,7 +62,8 @@ class TwoHosts:
                                   capture_output=True, text=True, check=True).stdout)
 
     def link(self, up: bool) -> None:
-        """The veth's second end up, or down: the second host cut off."""
+        """The veth's second end up, or down: the second host cut off (self.cut: when)."""
+        self.cut = None if up else time.monotonic()
         subprocess.run(["ip", "-n", self.b, "link", "set", self.b, "up" if up else "down"], check=True)
 
     def pids(self, host: str) -> list[int]:

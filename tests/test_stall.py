@@ -139,6 +139,8 @@ def ended_with_one_line(job: subprocess.Popen, within: float, message: str, stat
     _, stderr = job.communicate(timeout=within)
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert errors == [f"error: {message}"] and "Traceback" not in stderr, stderr[-3000:]
+    # one host: mpirun ends the job itself, and the ranks' watchers (telemetry/launcher.py) stay silent
+    assert "on a host it cannot reach" not in stderr, stderr[-3000:]
     assert job.returncode == status if status is not None else job.returncode != 0, stderr[-3000:]
 
 

@@ -22,6 +22,7 @@ import time
 from contextlib import contextmanager
 
 from nano.fleet.world import started, world
+from nano.telemetry.launcher import launcher_stderr, watch_after_abort
 
 DEFAULT_STALL_TIMEOUT = 30.0  # seconds a step may go without CPU (MPI: a rank without a heartbeat)
 GRACE = 2.0                   # seconds between telling the drivers and ending the run
@@ -39,25 +40,6 @@ def end_stalled(message: str, on_stall=()) -> None:
     abort_all(1)
 
 
-def launcher_stderr() -> int:
-    """Where a rank's last line reaches the user: under Open MPI's mpirun, which stops passing
-    on the ranks' output the moment it gets a signal, and cannot pass on those of a host cut off
-    from it, the stderr of the launcher that started this rank (prterun, which mpirun is, or on
-    another host the daemon prted, whose stderr is its ssh's); else ours. A prted that went into
-    the background has its stderr on /dev/null: the prted that started it has the ssh's. Only
-    this rank's own host's processes are read (its /proc)."""
-    pid = os.getppid()
-    try:
-        while os.path.basename(os.readlink(f"/proc/{pid}/exe")) in ("prterun", "prted"):
-            if os.readlink(f"/proc/{pid}/fd/2") != os.devnull:
-                return os.open(f"/proc/{pid}/fd/2", os.O_WRONLY | os.O_APPEND)
-            with open(f"/proc/{pid}/stat") as f:
-                pid = int(f.read().rsplit(")", 1)[1].split()[1])  # its parent
-    except (OSError, ValueError):  # not Open MPI's launcher, or its stderr out of reach
-        pass
-    return sys.stderr.fileno()
-
-
 def alone() -> bool:
     """Whether this process is the whole run (no other MPI rank to end on an error)."""
     return world().world == 1
@@ -70,6 +52,7 @@ def abort_all(code: int) -> None:
     if group is None or group.world == 1:
         os._exit(code)
     time.sleep(0.2)  # for mpirun to pass the last line on before it prints its own abort notice
+    watch_after_abort()  # a launcher that cannot reach another host would wait on (launcher.py)
     group.comm.Abort(code)
 
 
