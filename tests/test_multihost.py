@@ -22,9 +22,9 @@ from nano.telemetry import launcher, watchdog
 PROMPTS = ["The capital of France is", "Write a haiku about the sea."]
 TOKENS = ["--temperature", "0", "--max-tokens", "6", "--no-chat"]
 STALL = 6  # --stall-timeout of the fault runs, seconds
-# seconds from the cut to mpirun's return: the stall timeout, a heartbeat's period (a quarter of
-# it), the server's grace for its clients' errors, the launcher's after MPI_Abort, and slack
-ENDED = STALL * 1.25 + watchdog.GRACE + launcher.GRACE + 4
+# seconds from the cut to mpirun's return: the stall timeout, a heartbeat's period (at most 1 s),
+# the server's grace for its clients' errors, the launcher's after MPI_Abort, and slack
+ENDED = STALL + 1 + watchdog.GRACE + launcher.GRACE + 4
 SILENT = f"has sent nothing for {STALL} s: stopped, wedged or cut off (--stall-timeout)"
 
 
