@@ -2,7 +2,7 @@
 OpenBLAS reads its variables when NumPy loads it, so nano/__init__.py calls configure()
 before anything imports NumPy; a variable the user has set is left alone. (The OpenBLAS
 part has no effect where NumPy was imported before nano.) BlasThreads then follows the
-cores other processes leave free, step by step."""
+cores other processes and threads leave free, step by step."""
 import ctypes
 import os
 import time
@@ -47,15 +47,16 @@ def configure() -> None:
 
 
 class BlasThreads:
-    """BLAS threads for the cores this process can have now, since each GEMM's join waits for a
-    thread another process descheduled (docs/perf_notes.md#blas-threads-beside-a-busy-process).
+    """BLAS threads for the cores the steps can have now, since each GEMM's join waits for a
+    thread that another process, or another thread of this one (a server's event loop, its
+    grammar compiles), descheduled (docs/perf_notes.md#blas-threads-beside-a-busy-process).
     Nothing is changed where the user set OPENBLAS_NUM_THREADS, or without threadpoolctl or
     /proc."""
 
     CHECK = 0.5  # seconds between measurements
 
     def __init__(self, read=None):
-        # -> (seconds, idle core-seconds of our cores, our CPU seconds) | None
+        # -> (seconds, idle core-seconds of our cores, the stepping thread's CPU seconds) | None
         self.read = read or _usage
         self.last = self.read()
         try:
@@ -75,7 +76,9 @@ class BlasThreads:
         wall = now[0] - self.last[0]
         if wall < self.CHECK:
             return
-        usable = ((now[1] - self.last[1]) + (now[2] - self.last[2])) / wall
+        # The steps' own cores: the stepping thread's, and as much again for each BLAS thread
+        # beside it (they share its GEMMs); the rest of the process counts as any other load.
+        usable = ((now[1] - self.last[1]) + (now[2] - self.last[2]) * self.threads) / wall
         self.last = now
         threads = min(max(int(usable + 0.25), 1), self.cores)
         if threads != self.threads:
@@ -84,8 +87,8 @@ class BlasThreads:
 
 
 def _usage() -> tuple[float, float, float] | None:
-    """(now, idle seconds summed over this process's cores, this process's CPU seconds), from
-    /proc/stat (clock ticks of 1/100 s); None where there is no /proc."""
+    """(now, idle seconds summed over this process's cores, the calling thread's CPU seconds),
+    from /proc/stat (clock ticks of 1/100 s); None where there is no /proc."""
     try:
         with open("/proc/stat") as f:
             lines = f.read().splitlines()
@@ -97,4 +100,4 @@ def _usage() -> tuple[float, float, float] | None:
         name, *fields = line.split()
         if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
             idle += int(fields[3]) + int(fields[4])  # idle, iowait
-    return time.monotonic(), idle / os.sysconf("SC_CLK_TCK"), time.process_time()
+    return time.monotonic(), idle / os.sysconf("SC_CLK_TCK"), time.thread_time()

@@ -156,6 +156,24 @@ def test_grammar_work_runs_at_a_lower_cpu_priority(engine):
     assert priority() == os.getpriority(os.PRIO_PROCESS, 0)  # the caller's own is as it was
 
 
+def test_the_server_builds_the_vocabulary_and_freezes_its_heap_before_serving(engine, monkeypatch):
+    """llguidance holds the GIL while it builds the vocabulary, and a full collection walks the
+    whole heap with every thread stopped: both happen before the first request, not during one."""
+    import gc
+    from nano.server import app
+    seen = {}
+
+    def run(uvicorn):  # stands in for uvicorn's serving loop: what holds as requests would arrive
+        seen.update(vocabulary=uvicorn.nano.vocabulary, frozen=gc.get_freeze_count())
+    monkeypatch.setattr(app._Uvicorn, "run", run)
+    try:
+        app.serve(engine, "127.0.0.1", 0, 4)
+    finally:
+        gc.unfreeze()
+        engine.stop_workers()
+    assert seen["vocabulary"] is not None and seen["frozen"] > 0
+
+
 def test_a_grammar_asked_for_again_is_compiled_once(engine):
     """Requests that arrive together share one compile; a later one gets the compiled grammar."""
     server = Server(engine, limits=Limits(grammar_workers=1))

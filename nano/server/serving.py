@@ -3,6 +3,7 @@ costs anything, started as jobs on the engine thread (engine_thread.py), aborted
 client goes away, ended at shutdown. app.py routes HTTP to it; completions.py turns its jobs'
 events into OpenAI's responses."""
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -160,9 +161,17 @@ class Server:
         raise BadRequest(f"{name}: every grammar compiler stayed busy for {self.limits.grammar_timeout} s: "
                          "try again later", 503, "server_error", "server_overloaded")
 
+    def build_vocabulary(self) -> None:
+        """Build the grammars' vocabulary now, before the first request: llguidance holds the GIL
+        for all of the 0.3-1 s it takes (a 49k vocabulary), which would pause every stream if a
+        request paid for it. A tokenizer llguidance cannot read is left to the first grammar's
+        compile, which answers it with a 400."""
+        with contextlib.suppress(NanoError):
+            self.vocabulary = structured.Vocabulary.of(self.engine.tokenizer, self.engine.model_config.vocab_size)
+
     def _build(self, kind: str, value, strict: bool, name: str) -> Grammar:
-        """On a compile thread: the vocabulary (once), then the compile."""
-        if self.vocabulary is None:  # built once (~0.3 s for a 49k vocabulary), on the first request that needs it
+        """On a compile thread: the vocabulary (unless the server built it), then the compile."""
+        if self.vocabulary is None:
             self.vocabulary = structured.Vocabulary.of(self.engine.tokenizer, self.engine.model_config.vocab_size)
         return structured.compile_grammar(self.vocabulary, kind, value, strict, name)
 
