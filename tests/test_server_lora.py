@@ -246,9 +246,9 @@ def test_the_lora_gauge_names_running_and_waiting_adapters(tiny_model, folders):
     assert float(lines[0].split()[-1]) == pytest.approx(time.time(), abs=60)
 
 
-def test_run_py_serves_lora_modules_and_takes_vllms_switch(tiny_model, folders, offline):
+def test_run_py_serves_lora_modules_and_takes_vllms_switch(tiny_model, folders, offline, tmp_path):
     """The command line: run.py --serve --enable-lora --lora-modules, with runtime updating switched
-    on by vLLM's environment variable."""
+    on by vLLM's environment variable; /metrics is then --metrics-prom's registry, with the gauge."""
     import os
     import signal
     import subprocess
@@ -259,7 +259,8 @@ def test_run_py_serves_lora_modules_and_takes_vllms_switch(tiny_model, folders, 
     env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_ALLOW_RUNTIME_LORA_UPDATING="True")
     job = subprocess.Popen([sys.executable, "run.py", "--serve", "--port", str(port), "--model", str(tiny_model),
                             "--device", "cpu", "--kv-cache-memory", "20MB", "--enable-lora", "--max-lora-rank", "4",
-                            "--lora-modules", f"a={folders['a']}", json.dumps({"name": "b", "path": str(folders["b"])})],
+                            "--metrics-prom", str(tmp_path / "m.prom"), "--lora-modules", f"a={folders['a']}",
+                            json.dumps({"name": "b", "path": str(folders["b"])})],
                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = wait_healthy(job, port, 60)
@@ -272,6 +273,7 @@ def test_run_py_serves_lora_modules_and_takes_vllms_switch(tiny_model, folders, 
         loaded = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(folders["c"])})
         assert loaded.status_code == 200
         assert 'vllm:lora_requests_info{max_lora="4"' in httpx.get(url + "/metrics").text
+        assert 'vllm:lora_requests_info{max_lora="4"' in (tmp_path / "m.prom").read_text()
         job.send_signal(signal.SIGTERM)
         _, stderr = job.communicate(timeout=30)
         assert "LoRA dynamic loading & unloading is enabled" in stderr
