@@ -14,7 +14,8 @@ Two parts, on `run.py --serve --device cpu` (the default model) in a subprocess:
 3. Load: --clients clients for --minutes, a quarter sending hostile requests, a quarter
    dropping their streams after a few tokens, half ordinary (streams, and chat with a small
    JSON schema). Reports 5xx answers, ordinary requests that did not get their whole result,
-   whether the server lived, its RSS over time, and /health answer times.
+   whether the server lived, its RSS (at the start, its largest, at the end, and at each
+   minute), and /health answer times.
 """
 import argparse
 import json
@@ -227,7 +228,8 @@ def load(url: str, model: str, pid: int, clients: int, minutes: float) -> dict:
             "5xx": sum(isinstance(r["status"], int) and r["status"] >= 500 for r in out),
             "ordinary_lost": sum(not (r["status"] == 200 and r["whole"]) for r in ordinary),
             "hostile_statuses": sorted({(r["what"], r["status"]) for r in out if r["kind"] == "hostile"}),
-            "rss_mb": {"start": rss[0][1], "max": max(m for _, m in rss), "end": rss[-1][1]},
+            "rss_mb": {"start": rss[0][1], "max": max(m for _, m in rss), "end": rss[-1][1],
+                       "each_minute": [m for t, m in rss if t % 60 < 5][1:]},
             "polls": poller.summary()}
 
 
