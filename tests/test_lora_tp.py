@@ -40,12 +40,11 @@ def test_serving_under_tp2_routes_each_model_as_one_rank(tiny_model, adapters): 
     """run.py --serve --tp 2 --enable-lora under mpirun: each adapter's and the base model's tokens
     are one rank's; loading an adapter at runtime is a 400 naming why, unloading one works."""
     import os
-    import signal
     import subprocess
     import sys
     import openai
     from test_server import free_port, httpx, wait_healthy
-    from test_tp import ROOT, TIMEOUT, mpirun, rank_pid
+    from test_tp import ROOT, TIMEOUT, ended_by_ctrl_c, mpirun
     from nano.lora import LLM, LoRARequest
     from nano.sequence import SamplingParams
     from nano.server.engine_thread import token_view
@@ -62,7 +61,7 @@ def test_serving_under_tp2_routes_each_model_as_one_rank(tiny_model, adapters): 
                             "--num-blocks", "256", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "4",
                             "--lora-modules", f"a={adapters['a']}", f"b={adapters['b']}"],
                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with ended_by_ctrl_c(job):
         url = wait_healthy(job, port, TIMEOUT)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
         for name, want in one.items():
@@ -73,9 +72,3 @@ def test_serving_under_tp2_routes_each_model_as_one_rank(tiny_model, adapters): 
         assert loaded.status_code == 400 and "not supported under --tp" in loaded.json()["error"]["message"]
         assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "a"}).status_code == 200
         assert [m.id for m in client.models.list().data] == [tiny_model.name, "b"]
-        os.kill(rank_pid(job.pid, 0), signal.SIGINT)  # Ctrl-C to the serving rank: both end cleanly
-        _, stderr = job.communicate(timeout=60)
-        assert job.returncode == 0 and "error:" not in stderr, stderr[-3000:]
-    finally:
-        if job.poll() is None:
-            job.kill()

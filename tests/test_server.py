@@ -524,11 +524,10 @@ def test_a_few_hundred_concurrent_requests_all_complete(srv):
 
 # ---- under mpirun: rank 0 serves ----------------------------------------------------------------------
 def test_serving_under_tp2_gives_the_one_rank_tokens(srv):
-    from test_tp import ROOT, TIMEOUT, have_mpi, mpirun, rank_pid
+    from test_tp import ROOT, TIMEOUT, ended_by_ctrl_c, have_mpi, mpirun
     if not have_mpi():
         pytest.skip("needs mpi4py and mpirun")
     import os
-    import signal
     import subprocess
     import sys
     port = free_port()
@@ -536,7 +535,7 @@ def test_serving_under_tp2_gives_the_one_rank_tokens(srv):
     job = subprocess.Popen([mpirun(), "-n", "2", "--allow-run-as-root", "--oversubscribe", sys.executable, "run.py",
                             "--serve", "--tp", "2", "--port", str(port), "--kv-cache-memory", "300MB"],
                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with ended_by_ctrl_c(job):
         url = wait_healthy(job, port, TIMEOUT)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
         tp = client.completions.create(model=srv.model, prompt=PROMPT, max_tokens=12, temperature=0)
@@ -557,12 +556,6 @@ def test_serving_under_tp2_gives_the_one_rank_tokens(srv):
                 now[("vllm:kv_cache_usage_perc", ())]:
             assert time.monotonic() < deadline, now
             time.sleep(0.1)
-        os.kill(rank_pid(job.pid, 0), signal.SIGINT)  # Ctrl-C to the serving rank: both end cleanly
-        _, stderr = job.communicate(timeout=60)
-        assert job.returncode == 0 and "error:" not in stderr, stderr[-3000:]
-    finally:
-        if job.poll() is None:
-            job.kill()
 
 
 @pytest.mark.parametrize("args,message", [

@@ -1,6 +1,7 @@
 """Tensor parallelism: the shard plan (unit tests), then real runs under mpirun on this CPU:
 greedy tokens identical to one rank, the collectives' known answers, and errors that end
 every rank with one line instead of a hang."""
+import contextlib
 import json
 import os
 import re
@@ -260,6 +261,20 @@ def interrupt_one_rank(tmp_path, tiny_model, rank: int, flags: list[str], ranks:
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) >= 2 and all(len(r["token_ids"]) == (40 if r["index"] else 400) for r in records)
     assert [r["index"] for r in records] == sorted(r["index"] for r in records)
+
+
+@contextlib.contextmanager
+def ended_by_ctrl_c(job):
+    """Run the body while the mpirun server `job` serves; then Ctrl-C to the serving rank (rank
+    0), on which every rank must end cleanly: exit 0, no error line. A body that fails kills it."""
+    try:
+        yield
+        os.kill(rank_pid(job.pid, 0), signal.SIGINT)
+        _, stderr = job.communicate(timeout=60)
+        assert job.returncode == 0 and "error:" not in stderr, stderr[-3000:]
+    finally:
+        if job.poll() is None:
+            job.kill()
 
 
 def rank_pid(root: int, rank: int) -> int:

@@ -10,6 +10,7 @@ replica steps inside Front.step, as in the command line's loop (ranks.Node.tick)
 from nano.fleet.ranks import run_node, start
 from nano.dp import metrics as dp_metrics
 from nano.dp.serving import Replica, Router, wrong_size
+from nano.errors import NanoError
 from nano.policy import FCFS
 from nano.sequence import Sequence, Status
 
@@ -30,7 +31,9 @@ class Front:
         self.router.on_result = self.on_result
 
     # ---- what the server's engine thread calls -------------------------------------------
-    def add_request(self, prompt, params, arrival_time=None) -> Sequence:
+    def add_request(self, prompt, params, arrival_time=None, lora_request=None) -> Sequence:
+        if lora_request is not None:  # run.py refuses --enable-lora with --dp before any model loads
+            raise NanoError("LoRA adapters are not served by data-parallel replicas (--dp)")
         seq = self.local.make_sequence(prompt, params, arrival_time)
         self.live[seq.seq_id] = seq
         self.router.add([seq])  # the router sends a copy: this one is the server's
