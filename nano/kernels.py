@@ -411,11 +411,10 @@ def prefill_attention(q, cache, cu_seqlens_q, block_tables, context_lens, scale,
     (all T tokens) because chunk lengths live on the GPU; blocks past their chunk's end exit
     at once."""
     tokens, nq, d = q.shape
-    nkv = cache.k.shape[1]
     group, log2_block_size, cache_type, (k_scale, v_scale) = _check_attention(q, cache, nq, d,
                                                                               "prefill_attention")
     check_dtype(cupy.int32, cu_seqlens_q=cu_seqlens_q, block_tables=block_tables,
-           context_lens=context_lens)
+                context_lens=context_lens)
     q, cu_seqlens_q, block_tables, context_lens = (
         cupy.ascontiguousarray(x) for x in (q, cu_seqlens_q, block_tables, context_lens))
     out = cupy.empty_like(q)
@@ -424,7 +423,7 @@ def prefill_attention(q, cache, cu_seqlens_q, block_tables, context_lens, scale,
         return out
     per_block = PREFILL_ROWS[d] // group
     kernel("prefill_attention.cu", f"prefill_attention_kernel<{d}, {group}, {cache_type}>")(
-        (-(-tokens // per_block), nkv, seqs), (2 * PREFILL_ROWS[d],),
+        (-(-tokens // per_block), cache.k.shape[1], seqs), (2 * PREFILL_ROWS[d],),
         (out, q, cache.k, cache.v, k_scale, v_scale, cu_seqlens_q, block_tables, context_lens,
          np.int32(block_tables.shape[1]), np.int32(log2_block_size), np.int32(window or INT32_MAX),
          np.float32(scale)))

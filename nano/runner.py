@@ -112,6 +112,8 @@ class ModelRunner:
         self.model.ops = adapters.op_set(self.model.ops)
         for weights, pools in zip(self.model.layers, adapters.layers):
             weights.lora = {proj: (a, b, adapters.scales) for proj, (a, b) in pools.items()}
+        if self.graphs is not None:  # decode graphs captured before now run without the product
+            self.graphs.captured.clear()
 
     # ---- inputs ------------------------------------------------------------------------
     def prepare(self, packed: np.ndarray) -> ForwardBatch | GraphStep | None:

@@ -145,7 +145,8 @@ def cpu_reference(model_dir, prompts, max_tokens=MAX_TOKENS, **kv):
 def check_lora(model_dir, prompts, folder) -> None:
     """Two LoRA adapters and the base model in one batch on the GPU path (cuda/lora.cu, decode
     steps from CUDA graphs, prefill chunks eager) against the CPU path: greedy tokens, logits
-    within LOGIT_TOL."""
+    within LOGIT_TOL. The adapters come after a first request, so graphs captured without them
+    must not be replayed with them."""
     from nano.lora import LoRARequest, attach
     from test_lora_pool import make_adapter
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, return_logits=True)
@@ -157,6 +158,7 @@ def check_lora(model_dir, prompts, folder) -> None:
         loras = [LoRARequest("a", 1, str(make_adapter(folder / "a", seed=1, r=4, alpha=4, cfg=cfg))),
                  LoRARequest("b", 2, str(make_adapter(folder / "b", seed=2, r=3, alpha=3, cfg=cfg,
                                                       modules=("q_proj", "v_proj", "down_proj"))))]
+        engine.generate(prompts, params)  # decode graphs of these batch sizes captured, no adapters
         attach(engine, max_loras=2, max_lora_rank=4)
         runs[device] = engine.generate(prompts, params, lora_request=[loras[0], None, loras[1], loras[0]][:len(prompts)])
     assert_greedy_runs_agree(runs["cpu"], runs["gpu"], LOGIT_TOL)
