@@ -7,7 +7,6 @@ with a prior (the starting coefficients) so it answers sensibly before the first
     t = c0 + c_prefill * prefill_tokens + c_decode * decode_seqs + c_ctx * decode_context_tokens
 """
 import itertools
-from collections import deque
 from typing import NamedTuple
 
 import numpy as np
@@ -28,13 +27,21 @@ DEVICE_PRIORS = {  # flop/s, memory bytes/s, host<->device bytes/s
 }
 # (16, 4): the terms each fit keeps
 SUBSETS = np.array(list(itertools.product((0.0, 1.0), repeat=4)))
+# (16, 4, 4): each subset's normal equations are the full ones with the dropped terms' rows and
+# columns zeroed (KEPT) and a 1 on their diagonal (PINNED), which solves them to 0
+KEPT, PINNED = SUBSETS[:, :, None] * SUBSETS[:, None, :], np.eye(4) * (1 - SUBSETS[:, None, :])
 
 
 class CostModel:
     def __init__(self, prior: StepCoefficients, swap_bandwidth: float, window: int = 256):
         self.prior = np.array(prior, dtype=np.float64)   # StepCoefficients' order
         self.coef = self.prior.copy()                     # the fitted ones, same order
-        self.samples: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
+        # The window of observed steps as a ring: column observed % window is the next replaced.
+        # It is two arrays rather than a list of steps so that the fit reads it without copying
+        # it into one on every step, a term's features contiguous for the fit's maximum of each
+        # (docs/perf_notes.md#the-fit-on-every-step-cheaper).
+        self.features_seen, self.seconds_seen = np.zeros((4, window)), np.zeros(window)  # (4, W)
+        self.observed = 0
         # bytes/s host<->device, updated from real swaps
         self.swap_bandwidth = swap_bandwidth
 
@@ -47,39 +54,33 @@ class CostModel:
         return cls(StepCoefficients(weight_bytes / bandwidth, per_token, per_token,
                                     kv_bytes_per_token / bandwidth), link)
 
-    @staticmethod
-    def features(prefill_tokens: int, decode_seqs: int, context_tokens: int) -> np.ndarray:
-        return np.array([1.0, prefill_tokens, decode_seqs, context_tokens])
-
     @property
     def coefficients(self) -> StepCoefficients:
         return StepCoefficients(*self.coef.tolist())
 
     def step_time(self, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> float:
-        return float(self.features(prefill_tokens, decode_seqs, context_tokens) @ self.coef)
+        return float(np.array([1.0, prefill_tokens, decode_seqs, context_tokens]) @ self.coef)
 
     def observe_step(self, prefill_tokens: int, decode_seqs: int, context_tokens: int,
                      seconds: float) -> None:
-        self.samples.append((self.features(prefill_tokens, decode_seqs, context_tokens), seconds))
-        if len(self.samples) >= 8:
-            self.coef = self._fit(np.stack([f for f, _ in self.samples]),
-                                  np.array([t for _, t in self.samples]))
+        column = self.observed % len(self.seconds_seen)
+        self.features_seen[:, column] = 1.0, prefill_tokens, decode_seqs, context_tokens
+        self.seconds_seen[column], self.observed = seconds, self.observed + 1
+        if self.observed >= 8:  # the columns past the count observed are not steps yet
+            self.coef = self._fit(self.features_seen[:, :self.observed],
+                                  self.seconds_seen[:self.observed])
 
     def _fit(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
         """Ridge towards the prior (similar steps cannot pin all four terms), every term >= 0: the
         best of the fits on each subset of the terms (the others pinned to 0; all 16 at once) with
-        none negative (perf_notes)."""
-        scale = np.maximum(np.abs(x).max(axis=0), 1.0)
-        xs, lam = x / scale, 1e-3 * len(y)
+        none negative (perf_notes). x: (4, n) each term's feature in n steps; y: (n,) seconds."""
+        scale = np.maximum(x.max(axis=1), 1.0)  # the features are counts: none is negative
+        xs, lam = x / scale[:, None], 1e-3 * len(y)
         # normal equations
-        gram, moment = xs.T @ xs + lam * np.eye(4), xs.T @ y + lam * self.prior * scale
-        # (16, 4, 4)
-        systems = SUBSETS[:, :, None] * gram * SUBSETS[:, None, :] + np.eye(4) * (1 - SUBSETS[:,
-                                                                                              None,
-                                                                                              :])
-        w = np.linalg.solve(systems, (SUBSETS * moment)[..., None])[..., 0]               # (16, 4)
+        gram, moment = xs @ xs.T + lam * np.eye(4), xs @ y + lam * self.prior * scale
+        w = np.linalg.solve(KEPT * gram + PINNED, (SUBSETS * moment)[..., None])[..., 0]  # (16, 4)
         # the ridge loss less a constant
-        loss = np.einsum("si,ij,sj->s", w, gram, w) - 2 * w @ moment
+        loss = ((w @ gram - 2 * moment) * w).sum(axis=1)
         return w[np.where((w >= 0).all(axis=1), loss, np.inf).argmin()] / scale
 
     def observe_swap(self, num_bytes: int, seconds: float) -> None:

@@ -465,6 +465,24 @@ def test_step_time_fit_keeps_every_term_non_negative_without_mispricing_small_st
     assert np.median(errors) < 0.15, np.median(errors)
 
 
+def test_the_window_ring_fits_what_a_fit_of_the_last_steps_in_order_gives():
+    """The cost model keeps its window of steps as a ring of columns: after every step of a long
+    random run (past the window three times, prefills and decodes mixed, so the newest steps
+    move the fit) its coefficients are a from-scratch fit of the last `window` steps, in the
+    order observed, within float64 rounding (the sums run in another order)."""
+    rng, window = np.random.default_rng(1), 64
+    cost = CostModel((0.05, 0.003, 0.005, 1e-6), 1e9, window=window)
+    steps = []
+    for i in range(3 * window + 17):
+        prefill, decodes = int(rng.integers(0, 2048)) * (i % 5 == 0), int(rng.integers(0, 40))
+        steps.append((prefill, decodes, decodes * int(rng.integers(10, 900)),
+                      0.02 + 3e-4 * prefill + 2e-3 * decodes + rng.normal(0, 4e-3)))
+        cost.observe_step(*steps[-1])
+        last = np.array(steps[-window:])
+        fresh = cost._fit(np.r_[[np.ones(len(last))], last[:, :3].T], last[:, 3]) if i >= 7 else cost.prior
+        np.testing.assert_allclose(cost.coef, fresh, rtol=1e-9, atol=1e-15, err_msg=f"step {i}")
+
+
 def test_drop_late_never_rejects_a_sequence_that_has_output_already():
     """Preempted by recompute after its first token: back in the queue, long past its TTFT
     deadline, but its target was met; --drop-late must not throw its output away."""
