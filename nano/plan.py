@@ -40,17 +40,17 @@ class Preemption:
     reason: str        # forced | swap_cheaper | recompute_cheaper | no_swap_space
 
 
-@dataclass
+@dataclass(slots=True)  # slots: one is made per sequence that samples, at every step
 class Sample:
     """A sequence that samples this step: a logits row after its last token, and one more
     after each draft it checks (docs/speculative.md#the-accept-rule)."""
     seq: Sequence
-    rows: list[int]      # its logits rows, one per token it may gain
+    rows: range          # its logits rows, one per token it may gain, consecutive
     drafts: list[int]    # the draft token each row but the last checks
     output_count: int    # its output tokens when planned: the first row's draw key
 
 
-@dataclass
+@dataclass(slots=True)
 class Score:
     """A prompt position whose logits row scores the prompt's next token (prompt logprobs)."""
     seq: Sequence
@@ -96,7 +96,7 @@ class StepPlan:
                 logits_indices.append(offset + p)
             if start + n == len(tokens) + len(drafts):
                 rows = range(len(logits_indices), len(logits_indices) + len(drafts) + 1)
-                self.samples.append(Sample(seq, list(rows), list(drafts),
+                self.samples.append(Sample(seq, rows, list(drafts),
                                            len(tokens) - seq.num_prompt_tokens))
                 logits_indices += range(offset + len(tokens) - 1, offset + start + n)
         # the tables as rows padded with -1, filled in one assignment rather than one per row
@@ -108,7 +108,7 @@ class StepPlan:
         row_of_token = np.repeat(np.arange(len(seqs)), [n for _, n in seqs])
         slot_mapping = (tables[row_of_token, positions // block_size] * block_size
                         + positions % block_size)
-        self.num_decodes = sum(is_decode(n) for _, n in seqs)
+        self.num_decodes = len(seqs) - (len(cu_seqlens) - 1)  # the rest are prefill chunks
         self.prefill_tokens = len(ids) - self.num_decodes
         self.decode_kv_tokens = sum(context_lens[:self.num_decodes])
         shape = PackedShape(len(self.blocks_to_swap_out), len(self.blocks_to_swap_in), len(ids),

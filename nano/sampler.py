@@ -2,6 +2,8 @@
 A sequence's draws depend on its seed and output count, never on its batch
 (docs/how-it-works.md#sampling). The sampler writes into no Sequence: the engine appends what
 it returns."""
+from itertools import islice
+
 import numpy as np
 
 from nano.ops import OpSet
@@ -22,25 +24,25 @@ class Sampler:
         seqs = [sample.seq for sample, _ in rows]
         keep = [i for i, seq in enumerate(seqs) if seq.params.return_logits]
         kept = iter(self.device.to_host(logits[keep]).astype(np.float32) if keep else [])
-        returned = [[next(kept) for _ in s.rows] if s.seq.params.return_logits else []
+        returned = [list(islice(kept, len(s.rows))) if s.seq.params.return_logits else []
                     for s in samples]
-        logits = self._process(logits, seqs, [sample.drafts[:j] for sample, j in rows])
+        logits = self._process(logits, rows)
         output_counts = [sample.output_count + j for sample, j in rows]
         tokens = self.ops.sample(logits, *self._parameters(seqs, output_counts))
         tokens = iter(self.device.to_host(tokens).tolist())
-        return [[next(tokens) for _ in sample.rows] for sample in samples], returned
+        return [list(islice(tokens, len(sample.rows))) for sample in samples], returned
 
-    def _process(self, logits, seqs: list[Sequence], ahead: list[list[int]]):
+    def _process(self, logits, rows: list[tuple[Sample, int]]):
         """Apply the rows' logits processors (sequence.LogitsProcessor), if any: their edits
         packed into one ops.edit_logits, their masks into one ops.mask_logits. The raw logits
-        were kept before, as return_logits and logprobs report them. ahead[i] holds the drafts
-        row i follows."""
+        were kept before, as return_logits and logprobs report them. Row i is (sample, j): the
+        row after the sample's first j drafts."""
         edits, masks = [], []
-        for i, seq in enumerate(seqs):
-            if processor := seq.params.logits_processor:
-                if (edit := processor.edits(seq, ahead[i])) is not None:
+        for i, (sample, j) in enumerate(rows):
+            if processor := sample.seq.params.logits_processor:
+                if (edit := processor.edits(sample.seq, sample.drafts[:j])) is not None:
                     edits.append((np.full(len(edit[0]), i, np.int32), *edit))
-                if (mask := processor.mask(seq, ahead[i])) is not None:
+                if (mask := processor.mask(sample.seq, sample.drafts[:j])) is not None:
                     masks.append((i, mask))
         xp = self.device.xp
         if edits:

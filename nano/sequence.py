@@ -134,7 +134,7 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         """Tokens still to run through the model: the rest of the prompt, or 1 when decoding."""
-        return self.num_tokens - self.num_computed_tokens
+        return len(self.token_ids) - self.num_computed_tokens  # num_tokens, read on every step
 
     @property
     def is_finished(self) -> bool:

@@ -85,7 +85,7 @@ def test_the_plan_is_fixed_when_planned():
     decode = sequence(1, [7, 8, 9, 10], 4, [2, 3])
     decode.token_ids.append(11)  # its first output token, now fed back
     plan = StepPlan(scheduled=[(scorer, 4), (decode, 1)]).freeze(block_size=4)
-    fixed = (plan.packed.copy(), [(s.seq.seq_id, s.rows, s.drafts, s.output_count) for s in plan.samples],
+    fixed = (plan.packed.copy(), [(s.seq.seq_id, list(s.rows), s.drafts, s.output_count) for s in plan.samples],
              [(s.seq.seq_id, s.row, s.target) for s in plan.scores], plan.prefill_tokens, plan.num_decodes,
              plan.decode_kv_tokens)
     assert fixed[1:] == ([(1, [0], [], 1), (3, [4], [], 0)], [(3, 1, 31), (3, 2, 32), (3, 3, 33)], 4, 1, 5)
@@ -94,6 +94,6 @@ def test_the_plan_is_fixed_when_planned():
         seq.token_ids.append(99)
     scorer.prompt_logprobs += [(0.0, 1, [])] * 3
     np.testing.assert_array_equal(plan.packed, fixed[0])
-    assert [(s.seq, s.rows, s.drafts, s.output_count) for s in plan.samples] == [(decode, [0], [], 1), (scorer, [4], [], 0)]
+    assert [(s.seq, list(s.rows), s.drafts, s.output_count) for s in plan.samples] == [(decode, [0], [], 1), (scorer, [4], [], 0)]
     assert [(s.seq, s.row, s.target) for s in plan.scores] == [(scorer, 1, 31), (scorer, 2, 32), (scorer, 3, 33)]
     assert (plan.prefill_tokens, plan.num_decodes, plan.decode_kv_tokens) == (4, 1, 5)
