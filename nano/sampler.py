@@ -2,8 +2,6 @@
 A sequence's draws depend on its seed and output count, never on its batch
 (docs/how-it-works.md#sampling). The sampler writes into no Sequence: the engine appends what
 it returns."""
-from itertools import islice
-
 import numpy as np
 
 from nano.ops import OpSet
@@ -24,13 +22,13 @@ class Sampler:
         seqs = [sample.seq for sample, _ in rows]
         keep = [i for i, seq in enumerate(seqs) if seq.params.return_logits]
         kept = iter(self.device.to_host(logits[keep]).astype(np.float32) if keep else [])
-        returned = [list(islice(kept, len(s.rows))) if s.seq.params.return_logits else []
+        returned = [[next(kept) for _ in s.rows] if s.seq.params.return_logits else []
                     for s in samples]
         logits = self._process(logits, rows)
         output_counts = [sample.output_count + j for sample, j in rows]
         tokens = self.ops.sample(logits, *self._parameters(seqs, output_counts))
         tokens = iter(self.device.to_host(tokens).tolist())
-        return [list(islice(tokens, len(sample.rows))) for sample in samples], returned
+        return [[next(tokens) for _ in sample.rows] for sample in samples], returned
 
     def _process(self, logits, rows: list[tuple[Sample, int]]):
         """Apply the rows' logits processors (sequence.LogitsProcessor), if any: their edits
