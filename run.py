@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     if args.bench and args.request_rate:
         return bench.rate_bench(args, config, params, deadline.policies(args.drop_late))
     if group.rank > 0:
-        from nano.worker import Worker  # after argument checks: loading takes seconds
+        from nano.fleet.worker import Worker  # after argument checks: loading takes seconds
         worker = Worker(config)
         lora.use_adapters(args, runner=worker.runner)
         if args.bench:  # as rank 0's warm-up does: page faults stay out of the figures

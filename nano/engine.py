@@ -1,7 +1,7 @@
 """LLMEngine takes requests in, runs one step at a time and hands finished sequences out.
 docs/how-it-works.md#one-step follows a step; docs/extending.md lists the seams add-ons use.
 Under tensor parallelism (parallel.py) this engine is rank 0, and its runner sends each step's
-packed plan to the other ranks (worker.Worker). Add-ons use only its public methods and
+packed plan to the other ranks (fleet/worker.Worker). Add-ons use only its public methods and
 LLMEngine.ADDON_ATTRIBUTES (tests/test_layout.py): the order of the scheduler's, block
 manager's and runner's calls is the engine's alone.
 """
@@ -44,7 +44,7 @@ class LLMEngine:
         self.config, self.clock = config, clock or Clock()
         self.group = parallel.tp_group()  # TP ranks: one, without MPI, unless under mpirun
         if self.group.rank > 0:
-            raise NanoError("LLMEngine runs on TP rank 0; the other ranks run worker.Worker")
+            raise NanoError("LLMEngine runs on TP rank 0; the other ranks run fleet/worker.Worker")
         self.shard = shard = load_shard(config, self.group)
         self.model_config, self.tokenizer, self.model_name = (shard.model_config, shard.tokenizer,
                                                               shard.model_dir.name)

@@ -118,7 +118,7 @@ class ModelRunner:
     # ---- inputs ------------------------------------------------------------------------
     def prepare(self, packed: np.ndarray) -> ForwardBatch | GraphStep | None:
         """Rank 0: a packed step (plan.py) sent to the other TP ranks (which replay it,
-        worker.py), and put on the device."""
+        fleet/worker.py), and put on the device."""
         self.broadcast(packed)
         return self.to_device(packed)
 

@@ -1,6 +1,7 @@
-"""What every tensor-parallel rank loads (load_shard: LLMEngine on rank 0, worker.Worker on the
-others). Loading runs on every rank in step: its failures are shared (Group.together), and the
-ranks agree on one number of blocks, since rank 0 schedules for all of them."""
+"""What every tensor-parallel rank loads (load_shard: LLMEngine on rank 0, fleet/worker.Worker
+on the others). Loading runs on every rank in step: its failures are shared
+(Group.together), and the ranks agree on one number of blocks, since rank 0 schedules for
+all of them."""
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -105,7 +105,7 @@ def tensor_parallel_rank(model_dir: str, out: str) -> None:
     from nano import parallel
     from nano.config import EngineConfig
     from nano.engine import LLMEngine
-    from nano.worker import Worker
+    from nano.fleet.worker import Worker
     from test_engine_gpu import generate, prompts_for
     config = dict(num_blocks=256, tp=2)
     if parallel.tp_group().rank:

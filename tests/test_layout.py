@@ -192,7 +192,7 @@ def test_the_check_sees_a_reach_into_the_engine(tmp_path):
 
 
 # The device side of a step: it runs packed arrays (plan.py's packed step), never a request.
-DEVICE_SIDE = ("runner", "model", "graphs", "worker")
+DEVICE_SIDE = ("runner", "model", "graphs", "fleet/worker")
 
 
 def test_the_device_side_is_never_handed_a_sequence():
@@ -299,7 +299,7 @@ def test_the_budget_sees_a_planted_line():
 def test_the_engine_imports_without_the_add_ons_dependencies():
     """As on a GPU machine that has only numpy, cupy, mpi4py, tokenizers and safetensors: the
     engine loads no fetch/convert-only, server-only, export-only or plotting (the lab) package."""
-    probe = ("import sys, nano.engine, nano.worker, nano.llm; "
+    probe = ("import sys, nano.engine, nano.fleet.worker, nano.llm; "
              "print(sorted({m.split('.')[0] for m in sys.modules} & "
              "{'gguf', 'fastapi', 'uvicorn', 'pydantic', 'jinja2', 'prometheus_client', 'starlette', "
              "'matplotlib'}))")

@@ -10,7 +10,7 @@ from nano import parallel
 from nano.config import EngineConfig
 from nano.engine import LLMEngine
 from nano.sequence import SamplingParams
-from nano.worker import Worker
+from nano.fleet.worker import Worker
 
 DATA = Path(__file__).resolve().parent / "data" / "families"
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, return_logits=True, prompt_logprobs=0)

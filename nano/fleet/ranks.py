@@ -267,7 +267,7 @@ def start(config, num_instances: int, wrong_size, make_instance, make_router, ma
     from nano.fleet import world as fleet
     from nano.fleet.links import MpiLink
     from nano.speculative import attach
-    from nano.worker import Worker
+    from nano.fleet.worker import Worker
 
     world = fleet.world()
     if world.world != num_instances * config.tp:  # every rank sees it: each raises the same error

@@ -1,5 +1,6 @@
-"""A tensor-parallel rank > 0: it loads its shard (shard.py) and replays the steps rank 0
-broadcasts (engine.LLMEngine schedules and samples for every rank)."""
+"""A tensor-parallel rank > 0: it loads its shard (nano/shard.py) and replays the steps rank 0
+broadcasts (engine.LLMEngine schedules and samples for every rank). The core loads the shard
+and replays a step; the loop is its launcher's, run.py's or a fleet rank's."""
 from nano import parallel
 from nano.config import EngineConfig
 from nano.plan import packed_shape, unpack_step
