@@ -1,28 +1,30 @@
 // KV-cache writes (fused with RoPE, and int8 quantization) and swap staging.
 //
 // KV cache layout (nano/kv_cache.py): data (L, 2, num_blocks, nkv, block_size, d), [:, 0]
-// keys, [:, 1] values, float16 or int8; one layer's k_cache / v_cache is (num_blocks, nkv,
+// keys, [:, 1] values, the run's element type or int8; one layer's k_cache / v_cache is (num_blocks, nkv,
 // block_size, d). An int8 cache also has scales (L, 2, num_blocks, nkv, block_size) float16:
 // one per (token, KV head), for K and for V, value = int8 * scale. One sequence's block for
 // one KV head is block_size * d contiguous values, so attention reads whole 16-byte-aligned
 // runs of memory, and one physical block of one layer's K (or V) is nkv * block_size * d
 // contiguous values (and nkv * block_size contiguous scales), which is what a swap copies.
 //
-// rope_store_kvcache<CacheT> (CacheT __half or int8_t): rotate-half RoPE on q and k, then k
+// rope_store_kvcache<T, CacheT> (T __half or __nv_bfloat16, the run's element type: q, k, v,
+//   the norms' weights and q_out; CacheT T or int8_t): rotate-half RoPE on q and k, then k
 //   and v into their cache slots, in one launch per layer. q (T, nq, d), k, v (T, nkv,
 //   d) are views into the fused QKV output: rows strided (q_stride, kv_stride elements),
 //   heads and dims contiguous. positions (T,) int32; cos_sin (max_pos, d) float32 = [cos |
 //   sin]; slot_mapping (T,) int32, slot = block * block_size + offset, -1 = token already
 //   cached (K/V not written). When qk_norm is set (Qwen3), each q and k head is first
 //   RMS-normalized: x * rsqrt(mean(x^2) + eps) * weight, weight q_norm or k_norm (d,)
-//   float16, in float32 like the rest (d a power of two: its sum is a shuffle reduction).
+//   T, in float32 like the rest (d a power of two: its sum is a shuffle reduction).
 //   When rotate is set, K and q are multiplied by H, the orthonormal Hadamard matrix
 //   (ops.hadamard; d a power of two): q . k is unchanged.
 //   q_out (T, nq, d) contiguous gets the rotated q.
 //   int8: K and V are quantized per (token, KV head) exactly as ops.quantize: scale =
 //   float16(max |x| / 127), value = rint(x / scale) clamped to +-127 (scale 0 -> 0), from
 //   the float32 rotated values: nothing is rounded twice. k_scales /
-//   v_scales: one layer's (num_blocks, nkv, block_size) float16 (empty for float16).
+//   v_scales: one layer's (num_blocks, nkv, block_size) float16, whatever T is (empty for a
+//   T cache).
 //   Grid T blocks (one per token), 128 threads. Work item = 8 (x[i], x[i + d/2]) pairs of one
 //   head (q, k or v; two 16-byte loads); a head's d/16 items sit on neighbouring lanes of one
 //   warp (d/16 divides 32 for d 64, 128 and 256, the int8 head dims, and for every
@@ -59,15 +61,15 @@ __device__ __forceinline__ void store8_int8(int8_t* p, const float* x, float sca
     *reinterpret_cast<uint2*>(p) = make_uint2(word[0], word[1]);
 }
 
-template <typename CacheT>
-__global__ void rope_store_kvcache(const __half* __restrict__ q, const __half* __restrict__ k,
-                                   const __half* __restrict__ v, long long q_stride,
+template <typename T, typename CacheT>
+__global__ void rope_store_kvcache(const T* __restrict__ q, const T* __restrict__ k,
+                                   const T* __restrict__ v, long long q_stride,
                                    long long kv_stride, const int* __restrict__ positions,
                                    const float* __restrict__ cos_sin,
                                    const int* __restrict__ slot_mapping,
-                                   const __half* __restrict__ q_norm, const __half* __restrict__ k_norm,
+                                   const T* __restrict__ q_norm, const T* __restrict__ k_norm,
                                    int qk_norm, float eps, int rotate,
-                                   __half* __restrict__ q_out, CacheT* __restrict__ k_cache,
+                                   T* __restrict__ q_out, CacheT* __restrict__ k_cache,
                                    CacheT* __restrict__ v_cache, __half* __restrict__ k_scales,
                                    __half* __restrict__ v_scales, int nq, int nkv,
                                    int block_size, int head_dim) {
@@ -88,7 +90,7 @@ __global__ void rope_store_kvcache(const __half* __restrict__ q, const __half* _
         const int kv = head - nq - (is_v ? nkv : 0);  // k or v: the KV head
         float y1[8] = {}, y2[8] = {};
         if (p < items) {
-            const __half* src = is_q ? q + token * q_stride + (long long)head * head_dim
+            const T* src = is_q ? q + token * q_stride + (long long)head * head_dim
                                      : (is_v ? v : k) + token * kv_stride + (long long)kv * head_dim;
             load8(src + i, y1);
             load8(src + half_dim + i, y2);
@@ -164,7 +166,7 @@ __global__ void rope_store_kvcache(const __half* __restrict__ q, const __half* _
         }
         if (p >= items) continue;
         if (is_q) {
-            __half* dst = q_out + ((long long)token * nq + head) * head_dim;
+            T* dst = q_out + ((long long)token * nq + head) * head_dim;
             store8(dst + i, y1);
             store8(dst + half_dim + i, y2);
         } else {

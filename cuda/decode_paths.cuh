@@ -19,16 +19,16 @@ __device__ __forceinline__ float softmax_weight(float score, float max) {
 }
 
 // Dims dim .. dim + N - 1 (N 2 or 4) of query row `row`, divided by the row's sum-exp: as
-// halfs to `out` when the context is one partition, else as floats to this partition's
+// elements T to `out` when the context is one partition, else as floats to this partition's
 // slot of partial_out.
-template <int HEAD_DIM, int N>
-__device__ __forceinline__ void store_output(__half* out, float* partial_out, long long row, int dim,
+template <int HEAD_DIM, int N, typename T>
+__device__ __forceinline__ void store_output(T* out, float* partial_out, long long row, int dim,
                                              const float* acc, float sum, int num_parts, int part) {
     const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
     if (num_parts == 1) {
-        __half2* o = reinterpret_cast<__half2*>(out + row * HEAD_DIM + dim);
+        T* o = out + row * HEAD_DIM + dim;
 #pragma unroll
-        for (int i = 0; i < N / 2; i++) o[i] = __floats2half2_rn(acc[2 * i] * inv, acc[2 * i + 1] * inv);
+        for (int i = 0; i < N / 2; i++) store2(o + 2 * i, acc[2 * i] * inv, acc[2 * i + 1] * inv);
     } else {
         float* o = partial_out + (row * num_parts + part) * HEAD_DIM + dim;
         if constexpr (N == 2) {
@@ -39,7 +39,8 @@ __device__ __forceinline__ void store_output(__half* out, float* partial_out, lo
     }
 }
 
-// What a cache type changes in the kernel: its shared buffers (shared() declares them,
+// What a cache type changes in the kernel (T is the run's element type: q and out; CacheT is
+// T or int8_t): its shared buffers (shared() declares them,
 // Shared refers to them), this thread's output accumulators, and
 //   load_q(s, q_group, scale)              q * scale of the block's GROUP heads into s
 //   scores(s, s_block, s_p)                step 3: s_p[g][r] = q_g . k_r, -inf for skipped rows
@@ -52,12 +53,12 @@ __device__ __forceinline__ void store_output(__half* out, float* partial_out, lo
 // scales (kscale, vscale) in the layout stage_kv_tile (common.cuh) writes. The buffers are
 // separate __shared__ arrays, not one __shared__ struct: with a struct ptxas gives the
 // float16 instances more registers.
-template <int HEAD_DIM, int GROUP, typename CacheT>
+template <int HEAD_DIM, int GROUP, typename T, typename CacheT>
 struct DecodePath;
 
-// float16 cache: everything in float32 from halfs, no scales.
-template <int HEAD_DIM, int GROUP>
-struct DecodePath<HEAD_DIM, GROUP, __half> {
+// A cache of the element type: everything in float32 from T, no scales.
+template <int HEAD_DIM, int GROUP, typename T>
+struct DecodePath<HEAD_DIM, GROUP, T, T> {
     static constexpr int TILE = TILE_TOKENS<HEAD_DIM>;
     static constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks per K/V row
     // Rows padded by 16 bytes: an odd number of 16-byte units per row means the 8 threads of
@@ -69,22 +70,22 @@ struct DecodePath<HEAD_DIM, GROUP, __half> {
 
     struct Shared {
         float (&q)[GROUP][HEAD_DIM];  // q * scale
-        __half (&k)[TILE * K_ROW];
-        __half (&v)[TILE * V_ROW];
-        static constexpr float *kscale = nullptr, *vscale = nullptr;  // never read for float16
+        T (&k)[TILE * K_ROW];
+        T (&v)[TILE * V_ROW];
+        static constexpr float *kscale = nullptr, *vscale = nullptr;  // never read without int8
     };
     __device__ __forceinline__ static Shared shared() {
         __shared__ __align__(16) float q[GROUP][HEAD_DIM];
-        __shared__ __align__(16) __half k[TILE * K_ROW];
-        __shared__ __align__(16) __half v[TILE * V_ROW];
+        __shared__ __align__(16) T k[TILE * K_ROW];
+        __shared__ __align__(16) T v[TILE * V_ROW];
         return {q, k, v};
     }
 
     float2 acc[PAIRS_PER_THREAD] = {};  // pair threadIdx.x + j * NUM_THREADS: (head, 2 dims)
 
-    __device__ __forceinline__ static void load_q(const Shared s, const __half* q_group, float scale) {
+    __device__ __forceinline__ static void load_q(const Shared s, const T* q_group, float scale) {
         for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += NUM_THREADS)
-            s.q[i / HEAD_DIM][i % HEAD_DIM] = __half2float(q_group[i]) * scale;
+            s.q[i / HEAD_DIM][i % HEAD_DIM] = to_float(q_group[i]) * scale;
     }
 
     // Thread = (head, row) pairs, rows fastest: a warp reads 32 rows' same chunk.
@@ -97,11 +98,11 @@ struct DecodePath<HEAD_DIM, GROUP, __half> {
 #pragma unroll
                 for (int c = 0; c < CHUNKS; c++) {
                     const uint4 u = *reinterpret_cast<const uint4*>(&s.k[r * K_ROW + c * 8]);
-                    const __half2* k2 = reinterpret_cast<const __half2*>(&u);
+                    const T* k8 = reinterpret_cast<const T*>(&u);
                     const float4* q4 = reinterpret_cast<const float4*>(&s.q[g][c * 8]);
                     const float4 qa = q4[0], qb = q4[1];
-                    const float2 k0 = __half22float2(k2[0]), k1 = __half22float2(k2[1]);
-                    const float2 k2f = __half22float2(k2[2]), k3 = __half22float2(k2[3]);
+                    const float2 k0 = load2(k8), k1 = load2(k8 + 2);
+                    const float2 k2f = load2(k8 + 4), k3 = load2(k8 + 6);
                     score += qa.x * k0.x + qa.y * k0.y + qa.z * k1.x + qa.w * k1.y +
                              qb.x * k2f.x + qb.y * k2f.y + qb.z * k3.x + qb.w * k3.y;
                 }
@@ -133,7 +134,7 @@ struct DecodePath<HEAD_DIM, GROUP, __half> {
                 float2 a = make_float2(acc[j].x * alpha, acc[j].y * alpha);
                 for (int r = 0; r < rows; r++) {
                     const float p = s_p[g][r];
-                    const float2 v = __half22float2(*reinterpret_cast<const __half2*>(&s.v[r * V_ROW + d]));
+                    const float2 v = load2(&s.v[r * V_ROW + d]);
                     a.x += p * v.x;
                     a.y += p * v.y;
                 }
@@ -142,7 +143,7 @@ struct DecodePath<HEAD_DIM, GROUP, __half> {
         }
     }
 
-    __device__ __forceinline__ void store(const Shared, const float* s_sum, __half* out, float* partial_out,
+    __device__ __forceinline__ void store(const Shared, const float* s_sum, T* out, float* partial_out,
                                           long long row0, int num_parts, int part) const {
 #pragma unroll
         for (int j = 0; j < PAIRS_PER_THREAD; j++) {
@@ -166,8 +167,8 @@ struct DecodePath<HEAD_DIM, GROUP, __half> {
 // L2 for both key schemes, about prefill's (docs/perf_notes.md). A q whose elements differ
 // widely in size would keep fewer bits in its small ones; a third q byte would cover that at
 // 50% more __dp4a in the scores.
-template <int HEAD_DIM, int GROUP>
-struct DecodePath<HEAD_DIM, GROUP, int8_t> {
+template <int HEAD_DIM, int GROUP, typename T>
+struct DecodePath<HEAD_DIM, GROUP, T, int8_t> {
     // FIXED15 is the largest |x| whose hi and lo are int8: (x + 128) >> 8 and x - 256 hi.
     static constexpr int FIXED15 = 32639;
     static constexpr float MIN_PV = 0x1p-100f;  // the smallest tile maximum of p' that is kept
@@ -230,7 +231,7 @@ struct DecodePath<HEAD_DIM, GROUP, int8_t> {
     // One warp per head: lane l holds dims 4l .. 4l + 3 (and 4l + 128 .. 4l + 131 at head dim
     // 256) and builds one word of hi bytes and one of lo bytes per 4 dims, relative to the
     // head's largest |q * scale|.
-    __device__ __forceinline__ static void load_q(const Shared s, const __half* q_group, float scale) {
+    __device__ __forceinline__ static void load_q(const Shared s, const T* q_group, float scale) {
         constexpr int LANE_QUADS = (HEAD_DIM / 4 + 31) / 32;  // 4-dim quads per lane
         const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
         for (int g = warp; g < GROUP; g += WARPS) {
@@ -241,8 +242,8 @@ struct DecodePath<HEAD_DIM, GROUP, int8_t> {
                 const int quad = lane + 32 * j;
                 if (quad < HEAD_DIM / 4) {
                     const uint2 u = *reinterpret_cast<const uint2*>(q_group + g * HEAD_DIM + 4 * quad);
-                    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
-                    const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+                    const float2 a = load2(reinterpret_cast<const T*>(&u.x));
+                    const float2 b = load2(reinterpret_cast<const T*>(&u.y));
                     v[j][0] = a.x * scale, v[j][1] = a.y * scale, v[j][2] = b.x * scale, v[j][3] = b.y * scale;
                 }
                 m = fmaxf(m, fmaxf(fmaxf(fabsf(v[j][0]), fabsf(v[j][1])), fmaxf(fabsf(v[j][2]), fabsf(v[j][3]))));
@@ -375,7 +376,7 @@ struct DecodePath<HEAD_DIM, GROUP, int8_t> {
 
     // The token splits' sums, added in split order through shared memory (the K tile is free
     // by now); the last split writes.
-    __device__ __forceinline__ void store(const Shared s, const float* s_sum, __half* out, float* partial_out,
+    __device__ __forceinline__ void store(const Shared s, const float* s_sum, T* out, float* partial_out,
                                           long long row0, int num_parts, int part) {
         static_assert(GROUP * HEAD_DIM * sizeof(float) <= sizeof(s.k), "the K tile holds the split sums");
         float* total = reinterpret_cast<float*>(s.k);

@@ -1,6 +1,7 @@
 // Per-token layers: RMSNorm (plain and fused with the residual add), the gated activations
 // SiLU-and-multiply (SwiGLU) and GELU-and-multiply (GeGLU, Gemma) and embedding gather.
-// Float16 in and out, float32 math. (RoPE lives in cache.cu, fused with the KV-cache write;
+// Each a template over the element type T (__half or __nv_bfloat16, common.cuh): T in and out,
+// float32 math. (RoPE lives in cache.cu, fused with the KV-cache write;
 // greedy argmax in sampling.cu, as the temperature-0 case of sampling.)
 //
 // All arrays are row-major and contiguous.
@@ -11,8 +12,9 @@
 // silu_mul:     gate_up (T, 2I) = [gate | up] -> out (T, I) = silu(gate) * up. One thread per
 //               8 outputs: grid ceil(T * I / 8 / 256), block 256; no shared memory.
 // gelu_tanh_mul: as silu_mul, out = gelu_tanh(gate) * up; both are gated() over an activation.
-// embedding:    ids (T,) int32, table (V, H) -> out (T, H) = table[ids]. Grid T, block 128;
-//               no shared memory.
+// embedding:    ids (T,) int32, table (V, H) -> out (T, H) = table[ids] * scale (Gemma 3's
+//               sqrt(H), rounded to the element type as its checkpoints' code does; 1 is an
+//               exact copy). Grid T, block 128; no shared memory.
 //
 // H and I must be multiples of 8 so rows can be moved as 16-byte uint4 chunks (checked in
 // nano/kernels.py).
@@ -20,7 +22,8 @@
 
 // out = src * inv_rms * weight over one row; each thread handles the same 8-value chunks it
 // handled in its first pass, so it only re-reads what it wrote itself.
-__device__ void scale_row(const __half* src, const __half* __restrict__ weight, __half* out,
+template <typename T>
+__device__ void scale_row(const T* src, const T* __restrict__ weight, T* out,
                           int hidden, float inv_rms) {
     float f[8], w[8];
     for (int c = threadIdx.x * 8; c < hidden; c += blockDim.x * 8) {
@@ -32,8 +35,9 @@ __device__ void scale_row(const __half* src, const __half* __restrict__ weight, 
 }
 
 // out = x * rsqrt(mean(x^2) + eps) * weight. Reads the row twice; the second read hits cache.
-extern "C" __global__ void rms_norm(const __half* __restrict__ x, const __half* __restrict__ weight,
-                                    __half* __restrict__ out, int hidden, float eps) {
+template <typename T>
+__global__ void rms_norm(const T* __restrict__ x, const T* __restrict__ weight, T* __restrict__ out,
+                         int hidden, float eps) {
     __shared__ float shared[32];
     const long long row = (long long)blockIdx.x * hidden;
     float f[8];
@@ -46,14 +50,12 @@ extern "C" __global__ void rms_norm(const __half* __restrict__ x, const __half* 
     scale_row(x + row, weight, out + row, hidden, inv_rms);
 }
 
-// new_residual = x + residual (rounded to float16, as the next layer will read it);
+// new_residual = x + residual (rounded to T, as the next layer will read it);
 // out = rms_norm(new_residual). Each thread re-reads only the chunks it wrote itself.
-extern "C" __global__ void add_rms_norm(const __half* __restrict__ x,
-                                        const __half* __restrict__ residual,
-                                        const __half* __restrict__ weight,
-                                        __half* __restrict__ out,
-                                        __half* __restrict__ new_residual,
-                                        int hidden, float eps) {
+template <typename T>
+__global__ void add_rms_norm(const T* __restrict__ x, const T* __restrict__ residual,
+                             const T* __restrict__ weight, T* __restrict__ out,
+                             T* __restrict__ new_residual, int hidden, float eps) {
     __shared__ float shared[32];
     const long long row = (long long)blockIdx.x * hidden;
     float f[8], r[8];
@@ -61,7 +63,7 @@ extern "C" __global__ void add_rms_norm(const __half* __restrict__ x,
     for (int c = threadIdx.x * 8; c < hidden; c += blockDim.x * 8) {
         load8(x + row + c, f);
         load8(residual + row + c, r);
-        for (int i = 0; i < 8; i++) f[i] = __half2float(__float2half(f[i] + r[i]));
+        for (int i = 0; i < 8; i++) f[i] = to_float(from_float<T>(f[i] + r[i]));
         store8(new_residual + row + c, f);
         for (int i = 0; i < 8; i++) sum_sq += f[i] * f[i];
     }
@@ -81,8 +83,8 @@ struct GeluTanh {  // gelu_tanh(g) = g / 2 * (1 + tanh(sqrt(2 / pi) * (g + 0.044
 
 // out[t, j] = act(gate[t, j]) * up[t, j], 8 outputs per thread; n8 = T * I / 8. A template
 // over the activation, so each entry point below inlines its own.
-template <typename Act>
-__device__ void gated(const __half* __restrict__ gate_up, __half* __restrict__ out, int inter,
+template <typename T, typename Act>
+__device__ void gated(const T* __restrict__ gate_up, T* __restrict__ out, int inter,
                       long long n8, Act act) {
     const long long i8 = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i8 >= n8) return;
@@ -95,24 +97,35 @@ __device__ void gated(const __half* __restrict__ gate_up, __half* __restrict__ o
     store8(out + token * inter + j, g);
 }
 
-extern "C" __global__ void silu_mul(const __half* __restrict__ gate_up, __half* __restrict__ out,
-                                    int inter, long long n8) {
+template <typename T>
+__global__ void silu_mul(const T* __restrict__ gate_up, T* __restrict__ out, int inter, long long n8) {
     gated(gate_up, out, inter, n8, Silu());
 }
 
-extern "C" __global__ void gelu_tanh_mul(const __half* __restrict__ gate_up, __half* __restrict__ out,
-                                         int inter, long long n8) {
+template <typename T>
+__global__ void gelu_tanh_mul(const T* __restrict__ gate_up, T* __restrict__ out, int inter,
+                              long long n8) {
     gated(gate_up, out, inter, n8, GeluTanh());
 }
 
-// out[t] = table[ids[t]]. An id outside [0, vocab) gives a zero row instead of reading
-// out of bounds.
-extern "C" __global__ void embedding(const int* __restrict__ ids, const __half* __restrict__ table,
-                                     __half* __restrict__ out, int vocab, int hidden) {
+// out[t] = table[ids[t]] * scale. An id outside [0, vocab) gives a zero row instead of reading
+// out of bounds. A scale of 1 copies 16-byte chunks as they are.
+template <typename T>
+__global__ void embedding(const int* __restrict__ ids, const T* __restrict__ table,
+                          T* __restrict__ out, int vocab, int hidden, float scale) {
     const int id = ids[blockIdx.x];
     uint4* dst = reinterpret_cast<uint4*>(out + (long long)blockIdx.x * hidden);
     const uint4* src = reinterpret_cast<const uint4*>(table + (long long)id * hidden);
     const bool valid = 0 <= id && id < vocab;
-    for (int c = threadIdx.x; c < hidden / 8; c += blockDim.x)
-        dst[c] = valid ? src[c] : make_uint4(0, 0, 0, 0);
+    const float s = to_float(from_float<T>(scale));
+    for (int c = threadIdx.x; c < hidden / 8; c += blockDim.x) {
+        uint4 u = valid ? src[c] : make_uint4(0, 0, 0, 0);
+        if (s != 1.0f) {
+            float f[8];
+            load8(reinterpret_cast<const T*>(&u), f);
+            for (int i = 0; i < 8; i++) f[i] *= s;
+            store8(reinterpret_cast<T*>(&u), f);
+        }
+        dst[c] = u;
+    }
 }

@@ -3,16 +3,17 @@
 // calls this kernel for the first num_decodes rows of a step and prefill_attention
 // (cuda/prefill_attention.cu) for the rest: one launch per kind.
 //
-// paged_attention_kernel<HEAD_DIM, GROUP, CacheT>: for every query head,
+// paged_attention_kernel<HEAD_DIM, GROUP, T, CacheT>: for every query head,
 //   out = softmax(scale * q K^T) V over the sequence's keys first .. ctx - 1, where ctx =
 //   context_lens and first = max(0, ctx - window): the window's keys, the only ones read.
-// CacheT is __half (float16 cache) or int8_t (int8 cache, nano/kv_cache.py).
-// Arguments (float16 unless noted):
+// T is the run's element type, __half or __nv_bfloat16 (common.cuh); CacheT is T (a cache of
+// that type) or int8_t (int8 cache, nano/kv_cache.py).
+// Arguments (T unless noted):
 //   q             (S, nq, d)                    query head h*GROUP+g belongs to KV head h
 //   k_cache/v_cache (num_blocks, nkv, block_size, d) CacheT  one layer of the cache
-//   k_scales/v_scales (num_blocks, nkv, block_size)  int8 cache: one scale per (token, KV
-//                                               head), value = int8 * scale; float16 cache:
-//                                               empty, never read
+//   k_scales/v_scales (num_blocks, nkv, block_size) float16  int8 cache: one scale per
+//                                               (token, KV head), value = int8 * scale; T
+//                                               cache: empty, never read
 //   block_tables  (S, max_blocks) int32         physical block of each logical block, -1 past the end
 //   context_lens  (S,) int32                    tokens in cache, this step's token included (>= 1)
 //   window        int                           keys the query sees, its own included (>= 1;
@@ -31,8 +32,8 @@
 // GROUP query heads that share the KV head, so each K/V row is read from memory once per
 // group, not once per query head. Static shared memory: the tile's scores (GROUP x TILE
 // floats), block ids and softmax state (3 x GROUP floats), and the cache type's buffers
-// (DecodePath, cuda/decode_paths.cuh): float16, q as floats (GROUP x d) and TILE K and TILE V rows of d + 8
-// halfs; int8, TILE K rows of d + 16 bytes, TILE V rows of d bytes, q and p' in fixed point
+// (DecodePath, cuda/decode_paths.cuh): a T cache, q as floats (GROUP x d) and TILE K and TILE V rows of
+// d + 8 elements; int8, TILE K rows of d + 16 bytes, TILE V rows of d bytes, q and p' in fixed point
 // (GROUP x (d + 2 TILE) bytes) and 2 x (TILE + GROUP) float scales. TILE is 64 tokens, 32
 // at head dim 256 (TILE_TOKENS).
 // Per tile of TILE tokens:
@@ -43,33 +44,33 @@
 //   5. acc = acc * exp(old_max - new_max) + P @ V.
 // Then each output is divided by its sum-exp. Steps 1, 2 and 4's max and sums are the same
 // for both cache types; loading q, step 3, step 4's weights, step 5 and the final store are
-// DecodePath<HEAD_DIM, GROUP, CacheT>'s (cuda/decode_paths.cuh).
+// DecodePath<HEAD_DIM, GROUP, T, CacheT>'s (cuda/decode_paths.cuh).
 // Split-KV ("flash decoding"): with few sequences the grid is too small to fill the GPU, so
 // nano/kernels.py also splits each context into partitions (grid z); paged_attention_merge
 // then combines the partitions with log-sum-exp weights.
 #include "decode_paths.cuh"  // NUM_THREADS, TILE_TOKENS and DecodePath
 
 // Blocks per SM that an instance's registers must allow (__launch_bounds__'s second
-// argument): 0 (none) for float16; for int8 it is needed, because given the block size alone
+// argument): 0 (none) for a 16-bit cache; for int8 it is needed, because given the block size alone
 // ptxas picks a register count for an occupancy step of its own and spills to meet it. 7
 // blocks for head dim 64 and 5 for 128 and 256 are near the float16 instances' occupancy and
 // leave no spills (docs/perf_notes.md).
 template <int HEAD_DIM, typename CacheT>
 constexpr int MIN_BLOCKS = sizeof(CacheT) == 2 ? 0 : HEAD_DIM == 64 ? 7 : 5;
 
-template <int HEAD_DIM, int GROUP, typename CacheT>
+template <int HEAD_DIM, int GROUP, typename T, typename CacheT>
 __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS<HEAD_DIM, CacheT>) paged_attention_kernel(
-        __half* __restrict__ out, float* __restrict__ partial_out,
+        T* __restrict__ out, float* __restrict__ partial_out,
         float* __restrict__ partial_max, float* __restrict__ partial_sum,
-        const __half* __restrict__ q, const CacheT* __restrict__ k_cache,
+        const T* __restrict__ q, const CacheT* __restrict__ k_cache,
         const CacheT* __restrict__ v_cache, const __half* __restrict__ k_scales,
         const __half* __restrict__ v_scales, const int* __restrict__ block_tables,
         const int* __restrict__ context_lens, int max_blocks, int log2_block_size,
         int partition_size, int window, float scale) {
-    using Path = DecodePath<HEAD_DIM, GROUP, CacheT>;
+    using Path = DecodePath<HEAD_DIM, GROUP, T, CacheT>;
     constexpr int TILE = Path::TILE;
     const typename Path::Shared s = Path::shared();
-    __shared__ float s_p[GROUP][TILE];  // scores, then (float16) probabilities
+    __shared__ float s_p[GROUP][TILE];  // scores, then probabilities
     __shared__ int s_block[TILE];
     __shared__ float s_max[GROUP], s_sum[GROUP], s_alpha[GROUP];
 
@@ -139,9 +140,10 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS<HEAD_DIM, CacheT>) pag
 // ceil(ctx / partition_size) partitions that exist for this sequence are read, at most
 // num_parts (with a window W shorter than ctx, the ceil(W / partition_size) = num_parts that
 // nano/kernels.py chose for it). Grid (nq, S), block 128 threads striding over the head's
-// dims; no shared memory.
-extern "C" __global__ void paged_attention_merge(
-        __half* __restrict__ out, const float* __restrict__ partial_out,
+// dims; no shared memory. A template over the element type T of out.
+template <typename T>
+__global__ void paged_attention_merge(
+        T* __restrict__ out, const float* __restrict__ partial_out,
         const float* __restrict__ partial_max, const float* __restrict__ partial_sum,
         const int* __restrict__ context_lens, int num_parts, int partition_size, int head_dim) {
     const int head = blockIdx.x, seq = blockIdx.y, nq = gridDim.x;
@@ -160,6 +162,6 @@ extern "C" __global__ void paged_attention_merge(
         for (int p = 0; p < n; p++)
             if (maxes[p] != NEG_INF)
                 o += sums[p] * __expf(maxes[p] - global_max) * partial_out[(row * num_parts + p) * head_dim + d];
-        out[row * head_dim + d] = __float2half(o * inv);
+        out[row * head_dim + d] = from_float<T>(o * inv);
     }
 }

@@ -8,20 +8,21 @@
 // The engine calls paged_attention (cuda/paged_attention.cu) for the first num_decodes rows
 // of a step and this kernel for the rest: one launch per kind.
 //
-// Template: prefill_attention_kernel<HEAD_DIM, GROUP, CacheT>, CacheT __half (float16 cache)
-// or int8_t (int8 cache, nano/kv_cache.py).
-// Arguments (float16 unless noted):
+// Template: prefill_attention_kernel<HEAD_DIM, GROUP, T, CacheT>, T the run's element type
+// (__half or __nv_bfloat16, common.cuh), CacheT T (a cache of that type) or int8_t (int8
+// cache, nano/kv_cache.py).
+// Arguments (T unless noted):
 //   q             (T, nq, d)          the step's prefill query rows, chunk after chunk
 //   k_cache/v_cache (num_blocks, nkv, block_size, d) CacheT  one layer of the cache
-//   k_scales/v_scales (num_blocks, nkv, block_size)  int8 cache: one scale per (token, KV
-//                                     head), value = int8 * scale; float16: empty, never read
+//   k_scales/v_scales (num_blocks, nkv, block_size) float16  int8 cache: one scale per (token,
+//                                     KV head), value = int8 * scale; T cache: empty, never read
 //   cu_seqlens_q  (S+1,) int32        chunk i is q[cu_seqlens_q[i] : cu_seqlens_q[i+1]]
 //   block_tables  (S, max_blocks) int32, -1 past the end
 //   context_lens  (S,) int32          tokens in cache, the chunk included
 //   window        int                 keys a query sees, its own included (>= 1; INT_MAX: all)
 //   out           (T, nq, d)
 // KV cache layout: one sequence's block for one KV head is block_size * d contiguous values
-// (halfs or int8), so neighbouring threads load neighbouring 16-byte chunks of K/V rows
+// (T or int8), so neighbouring threads load neighbouring 16-byte chunks of K/V rows
 // (coalesced); a token's scales sit at the same (block, head, offset) index of the scales.
 //
 // Design (tensor cores, FlashAttention-2's loop through the WMMA API): a thread block of 4
@@ -35,7 +36,7 @@
 //   16-byte loads, 3. S = Q K^T on tensor cores (16 x KEYS per warp, float32) into the
 //   warp's scratch, 4. online softmax, a lane pair per row (running max and sum-exp in
 //   float32 registers, masked causally and by the window), P = exp(S - max) rounded to
-//   halfs, 5. O = O * alpha + P V on tensor cores.
+//   T, 5. O = O * alpha + P V on tensor cores.
 // WMMA does not say which lane holds which element of a fragment, so the per-row factor
 // alpha = exp(old max - new max) reaches O through a fragment of the same type: step 4 writes
 // a 16 x 16 matrix whose row r is alpha of row r, step 5 loads it and multiplies element i
@@ -43,15 +44,15 @@
 // The output goes the same way: each O fragment through the scratch, divided by its row's sum.
 // Key tiles past the block's last query position are never visited (fully masked), nor keys
 // before its first query's window: the tiles start at that window's first key.
-// int8 cache: step 2 converts the int8 values to halfs in shared memory (exact) and stages
+// int8 cache: step 2 converts the int8 values to T in shared memory (exact) and stages
 // each key's two scales; step 4 multiplies a key's scores by its K scale and its
 // probabilities by its V scale (after the sum-exp, which is of p): nothing is dequantized
-// in global memory, and steps 3 and 5 run the float16 code.
+// in global memory, and steps 3 and 5 run the T cache's code.
 // Static shared memory (at most 48 KB, see KEYS_PER_TILE): one tile buffer, first the block's
 // q rows, then a tile's KEYS K and KEYS V rows (over the q rows, or after them at head dim
-// 256), d + 8 halfs each (the padding staggers the rows over the banks for WMMA's loads); per warp, S (16 x (KEYS + 4) floats, later
-// alpha and the output) and P (16 x (KEYS + 8) halfs); KEYS block ids; int8 also 2 x KEYS
-// float scales.
+// 256), d + 8 elements T each (the padding staggers the rows over the banks for WMMA's
+// loads); per warp, S (16 x (KEYS + 4) floats, later alpha and the output) and P (16 x
+// (KEYS + 8) T); KEYS block ids; int8 also 2 x KEYS float scales.
 #include <mma.h>
 
 #include "common.cuh"
@@ -71,14 +72,19 @@ template <int HEAD_DIM> constexpr int KEYS_PER_TILE = HEAD_DIM == 64 ? 64 : HEAD
 template <int HEAD_DIM> constexpr bool Q_IN_SHARED = HEAD_DIM > 128;
 constexpr int MAX_THREADS = 128;  // 4 warps
 
-using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major>;  // Q or P
-using FragK = wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major>;  // K^T
-using FragV = wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::row_major>;
+// Q or P, K^T and V as WMMA inputs: the 16 x 16 x 16 shape takes __half and __nv_bfloat16
+// alike (sm_80 and later).
+template <typename T>
+using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major>;
+template <typename T>
+using FragK = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major>;
+template <typename T>
+using FragV = wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major>;
 using FragAcc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
 
-template <int HEAD_DIM, int GROUP, typename CacheT>
+template <int HEAD_DIM, int GROUP, typename T, typename CacheT>
 __global__ void __launch_bounds__(MAX_THREADS) prefill_attention_kernel(
-        __half* __restrict__ out, const __half* __restrict__ q,
+        T* __restrict__ out, const T* __restrict__ q,
         const CacheT* __restrict__ k_cache, const CacheT* __restrict__ v_cache,
         const __half* __restrict__ k_scales, const __half* __restrict__ v_scales,
         const int* __restrict__ cu_seqlens_q, const int* __restrict__ block_tables,
@@ -93,7 +99,7 @@ __global__ void __launch_bounds__(MAX_THREADS) prefill_attention_kernel(
     constexpr int Q_UNROLL = Q_SHARED ? 2 : HEAD_DIM / 16;
     constexpr int TOKENS = ROWS / GROUP;  // query tokens per block; rows past TOKENS*GROUP idle
     constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks per row
-    constexpr int ROW = HEAD_DIM + 8;     // padded row of the tile buffer, in halfs
+    constexpr int ROW = HEAD_DIM + 8;     // padded row of the tile buffer, in elements T
     constexpr int DIM_TILES = HEAD_DIM / 16, KEY_TILES = KEYS / 16;
     constexpr int S_LD = KEYS + 4, P_LD = KEYS + 8;  // WMMA's ldm: multiples of 16 bytes
     // The tile buffer: q rows, then (over them, unless Q stays there) K and V rows.
@@ -101,13 +107,13 @@ __global__ void __launch_bounds__(MAX_THREADS) prefill_attention_kernel(
     constexpr int TILE_ROWS = ROWS > Q_END + 2 * KEYS ? ROWS : Q_END + 2 * KEYS;
     static_assert(ROWS * CHUNKS % NUM_THREADS == 0, "the q staging loop assumes whole rounds");
 
-    __shared__ __align__(32) __half s_tile[TILE_ROWS * ROW];
+    __shared__ __align__(32) T s_tile[TILE_ROWS * ROW];
     __shared__ __align__(32) float s_s[ROWS / 16][16 * S_LD];
-    __shared__ __align__(32) __half s_p[ROWS / 16][16 * P_LD];
+    __shared__ __align__(32) T s_p[ROWS / 16][16 * P_LD];
     __shared__ int s_block[KEYS];
     __shared__ float s_kscale[INT8 ? KEYS : 1], s_vscale[INT8 ? KEYS : 1];  // int8 cache only
-    __half* s_k = s_tile + Q_END * ROW;
-    __half* s_v = s_k + KEYS * ROW;
+    T* s_k = s_tile + Q_END * ROW;
+    T* s_v = s_k + KEYS * ROW;
 
     const int kv_head = blockIdx.y, seq = blockIdx.z;
     const int nkv = gridDim.y, nq = nkv * GROUP;
@@ -138,8 +144,8 @@ __global__ void __launch_bounds__(MAX_THREADS) prefill_attention_kernel(
     // This warp's rows warp * 16 .. + 15: O as float32 accumulators, Q as fragments (one,
     // loaded at each use, where Q stays in shared memory).
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const __half* s_q = &s_tile[warp * 16 * ROW];
-    FragA q_frag[Q_SHARED ? 1 : DIM_TILES];
+    const T* s_q = &s_tile[warp * 16 * ROW];
+    FragA<T> q_frag[Q_SHARED ? 1 : DIM_TILES];
     FragAcc o_frag[DIM_TILES];
 #pragma unroll
     for (int d = 0; d < DIM_TILES; d++) {
@@ -157,12 +163,12 @@ __global__ void __launch_bounds__(MAX_THREADS) prefill_attention_kernel(
     // row, t >= tokens).
     const int last_visible = t < tokens ? pos0 + t : -1;
     float* scratch = s_s[warp];
-    __half* p_tile = s_p[warp];
+    T* p_tile = s_p[warp];
     float row_max = NEG_INF, row_sum = 0.0f;
 
     for (int key0 = first_key; key0 <= last_key; key0 += KEYS) {
         // 1-2. Physical block of each key, then K and V rows into shared memory.
-        // An int8 cache's values are staged as halfs (exact); its scales are folded in below.
+        // An int8 cache's values are staged as T (exact); its scales are folded in below.
         stage_kv_tile<KEYS, HEAD_DIM, ROW, ROW, NUM_THREADS, Q_SHARED ? 2 : 0>(
             s_k, s_v, s_kscale, s_vscale, s_block, k_cache, v_cache, k_scales, v_scales, table,
             max_blocks, key0, last_key - key0 + 1, kv_head, nkv, log2_block_size);
@@ -175,7 +181,7 @@ __global__ void __launch_bounds__(MAX_THREADS) prefill_attention_kernel(
 #pragma unroll Q_UNROLL
             for (int d = 0; d < DIM_TILES; d++) {
                 if constexpr (Q_SHARED) wmma::load_matrix_sync(q_frag[0], &s_q[d * 16], ROW);
-                FragK k_frag;
+                FragK<T> k_frag;
                 wmma::load_matrix_sync(k_frag, &s_k[n * 16 * ROW + d * 16], ROW);
                 wmma::mma_sync(s_frag, q_frag[Q_SHARED ? 0 : d], k_frag, s_frag);
             }
@@ -207,7 +213,7 @@ __global__ void __launch_bounds__(MAX_THREADS) prefill_attention_kernel(
             sum += p;
             float weight = p;  // int8: times the key's V scale; the sum is of p
             if constexpr (INT8) weight *= s_vscale[c];
-            p_tile[row * P_LD + c] = __float2half_rn(weight);
+            p_tile[row * P_LD + c] = from_float<T>(weight);
         }
         sum += __shfl_xor_sync(0xffffffff, sum, 1);
         const float alpha = row_max == NEG_INF ? 0.0f : __expf(row_max - new_max);
@@ -225,11 +231,11 @@ __global__ void __launch_bounds__(MAX_THREADS) prefill_attention_kernel(
             for (int i = 0; i < alpha_frag.num_elements; i++) o_frag[d].x[i] *= alpha_frag.x[i];
 #pragma unroll
         for (int k = 0; k < KEY_TILES; k++) {
-            FragA p_frag;
+            FragA<T> p_frag;
             wmma::load_matrix_sync(p_frag, &p_tile[k * 16], P_LD);
 #pragma unroll
             for (int d = 0; d < DIM_TILES; d++) {
-                FragV v_frag;
+                FragV<T> v_frag;
                 wmma::load_matrix_sync(v_frag, &s_v[k * 16 * ROW + d * 16], ROW);
                 wmma::mma_sync(o_frag[d], p_frag, v_frag, o_frag[d]);
             }

@@ -1,6 +1,7 @@
 // Next-token sampling on the device: one thread block of 1024 threads per row of logits.
 //
-// sample: logits (R, V) float16 -> out (R,) int32, with per-row temperature (R,) float32,
+// Each kernel is a template over the logits' element type T (__half or __nv_bfloat16).
+// sample: logits (R, V) T -> out (R,) int32, with per-row temperature (R,) float32,
 //   top_k (R,) int32 (<= 0 or >= V: off), top_p (R,) float32 (1: off), log_min_p (R,) float32
 //   (log of min_p, -inf: off), seeds (R,) uint64, counters (R,) int32 (the sequence's output
 //   tokens so far). Grid R, block 1024.
@@ -83,18 +84,20 @@ __device__ int block_argmax(float best, int index, float* values, int* indices) 
 }
 
 // How many logits of the row have key >= t (every thread gets it).
-__device__ unsigned int count_at_least(const __half* row, int vocab, unsigned int t, unsigned int* shared) {
+template <typename T>
+__device__ unsigned int count_at_least(const T* row, int vocab, unsigned int t, unsigned int* shared) {
     unsigned int n = 0;
-    for (int i = threadIdx.x; i < vocab; i += THREADS) n += float_key(__half2float(row[i])) >= t;
+    for (int i = threadIdx.x; i < vocab; i += THREADS) n += float_key(to_float(row[i])) >= t;
     return block_reduce(n, Sum(), shared);
 }
 
 // Softmax mass (unnormalised: exp(x / T - s_max)) of the logits with key >= t.
-__device__ float mass_at_least(const __half* row, int vocab, unsigned int t, float temperature,
+template <typename T>
+__device__ float mass_at_least(const T* row, int vocab, unsigned int t, float temperature,
                                float s_max, float* shared) {
     float m = 0.0f;
     for (int i = threadIdx.x; i < vocab; i += THREADS) {
-        const float x = __half2float(row[i]);
+        const float x = to_float(row[i]);
         if (float_key(x) >= t) m += expf(x / temperature - s_max);
     }
     return block_reduce(m, Sum(), shared);
@@ -102,8 +105,9 @@ __device__ float mass_at_least(const __half* row, int vocab, unsigned int t, flo
 
 // Launch bounds (1024, 1): without the "1", ptxas may aim at two blocks per SM and cap the
 // registers low enough to spill (docs/perf_notes.md); one block per SM is all the rows need.
-extern "C" __global__ void __launch_bounds__(THREADS, 1) sample(
-        const __half* __restrict__ logits, int vocab, const float* __restrict__ temperatures,
+template <typename T>
+__global__ void __launch_bounds__(THREADS, 1) sample(
+        const T* __restrict__ logits, int vocab, const float* __restrict__ temperatures,
         const int* __restrict__ top_ks, const float* __restrict__ top_ps,
         const float* __restrict__ log_min_ps, const unsigned long long* __restrict__ seeds,
         const int* __restrict__ counters, int* __restrict__ out) {
@@ -111,14 +115,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sample(
     __shared__ unsigned int u_shared[32];
     __shared__ int i_shared[32];
     const int r = blockIdx.x;
-    const __half* row = logits + (long long)r * vocab;
+    const T* row = logits + (long long)r * vocab;
     const float temperature = temperatures[r];
 
     if (temperature == 0.0f) {  // greedy
         float best = -CUDART_INF_F;
         int index = vocab;  // larger than any real index, so it loses every tie
         for (int i = threadIdx.x; i < vocab; i += THREADS) {
-            const float x = __half2float(row[i]);
+            const float x = to_float(row[i]);
             if (x > best || index == vocab) {
                 best = x;
                 index = i;
@@ -130,7 +134,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sample(
     }
 
     float x_max = -CUDART_INF_F;
-    for (int i = threadIdx.x; i < vocab; i += THREADS) x_max = fmaxf(x_max, __half2float(row[i]));
+    for (int i = threadIdx.x; i < vocab; i += THREADS) x_max = fmaxf(x_max, to_float(row[i]));
     x_max = block_reduce(x_max, Max(), f_shared);
     const unsigned int key_max = float_key(x_max);
 
@@ -169,7 +173,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sample(
     float best = -CUDART_INF_F;
     int index = vocab;
     for (int i = threadIdx.x; i < vocab; i += THREADS) {
-        const float x = __half2float(row[i]);
+        const float x = to_float(row[i]);
         if (float_key(x) < threshold) continue;
         const float g = x / temperature - logf(-logf(uniform(row_key, (unsigned int)i)));
         if (g > best || index == vocab) {
@@ -181,22 +185,24 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sample(
     if (threadIdx.x == 0) out[r] = index;
 }
 
-extern "C" __global__ void edit_logits(__half* __restrict__ logits, int vocab, const int* __restrict__ rows,
+template <typename T>
+__global__ void edit_logits(T* __restrict__ logits, int vocab, const int* __restrict__ rows,
                                        const int* __restrict__ tokens, const float* __restrict__ biases,
                                        const float* __restrict__ penalties, const float* __restrict__ shifts,
                                        int n) {
     const int e = blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= n) return;
-    __half* at = logits + (long long)rows[e] * vocab + tokens[e];
-    const float x = __fadd_rn(__half2float(*at), biases[e]);
-    *at = __float2half(__fadd_rn(x > 0.0f ? __fdiv_rn(x, penalties[e]) : __fmul_rn(x, penalties[e]), shifts[e]));
+    T* at = logits + (long long)rows[e] * vocab + tokens[e];
+    const float x = __fadd_rn(to_float(*at), biases[e]);
+    *at = from_float<T>(__fadd_rn(x > 0.0f ? __fdiv_rn(x, penalties[e]) : __fmul_rn(x, penalties[e]), shifts[e]));
 }
 
-extern "C" __global__ void mask_logits(__half* __restrict__ logits, int vocab, const int* __restrict__ rows,
+template <typename T>
+__global__ void mask_logits(T* __restrict__ logits, int vocab, const int* __restrict__ rows,
                                        const int* __restrict__ masks) {
     const int t = blockIdx.y * blockDim.x + threadIdx.x;
     if (t >= vocab) return;
     const int words = (vocab + 31) / 32;
     if (!((masks[(long long)blockIdx.x * words + t / 32] >> (t % 32)) & 1))
-        logits[(long long)rows[blockIdx.x] * vocab + t] = __float2half(-CUDART_INF_F);
+        logits[(long long)rows[blockIdx.x] * vocab + t] = from_float<T>(NEG_INF);
 }

@@ -12,8 +12,11 @@ import os
 
 import cupy
 
+from nano.device import BFLOAT16
+
 OP_N, OP_T = 0, 1       # cublasOperation_t
-R_16F = 2               # cudaDataType CUDA_R_16F
+R_16F, R_16BF = 2, 14   # cudaDataType CUDA_R_16F, CUDA_R_16BF
+DATA_TYPES = {"float16": R_16F, BFLOAT16.name: R_16BF}  # element dtype's name -> cudaDataType
 COMPUTE_32F = 68        # cublasComputeType_t CUBLAS_COMPUTE_32F: float32 accumulation
 GEMM_DEFAULT = -1       # cublasGemmAlgo_t CUBLAS_GEMM_DEFAULT: cuBLAS's heuristics choose
 # cuBLAS's own workspace pool would be allocated with cudaMalloc on first use, which is not
@@ -98,17 +101,19 @@ class Handle:
                "cublasSetWorkspace_v2")
         self.stream = stream
 
-    def linear(self, x, weight, out) -> None:
-        """out (T, N) = x (T, K) @ weight (N, K)^T in float16 with float32 accumulation.
-        weight and out are C-contiguous; x's rows may be strided (elements contiguous)."""
+    def linear(self, x, weight, out, accumulate: bool = False) -> None:
+        """out (T, N) = x (T, K) @ weight (N, K)^T (+ out when accumulating, beta 1) in float16
+        or bfloat16, all three alike, with float32 accumulation and one rounding. weight and
+        out are C-contiguous; x's rows may be strided (elements contiguous)."""
         tokens, k = x.shape
         n = weight.shape[0]
+        kind = DATA_TYPES[x.dtype.name]  # of all three operands
         self._use_current_stream()
         _check(self.lib.cublasGemmEx(
             self.ptr, OP_T, OP_N, n, tokens, k, ctypes.byref(self.one),
-            weight.data.ptr, R_16F, k, x.data.ptr, R_16F, x.strides[0] // x.itemsize,
-            ctypes.byref(self.zero), out.data.ptr, R_16F, n, COMPUTE_32F, GEMM_DEFAULT),
-               "cublasGemmEx")
+            weight.data.ptr, kind, k, x.data.ptr, kind, x.strides[0] // x.itemsize,
+            ctypes.byref(self.one if accumulate else self.zero), out.data.ptr, kind, n,
+            COMPUTE_32F, GEMM_DEFAULT), "cublasGemmEx")
 
 
 @functools.cache

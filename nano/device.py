@@ -6,6 +6,10 @@ import numpy as np
 
 from nano.errors import NanoError
 
+# bfloat16 on the GPU: its bits in uint16 arrays, the top half of a float32 (CuPy has no
+# bfloat16 dtype); the kernels round to it to nearest even (cuda/common.cuh).
+BFLOAT16 = np.dtype(np.uint16)
+
 
 def select_device(name: str) -> str:
     """'auto' takes the GPU when CuPy sees one."""

@@ -16,15 +16,18 @@ import numpy as np
 
 from nano import cublas, ops
 from nano.checks import INT32_MAX
+from nano.device import BFLOAT16
 
 CUDA_DIR = Path(__file__).resolve().parent.parent / "cuda"
 
-# Attention kernels are templates over the head dim, the GQA group size (query heads per KV
-# head) and the cache's element type, so their loops and register arrays have compile-time
-# bounds. An int8 cache needs one of HEAD_DIMS also for its writes (rope_store_kvcache).
+# Every kernel is a template over the run's element type T (cuda/common.cuh): float16, or
+# bfloat16 held as its bits in uint16 arrays (CuPy has no bfloat16 dtype). dtype -> T.
+ELEMENT_TYPES = {np.dtype(np.float16): "__half", BFLOAT16: "__nv_bfloat16"}
+# Attention kernels are templates also over the head dim, the GQA group size (query heads per
+# KV head) and the cache's element type (T, or int8_t), so their loops and register arrays have
+# compile-time bounds. An int8 cache needs one of HEAD_DIMS also for its writes.
 HEAD_DIMS = (64, 128, 256)
 GROUPS = (1, 2, 3, 4, 5, 6, 7, 8)
-CACHE_TYPES = {np.dtype(np.float16): "__half", np.dtype(np.int8): "int8_t"}  # dtype -> CacheT
 # TILE_TOKENS in cuda/decode_paths.cuh: the decode kernel's largest tile, in tokens
 DECODE_TILE = 64
 # ROWS in cuda/prefill_attention.cu by head dim: (token, head) rows per block, 16 per warp
@@ -32,13 +35,19 @@ PREFILL_ROWS = {64: 64, 128: 64, 256: 32}
 SWAP_UNITS = {16: "uint4", 2: "unsigned short"}  # copy unit of gather/scatter_blocks, in bytes
 LORA_ROWS = 16  # the rows a block of cuda/lora.cu's SGMV instance serves; the BGMV one serves 1
 
+_PAIRS = [(t, c) for t in ELEMENT_TYPES.values() for c in (t, "int8_t")]  # (T, CacheT)
 _TEMPLATES = {
-    "cache.cu": [f"rope_store_kvcache<{t}>" for t in CACHE_TYPES.values()]
+    "layers.cu": [f"{k}<{t}>" for t in ELEMENT_TYPES.values()
+                  for k in ("rms_norm", "add_rms_norm", "silu_mul", "gelu_tanh_mul", "embedding")],
+    "sampling.cu": [f"{k}<{t}>" for t in ELEMENT_TYPES.values()
+                    for k in ("sample", "edit_logits", "mask_logits")],
+    "cache.cu": [f"rope_store_kvcache<{t}, {c}>" for t, c in _PAIRS]
     + [f"{k}<{u}>" for k in ("gather_blocks", "scatter_blocks") for u in SWAP_UNITS.values()],
-    "paged_attention.cu": [f"paged_attention_kernel<{d}, {g}, {t}>"
-                           for t in CACHE_TYPES.values() for d in HEAD_DIMS for g in GROUPS],
-    "prefill_attention.cu": [f"prefill_attention_kernel<{d}, {g}, {t}>"
-                             for t in CACHE_TYPES.values() for d in HEAD_DIMS for g in GROUPS],
+    "paged_attention.cu": [f"paged_attention_kernel<{d}, {g}, {t}, {c}>"
+                           for t, c in _PAIRS for d in HEAD_DIMS for g in GROUPS]
+    + [f"paged_attention_merge<{t}>" for t in ELEMENT_TYPES.values()],
+    "prefill_attention.cu": [f"prefill_attention_kernel<{d}, {g}, {t}, {c}>"
+                             for t, c in _PAIRS for d in HEAD_DIMS for g in GROUPS],
     "lora.cu": [f"{k}<__half, {rows}>" for k in ("lora_shrink", "lora_expand")
                 for rows in (1, LORA_ROWS)],
 }
@@ -48,9 +57,9 @@ SOURCES = ("layers.cu", "cache.cu", "sampling.cu", "paged_attention.cu", "prefil
 
 @functools.cache
 def _options() -> tuple:
-    """NVRTC options: C++17, cuda/ (for common.cuh) and the directory holding cuda_fp16.h,
-    which NVRTC does not find by itself (the CUDA toolkit CuPy uses, or the
-    nvidia-cuda-runtime wheel)."""
+    """NVRTC options: C++17, cuda/ (for common.cuh) and the directory holding cuda_fp16.h and
+    cuda_bf16.h, which NVRTC 13 does not find by itself (the CUDA toolkit CuPy uses, or the
+    nvidia-cuda-runtime wheel's include/)."""
     candidates = []
     cuda_path = cupy.cuda.get_cuda_path()
     if cuda_path:
@@ -93,15 +102,24 @@ def check_dtype(dtype, **arrays):
             raise TypeError(f"{name} must be {np.dtype(dtype).name}, got {array.dtype}")
 
 
-def _check_cache(cache, op: str):
-    """One layer's LayerKV: k, v (num_blocks, nkv, block_size, d) float16 without scales, or
-    int8 with k_scale, v_scale (num_blocks, nkv, block_size) float16; all contiguous. Returns
-    (CacheT, scale arrays for the kernels: the real ones, or empty float16 arrays the float16
-    instances never read)."""
+def _element(**arrays) -> str:
+    """T of arrays that share one element type (float16, or bfloat16 bits; anything else is
+    refused as not float16)."""
+    dtype = np.dtype(next(iter(arrays.values())).dtype)
+    check_dtype(dtype if dtype in ELEMENT_TYPES else np.float16, **arrays)
+    return ELEMENT_TYPES[dtype]
+
+
+def _check_cache(cache, op: str, dtype):
+    """One layer's LayerKV: k, v (num_blocks, nkv, block_size, d) of the element dtype
+    without scales, or int8 with k_scale, v_scale (num_blocks, nkv, block_size) float16; all
+    contiguous. Returns (CacheT, scale arrays for the kernels: the real ones, or empty float16
+    arrays the T instances never read)."""
     k, v = cache.k, cache.v
-    if k.dtype != v.dtype or np.dtype(k.dtype) not in CACHE_TYPES:
-        raise TypeError(f"{op}: KV cache must be float16 or int8 (k and v alike), got {k.dtype} / "
-                        f"{v.dtype}")
+    types = {np.dtype(dtype): ELEMENT_TYPES[np.dtype(dtype)], np.dtype(np.int8): "int8_t"}
+    if k.dtype != v.dtype or np.dtype(k.dtype) not in types:
+        raise TypeError(f"{op}: KV cache must be {np.dtype(dtype)} or int8 (k and v alike), got "
+                        f"{k.dtype} / {v.dtype}")
     if k.ndim != 4 or v.shape != k.shape:
         raise ValueError(f"{op}: k and v must be (num_blocks, nkv, block_size, head_dim), got "
                          f"{k.shape} / {v.shape}")
@@ -118,17 +136,17 @@ def _check_cache(cache, op: str):
             if s.shape != k.shape[:3] or not s.flags.c_contiguous:
                 raise ValueError(f"{op}: {name} must be contiguous {k.shape[:3]}, got {s.shape}")
     elif any(s is not None for s in scales):
-        raise ValueError(f"{op}: a float16 KV cache has no scales")
+        raise ValueError(f"{op}: a {k.dtype} KV cache has no scales")
     if not (k.flags.c_contiguous and v.flags.c_contiguous):
         raise ValueError(f"{op}: KV caches must be contiguous")
     if not quantized:
-        scales = (cupy.empty(0, cupy.float16),) * 2  # never read by the float16 instances
-    return CACHE_TYPES[np.dtype(k.dtype)], scales
+        scales = (cupy.empty(0, cupy.float16),) * 2  # never read by the T instances
+    return types[np.dtype(k.dtype)], scales
 
 
 def _check_attention(q, cache, nq, d, op):
-    check_dtype(cupy.float16, q=q)
-    cache_type, scales = _check_cache(cache, op)
+    t = _element(q=q)
+    cache_type, scales = _check_cache(cache, op, q.dtype)
     num_blocks, nkv, block_size, cache_d = cache.k.shape
     if cache_d != d:
         raise ValueError(f"{op}: q has head_dim {d}, the cache {cache_d}")
@@ -137,7 +155,7 @@ def _check_attention(q, cache, nq, d, op):
                          f"per KV head, got head_dim {d}, {nq} / {nkv} heads")
     if block_size & (block_size - 1):
         raise ValueError("KV caches must have a power-of-two block size")
-    return nq // nkv, block_size.bit_length() - 1, cache_type, scales
+    return nq // nkv, block_size.bit_length() - 1, f"{t}, {cache_type}", scales
 
 
 def _check_rows(name, width):
@@ -148,27 +166,28 @@ def _check_rows(name, width):
 
 # ---------------------------------------------------------------- layers.cu
 
-def embedding(ids, table):
+def embedding(ids, table, scale=1.0):
+    """The kernel rounds the scale to the table's type first, as the checkpoints' code does."""
     check_dtype(cupy.int32, ids=ids)
-    check_dtype(cupy.float16, table=table)
+    t = _element(table=table)
     vocab, hidden = table.shape
     _check_rows("hidden size", hidden)
-    out = cupy.empty((ids.size, hidden), cupy.float16)
+    out = cupy.empty((ids.size, hidden), table.dtype)
     if ids.size:
-        kernel("layers.cu", "embedding")(
+        kernel("layers.cu", f"embedding<{t}>")(
             (ids.size,), (128,), (cupy.ascontiguousarray(ids), cupy.ascontiguousarray(table), out,
-                                  np.int32(vocab), np.int32(hidden)))
+                                  np.int32(vocab), np.int32(hidden), np.float32(scale)))
     return out
 
 
 def rms_norm(x, weight, eps):
-    check_dtype(cupy.float16, x=x, weight=weight)
+    t = _element(x=x, weight=weight)
     x = cupy.ascontiguousarray(x)
     tokens, hidden = x.shape
     _check_rows("hidden size", hidden)
     out = cupy.empty_like(x)
     if tokens:
-        kernel("layers.cu", "rms_norm")(
+        kernel("layers.cu", f"rms_norm<{t}>")(
             (tokens,), (256,), (x, weight, out, np.int32(hidden), np.float32(eps)))
     return out
 
@@ -176,42 +195,43 @@ def rms_norm(x, weight, eps):
 def add_rms_norm(x, residual, weight, eps):
     if residual is None:  # first layer: the residual stream starts as x
         return rms_norm(x, weight, eps), x
-    check_dtype(cupy.float16, x=x, residual=residual, weight=weight)
+    t = _element(x=x, residual=residual, weight=weight)
     x, residual = cupy.ascontiguousarray(x), cupy.ascontiguousarray(residual)
     tokens, hidden = x.shape
     _check_rows("hidden size", hidden)
     out, new_residual = cupy.empty_like(x), cupy.empty_like(x)
     if tokens:
-        kernel("layers.cu", "add_rms_norm")(
+        kernel("layers.cu", f"add_rms_norm<{t}>")(
             (tokens,), (256,),
             (x, residual, weight, out, new_residual, np.int32(hidden), np.float32(eps)))
     return out, new_residual
 
 
 def linear(x, weight, bias=None):
-    """cuBLAS GemmEx through ctypes (nano/cublas.py): float16 operands, float32 accumulation,
-    float16 result. Capturable into a CUDA graph, unlike cupy.matmul."""
-    check_dtype(cupy.float16, x=x, weight=weight)
+    """cuBLAS GemmEx through ctypes (nano/cublas.py): float16 or bfloat16 operands, float32
+    accumulation, one rounding of the result. A bias is copied into the output first and added
+    by the GEMM (beta 1), in float32. Capturable into a CUDA graph, unlike cupy.matmul."""
+    _element(x=x, weight=weight, **({} if bias is None else {"bias": bias}))
     if x.strides[1] != x.itemsize:
         x = cupy.ascontiguousarray(x)
     weight = cupy.ascontiguousarray(weight)
-    out = cupy.empty((x.shape[0], weight.shape[0]), cupy.float16)
-    if out.size:
-        cublas.handle(cupy.cuda.Device().id).linear(x, weight, out)
+    out = cupy.empty((x.shape[0], weight.shape[0]), x.dtype)
     if bias is not None:
-        out += bias
+        out[...] = bias
+    if out.size:
+        cublas.handle(cupy.cuda.Device().id).linear(x, weight, out, bias is not None)
     return out
 
 
 def _gated(name, gate_up):
-    check_dtype(cupy.float16, gate_up=gate_up)
+    t = _element(gate_up=gate_up)
     gate_up = cupy.ascontiguousarray(gate_up)
     tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
     _check_rows("intermediate size", inter)
-    out = cupy.empty((tokens, inter), cupy.float16)
+    out = cupy.empty((tokens, inter), gate_up.dtype)
     n8 = tokens * inter // 8  # one thread per 8 outputs
     if n8:
-        kernel("layers.cu", name)(((n8 + 255) // 256,), (256,),
+        kernel("layers.cu", f"{name}<{t}>")(((n8 + 255) // 256,), (256,),
                                   (gate_up, out, np.int32(inter), np.int64(n8)))
     return out
 
@@ -222,7 +242,7 @@ gelu_tanh_mul = functools.partial(_gated, "gelu_tanh_mul")
 
 def sample(logits, temperature, top_k, top_p, log_min_p, seeds, counters):
     """cuda/sampling.cu: grid R (one row per block), 1024 threads."""
-    check_dtype(cupy.float16, logits=logits)
+    t = _element(logits=logits)
     check_dtype(cupy.float32, temperature=temperature, top_p=top_p, log_min_p=log_min_p)
     check_dtype(cupy.int32, top_k=top_k, counters=counters)
     check_dtype(cupy.uint64, seeds=seeds)
@@ -231,19 +251,19 @@ def sample(logits, temperature, top_k, top_p, log_min_p, seeds, counters):
     rows, vocab = logits.shape
     out = cupy.empty((rows,), cupy.int32)
     if rows:
-        kernel("sampling.cu", "sample")(
+        kernel("sampling.cu", f"sample<{t}>")(
             (rows,), (1024,),
             (logits, np.int32(vocab), *(cupy.ascontiguousarray(x) for x in rows_params), out))
     return out
 
 
 def edit_logits(logits, rows, tokens, biases, penalties, shifts):
-    """cuda/sampling.cu: a thread per edit, in place on contiguous float16 logits (the step's)."""
-    check_dtype(cupy.float16, logits=logits)
+    """cuda/sampling.cu: a thread per edit, in place on contiguous logits (the step's)."""
+    t = _element(logits=logits)
     check_dtype(cupy.int32, rows=rows, tokens=tokens)
     check_dtype(cupy.float32, biases=biases, penalties=penalties, shifts=shifts)
     if n := len(rows):
-        kernel("sampling.cu", "edit_logits")(((n + 255) // 256,), (256,), (
+        kernel("sampling.cu", f"edit_logits<{t}>")(((n + 255) // 256,), (256,), (
             logits, np.int32(logits.shape[1]), rows, tokens, biases, penalties, shifts,
                                                                             np.int32(n)))
     return logits
@@ -251,10 +271,10 @@ def edit_logits(logits, rows, tokens, biases, penalties, shifts):
 
 def mask_logits(logits, rows, masks):
     """cuda/sampling.cu: grid (M, ceil(V / 256)), a thread per token, in place."""
-    check_dtype(cupy.float16, logits=logits)
+    t = _element(logits=logits)
     check_dtype(cupy.int32, rows=rows, masks=masks)
     if len(rows):
-        kernel("sampling.cu", "mask_logits")((len(rows), (logits.shape[1] + 255) // 256), (256,), (
+        kernel("sampling.cu", f"mask_logits<{t}>")((len(rows), (logits.shape[1] + 255) // 256), (256,), (
             logits, np.int32(logits.shape[1]), rows, masks))
     return logits
 
@@ -264,11 +284,12 @@ def mask_logits(logits, rows, masks):
 def rope_store_kvcache(q, k, v, positions, cos_sin, cache, slot_mapping, q_norm=None, k_norm=None,
                        eps=0.0):
     """q, k, v may be views into the fused QKV output: rows strided (k and v alike), each row's
-    heads and dims contiguous and 16-byte aligned. cache: one layer's LayerKV, float16 or int8
-    (quantized here, per (token, KV head)), with or without the Hadamard key rotation; q_norm,
-    k_norm (d,) float16 or None. Returns the rotated q (Hadamard-rotated too), contiguous."""
-    check_dtype(cupy.float16, q=q, k=k, v=v)
-    cache_type, (k_scale, v_scale) = _check_cache(cache, "rope_store_kvcache")
+    heads and dims contiguous and 16-byte aligned. cache: one layer's LayerKV, of q's type or
+    int8 (quantized here, per (token, KV head)), with or without the Hadamard key rotation;
+    q_norm, k_norm (d,) of q's type or None. Returns the rotated q (Hadamard-rotated too),
+    contiguous."""
+    t = _element(q=q, k=k, v=v)
+    cache_type, (k_scale, v_scale) = _check_cache(cache, "rope_store_kvcache", q.dtype)
     check_dtype(cupy.int32, positions=positions, slot_mapping=slot_mapping)
     check_dtype(cupy.float32, cos_sin=cos_sin)
     tokens, nq, d = q.shape
@@ -293,16 +314,16 @@ def rope_store_kvcache(q, k, v, positions, cos_sin, cache, slot_mapping, q_norm=
         raise ValueError(f"rope_store_kvcache: the Hadamard key rotation and the q/k norm need a "
                          f"power-of-two head_dim up to 512, got {d}")
     if norms:
-        check_dtype(cupy.float16, q_norm=q_norm, k_norm=k_norm)
+        check_dtype(q.dtype, q_norm=q_norm, k_norm=k_norm)
         for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
             if w.shape != (d,) or not w.flags.c_contiguous:
                 raise ValueError(f"rope_store_kvcache: {name} must be contiguous ({d},), got "
                                  f"{w.shape}")
     else:
-        q_norm = k_norm = cupy.empty(0, cupy.float16)  # never read
-    out = cupy.empty((tokens, nq, d), cupy.float16)
+        q_norm = k_norm = cupy.empty(0, q.dtype)  # never read
+    out = cupy.empty((tokens, nq, d), q.dtype)
     if tokens:
-        kernel("cache.cu", f"rope_store_kvcache<{cache_type}>")(
+        kernel("cache.cu", f"rope_store_kvcache<{t}, {cache_type}>")(
             (tokens,), (128,), (q, k, v, np.int64(q.strides[0] // 2), np.int64(k.strides[0] // 2),
                                 cupy.ascontiguousarray(positions), cupy.ascontiguousarray(cos_sin),
                                 cupy.ascontiguousarray(slot_mapping), q_norm, k_norm,
@@ -368,14 +389,14 @@ def decode_partitions(num_blocks: int, max_context: int, num_sms: int) -> tuple:
 
 
 def paged_attention(q, cache, block_tables, context_lens, scale, window=None):
-    """Decode attention (cuda/paged_attention.cu) over one layer's LayerKV, float16 or int8.
+    """Decode attention (cuda/paged_attention.cu) over one layer's LayerKV, of q's type or int8.
     Grid (nkv, S, partitions), 128 threads; with more than one partition, a merge kernel
     with grid (nq, S) follows. A window bounds the keys each sequence reads, so the partitions
     are chosen for the window's length, not the context's."""
     seqs, nq, d = q.shape
     nkv = cache.k.shape[1]
-    group, log2_block_size, cache_type, (k_scale, v_scale) = _check_attention(q, cache, nq, d,
-                                                                              "paged_attention")
+    group, log2_block_size, types, (k_scale, v_scale) = _check_attention(q, cache, nq, d,
+                                                                         "paged_attention")
     check_dtype(cupy.int32, block_tables=block_tables, context_lens=context_lens)
     q, block_tables, context_lens = (cupy.ascontiguousarray(x) for x in (q, block_tables,
                                                                          context_lens))
@@ -392,29 +413,29 @@ def paged_attention(q, cache, block_tables, context_lens, scale, window=None):
         partial_out = cupy.empty((seqs, nq, parts, d), cupy.float32)
         partial_max = cupy.empty((seqs, nq, parts), cupy.float32)
         partial_sum = cupy.empty((seqs, nq, parts), cupy.float32)
-    kernel("paged_attention.cu", f"paged_attention_kernel<{d}, {group}, {cache_type}>")(
+    kernel("paged_attention.cu", f"paged_attention_kernel<{d}, {group}, {types}>")(
         (nkv, seqs, parts), (128,),
         (out, partial_out, partial_max, partial_sum, q, cache.k, cache.v, k_scale, v_scale,
          block_tables, context_lens, np.int32(max_blocks), np.int32(log2_block_size),
          np.int32(size), np.int32(window), np.float32(scale)))
     if parts > 1:
-        kernel("paged_attention.cu", "paged_attention_merge")(
+        kernel("paged_attention.cu", f"paged_attention_merge<{ELEMENT_TYPES[q.dtype]}>")(
             (nq, seqs), (128,), (out, partial_out, partial_max, partial_sum, context_lens,
                                  np.int32(parts), np.int32(size), np.int32(d)))
     return out
 
 
 def prefill_attention(q, cache, cu_seqlens_q, block_tables, context_lens, scale, window=None):
-    """Prefill attention (cuda/prefill_attention.cu) over one layer's LayerKV, float16 or
+    """Prefill attention (cuda/prefill_attention.cu) over one layer's LayerKV, of q's type or
     int8. Grid (ceil(T / tokens per block), nkv, S), a warp per 16 rows of PREFILL_ROWS,
     tokens per block = rows // group. The x extent is sized for the longest possible chunk
     (all T tokens) because chunk lengths live on the GPU; blocks past their chunk's end exit
     at once."""
     tokens, nq, d = q.shape
-    group, log2_block_size, cache_type, (k_scale, v_scale) = _check_attention(q, cache, nq, d,
-                                                                              "prefill_attention")
+    group, log2_block_size, types, (k_scale, v_scale) = _check_attention(q, cache, nq, d,
+                                                                         "prefill_attention")
     check_dtype(cupy.int32, cu_seqlens_q=cu_seqlens_q, block_tables=block_tables,
-                context_lens=context_lens)
+           context_lens=context_lens)
     q, cu_seqlens_q, block_tables, context_lens = (
         cupy.ascontiguousarray(x) for x in (q, cu_seqlens_q, block_tables, context_lens))
     out = cupy.empty_like(q)
@@ -422,7 +443,7 @@ def prefill_attention(q, cache, cu_seqlens_q, block_tables, context_lens, scale,
     if tokens == 0 or seqs == 0:
         return out
     per_block = PREFILL_ROWS[d] // group
-    kernel("prefill_attention.cu", f"prefill_attention_kernel<{d}, {group}, {cache_type}>")(
+    kernel("prefill_attention.cu", f"prefill_attention_kernel<{d}, {group}, {types}>")(
         (-(-tokens // per_block), cache.k.shape[1], seqs), (2 * PREFILL_ROWS[d],),
         (out, q, cache.k, cache.v, k_scale, v_scale, cu_seqlens_q, block_tables, context_lens,
          np.int32(block_tables.shape[1]), np.int32(log2_block_size), np.int32(window or INT32_MAX),

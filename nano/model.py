@@ -90,9 +90,7 @@ class LlamaModel:
         # GeGLU or SwiGLU
         act_mul = ops.gelu_tanh_mul if self.cfg.activation == "gelu_tanh" else ops.silu_mul
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
-        h = ops.embedding(batch.input_ids, self.embed)                       # (T, H)
-        if self.cfg.embed_scale != 1.0:
-            h = h * self.cfg.embed_scale
+        h = ops.embedding(batch.input_ids, self.embed, self.cfg.embed_scale)  # (T, H)
         residual = None
         # each projection plus its rows' adapters' product (nano/lora), or alone without them
         add_lora = ops.add_lora if self.layers[0].lora else lambda y, x, lora, batch: y

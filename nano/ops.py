@@ -19,9 +19,9 @@ import numpy as np
 from nano.kv_cache import INT8_MAX, SCALE_DTYPE, LayerKV
 
 
-def embedding(ids, table):
-    """ids: (T,) int32, table: (V, H) -> (T, H)."""
-    return table[ids]
+def embedding(ids, table, scale=1.0):
+    """ids: (T,) int32, table: (V, H) -> (T, H), times scale (Gemma 3's sqrt(H))."""
+    return table[ids] * np.float32(scale) if scale != 1.0 else table[ids]
 
 
 def rms_norm(x, weight, eps):

@@ -22,8 +22,9 @@ from cupy_backends.cuda.libs import nvrtc
 from nano import kernels
 
 # Itanium ABI codes of the template arguments the kernels use: ints (Li64E), the builtin
-# signed char (a: int8_t), unsigned short (t), and named types (6__half, 5uint4).
-_TEMPLATE_ARG = re.compile(r"Li(-?\d+)E|(a)|(t)|(\d+)")
+# signed char (a: int8_t), unsigned short (t), named types (6__half, 5uint4), and a named type
+# met before (S0_: the substitution table holds the template's name, then each named type).
+_TEMPLATE_ARG = re.compile(r"Li(-?\d+)E|(a)|(t)|(\d+)|S(\d?)_")
 _BUILTINS = {"a": "int8_t", "t": "unsigned short"}
 
 
@@ -123,12 +124,14 @@ def sass(cubin: bytes) -> dict[str, str]:
 def demangle(name: str) -> str:
     """_Z22paged_attention_kernelILi64ELi3E6__halfEv... -> paged_attention_kernel<64, 3, __half>;
     _Z22paged_attention_kernelILi64ELi3EaEv... -> paged_attention_kernel<64, 3, int8_t>;
-    _Z13gather_blocksI5uint4Ev... -> gather_blocks<uint4>; a plain C name stays as it is."""
+    _Z13gather_blocksI5uint4Ev... -> gather_blocks<uint4>;
+    _Z18rope_store_kvcacheI6__halfS0_Ev... -> rope_store_kvcache<__half, __half>; a plain C
+    name stays as it is."""
     m = re.match(r"_Z(\d+)", name)
     if not m or name[m.end() + int(m.group(1)):][:1] != "I":
         return name
     base = name[m.end():m.end() + int(m.group(1))]
-    rest, args = name[m.end() + int(m.group(1)) + 1:], []
+    rest, args, named = name[m.end() + int(m.group(1)) + 1:], [], [base]
     while rest and rest[0] != "E":
         a = _TEMPLATE_ARG.match(rest)
         if not a:
@@ -137,9 +140,12 @@ def demangle(name: str) -> str:
             args.append(a.group(1))
         elif a.group(2) or a.group(3):
             args.append(_BUILTINS[a.group(2) or a.group(3)])
+        elif a.group(5) is not None:  # S_ is entry 0, S0_ entry 1, ...
+            args.append(named[int(a.group(5)) + 1 if a.group(5) else 0])
         else:  # a named type: its length, then its name
             length = int(a.group(4))
-            args.append(rest[a.end():a.end() + length])
+            named.append(rest[a.end():a.end() + length])
+            args.append(named[-1])
             rest = rest[a.end() + length:]
             continue
         rest = rest[a.end():]

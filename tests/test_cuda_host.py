@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 pytest.importorskip("cupy")  # nano/kernels.py imports it
-from test_kernels import assert_close, assert_quantized_close, f16, make_cache, rope_table  # noqa: E402
+from test_kernels import (assert_close, assert_quantized_close, f16, make_cache, rope_table,  # noqa: E402
+                          to_bfloat16, widen)
 
 from cuda_host import cupy_stub, emulator  # noqa: E402
 from nano import cublas, kernels, ops  # noqa: E402
@@ -73,6 +74,59 @@ def test_half_conversions_round_to_nearest_even(cp):
     y = cp.asnumpy(y_d).reshape(3, x.size)
     np.testing.assert_array_equal(y, [want.astype(np.float32), want.astype(np.float32),
                                       -want.astype(np.float32)])
+
+
+def nearest_bfloat16(x: np.ndarray) -> np.ndarray:
+    """bfloat16 bits of float32 x by search, not by the carry trick test_kernels.py and the
+    emulator use: of the two bfloat16 values around x (its truncation and the next one up in
+    magnitude), the nearer in float64, a tie to the even bits; past the largest, infinity."""
+    bits = x.view(np.uint32)
+    low = (bits >> 16).astype(np.uint32)
+    high = low + 1
+
+    def value(b):  # past the largest finite value, 2^128: the step IEEE rounding measures to
+        finite = (b.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        return np.where((b & 0x7FFF) == 0x7F80, np.copysign(2.0**128, finite), finite)
+    with np.errstate(invalid="ignore"):
+        d_low, d_high = np.abs(x - value(low)), np.abs(value(high) - x)
+    take_high = (d_high < d_low) | ((d_high == d_low) & (low % 2 == 1))
+    return np.where(np.isnan(x), 0x7FFF, np.where(take_high, high, low)).astype(np.uint16)
+
+
+def test_bfloat16_conversions_round_to_nearest_even(cp):
+    """float -> bfloat16 -> float through the kernels' intrinsics (single and paired) and
+    test_kernels.to_bfloat16, against nearest_bfloat16: every bfloat16 value, the ties between
+    neighbours (even and odd), one float32 step either side of them, subnormals, overflow,
+    NaN (canonical 0x7fff), and widening exact."""
+    module = build(textwrap.dedent("""
+        #include <cuda_bf16.h>
+        extern "C" __global__ void round_trip(const float* x, float* y, __nv_bfloat16* bits, int n) {
+            const int i = blockIdx.x * blockDim.x + threadIdx.x;
+            if (i >= n) return;
+            const __nv_bfloat16 b = __float2bfloat16_rn(x[i]);
+            bits[i] = b;
+            y[i] = __bfloat162float(b);
+            const float2 pair = __bfloat1622float2(__floats2bfloat162_rn(x[i], -x[i]));
+            y[n + i] = pair.x;
+            y[2 * n + i] = pair.y;
+        }"""))
+    every = np.arange(65536, dtype=np.uint32) << 16
+    values = every.view(np.float32)
+    finite = np.sort(values[np.isfinite(values)].astype(np.float64))
+    ties = (finite[:-1] + np.diff(finite) / 2).astype(np.float32)  # exact in float32
+    steps = np.concatenate([np.nextafter(ties, np.float32(np.inf)), np.nextafter(ties, np.float32(-np.inf))])
+    rng = np.random.default_rng(2)
+    with np.errstate(invalid="ignore"):  # NaN payloads cast
+        x = np.concatenate([values, ties, steps, rng.normal(0, 1e4, 20000), rng.normal(0, 1e-39, 2000),
+                            [3.39e38, 3.4e38, -3.4e38, 3.4028235e38, np.inf, -np.inf]]).astype(np.float32)
+    want = nearest_bfloat16(x)
+    assert (want[np.isin(x, ties) & (want % 2 == 1)].size == 0)  # ties went to the even bits
+    np.testing.assert_array_equal(to_bfloat16(x), want)
+    x_d, y_d, bits_d = cp.asarray(x), cp.empty(3 * x.size, cp.float32), cp.empty(x.size, cp.uint16)
+    module.get_function("round_trip")(((x.size + 255) // 256,), (256,), (x_d, y_d, bits_d, np.int32(x.size)))
+    np.testing.assert_array_equal(cp.asnumpy(bits_d), want)
+    wide = widen(want)
+    np.testing.assert_array_equal(cp.asnumpy(y_d).reshape(3, x.size), [wide, wide, -wide])
 
 
 SHUFFLES = textwrap.dedent("""
@@ -475,6 +529,7 @@ def test_nano_cublas_agrees_with_the_published_header(cp):
     for name in ("cublasCreate_v2", "cublasSetStream_v2", "cublasSetWorkspace_v2", "cublasGemmEx"):
         assert "".join(map(kind, getattr(lib, name).argtypes)) == declared_kinds(text, name), name
     for constant, value in [("CUBLAS_OP_N", cublas.OP_N), ("CUBLAS_OP_T", cublas.OP_T), ("CUDA_R_16F", cublas.R_16F),
+                            ("CUDA_R_16BF", cublas.R_16BF),
                             ("CUBLAS_COMPUTE_32F", cublas.COMPUTE_32F), ("CUBLAS_GEMM_DEFAULT", cublas.GEMM_DEFAULT)]:
         assert re.search(rf"\b{constant}\s*=\s*{value}\s*,", text), constant
 

@@ -859,3 +859,161 @@ def test_swaps_in_a_pool_past_2_31_elements(cupy, dtype):
     dst = np.array([HUGE_BLOCKS - 2, HUGE_BLOCKS - 3, HUGE_BLOCKS - 4], np.int32)
     kernels.scatter_blocks(pool, cupy.asarray(dst), staging)
     np.testing.assert_array_equal(cupy.asnumpy(pool[:, :, dst]), values[:, :, src - HUGE_BLOCKS + 8])
+
+
+# ---------------------------------------------------------------- bfloat16
+# bfloat16 runs hold its bits in uint16 arrays (nano/device.py BFLOAT16). The tolerances are
+# derived, not loosened: F16_MAX_ERR and F16_NORM_ERR are 8u and 4u for float16's unit
+# roundoff u = 2^-11 (11 bits of precision); bfloat16 has 8 bits, u = 2^-8, so 8u = 3.1e-2
+# and 4u = 1.6e-2. As for float16, inputs are rounded first and both sides see the same
+# values; what remains is the kernel's one rounding of each output to bfloat16.
+ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
+
+
+def to_bfloat16(x) -> np.ndarray:
+    """float32 -> bfloat16 bits by the carry trick: add 0x7fff plus the lowest kept bit, drop
+    the low 16 bits (round to nearest even); NaN becomes CUDA's canonical 0x7fff."""
+    x = np.asarray(x, np.float32)
+    bits = x.view(np.uint32)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(x), np.uint16(0x7FFF), rounded)
+
+
+def widen(x) -> np.ndarray:
+    """bfloat16 bits -> float32, exactly."""
+    return (np.asarray(x).astype(np.uint32) << 16).view(np.float32)
+
+
+def bf16(cupy, x):
+    """Round to bfloat16: (float32 copy for the reference, CuPy bits for the kernel)."""
+    bits = to_bfloat16(x)
+    return widen(bits), cupy.asarray(bits)
+
+
+def assert_close_bf16(cupy, got, ref):
+    got = widen(cupy.asnumpy(got))
+    assert got.shape == ref.shape and np.isfinite(got).all()
+    err = np.abs(got - ref).max() / max(1.0, np.abs(ref).max())
+    norm_err = np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30)
+    u = ROUNDOFF["bfloat16"]
+    assert err <= 8 * u and norm_err <= 4 * u, (err, norm_err)
+
+
+@pytest.mark.parametrize("op", ["embedding", "rms_norm", "add_rms_norm", "silu_mul", "gelu_tanh_mul",
+                                "linear", "linear_bias"])
+def test_bfloat16_layers(cupy, rng, op):
+    """Each per-token kernel's bfloat16 instance; embedding exactly (Gemma 3's sqrt(640)
+    scale rounded to bfloat16 first, 25.25, as its checkpoints' code rounds it)."""
+    x, x_d = bf16(cupy, rng.normal(size=(13, 640)))
+    w, w_d = bf16(cupy, rng.uniform(0.5, 1.5, size=640))
+    if op == "embedding":
+        ids = rng.integers(0, 13, size=9).astype(np.int32)
+        np.testing.assert_array_equal(cupy.asnumpy(kernels.embedding(cupy.asarray(ids), x_d)), to_bfloat16(x[ids]))
+        got = kernels.embedding(cupy.asarray(ids), x_d, 640 ** 0.5)
+        np.testing.assert_array_equal(cupy.asnumpy(got), to_bfloat16(x[ids] * np.float32(25.25)))
+    elif op == "rms_norm":
+        assert_close_bf16(cupy, kernels.rms_norm(x_d, w_d, 1e-6), ops.rms_norm(x, w, 1e-6))
+    elif op == "add_rms_norm":
+        r, r_d = bf16(cupy, rng.normal(size=x.shape))
+        out, res = kernels.add_rms_norm(x_d, r_d, w_d, 1e-6)
+        np.testing.assert_array_equal(cupy.asnumpy(res), to_bfloat16(x + r))  # one rounding of the sum
+        assert_close_bf16(cupy, out, ops.rms_norm(widen(to_bfloat16(x + r)), w, 1e-6))
+    elif op in ("silu_mul", "gelu_tanh_mul"):
+        assert_close_bf16(cupy, getattr(kernels, op)(x_d), getattr(ops, op)(x))
+    else:
+        wt, wt_d = bf16(cupy, rng.normal(size=(72, 640)) / 8)
+        b, b_d = bf16(cupy, rng.normal(size=72)) if op == "linear_bias" else (None, None)
+        assert_close_bf16(cupy, kernels.linear(x_d, wt_d, b_d), ops.linear(x, wt, b))
+
+
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "int8"])
+def test_bfloat16_rope_store_kvcache(cupy, rng, cache_dtype):
+    """q, k, v as views of one bfloat16 QKV output, the q/k norms on; a bfloat16 cache (K
+    close, V exact) or an int8 one (quantized from the float32 values, as for float16)."""
+    nq, nkv, d, tokens, num_blocks, block_size = 8, 2, 64, 11, 3, 16
+    qkv, qkv_d = bf16(cupy, heads_of_many_scales(rng, tokens, nq + 2 * nkv, d))
+    (qn, qn_d), (kn, kn_d) = (bf16(cupy, rng.uniform(low, low + 1.5, size=d)) for low in (0.2, 0.6))
+    positions = rng.integers(0, 4096, size=tokens).astype(np.int32)
+    slots = rng.permutation(num_blocks * block_size)[:tokens].astype(np.int32)
+    cos_sin = rope_table(d)
+    shape = (num_blocks, nkv, block_size, d)
+    if cache_dtype == "int8":
+        cache = LayerKV(*(np.zeros(s, t) for s, t in [(shape, np.int8)] * 2 + [(shape[:3], np.float16)] * 2))
+    else:
+        cache = LayerKV(*(widen(to_bfloat16(rng.normal(size=shape))) for _ in range(2)))
+    cache_d = LayerKV(*(None if a is None else cupy.asarray(to_bfloat16(a) if a.dtype == np.float32 else a)
+                        for a in (cache.k, cache.v, cache.k_scale, cache.v_scale)))
+
+    def split(a):
+        return (a[:, :nq * d].reshape(tokens, nq, d), a[:, nq * d:(nq + nkv) * d].reshape(tokens, nkv, d),
+                a[:, (nq + nkv) * d:].reshape(tokens, nkv, d))
+
+    ref_q = ops.rope_store_kvcache(*split(qkv), positions, cos_sin, cache, slots, qn, kn, 1e-6)
+    got_q = kernels.rope_store_kvcache(*split(qkv_d), cupy.asarray(positions), cupy.asarray(cos_sin), cache_d,
+                                       cupy.asarray(slots), qn_d, kn_d, 1e-6)
+    assert_close_bf16(cupy, got_q, ref_q)
+    if cache_dtype == "int8":
+        assert_quantized_close(cupy, cache_d.k, cache_d.k_scale, cache.k, cache.k_scale)
+        assert_quantized_close(cupy, cache_d.v, cache_d.v_scale, cache.v, cache.v_scale)
+    else:
+        assert_close_bf16(cupy, cache_d.k, cache.k)
+        np.testing.assert_array_equal(cupy.asnumpy(cache_d.v), to_bfloat16(cache.v))
+
+
+def bf16_cache(cupy, rng, context_lens, nkv, d, block_size, cache_dtype):
+    """make_cache's tables and int8 cache, or a bfloat16 one of random values."""
+    (cache, tables), (cache_d, tables_d) = make_cache(cupy, rng, context_lens, nkv, d, block_size,
+                                                      "int8" if cache_dtype == "int8" else "float16")
+    if cache_dtype == "bfloat16":
+        pairs = [bf16(cupy, rng.normal(size=cache.k.shape)) for _ in range(2)]
+        cache, cache_d = LayerKV(pairs[0][0], pairs[1][0]), LayerKV(pairs[0][1], pairs[1][1])
+    return (cache, tables), (cache_d, tables_d)
+
+
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("nq, nkv, d", [(9, 3, 64), (4, 1, 256)])
+def test_bfloat16_attention(cupy, rng, nq, nkv, d, cache_dtype):
+    """Decode (one partition and split-KV) and prefill attention, bfloat16 q and out, over a
+    bfloat16 or int8 cache, with a sliding window too."""
+    context_lens = [1, 17, 300]
+    (cache, tables), (cache_d, tables_d) = bf16_cache(cupy, rng, context_lens, nkv, d, 16, cache_dtype)
+    lens, scale = np.array(context_lens, np.int32), d ** -0.5
+    q, q_d = bf16(cupy, rng.normal(size=(3, nq, d)))
+    for window in (None, 40):
+        got = kernels.paged_attention(q_d, cache_d, tables_d, cupy.asarray(lens), scale, window)
+        assert_close_bf16(cupy, got, ops.paged_attention(q, cache, tables, lens, scale, window))
+        got = kernels.paged_attention(q_d[2:], cache_d, tables_d[2:], cupy.asarray(lens[2:]), scale, window)
+        assert_close_bf16(cupy, got, ops.paged_attention(q[2:], cache, tables[2:], lens[2:], scale, window))
+    cu = np.int32([0, 1, 18, 68])  # chunks of 1, 17 (whole prompts) and 50 of 300
+    q, q_d = bf16(cupy, rng.normal(size=(68, nq, d)))
+    got = kernels.prefill_attention(q_d, cache_d, cupy.asarray(cu), tables_d, cupy.asarray(lens), scale, 40)
+    assert_close_bf16(cupy, got, ops.prefill_attention(q, cache, cu, tables, lens, scale, 40))
+
+
+def test_bfloat16_sampling(cupy, rng):
+    """Greedy and seeded draws on bfloat16 logits equal the reference's on the same values,
+    and the logits processors' edits round once to bfloat16."""
+    logits, logits_d = bf16(cupy, 3 * rng.normal(size=(4, 1001)))
+    params = (np.float32([0, 0.8, 1.0, 0.7]), np.int32([0, 50, 0, 0]), np.float32([1, 1, 0.9, 1]),
+              np.float32([-np.inf] * 3 + [np.log(0.05)]), np.uint64([1, 2, 3, 4]), np.int32([0, 5, 9, 2]))
+    got = kernels.sample(logits_d, *(cupy.asarray(p) for p in params))
+    np.testing.assert_array_equal(cupy.asnumpy(got), ops.sample(logits, *params))
+    rows, tokens = np.int32([0, 3, 3]), np.int32([5, 7, 1000])
+    edits = (np.float32([1.5, -2, 0]), np.float32([1.2, 1.3, 1]), np.float32([0, 0.5, -np.inf]))
+    want = ops.edit_logits(logits.copy(), rows, tokens, *edits)
+    kernels.edit_logits(logits_d, cupy.asarray(rows), cupy.asarray(tokens), *(cupy.asarray(e) for e in edits))
+    np.testing.assert_array_equal(cupy.asnumpy(logits_d), to_bfloat16(want))
+    masks = rng.integers(-2**31, 2**31, size=(2, 32), dtype=np.int64).astype(np.int32)
+    want = ops.mask_logits(want, np.int32([1, 2]), masks)
+    kernels.mask_logits(logits_d, cupy.asarray(np.int32([1, 2])), cupy.asarray(masks))
+    np.testing.assert_array_equal(cupy.asnumpy(logits_d), to_bfloat16(want))
+
+
+def test_bfloat16_and_float16_do_not_mix(cupy):
+    """A float16 q over a bfloat16 cache, or a float32 x, is refused before any launch."""
+    q = cupy.asarray(np.zeros((1, 4, 64), np.float16))
+    cache = LayerKV(*(cupy.asarray(np.zeros((2, 1, 16, 64), np.uint16)) for _ in range(2)))
+    with pytest.raises(TypeError, match="KV cache must be float16 or int8"):
+        kernels.paged_attention(q, cache, cupy.asarray(np.zeros((1, 2), np.int32)), cupy.asarray(np.int32([1])), 1.0)
+    with pytest.raises(TypeError, match="x must be float16, got float32"):
+        kernels.rms_norm(cupy.asarray(np.zeros((1, 8), np.float32)), cupy.asarray(np.zeros(8, np.uint16)), 1e-6)

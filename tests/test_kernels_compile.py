@@ -1,7 +1,7 @@
 """CI check, no GPU needed: every CUDA kernel compiles for sm_90 through NVRTC without
 warnings, uses no local memory (no spilled registers, no local arrays), and prefill attention
 keeps to its tile plan (shared memory, registers) and runs on tensor cores (HMMA in the SASS
-of its cubin, for every instance: each head dim, group and cache type)."""
+of its cubin, for every instance: each head dim, group, element type and cache type)."""
 import re
 
 import pytest
@@ -40,9 +40,10 @@ def test_no_kernel_uses_local_memory(builds):
 def prefill_plan(d: int, int8: bool) -> tuple[int, int]:
     """(threads, static shared bytes) of prefill attention's tile plan at head dim d, as
     cuda/prefill_attention.cu describes it: a warp per 16 query rows (kernels.PREFILL_ROWS),
-    KEYS keys per tile, rows of d + 8 halfs in the tile buffer (q, then K and V; over q
-    unless Q stays there, at head dim 256), and per warp S (16 x (KEYS + 4) floats) and P
-    (16 x (KEYS + 8) halfs); KEYS block ids and, int8, 2 x KEYS float scales."""
+    KEYS keys per tile, rows of d + 8 16-bit elements in the tile buffer (q, then K and V;
+    over q unless Q stays there, at head dim 256), and per warp S (16 x (KEYS + 4) floats) and
+    P (16 x (KEYS + 8) 16-bit elements); KEYS block ids and, int8, 2 x KEYS float scales. The
+    plan is the same for float16 and bfloat16."""
     rows = kernels.PREFILL_ROWS[d]
     keys = {64: 64, 128: 32, 256: 16}[d]
     q_rows = rows if d == 256 else 0
@@ -58,7 +59,7 @@ def test_prefill_attention_keeps_its_tile_plan(builds):
     found = kernel_resources.resources(builds[PREFILL].log)
     assert set(found) == set(kernels._TEMPLATES[PREFILL])
     for kernel, r in found.items():
-        d, _, cache = kernel.split("<")[1].rstrip(">").split(", ")
+        d, _, _, cache = kernel.split("<")[1].rstrip(">").split(", ")
         threads, shared = prefill_plan(int(d), cache == "int8_t")
         assert r.shared_bytes == shared <= STATIC_SHARED, (kernel, r)
         by_registers = SM90_REGISTERS // (-(-r.registers // 8) * 8 * threads)

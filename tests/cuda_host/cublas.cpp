@@ -33,21 +33,37 @@ struct GemmCall {
     void* c;
     int ldc;
     size_t a_bytes, b_bytes, c_bytes;  // the extent of each operand the GEMM touches
+    cudaDataType type;                 // of all three: CUDA_R_16F or CUDA_R_16BF
 };
 
 // 0: run it now; 1: recorded (a graph capture); any other value: refused (the hook says why).
 typedef int (*GemmHook)(const GemmCall*);
 static GemmHook hook = nullptr;
 
-static float load(const void* p, size_t i) {
-    return _cvtsh_ss(static_cast<const unsigned short*>(p)[i]);
+// Element i of a float16 or bfloat16 operand as a float, exactly; a float rounded to one (to
+// nearest even, as the GPU's conversions round; a NaN becomes CUDA's canonical 0x7fff).
+static float load(const void* p, size_t i, cudaDataType type) {
+    const unsigned short bits = static_cast<const unsigned short*>(p)[i];
+    if (type == CUDA_R_16F) return _cvtsh_ss(bits);
+    const unsigned u = (unsigned)bits << 16;
+    float f;
+    __builtin_memcpy(&f, &u, 4);
+    return f;
+}
+
+static unsigned short round_to(float f, cudaDataType type) {
+    if (type == CUDA_R_16F) return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+    unsigned u;
+    __builtin_memcpy(&u, &f, 4);
+    return f != f ? 0x7fff : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
 extern "C" {
 
 __attribute__((visibility("default"))) void cuda_host_gemm_hook(GemmHook h) { hook = h; }
 
-// C (m x n) = alpha op(A) op(B) + beta C, column-major, float16 operands, float32 sums.
+// C (m x n) = alpha op(A) op(B) + beta C, column-major, float16 or bfloat16 operands (all three
+// alike), float32 sums, one rounding of each result.
 // Returns false, having written nothing, if an element it would read lies past an operand's
 // extent (the extents are what the hook checked against the device allocations).
 __attribute__((visibility("default"))) bool cuda_host_gemm(const GemmCall* g) {
@@ -57,13 +73,13 @@ __attribute__((visibility("default"))) bool cuda_host_gemm(const GemmCall* g) {
         for (int l = 0; l < g->k; l++) {
             const size_t at = g->transa == CUBLAS_OP_N ? i + (size_t)l * g->lda : l + (size_t)i * g->lda;
             if (2 * at >= g->a_bytes) return false;
-            a[(size_t)i * g->k + l] = load(g->a, at);
+            a[(size_t)i * g->k + l] = load(g->a, at, g->type);
         }
     for (int j = 0; j < g->n; j++)
         for (int l = 0; l < g->k; l++) {
             const size_t at = g->transb == CUBLAS_OP_N ? l + (size_t)j * g->ldb : j + (size_t)l * g->ldb;
             if (2 * at >= g->b_bytes) return false;
-            b[(size_t)j * g->k + l] = load(g->b, at);
+            b[(size_t)j * g->k + l] = load(g->b, at, g->type);
         }
     auto* c = static_cast<unsigned short*>(g->c);
     for (int j = 0; j < g->n; j++)
@@ -71,8 +87,8 @@ __attribute__((visibility("default"))) bool cuda_host_gemm(const GemmCall* g) {
             float sum = 0.0f;
             for (int l = 0; l < g->k; l++) sum += a[(size_t)i * g->k + l] * b[(size_t)j * g->k + l];
             const size_t at = i + (size_t)j * g->ldc;
-            const float old = g->beta == 0.0f ? 0.0f : g->beta * _cvtsh_ss(c[at]);  // beta 0: C not read
-            c[at] = _cvtss_sh(g->alpha * sum + old, _MM_FROUND_TO_NEAREST_INT);
+            const float old = g->beta == 0.0f ? 0.0f : g->beta * load(c, at, g->type);  // beta 0: C not read
+            c[at] = round_to(g->alpha * sum + old, g->type);
         }
     return true;
 }
@@ -113,15 +129,16 @@ cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa, cub
         ldb < (b_rows > 1 ? b_rows : 1) || ldc < (m > 1 ? m : 1) ||
         !(algo == CUBLAS_GEMM_DEFAULT || (algo >= CUBLAS_GEMM_ALGO0 && algo <= CUBLAS_GEMM_ALGO23)))
         return CUBLAS_STATUS_INVALID_VALUE;
-    // The only combination this stand-in computes; cuBLAS has many more, nano uses this one.
-    if (Atype != CUDA_R_16F || Btype != CUDA_R_16F || Ctype != CUDA_R_16F || computeType != CUBLAS_COMPUTE_32F)
+    // The only combinations this stand-in computes; cuBLAS has many more, nano uses these two.
+    if ((Atype != CUDA_R_16F && Atype != CUDA_R_16BF) || Btype != Atype || Ctype != Atype ||
+        computeType != CUBLAS_COMPUTE_32F)
         return CUBLAS_STATUS_NOT_SUPPORTED;
     if (m == 0 || n == 0) return CUBLAS_STATUS_SUCCESS;
     const size_t a_cols = transa == CUBLAS_OP_N ? k : m, b_cols = transb == CUBLAS_OP_N ? n : k;
     GemmCall g{handle->stream, handle->workspace, transa, transb, m, n, k,
                *static_cast<const float*>(alpha), *static_cast<const float*>(beta), A, lda, B, ldb, C, ldc,
                k ? ((a_cols - 1) * lda + a_rows) * 2 : 0, k ? ((b_cols - 1) * ldb + b_rows) * 2 : 0,
-               ((size_t)(n - 1) * ldc + m) * 2};
+               ((size_t)(n - 1) * ldc + m) * 2, Atype};
     const int action = hook ? hook(&g) : 0;
     const bool ok = action == 1 || (action == 0 && cuda_host_gemm(&g));
     return ok ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_EXECUTION_FAILED;

@@ -649,7 +649,8 @@ class _GemmCall(ctypes.Structure):  # cublas.cpp's GemmCall
                 ("transb", ctypes.c_int), ("m", ctypes.c_int), ("n", ctypes.c_int), ("k", ctypes.c_int),
                 ("alpha", ctypes.c_float), ("beta", ctypes.c_float), ("a", ctypes.c_void_p), ("lda", ctypes.c_int),
                 ("b", ctypes.c_void_p), ("ldb", ctypes.c_int), ("c", ctypes.c_void_p), ("ldc", ctypes.c_int),
-                ("a_bytes", ctypes.c_size_t), ("b_bytes", ctypes.c_size_t), ("c_bytes", ctypes.c_size_t)]
+                ("a_bytes", ctypes.c_size_t), ("b_bytes", ctypes.c_size_t), ("c_bytes", ctypes.c_size_t),
+                ("type", ctypes.c_int)]
 
 
 gemm_errors: list[str] = []  # why GEMMs were refused, in order

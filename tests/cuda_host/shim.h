@@ -21,8 +21,11 @@
 //   __half       the toolkit's own cuda_fp16.h host code, except the conversions the kernels
 //                use all the time: those go through the CPU's F16C instructions (exact IEEE,
 //                round to nearest even, NaN made CUDA's canonical 0x7fff), see below.
-//   wmma         nvcuda::wmma from include/mma.h (16 x 16 x 16, half inputs, float32 sums),
-//                each lane computing its own accumulator elements; see that file.
+//   __nv_bfloat16 cuda_bf16.h's type, with the conversions written here as the hardware's
+//                cvt.rn.bf16x2.f32 does them: float32 rounded to nearest even into its top 16
+//                bits, NaN made the canonical 0x7fff; widening is exact (the bits shifted up).
+//   wmma         nvcuda::wmma from include/mma.h (16 x 16 x 16, half or bfloat16 inputs,
+//                float32 sums), each lane computing its own accumulator elements; see that file.
 //   math         __expf, expf, logf, rsqrtf, ... from libm in float32. The GPU's fast
 //                approximations differ in the last bits; the tests' tolerances cover both.
 // Not emulated: timing, the memory model between blocks or between threads that a barrier
@@ -43,6 +46,7 @@
 #define __shared__ thread_local
 #define __noinline__ __attribute__((noinline))
 
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>  // also brings vector_types.h (uint4, float2, dim3) and make_*()
 #include <immintrin.h>
 #include <math_constants.h>
@@ -104,6 +108,8 @@ std::string type_code() {
         return "p" + type_code<std::remove_pointer_t<U>>();
     } else if constexpr (std::is_same_v<U, __half>) {
         return "f2";
+    } else if constexpr (std::is_same_v<U, __nv_bfloat16>) {
+        return "u2";  // the uint16 arrays that hold bfloat16 bits (nano/device.py)
     } else if constexpr (std::is_floating_point_v<U>) {
         return "f" + std::to_string(sizeof(U));
     } else if constexpr (std::is_same_v<U, bool>) {
@@ -207,6 +213,41 @@ inline __half2 floats_to_half2(float a, float b) {
     return out;
 }
 }  // namespace cuda_host
+// float <-> bfloat16 (cuda_bf16.h's host code rounds the same, branch by branch).
+namespace cuda_host {
+inline float bf16_to_float(const __nv_bfloat16& b) {
+    const unsigned u = (unsigned)*reinterpret_cast<const unsigned short*>(&b) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+inline unsigned short float_to_bf16_bits(float f) {
+    unsigned u;
+    std::memcpy(&u, &f, 4);
+    if (f != f) return 0x7fff;  // CUDA's canonical NaN
+    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+inline __nv_bfloat16 float_to_bf16(float f) {
+    __nv_bfloat16 out;
+    const unsigned short bits = float_to_bf16_bits(f);
+    std::memcpy(&out, &bits, 2);
+    return out;
+}
+inline float2 bf162_to_float2(const __nv_bfloat162& b) {
+    return make_float2(bf16_to_float(b.x), bf16_to_float(b.y));
+}
+inline __nv_bfloat162 floats_to_bf162(float a, float b) {
+    __nv_bfloat162 out;
+    out.x = float_to_bf16(a);
+    out.y = float_to_bf16(b);
+    return out;
+}
+}  // namespace cuda_host
+#define __bfloat162float(b) cuda_host::bf16_to_float(b)
+#define __float2bfloat16(f) cuda_host::float_to_bf16(f)
+#define __float2bfloat16_rn(f) cuda_host::float_to_bf16(f)
+#define __bfloat1622float2(b) cuda_host::bf162_to_float2(b)
+#define __floats2bfloat162_rn(a, b) cuda_host::floats_to_bf162(a, b)
 #define __half2float(h) cuda_host::half_to_float(h)
 #define __float2half(f) cuda_host::float_to_half(f)
 #define __float2half_rn(f) cuda_host::float_to_half(f)

@@ -16,8 +16,9 @@
 // The loads and stores are not barriers, as on the GPU: a lane that reads a tile other lanes
 // wrote needs __syncwarp() in between, or it reads the runtime's poison. Checked, as the
 // hardware requires: pointers 32-byte aligned, ldm a multiple of 16 bytes.
-// Emulated: the shape 16 x 16 x 16, __half inputs, float accumulators.
+// Emulated: the shape 16 x 16 x 16, __half or __nv_bfloat16 inputs, float accumulators.
 #pragma once
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 namespace nvcuda {
@@ -40,10 +41,14 @@ struct fragment {
 
 namespace detail {
 inline float as_float(const __half& h) { return cuda_host::half_to_float(h); }
+inline float as_float(const __nv_bfloat16& b) { return cuda_host::bf16_to_float(b); }
 
-// 8 consecutive halfs to floats in one F16C instruction.
+// 8 consecutive halfs to floats in one F16C instruction; bfloat16s are their bits shifted up.
 inline void as_floats8(const __half* h, float* f) {
     _mm256_storeu_ps(f, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))));
+}
+inline void as_floats8(const __nv_bfloat16* b, float* f) {
+    for (int i = 0; i < 8; i++) f[i] = cuda_host::bf16_to_float(b[i]);
 }
 
 inline int lane() {
