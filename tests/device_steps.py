@@ -45,11 +45,10 @@ def compile_kernels(out: Path) -> None:
     """Each module's first kernel fetched: NVRTC compiles the module (CuPy caches it on disk for
     the steps after this one) and it is loaded onto the device."""
     from nano import kernels
-    plain = {"layers.cu": "rms_norm", "sampling.cu": "sample"}  # the modules without templates
     seconds = {}
-    for source in kernels.SOURCES:
+    for source in kernels.SOURCES:  # every module is a set of templates
         start = time.perf_counter()
-        kernels._module(source).get_function(kernels._TEMPLATES.get(source, [plain.get(source)])[0])
+        kernels._module(source).get_function(kernels._TEMPLATES[source][0])
         seconds[source] = round(time.perf_counter() - start, 2)
         print(f"{source}: {seconds[source]} s", flush=True)
     (out / "compile.json").write_text(json.dumps(seconds, indent=1) + "\n")

@@ -250,7 +250,7 @@ def test_a_misaligned_array_is_an_error(cp):
 
 @pytest.mark.parametrize("cache_type", ["__half", "int8_t"])
 def test_launch_bounds_are_checked(cp, cache_type):
-    name = f"paged_attention_kernel<64, 3, {cache_type}>"
+    name = f"paged_attention_kernel<64, 3, __half, {cache_type}>"
     with pytest.raises(emulator.EmulatorError, match=f"exceeds {name}'s __launch_bounds__"):
         module = cp.RawModule(code=(REPO / "cuda" / "paged_attention.cu").read_text(),
                               options=kernels._options(), name_expressions=[name])
