@@ -274,8 +274,9 @@ def mask_logits(logits, rows, masks):
     t = _element(logits=logits)
     check_dtype(cupy.int32, rows=rows, masks=masks)
     if len(rows):
-        kernel("sampling.cu", f"mask_logits<{t}>")((len(rows), (logits.shape[1] + 255) // 256), (256,), (
-            logits, np.int32(logits.shape[1]), rows, masks))
+        kernel("sampling.cu", f"mask_logits<{t}>")(
+            (len(rows), (logits.shape[1] + 255) // 256), (256,),
+            (logits, np.int32(logits.shape[1]), rows, masks))
     return logits
 
 
