@@ -97,6 +97,10 @@ __global__ void __launch_bounds__(MAX_THREADS) prefill_attention_kernel(
     // Q's fragments in registers need every loop over them unrolled; from shared memory, an
     // unrolled loop would have ptxas load them all ahead, into registers O needs.
     constexpr int Q_UNROLL = Q_SHARED ? 2 : HEAD_DIM / 16;
+    // Rounds of K/V loads in flight while staging a tile (0: all): 2 where Q stays in shared
+    // memory (see WARPS), and 1 for an int8 cache at head dim 64, whose bfloat16 instances
+    // ptxas otherwise fits into 128 registers by spilling 8 bytes.
+    constexpr int STAGE_UNROLL = Q_SHARED ? 2 : INT8 && HEAD_DIM == 64 ? 1 : 0;
     constexpr int TOKENS = ROWS / GROUP;  // query tokens per block; rows past TOKENS*GROUP idle
     constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks per row
     constexpr int ROW = HEAD_DIM + 8;     // padded row of the tile buffer, in elements T
@@ -169,7 +173,7 @@ __global__ void __launch_bounds__(MAX_THREADS) prefill_attention_kernel(
     for (int key0 = first_key; key0 <= last_key; key0 += KEYS) {
         // 1-2. Physical block of each key, then K and V rows into shared memory.
         // An int8 cache's values are staged as T (exact); its scales are folded in below.
-        stage_kv_tile<KEYS, HEAD_DIM, ROW, ROW, NUM_THREADS, Q_SHARED ? 2 : 0>(
+        stage_kv_tile<KEYS, HEAD_DIM, ROW, ROW, NUM_THREADS, STAGE_UNROLL>(
             s_k, s_v, s_kscale, s_vscale, s_block, k_cache, v_cache, k_scales, v_scales, table,
             max_blocks, key0, last_key - key0 + 1, kv_head, nkv, log2_block_size);
 
