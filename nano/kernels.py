@@ -78,17 +78,23 @@ def _options() -> tuple:
     raise RuntimeError("cuda_fp16.h not found: install the CUDA toolkit or nvidia-cuda-runtime")
 
 
+def _type_of(instance: str) -> str | None:
+    """The element type T an instance names, or None (the swap kernels name none)."""
+    return next((t for t in ELEMENT_TYPES.values() if t in instance), None)
+
+
 @functools.cache
-def _module(name: str) -> cupy.RawModule:
-    return cupy.RawModule(code=(CUDA_DIR / name).read_text(), options=_options(),
-                          backend="nvrtc", name_expressions=_TEMPLATES.get(name))
+def _module(name: str, t: str | None) -> cupy.RawModule:
+    """One source's instances of one element type: a run compiles only its own type's."""
+    return cupy.RawModule(code=(CUDA_DIR / name).read_text(), options=_options(), backend="nvrtc",
+                          name_expressions=[e for e in _TEMPLATES[name] if _type_of(e) == t])
 
 
 @functools.cache  # get_function builds a new RawKernel each call: host time on every eager launch
 def kernel(source: str, name: str):
     """The kernel name (a template instance as _TEMPLATES spells it) of cuda/source, compiled
     on first use; add-ons launch their own kernels through it too."""
-    return _module(source).get_function(name)
+    return _module(source, _type_of(name)).get_function(name)
 
 
 @functools.cache
