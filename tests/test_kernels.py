@@ -1017,3 +1017,13 @@ def test_bfloat16_and_float16_do_not_mix(cupy):
         kernels.paged_attention(q, cache, cupy.asarray(np.zeros((1, 2), np.int32)), cupy.asarray(np.int32([1])), 1.0)
     with pytest.raises(TypeError, match="x must be float16, got float32"):
         kernels.rms_norm(cupy.asarray(np.zeros((1, 8), np.float32)), cupy.asarray(np.zeros(8, np.uint16)), 1e-6)
+
+
+def test_a_module_holds_one_element_type(cupy):
+    """A run compiles only its own element type's instances: one module per source and type,
+    and the swap kernels, which name no type, in a module of their own."""
+    if not hasattr(kernels._module("layers.cu", "__half"), "_kernels"):
+        pytest.skip("the emulator's modules list the instances they compiled")
+    for source, t in (("layers.cu", "__half"), ("cache.cu", "__nv_bfloat16"), ("cache.cu", None)):
+        compiled = sorted(kernels._module(source, t)._kernels)
+        assert compiled == sorted(e for e in kernels._TEMPLATES[source] if kernels._type_of(e) == t)
