@@ -183,18 +183,25 @@ WMMA = textwrap.dedent("""
     }""")
 
 
+@pytest.mark.parametrize("element", ["__half", "__nv_bfloat16"])
 @pytest.mark.parametrize("b_col_major", [0, 1])
-def test_wmma_multiplies_tiles_in_float32(cp, b_col_major):
-    """The WMMA stand-in (tests/cuda_host/include/mma.h): D = A B + C from half tiles with
-    float32 sums, whatever layout B is read in, an element-wise operation on the accumulator,
-    D stored column-major; a pointer that is not 32-byte aligned is an error, as on a GPU."""
+def test_wmma_multiplies_tiles_in_float32(cp, b_col_major, element):
+    """The WMMA stand-in (tests/cuda_host/include/mma.h): D = A B + C from half or bfloat16
+    tiles with float32 sums, whatever layout B is read in, an element-wise operation on the
+    accumulator, D stored column-major; a pointer that is not 32-byte aligned is an error, as
+    on a GPU."""
     rng = np.random.default_rng(0)
-    a, b = (rng.normal(size=(16, 16)).astype(np.float16) for _ in range(2))
+    if element == "__half":
+        a, b = (rng.normal(size=(16, 16)).astype(np.float16) for _ in range(2))
+        a_bits, b_bits = a, b
+    else:  # bfloat16 bits in uint16 arrays; a and b the values they hold
+        a_bits, b_bits = (to_bfloat16(rng.normal(size=(16, 16))) for _ in range(2))
+        a, b = widen(a_bits), widen(b_bits)
     c = rng.normal(size=(16, 16)).astype(np.float32)
     d = cp.empty(256, cp.float32)
-    kernel = build(WMMA).get_function("mma")
-    b_stored = b.T if b_col_major else b
-    args = (cp.asarray(a.ravel()), cp.asarray(np.ascontiguousarray(b_stored).ravel()), cp.asarray(c.ravel()), d,
+    kernel = build(WMMA.replace("__half", element)).get_function("mma")
+    b_stored = b_bits.T if b_col_major else b_bits
+    args = (cp.asarray(a_bits.ravel()), cp.asarray(np.ascontiguousarray(b_stored).ravel()), cp.asarray(c.ravel()), d,
             np.int32(b_col_major))
     kernel((1,), (32,), (*args, np.int32(0)))
     expect = 2 * (a.astype(np.float32) @ b.astype(np.float32) + c)
