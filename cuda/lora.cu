@@ -1,9 +1,9 @@
 // Multi-LoRA: y[t] += scale[s] * B[s] (A[s] x[t]) for each row t whose sequence has an adapter
 // slot s (-1 = none), every adapter of the step in one pass (the Punica and S-LoRA kernels'
 // scheme). Pools of L slots, each adapter's rank zero-padded to the pool's R (nano/lora/pool.py):
-//   x (T, K), y (T, N), A (L, R, K), B (L, N, R): the element type T; scales (L,) float32;
-//   slots (S,) int32, one per sequence: the decode sequences first, one row each (rows
-//   0..D-1), then the prefill chunks, chunk c on rows D + cu[c] .. D + cu[c + 1] - 1
+//   x (T, K), y (T, N), A (L, R, K), B (L, N, R): the element type T (common.cuh); scales
+//   (L,) float32; slots (S,) int32, one per sequence: the decode sequences first, one row
+//   each (rows 0..D-1), then the prefill chunks, chunk c on rows D + cu[c] .. D + cu[c + 1] - 1
 //   (cu: (S - D + 1,) int32, as for prefill attention).
 // Two stages, a kernel each:
 //   lora_shrink: v (T, R) float32 = A[s] x[t]   (scratch; rows without an adapter unwritten)
@@ -20,13 +20,6 @@
 #include "common.cuh"
 
 constexpr int WARPS = 8;
-
-// The element type <-> float32.
-template <typename T> struct Elem;
-template <> struct Elem<__half> {
-    static __device__ __forceinline__ float load(__half x) { return __half2float(x); }
-    static __device__ __forceinline__ __half store(float f) { return __float2half_rn(f); }
-};
 
 // The rows [*begin, *end) this block serves and their slot; false when it serves none (past
 // its chunk's end, or a sequence without an adapter).
@@ -62,13 +55,13 @@ __device__ __forceinline__ void gather_matvec(const IN* __restrict__ in, const T
 #pragma unroll
     for (int i = 0; i < ROWS; i++) acc[i] = 0.0f;
     for (int c = lane; c < in_width; c += 32) {
-        const float weight = Elem<T>::load(row[c]);
+        const float weight = to_float(row[c]);
 #pragma unroll
         for (int i = 0; i < ROWS; i++) {
             if (begin + i < end) {
                 const IN value = in[(long long)(begin + i) * in_width + c];
                 if constexpr (sizeof(IN) == sizeof(float)) acc[i] += weight * value;
-                else acc[i] += weight * Elem<T>::load(value);
+                else acc[i] += weight * to_float(value);
             }
         }
     }
@@ -78,7 +71,7 @@ __device__ __forceinline__ void gather_matvec(const IN* __restrict__ in, const T
         if (lane != 0 || begin + i >= end) continue;
         OUT* o = out + (long long)(begin + i) * out_width + j;
         if constexpr (sizeof(OUT) == sizeof(float)) *o = sum;
-        else *o = Elem<T>::store(Elem<T>::load(*o) + scales[slot] * sum);
+        else *o = from_float<T>(to_float(*o) + scales[slot] * sum);
     }
 }
 

@@ -48,8 +48,8 @@ _TEMPLATES = {
     + [f"paged_attention_merge<{t}>" for t in ELEMENT_TYPES.values()],
     "prefill_attention.cu": [f"prefill_attention_kernel<{d}, {g}, {t}, {c}>"
                              for t, c in _PAIRS for d in HEAD_DIMS for g in GROUPS],
-    "lora.cu": [f"{k}<__half, {rows}>" for k in ("lora_shrink", "lora_expand")
-                for rows in (1, LORA_ROWS)],
+    "lora.cu": [f"{k}<{t}, {rows}>" for t in ELEMENT_TYPES.values()
+                for k in ("lora_shrink", "lora_expand") for rows in (1, LORA_ROWS)],
 }
 SOURCES = ("layers.cu", "cache.cu", "sampling.cu", "paged_attention.cu", "prefill_attention.cu",
            "lora.cu")
@@ -108,7 +108,7 @@ def check_dtype(dtype, **arrays):
             raise TypeError(f"{name} must be {np.dtype(dtype).name}, got {array.dtype}")
 
 
-def _element(**arrays) -> str:
+def element_type(**arrays) -> str:
     """T of arrays that share one element type (float16, or bfloat16 bits; anything else is
     refused as not float16)."""
     dtype = np.dtype(next(iter(arrays.values())).dtype)
@@ -151,7 +151,7 @@ def _check_cache(cache, op: str, dtype):
 
 
 def _check_attention(q, cache, nq, d, op):
-    t = _element(q=q)
+    t = element_type(q=q)
     cache_type, scales = _check_cache(cache, op, q.dtype)
     num_blocks, nkv, block_size, cache_d = cache.k.shape
     if cache_d != d:
@@ -175,7 +175,7 @@ def _check_rows(name, width):
 def embedding(ids, table, scale=1.0):
     """The kernel rounds the scale to the table's type first, as the checkpoints' code does."""
     check_dtype(cupy.int32, ids=ids)
-    t = _element(table=table)
+    t = element_type(table=table)
     vocab, hidden = table.shape
     _check_rows("hidden size", hidden)
     out = cupy.empty((ids.size, hidden), table.dtype)
@@ -187,7 +187,7 @@ def embedding(ids, table, scale=1.0):
 
 
 def rms_norm(x, weight, eps):
-    t = _element(x=x, weight=weight)
+    t = element_type(x=x, weight=weight)
     x = cupy.ascontiguousarray(x)
     tokens, hidden = x.shape
     _check_rows("hidden size", hidden)
@@ -201,7 +201,7 @@ def rms_norm(x, weight, eps):
 def add_rms_norm(x, residual, weight, eps):
     if residual is None:  # first layer: the residual stream starts as x
         return rms_norm(x, weight, eps), x
-    t = _element(x=x, residual=residual, weight=weight)
+    t = element_type(x=x, residual=residual, weight=weight)
     x, residual = cupy.ascontiguousarray(x), cupy.ascontiguousarray(residual)
     tokens, hidden = x.shape
     _check_rows("hidden size", hidden)
@@ -217,7 +217,7 @@ def linear(x, weight, bias=None):
     """cuBLAS GemmEx through ctypes (nano/cublas.py): float16 or bfloat16 operands, float32
     accumulation, one rounding of the result. A bias is copied into the output first and added
     by the GEMM (beta 1), in float32. Capturable into a CUDA graph, unlike cupy.matmul."""
-    _element(x=x, weight=weight, **({} if bias is None else {"bias": bias}))
+    element_type(x=x, weight=weight, **({} if bias is None else {"bias": bias}))
     if x.strides[1] != x.itemsize:
         x = cupy.ascontiguousarray(x)
     weight = cupy.ascontiguousarray(weight)
@@ -230,7 +230,7 @@ def linear(x, weight, bias=None):
 
 
 def _gated(name, gate_up):
-    t = _element(gate_up=gate_up)
+    t = element_type(gate_up=gate_up)
     gate_up = cupy.ascontiguousarray(gate_up)
     tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
     _check_rows("intermediate size", inter)
@@ -248,7 +248,7 @@ gelu_tanh_mul = functools.partial(_gated, "gelu_tanh_mul")
 
 def sample(logits, temperature, top_k, top_p, log_min_p, seeds, counters):
     """cuda/sampling.cu: grid R (one row per block), 1024 threads."""
-    t = _element(logits=logits)
+    t = element_type(logits=logits)
     check_dtype(cupy.float32, temperature=temperature, top_p=top_p, log_min_p=log_min_p)
     check_dtype(cupy.int32, top_k=top_k, counters=counters)
     check_dtype(cupy.uint64, seeds=seeds)
@@ -265,7 +265,7 @@ def sample(logits, temperature, top_k, top_p, log_min_p, seeds, counters):
 
 def edit_logits(logits, rows, tokens, biases, penalties, shifts):
     """cuda/sampling.cu: a thread per edit, in place on contiguous logits (the step's)."""
-    t = _element(logits=logits)
+    t = element_type(logits=logits)
     check_dtype(cupy.int32, rows=rows, tokens=tokens)
     check_dtype(cupy.float32, biases=biases, penalties=penalties, shifts=shifts)
     if n := len(rows):
@@ -277,7 +277,7 @@ def edit_logits(logits, rows, tokens, biases, penalties, shifts):
 
 def mask_logits(logits, rows, masks):
     """cuda/sampling.cu: grid (M, ceil(V / 256)), a thread per token, in place."""
-    t = _element(logits=logits)
+    t = element_type(logits=logits)
     check_dtype(cupy.int32, rows=rows, masks=masks)
     if len(rows):
         kernel("sampling.cu", f"mask_logits<{t}>")(
@@ -295,7 +295,7 @@ def rope_store_kvcache(q, k, v, positions, cos_sin, cache, slot_mapping, q_norm=
     int8 (quantized here, per (token, KV head)), with or without the Hadamard key rotation;
     q_norm, k_norm (d,) of q's type or None. Returns the rotated q (Hadamard-rotated too),
     contiguous."""
-    t = _element(q=q, k=k, v=v)
+    t = element_type(q=q, k=k, v=v)
     cache_type, (k_scale, v_scale) = _check_cache(cache, "rope_store_kvcache", q.dtype)
     check_dtype(cupy.int32, positions=positions, slot_mapping=slot_mapping)
     check_dtype(cupy.float32, cos_sin=cos_sin)

@@ -70,9 +70,11 @@ def poisoned(monkeypatch, cupy):
     empty, empty_like = cupy.empty, cupy.empty_like
 
     def poison(a):
-        if a.dtype.kind in "fi" and a.nbytes < HUGE_BYTES:  # not the cuBLAS workspace, nor a pool
-            # past 2^31 elements, of which a case touches only the blocks it uses
-            a.fill(np.nan if a.dtype.kind == "f" else -7)
+        # uint16 holds bfloat16 bits, of which 0xFFFF is a NaN
+        if (a.dtype.kind in "fi" or a.dtype == np.uint16) and a.nbytes < HUGE_BYTES:
+            # not the cuBLAS workspace, nor a pool past 2^31 elements, of which a case touches
+            # only the blocks it uses
+            a.fill({"f": np.nan, "i": -7, "u": 0xFFFF}[a.dtype.kind])
         return a
 
     monkeypatch.setattr(cupy, "empty", lambda *a, **k: poison(empty(*a, **k)))

@@ -12,7 +12,7 @@ def add_lora(y, x, lora, batch):
     """cuda/lora.cu, in place on y: shrink then expand, each as BGMV over the decode rows and
     SGMV over the prefill chunks (grid y sized for the longest possible chunk)."""
     a, b, scales = lora
-    kernels.check_dtype(np.float16, y=y, x=x, a=a, b=b)
+    t = kernels.element_type(y=y, x=x, a=a, b=b)
     kernels.check_dtype(np.float32, scales=scales)
     kernels.check_dtype(np.int32, lora_slots=batch.lora_slots, cu_seqlens_q=batch.cu_seqlens_q)
     (slots, r, k), (tokens, n), d = a.shape, y.shape, batch.num_decodes
@@ -26,7 +26,7 @@ def add_lora(y, x, lora, batch):
         for rows, grid_y, grid_z in ((1, 1, d), (LORA_ROWS, -(-(tokens - d) // LORA_ROWS),
                                                  batch.cu_seqlens_q.size - 1)):
             if grid_y > 0 and grid_z > 0:
-                kernels.kernel("lora.cu", f"{name}<__half, {rows}>")(
+                kernels.kernel("lora.cu", f"{name}<{t}, {rows}>")(
                     (-(-widths[1] // 8), grid_y, grid_z), (256,),
                     (*inputs, batch.lora_slots, batch.cu_seqlens_q, np.int32(d),
                      *map(np.int32, widths)))
