@@ -24,6 +24,17 @@ GEMM_DEFAULT = -1       # cublasGemmAlgo_t CUBLAS_GEMM_DEFAULT: cuBLAS's heurist
 WORKSPACE_BYTES = 32 * 2**20
 
 
+def wheel_files(*pattern: str) -> list[str]:
+    """The files a glob pattern, its parts joined, matches in the nvidia-* wheels (pip's CUDA
+    libraries and headers), in order; none without them."""
+    try:
+        import nvidia
+    except ImportError:
+        return []
+    return sorted(f for root in nvidia.__path__
+                  for f in glob.glob(os.path.join(root, *pattern), recursive=True))
+
+
 def _candidates() -> list[str]:
     """Where libcublas.so.13 may be: where CuPy's cuda.pathfinder finds it, the CUDA toolkit,
     the nvidia cuBLAS wheel (pip installs), and last the dynamic loader's own search path."""
@@ -39,22 +50,13 @@ def _candidates() -> list[str]:
     for root in (os.environ.get("CUDA_PATH"), cupy.cuda.get_cuda_path(), "/usr/local/cuda"):
         if root:
             paths.append(os.path.join(root, "lib64", "libcublas.so.13"))
-    try:
-        import nvidia
-        for root in nvidia.__path__:
-            paths += sorted(glob.glob(os.path.join(root, "**", "lib", "libcublas.so*"),
-                                      recursive=True))
-    except ImportError:
-        pass
-    return paths + ["libcublas.so.13"]
+    return paths + wheel_files("**", "lib", "libcublas.so*") + ["libcublas.so.13"]
 
 
 @functools.cache
 def _library() -> ctypes.CDLL:
     for path in _candidates():
-        if os.path.sep in path and not os.path.isfile(path):
-            continue
-        try:
+        try:  # a path that is not there fails as a library that does not load
             lib = ctypes.CDLL(path)
         except OSError:
             continue

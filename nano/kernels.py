@@ -7,7 +7,6 @@ sources explain the algorithms). Importing it needs CuPy but no GPU, so CI compi
 kernel on a machine without one. Dtypes, launches and split-KV decode: docs/gpu-path.md.
 """
 import functools
-import glob
 import os
 from pathlib import Path
 
@@ -36,6 +35,7 @@ SWAP_UNITS = {16: "uint4", 2: "unsigned short"}  # copy unit of gather/scatter_b
 LORA_ROWS = 16  # the rows a block of cuda/lora.cu's SGMV instance serves; the BGMV one serves 1
 
 _PAIRS = [(t, c) for t in ELEMENT_TYPES.values() for c in (t, "int8_t")]  # (T, CacheT)
+# Each source in cuda/ and the template instances compiled of it (kernel names them so).
 _TEMPLATES = {
     "layers.cu": [f"{k}<{t}>" for t in ELEMENT_TYPES.values()
                   for k in ("rms_norm", "add_rms_norm", "silu_mul", "gelu_tanh_mul", "embedding")],
@@ -51,8 +51,6 @@ _TEMPLATES = {
     "lora.cu": [f"{k}<{t}, {rows}>" for t in ELEMENT_TYPES.values()
                 for k in ("lora_shrink", "lora_expand") for rows in (1, LORA_ROWS)],
 }
-SOURCES = ("layers.cu", "cache.cu", "sampling.cu", "paged_attention.cu", "prefill_attention.cu",
-           "lora.cu")
 
 
 @functools.cache
@@ -60,18 +58,9 @@ def _options() -> tuple:
     """NVRTC options: C++17, cuda/ (for common.cuh) and the directory holding cuda_fp16.h and
     cuda_bf16.h, which NVRTC 13 does not find by itself (the CUDA toolkit CuPy uses, or the
     nvidia-cuda-runtime wheel's include/)."""
-    candidates = []
-    cuda_path = cupy.cuda.get_cuda_path()
-    if cuda_path:
-        candidates.append(os.path.join(cuda_path, "include"))
-    try:
-        import nvidia
-        for root in nvidia.__path__:
-            candidates += [os.path.dirname(h) for h in
-                           glob.glob(os.path.join(root, "**", "include", "cuda_fp16.h"),
-                                     recursive=True)]
-    except ImportError:
-        pass
+    toolkit = cupy.cuda.get_cuda_path()  # None without one
+    candidates = [os.path.join(toolkit, "include")] if toolkit else []
+    candidates += map(os.path.dirname, cublas.wheel_files("**", "include", "cuda_fp16.h"))
     for include in candidates:
         if os.path.isfile(os.path.join(include, "cuda_fp16.h")):
             return ("-std=c++17", f"-I{CUDA_DIR}", f"-I{include}")
@@ -122,8 +111,7 @@ def _check_cache(cache, op: str, dtype):
     contiguous. Returns (CacheT, scale arrays for the kernels: the real ones, or empty float16
     arrays the T instances never read)."""
     k, v = cache.k, cache.v
-    types = {np.dtype(dtype): ELEMENT_TYPES[np.dtype(dtype)], np.dtype(np.int8): "int8_t"}
-    if k.dtype != v.dtype or np.dtype(k.dtype) not in types:
+    if k.dtype != v.dtype or k.dtype not in (dtype, np.int8):
         raise TypeError(f"{op}: KV cache must be {np.dtype(dtype)} or int8 (k and v alike), got "
                         f"{k.dtype} / {v.dtype}")
     if k.ndim != 4 or v.shape != k.shape:
@@ -147,7 +135,7 @@ def _check_cache(cache, op: str, dtype):
         raise ValueError(f"{op}: KV caches must be contiguous")
     if not quantized:
         scales = (cupy.empty(0, cupy.float16),) * 2  # never read by the T instances
-    return types[np.dtype(k.dtype)], scales
+    return "int8_t" if quantized else ELEMENT_TYPES[np.dtype(dtype)], scales
 
 
 def _check_attention(q, cache, nq, d, op):

@@ -92,7 +92,3 @@ class KVCache:
     def block_nbytes(self) -> int:
         """What one block holds, all layers and arrays."""
         return sum(a.nbytes // a.shape[2] for a in self.block_arrays())
-
-    def fill(self, value) -> None:
-        for a in self.block_arrays():
-            a.fill(value)

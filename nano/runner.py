@@ -44,7 +44,8 @@ class ModelRunner:
         """Write every page of the KV pool now: on the CPU np.zeros maps pages on first write,
         which steps would pay as page faults (docs/perf_notes.md). cupy.zeros writes a GPU pool."""
         if self.device.kind == "cpu":
-            self.kv_cache.fill(0)
+            for pool in self.kv_cache.block_arrays():
+                pool.fill(0)
 
     # ---- swap --------------------------------------------------------------------------
     def swap(self, blocks_out, blocks_in) -> tuple[int, float]:

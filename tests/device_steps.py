@@ -47,7 +47,7 @@ def compile_kernels(out: Path) -> None:
     onto the device."""
     from nano import kernels
     seconds = {}
-    for source in kernels.SOURCES:
+    for source in kernels._TEMPLATES:
         for instance in {kernels._type_of(e): e for e in kernels._TEMPLATES[source]}.values():
             start = time.perf_counter()
             kernels.kernel(source, instance)

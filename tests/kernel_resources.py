@@ -73,7 +73,7 @@ def compile_all(arch: str = "sm_90", extra_options: tuple = ()) -> dict[str, Bui
             nvrtc.destroyProgram(prog)
 
     # The longest first, on as many threads as cores (NVRTC compiles without holding the GIL).
-    names = sorted(kernels.SOURCES, key=lambda n: (kernels.CUDA_DIR / n).stat().st_size, reverse=True)
+    names = sorted(kernels._TEMPLATES, key=lambda n: (kernels.CUDA_DIR / n).stat().st_size, reverse=True)
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
         return dict(zip(names, pool.map(compile_one, names)))
 
