@@ -448,8 +448,8 @@ def prefill_attention(q, cache, cu_seqlens_q, block_tables, context_lens, scale,
 
 def attention(q, cache, batch, scale, window=None):
     """A step's attention (ops.step_attention) through these two kernels."""
-    return ops.step_attention(q, cache, batch, scale, window, paged_attention, prefill_attention,
-                              cupy.concatenate)
+    return ops.step_attention(q, cache, batch, scale, window, paged=paged_attention,
+                              prefill=prefill_attention, concatenate=cupy.concatenate)
 
 
 # The LoRA product's wrapper is nano/lora's (nano/lora/kernels.py), which puts it in a GPU

@@ -264,13 +264,7 @@ def prefill_attention(q, cache: LayerKV, cu_seqlens_q, block_tables, context_len
     return out
 
 
-def attention(q, cache: LayerKV, batch, scale, window=None):
-    """A step's attention (batch: model.ForwardBatch) through this module's two attentions."""
-    return step_attention(q, cache, batch, scale, window, paged_attention, prefill_attention,
-                          np.concatenate)
-
-
-def step_attention(q, cache: LayerKV, batch, scale, window, paged, prefill, concatenate):
+def step_attention(q, cache: LayerKV, batch, scale, window=None, *, paged, prefill, concatenate):
     """A step's attention from a set's paged and prefill attention (and its arrays' concatenate):
     the step's decode rows, which come first, through paged, its prefill chunks through prefill."""
     nd, tables, lens = batch.num_decodes, batch.block_tables, batch.context_lens
@@ -280,6 +274,11 @@ def step_attention(q, cache: LayerKV, batch, scale, window, paged, prefill, conc
     if nd == 0:
         return chunks
     return concatenate([paged(q[:nd], cache, tables[:nd], lens[:nd], scale, window), chunks])
+
+
+# A step's attention (batch: model.ForwardBatch) through this module's two attentions.
+attention = functools.partial(step_attention, paged=paged_attention, prefill=prefill_attention,
+                              concatenate=np.concatenate)
 
 
 def gather_blocks(pool, block_ids, out=None):
