@@ -35,6 +35,9 @@ ROPE_TYPES = {"default": {}, "llama3": {"factor": (1, 1024), "low_freq_factor": 
                                         "high_freq_factor": (1e-3, 1024),
                                         "original_max_position_embeddings": (1, 2**24)}}
 EVERY_FORWARD = {"partial_rotary_factor": 1.0}  # the keys no forward implements another value of
+# --dtype, vLLM's values: the element type of weights, activations and the KV pool on the GPU
+# (EngineConfig.element_dtype); the CPU path computes in float32.
+DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 @dataclass
@@ -71,6 +74,10 @@ class ModelConfig:
     # every RMSNorm multiplies by offset + weight (Gemma 3: 1 + w)
     norm_offset: float = 0.0
     architecture: str = "LlamaForCausalLM"  # a key of ARCHITECTURES
+    # --dtype auto on the GPU, by vLLM's rule: config.json's torch_dtype (transformers 5:
+    # dtype), but bfloat16 for float32 weights (vLLM's choice on sm_80+) and for Gemma 3, whose
+    # activations overflow float16
+    gpu_dtype: str = "bfloat16"
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
@@ -109,6 +116,8 @@ class ModelConfig:
         gemma, eos, vocab = (architecture == "Gemma3ForCausalLM", cfg.get("eos_token_id"),
                              count("vocab_size"))
         (rope_theta, rope_scaling), local_theta = _ropes(cfg, gemma)
+        torch_dtype = checks.choice("config.json torch_dtype",
+                                    cfg.get("dtype", cfg.get("torch_dtype", "float32")), DTYPES[1:])
         eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
         # Qwen2's and Qwen3's sliding_window counts only with use_sliding_window (fixed false).
         window = None if "use_sliding_window" in fixed else checks.integer(
@@ -143,6 +152,7 @@ class ModelConfig:
             sandwich_norms=gemma,
             norm_offset=1.0 if gemma else 0.0,
             architecture=architecture,
+            gpu_dtype="bfloat16" if gemma or torch_dtype == "float32" else torch_dtype,
         )
 
 
@@ -270,6 +280,7 @@ DEFAULT_KEY_SCHEME = "rotate"        # (kv_cache.py, docs/int8-kv.md)
 class EngineConfig:
     model: str | None = None                 # HF folder; None = the default model
     device: str = "auto"                     # auto | cpu | gpu
+    dtype: str = "auto"                      # one of DTYPES (element_dtype)
     block_size: int = 16                     # tokens per KV block
     kv_cache_memory: int | None = None       # bytes for the KV pool (None: num_blocks or a default)
     num_blocks: int | None = None            # overrides kv_cache_memory
@@ -302,6 +313,17 @@ class EngineConfig:
             return None
         return self.kv_int8_keys or DEFAULT_KEY_SCHEME
 
+    def element_dtype(self, model: ModelConfig, kind: str) -> str:
+        """The dtype a run on device `kind` computes in: --dtype, auto being the model's
+        (ModelConfig.gpu_dtype). The CPU path keeps float32 whatever is asked (its start-up
+        line says so), and the GPU's kernels have no float32."""
+        if kind == "cpu":
+            return "float32"
+        if self.dtype == "float32":
+            raise NanoError("--dtype float32 runs on the CPU only: the GPU's kernels are bfloat16 "
+                            "and float16 (give --dtype auto, bfloat16 or float16)")
+        return model.gpu_dtype if self.dtype == "auto" else self.dtype
+
     def validate(self) -> None:
         checks.integer("--block-size", self.block_size, low=1)
         if self.block_size & (self.block_size - 1):
@@ -325,5 +347,6 @@ class EngineConfig:
         if self.kv_int8_keys is not None and self.kv_cache_dtype != "int8":
             raise NanoError("--kv-int8-keys needs --kv-cache-dtype int8")
         checks.choice("--device", self.device, ("auto", "cpu", "gpu"))
+        checks.choice("--dtype", self.dtype, DTYPES)
         checks.integer("--seed", self.seed)
         checks.integer("--tp", self.tp, low=1)

@@ -1,5 +1,5 @@
-"""Where arrays live: the CPU (NumPy, float32) or a GPU (CuPy, float16), and how much memory
-each has free."""
+"""Where arrays live: the CPU (NumPy, float32) or a GPU (CuPy, bfloat16 or float16: --dtype),
+and how much memory each has free."""
 import os
 
 import numpy as np
@@ -7,8 +7,25 @@ import numpy as np
 from nano.errors import NanoError
 
 # bfloat16 on the GPU: its bits in uint16 arrays, the top half of a float32 (CuPy has no
-# bfloat16 dtype); the kernels round to it to nearest even (cuda/common.cuh).
+# bfloat16 dtype); the kernels round to it to nearest even (cuda/common.cuh), as from_float32.
 BFLOAT16 = np.dtype(np.uint16)
+
+
+def to_float32(x):
+    """A NumPy or CuPy array of float values as float32: bfloat16 bits widened, exactly."""
+    if x.dtype == BFLOAT16:
+        return (x.astype(np.uint32) << 16).view(np.float32)
+    return x.astype(np.float32, copy=False)
+
+
+def from_float32(x: np.ndarray, dtype) -> np.ndarray:
+    """Float values rounded to dtype, to nearest even: bfloat16 by adding 0x7FFF plus the
+    lowest bit kept, then dropping the low 16 bits, as the kernels round (infinities and the
+    canonical NaN stay what they are)."""
+    if dtype != BFLOAT16:
+        return np.ascontiguousarray(x, dtype=dtype)
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    return ((bits + np.uint32(0x7FFF) + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
 
 
 def select_device(name: str) -> str:
@@ -54,14 +71,14 @@ def host_memory() -> tuple[int, int]:
 
 
 class Device:
-    def __init__(self, kind: str, index: int = 0):
-        self.kind = kind
+    def __init__(self, kind: str, index: int = 0, dtype: str = "float32"):
+        """dtype: what its float arrays hold (EngineConfig.element_dtype's choice)."""
+        self.kind, self.dtype = kind, BFLOAT16 if dtype == "bfloat16" else np.dtype(dtype)
+        self.xp = np
         if kind == "gpu":
             import cupy
             cupy.cuda.Device(index).use()
-            self.xp, self.dtype = cupy, np.float16
-        else:
-            self.xp, self.dtype = np, np.float32
+            self.xp = cupy
 
     @property
     def itemsize(self) -> int:
@@ -74,7 +91,7 @@ class Device:
         dtype = np.float32 if keep_float32 else self.dtype
         if cpu_column_major and self.kind == "cpu":
             return np.asfortranarray(host, dtype=dtype)
-        return self.xp.asarray(np.ascontiguousarray(host, dtype=dtype))
+        return self.xp.asarray(from_float32(host, dtype))
 
     def free_memory(self) -> int:
         """Bytes that can still be allocated on this device."""

@@ -2,7 +2,8 @@
 
 Layout (one pool per TP rank, holding that rank's KV heads):
   data:   (num_layers, 2, num_blocks, nkv, block_size, d)   [:, 0] keys, [:, 1] values
-          the device's dtype (float16 GPU, float32 CPU), or int8 with --kv-cache-dtype int8
+          the device's dtype (--dtype's on a GPU, float32 on the CPU), or int8 with
+          --kv-cache-dtype int8
   scales: (num_layers, 2, num_blocks, nkv, block_size) float16, int8 pools only (docs/int8-kv.md)
 Why a block is contiguous per layer and KV head: docs/how-it-works.md#paged-kv-cache. A block's
 scales sit at the same (layer, k/v, block) index as its data, so whatever moves a block (swap,

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from nano.device import from_float32, to_float32
 from nano.errors import NanoError
 
 STOP = -1  # a step message's length that means "no more steps"
@@ -49,10 +50,10 @@ class Group:
             self.comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
             self.all_reduce_bytes += x.nbytes
         else:  # CuPy: through host memory (requirements.txt's Open MPI is built without CUDA),
-            # as float32 (MPI has no float16 sum)
-            buf = x.get().astype(np.float32)
+            # as float32 (MPI has no float16 or bfloat16 sum)
+            buf = to_float32(x.get())
             self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-            x.set(buf.astype(x.dtype))
+            x.set(from_float32(buf, x.dtype))
             self.all_reduce_bytes += buf.nbytes
         self.all_reduce_seconds += time.perf_counter() - start
         return x

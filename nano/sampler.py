@@ -4,6 +4,7 @@ A sequence's draws depend on its seed and output count, never on its batch
 it returns."""
 import numpy as np
 
+from nano.device import to_float32
 from nano.ops import OpSet
 from nano.plan import Sample, Score
 from nano.sequence import Sequence
@@ -21,7 +22,7 @@ class Sampler:
             logits = logits[[row for sample in samples for row in sample.rows]]
         seqs = [sample.seq for sample, _ in rows]
         keep = [i for i, seq in enumerate(seqs) if seq.params.return_logits]
-        kept = iter(self.device.to_host(logits[keep]).astype(np.float32) if keep else [])
+        kept = iter(to_float32(self.device.to_host(logits[keep])) if keep else [])
         returned = [[next(kept) for _ in s.rows] if s.seq.params.return_logits else []
                     for s in samples]
         logits = self._process(logits, rows)
@@ -62,7 +63,7 @@ class Sampler:
             return []
         xp, targets = self.device.xp, [score.target for score in scores]
         k = min(max(score.seq.params.prompt_logprobs for score in scores), logits.shape[1])
-        logp = logits[[score.row for score in scores]].astype(xp.float32)
+        logp = to_float32(logits[[score.row for score in scores]])
         logp -= logp.max(axis=1, keepdims=True)
         logp -= xp.log(xp.exp(logp).sum(axis=1, keepdims=True))
         chosen = logp[xp.arange(len(targets)), xp.asarray(np.asarray(targets, np.int64))]

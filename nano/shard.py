@@ -44,7 +44,8 @@ def load_shard(config: EngineConfig, group: parallel.Group) -> Shard:
         # The batch-invariant ops (invariant.BATCH_INVARIANT) are NumPy's.
         if config.batch_invariant and kind == "gpu":
             raise NanoError("--batch-invariant is CPU-only")
-        device = Device(kind, gpu_of(group.rank) if kind == "gpu" else 0)
+        device = Device(kind, gpu_of(group.rank) if kind == "gpu" else 0,
+                        config.element_dtype(cfg, kind))
         if config.key_scheme == "rotate" and cfg.head_dim & (cfg.head_dim - 1):
             raise NanoError(f"--kv-int8-keys rotate needs a power-of-two head dim, the model's is "
                             f"{cfg.head_dim} (give --kv-int8-keys token)")

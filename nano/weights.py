@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from nano.config import ModelConfig
+from nano.device import to_float32
 from nano.errors import NanoError, read_json
 from nano.tokenizer import Tokenizer
 from nano.tp import check_checkpoint
@@ -154,10 +155,7 @@ class CheckpointReader:
             arr = arr[rows]
         if cols is not None:  # of a matrix: tp.load_model checks each tensor's shape first
             arr = arr[:, cols]
-        if dtype == "BF16":
-            # bfloat16 is the top half of a float32.
-            return (np.ascontiguousarray(arr, dtype=np.uint32) << 16).view(np.float32)
-        return np.ascontiguousarray(arr, dtype=np.float32)
+        return np.ascontiguousarray(to_float32(arr))  # BF16's bits are device.BFLOAT16's
 
     def _entry(self, name):
         try:

@@ -5,8 +5,10 @@
 # after its limit; the budget of each, its CPU half and its time on an H200: docs/h200_figures.md),
 # so a hang costs its step, not the call.
 #   preflight      CuPy imports and sees a device (else it stops here, non-zero)
-#   compile        every cuda/*.cu module built by NVRTC and loaded (CuPy caches the builds)
-#   kernels, graphs, engine_*, disagg   the GPU tests (-m gpu), one limit per test as well
+#   compile        every cuda/*.cu module built by NVRTC and loaded (CuPy caches the builds),
+#                  one per source and element type (float16, bfloat16)
+#   kernels, graphs, engine_*, disagg   the GPU tests (-m gpu), one limit per test as well;
+#                  kernels: every kernel test in float16 and bfloat16, LoRA's too
 #   bench_kernels  the attention kernel benchmark (tests/bench_kernels.py)
 #   bench_engine   run.py --bench on random models in real shapes (tests/device_bench.sh)
 # Every figure is written as JSON under $OUT (a temporary folder without it): device.json,

@@ -89,6 +89,7 @@ def test_bench_workload_is_drawn_from_seed(tenants):
     (["--prompt-file", "PROMPTS", "--block-size", 12], "power of two"),
     (["--prompt-file", "PROMPTS", "--kv-cache-memory", "lots"], "byte size"),
     (["--prompt-file", "PROMPTS", "--preemption", "never"], "--preemption"),
+    (["--prompt-file", "PROMPTS", "--dtype", "half"], "--dtype must be auto, bfloat16, float16 or float32, got 'half'"),
     (["--prompt-file", "PROMPTS", "--max-num-batched-tokens", 0], "max-num-batched-tokens"),
     (["--prompt-file", "PROMPTS", "--no-such-flag"], "unrecognized arguments"),
     (["--bench", "--input-len", "10:5"], "--input-len"),

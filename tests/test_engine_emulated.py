@@ -1,10 +1,10 @@
 """The engine's GPU path on the CPU emulator (tests/cuda_host), against the CPU path, in every
-run: float16 weights and KV cache, every kernel, cuBLAS through nano/cublas.py's ctypes calls
+run: float16 and bfloat16 weights and KV cache (--dtype), every kernel, cuBLAS through nano/cublas.py's ctypes calls
 (the stand-in library), device sampling, CUDA graphs for decode steps (recorded and replayed
 by the CuPy stand-in), prompt logprobs on device arrays, disaggregated KV handoffs between two
 GPU pools, a Qwen3 model (its q/k head norms), a Gemma 3 model (GeGLU, its norms, sliding
 and global layers with their own RoPE tables), and tensor parallelism's all-reduce on device
-arrays under mpirun -n 2. These are tests/test_engine_gpu.py's, test_graphs_gpu.py's and
+arrays under mpirun -n 2 (in bfloat16, whose sums convert through float32). These are tests/test_engine_gpu.py's, test_graphs_gpu.py's and
 test_disagg.py's GPU checks, in a small shape (head dim 64, GQA group 2).
 
 Each runs in a subprocess (this file as a script) in which the emulator's CuPy stand-in is
@@ -38,28 +38,30 @@ def test_gpu_engine_path_matches_cpu_on_the_emulator(tmp_path):
     done = subprocess.run([sys.executable, __file__, "engine", str(tmp_path)], capture_output=True,
                           text=True, timeout=600, cwd=TESTS.parent)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    for what in ("configs agree", "graphs agree", "prompt logprobs agree", "speculation agrees", "disaggregated handoffs agree", "lora agrees",
-                 "qwen3 agrees", "gemma3 agrees"):
+    for what in ("configs agree", "bfloat16 agrees", "graphs agree", "prompt logprobs agree", "speculation agrees",
+                 "disaggregated handoffs agree", "lora agrees", "qwen3 agrees", "gemma3 agrees"):
         assert what in done.stdout, what
 
 
 @needs_mpi
 def test_tensor_parallel_on_device_arrays_matches_cpu_on_the_emulator(tmp_path):
-    """mpirun -n 2, --tp 2 on the emulated GPU: the all-reduces go through device arrays
-    (parallel.Group.all_reduce's CuPy branch); rank 0's greedy tokens and logits against one
-    CPU rank's."""
+    """mpirun -n 2, --tp 2 on the emulated GPU in bfloat16: the all-reduces go through device
+    arrays (parallel.Group.all_reduce's CuPy branch, bfloat16 widened to float32 and rounded
+    back); rank 0's greedy tokens and logits against one CPU rank's."""
     from reference import assert_greedy_runs_agree, make_random_model
-    from test_engine_gpu import LOGIT_TOL, generate, prompts_for
+    from nano.device import BFLOAT16
+    from test_engine_gpu import LOGIT_TOLS, generate, prompts_for
     model = make_random_model(tmp_path / "model", max_pos=1024, dtype="float16", seed=7, **SHAPE)
     done = launch([__file__, "tp", str(model), str(tmp_path / "gpu.pkl")], ranks=2)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     gpu = pickle.loads((tmp_path / "gpu.pkl").read_bytes())
     cpu = generate(model, "cpu", prompts_for(SHAPE["vocab"]), num_blocks=256)[1]
-    assert_greedy_runs_agree(cpu, gpu, LOGIT_TOL)
+    assert_greedy_runs_agree(cpu, gpu, LOGIT_TOLS[BFLOAT16])
 
 
 def engine_checks(workdir: str) -> None:
     from nano.config import EngineConfig
+    from nano.device import BFLOAT16
     from nano.engine import LLMEngine
     from nano.errors import NanoError
     from test_disagg import check_gpu_handoff
@@ -76,17 +78,26 @@ def engine_checks(workdir: str) -> None:
         assert engine.device.xp.__name__.endswith("cupy_stub") and engine.runner.graphs.captured
         print(name, "agrees:", [s.output_token_ids for s in gpu][:2])
     print(f"{len(GPU_CONFIGS)} configs agree")
+    # The float16 checkpoint in bfloat16 (--dtype): weights rounded on loading, every kernel's
+    # bfloat16 instance, a bfloat16 or int8 pool, decode graphs.
+    for name in ("default", "int8_chunked_prefill"):
+        engine, _ = check_gpu_config(model_dir, prompts, name, cpu_runs, dtype="bfloat16")
+        assert engine.device.dtype == BFLOAT16 and engine.runner.graphs.captured
+    print("bfloat16 agrees")
     for kv in ("auto", "int8"):
         check_graphs_keep_greedy_output(model_dir, SHAPE["vocab"], kv, max_tokens=(2, 3, 4, 6, 8, 10, 12))
         check_replay_with_padding(model_dir, 3 if kv == "auto" else 13, kv)
     print("graphs agree with eager steps")
-    print(f"prompt logprobs agree: largest difference {check_prompt_logprobs(model_dir, prompts[:2]):.2e}")
+    for dtype in ("float16", "bfloat16"):
+        worst = check_prompt_logprobs(model_dir, prompts[:2], dtype=dtype)
+        print(f"prompt logprobs agree in {dtype}: largest difference {worst:.2e}")
     kinds = check_speculation(model_dir, prompts[:3])
     print(f"speculation agrees: {kinds.accepted} drafts accepted; steps {Counter(kinds.kinds)}")
     for kv in ("auto", "int8"):
         check_gpu_handoff(model_dir, kv)
     print("disaggregated handoffs agree")
-    check_lora(model_dir, prompts[:3], Path(workdir) / "lora")
+    for dtype in ("float16", "bfloat16"):
+        check_lora(model_dir, prompts[:3], Path(workdir) / "lora", dtype)
     print("lora agrees")
     qwen3 = make_random_model(Path(workdir) / "qwen3", max_pos=1024, dtype="float16", seed=7, qwen3=True, **SHAPE)
     for name in ("default", "int8"):  # its q/k head norms in the cache-writing kernel, eager and in graphs
@@ -94,7 +105,8 @@ def engine_checks(workdir: str) -> None:
     print("qwen3 agrees")
     gemma3 = families.make_model("gemma3_text", Path(workdir) / "gemma3", edit={"head_dim": 64})
     for name in ("default", "chunked_prefill", "int8"):  # GeGLU, sandwich norms, two RoPE tables, windows of 12
-        check_gpu_config(gemma3, prompts, name, cpu_runs)
+        engine, _ = check_gpu_config(gemma3, prompts, name, cpu_runs)
+        assert engine.device.dtype == BFLOAT16  # float32 weights, and Gemma 3: bfloat16 by default
     print("gemma3 agrees")
     with pytest.raises(NanoError, match="--batch-invariant is CPU-only"):
         LLMEngine(EngineConfig(model=str(model_dir), device="gpu", batch_invariant=True))
@@ -107,12 +119,13 @@ def tensor_parallel_rank(model_dir: str, out: str) -> None:
     from nano.engine import LLMEngine
     from nano.fleet.worker import Worker
     from test_engine_gpu import generate, prompts_for
-    config = dict(num_blocks=256, tp=2)
+    config = dict(num_blocks=256, tp=2, dtype="bfloat16")
     if parallel.tp_group().rank:
         Worker(EngineConfig(model=model_dir, device="gpu", **config)).run()
         return
     engine, seqs = generate(model_dir, "gpu", prompts_for(SHAPE["vocab"]), **config)
     assert isinstance(engine, LLMEngine) and engine.device.kind == "gpu" and engine.group.world == 2
+    assert engine.device.dtype.name == "uint16"  # bfloat16's bits
     engine.stop_workers()
     Path(out).write_bytes(pickle.dumps([SimpleNamespace(seq_id=s.seq_id, output_token_ids=s.output_token_ids,
                                                         logits=s.logits) for s in seqs]))

@@ -133,7 +133,8 @@ def capacity_report(config: EngineConfig) -> CapacityReport:
     folder = open_model(config.model, tokenizer=False)
     cfg = folder.config
     bias, tied = cfg.attention_bias, cfg.tie_word_embeddings
-    device = Device(select_device(config.device))
+    kind = select_device(config.device)
+    device = Device(kind, 0, config.element_dtype(cfg, kind))
     shards = [partition(cfg, r, config.tp) for r in range(config.tp)]
     weight_bytes = [shard_num_params(cfg, s, bias, tied) * device.itemsize for s in shards]
     free = device.free_memory()

@@ -10,7 +10,7 @@ from nano import checks
 from nano.chat import template
 from nano.cli.output import check_writable
 from nano.cli.prompts import ms, read_requests
-from nano.config import DEFAULT_KEY_SCHEME, STEP_TARGET, TOKEN_BUDGET, EngineConfig
+from nano.config import DEFAULT_KEY_SCHEME, DTYPES, STEP_TARGET, TOKEN_BUDGET, EngineConfig
 from nano.errors import NanoError
 from nano.sequence import FIELD_RULES, SamplingParams
 from nano.telemetry.watchdog import DEFAULT_STALL_TIMEOUT
@@ -73,6 +73,9 @@ def add_engine_arguments(e) -> None:
     e.add_argument("--model", default=ENGINE.model, help="a Hugging Face model folder, or a name fetched "
                    "into weights/ on first use: SmolLM2-135M-Instruct (the default), gemma-3-270m")
     e.add_argument("--device", default=ENGINE.device, help="auto | cpu | gpu")
+    e.add_argument("--dtype", default=ENGINE.dtype, help=" | ".join(DTYPES) + ": the GPU's weights, "
+                   "activations and KV (auto: the checkpoint's torch_dtype; bfloat16 for float32 ones and "
+                   "Gemma 3); the CPU computes in float32")
     e.add_argument("--block-size", type=int, default=ENGINE.block_size)
     e.add_argument("--kv-cache-memory", type=parse_bytes, default=ENGINE.kv_cache_memory,
                    help="bytes for the KV pool, e.g. 2GB")
@@ -88,7 +91,7 @@ def add_engine_arguments(e) -> None:
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--preemption", default=ENGINE.preemption, help="swap | recompute | auto")
     e.add_argument("--kv-cache-dtype", default=ENGINE.kv_cache_dtype,
-                   help="auto (float16 GPU, float32 CPU) | int8 (per-token scales; 2x / 4x the blocks)")
+                   help="auto (--dtype's) | int8 (per-token scales; 2x / 4x the blocks)")
     e.add_argument("--kv-int8-keys", default=ENGINE.kv_int8_keys,
                    help="int8 keys: token (as they are) | rotate (Hadamard-rotated); default " + DEFAULT_KEY_SCHEME)
     e.add_argument("--tp", type=int, default=ENGINE.tp, help="tensor-parallel ranks: run under mpirun -n TP")
@@ -135,7 +138,7 @@ def parse_range(text: str, name: str) -> tuple[int, int]:
 
 def engine_config(args) -> EngineConfig:
     return EngineConfig(
-        model=args.model, device=args.device, block_size=args.block_size,
+        model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks, swap_space=args.swap_space,
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, watermark=args.watermark,

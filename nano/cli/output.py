@@ -11,6 +11,7 @@ import numpy as np
 from tqdm import tqdm
 
 from nano import invariant, kv_cache, ops, parallel, tp
+from nano.device import BFLOAT16
 from nano.errors import NanoError
 from nano.fleet.world import started
 from nano.telemetry.export import MetricsWriter, writing
@@ -38,7 +39,8 @@ def describe(engine) -> str:
     config, (num_blocks, _, num_swap_blocks, _) = engine.config, engine.kv_blocks()
     bs, per_token = config.block_size, engine.kv_bytes_per_token
     per_seq = -(-engine.max_model_len // bs)
-    return (f"model {engine.model_name} on {engine.device.kind}: weights {engine.weight_bytes / 1e6:.0f} MB; "
+    return (f"model {engine.model_name} on {engine.device.kind} ({_dtype(engine)}): "
+            f"weights {engine.weight_bytes / 1e6:.0f} MB; "
             f"KV cache {per_token} bytes/token "
             f"({kv_label(config.kv_cache_dtype, config.key_scheme, engine.device.dtype)}), "
             f"{num_blocks} blocks of {bs} tokens "
@@ -50,10 +52,24 @@ def describe(engine) -> str:
 
 
 def kv_label(kv_cache_dtype: str, key_scheme: str | None, device_dtype) -> str:
-    """What a KV pool holds, for start-up lines and plans: 'float16', or 'int8, rotate keys'."""
+    """What a KV pool holds, for start-up lines and plans: 'bfloat16', or 'int8, rotate keys'."""
     if kv_cache_dtype == "int8":
         return f"int8, {key_scheme} keys"
-    return np.dtype(device_dtype).name
+    return dtype_name(device_dtype)
+
+
+def dtype_name(dtype) -> str:
+    """A device dtype's name: bfloat16 for its bits' uint16 arrays."""
+    return "bfloat16" if np.dtype(dtype) == BFLOAT16 else np.dtype(dtype).name
+
+
+def _dtype(engine) -> str:
+    """The dtype the engine computes in, and, once per run, that the CPU path keeps float32
+    where --dtype asked for another."""
+    name, asked = dtype_name(engine.device.dtype), engine.config.dtype
+    if asked in ("auto", name):
+        return name
+    return f"{name}: --dtype {asked} is the GPU's; the CPU path computes in float32"
 
 
 def _ops(chosen: ops.OpSet) -> str:

@@ -19,7 +19,7 @@ import numpy as np
 
 from nano import checks
 from nano.config import ModelConfig
-from nano.device import Device
+from nano.device import Device, from_float32
 from nano.errors import NanoError
 from nano.ops import OpSet
 from nano.lora.peft import Adapter, LoRARequest, check_request, read_adapter
@@ -199,7 +199,8 @@ class AdapterPool:
                         b[top:top + height, j * big:j * big + r] = \
                             full_b[self.rows.get(module, slice(None))]
                     top += height
-                a_pool[slot], b_pool[slot] = self.device.xp.asarray(a), self.device.xp.asarray(b)
+                a_pool[slot], b_pool[slot] = (self.device.xp.asarray(from_float32(w, pool.dtype))
+                                              for w, pool in ((a, a_pool), (b, b_pool)))
         self.scales[slot] = adapter.scale
         self.slots[adapter_id] = slot
         self.loads += 1

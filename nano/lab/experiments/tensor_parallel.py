@@ -8,6 +8,7 @@ import os
 
 from nano import kv_cache
 from nano.bench.capacity import shard_num_params
+from nano.config import EngineConfig
 from nano.device import Device, select_device
 from nano.disagg.compare import mpirun_command, run_summary
 from nano.lab.experiment import Experiment, Size, model_of
@@ -30,7 +31,8 @@ def shard_bytes(size: Size, world: int) -> list[dict]:
     folder = open_model(model_of(size), tokenizer=False)
     cfg = folder.config
     bias, tied = cfg.attention_bias, cfg.tie_word_embeddings
-    itemsize = Device(select_device(size.device)).itemsize
+    kind = select_device(size.device)
+    itemsize = Device(kind, 0, EngineConfig().element_dtype(cfg, kind)).itemsize
     out = []
     for rank in range(world):
         part = partition(cfg, rank, world)
