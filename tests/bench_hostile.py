@@ -14,8 +14,8 @@ Two parts, on `run.py --serve --device cpu` (the default model) in a subprocess:
 3. Load: --clients clients for --minutes, a quarter sending hostile requests, a quarter
    dropping their streams after a few tokens, half ordinary (streams, and chat with a small
    JSON schema). Reports 5xx answers, ordinary requests that did not get their whole result,
-   whether the server lived, its RSS (at the start, its largest, at the end, and at each
-   minute), and /health answer times.
+   whether the server lived, its memory (proportional set size, with its engine's process: at
+   the start, its largest, at the end, and at each minute), and /health answer times.
 """
 import argparse
 import json
@@ -164,10 +164,15 @@ def controls_cost() -> dict:
 
 
 def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    """The server's memory: its process's and its children's (the engine's process, forked from
+    it) proportional set sizes, so that the pages they share (the weights) count once."""
+    pids = [pid] + [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    total = 0
+    for p in pids:
+        for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                total += int(line.split()[1])
+    return total / 1024
 
 
 def load_client(url: str, model: str, kind: str, seed: int, until: float, out: list) -> None:
@@ -228,7 +233,7 @@ def load(url: str, model: str, pid: int, clients: int, minutes: float) -> dict:
             "5xx": sum(isinstance(r["status"], int) and r["status"] >= 500 for r in out),
             "ordinary_lost": sum(not (r["status"] == 200 and r["whole"]) for r in ordinary),
             "hostile_statuses": sorted({(r["what"], r["status"]) for r in out if r["kind"] == "hostile"}),
-            "rss_mb": {"start": rss[0][1], "max": max(m for _, m in rss), "end": rss[-1][1],
+            "memory_mb": {"start": rss[0][1], "max": max(m for _, m in rss), "end": rss[-1][1],
                        "each_minute": [m for t, m in rss if t % 60 < 5][1:]},
             "polls": poller.summary()}
 

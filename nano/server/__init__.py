@@ -8,6 +8,7 @@
   middleware.py     what every request passes first: body size, Host header, one log line
   completions.py    what it answers: one response or a stream, usage and logprobs in OpenAI's shapes
   engine_thread.py  the thread that owns the engine: jobs in, steps, text and logprobs out
+  engine_process.py that thread in a process of its own, forked at the start, fed through a pipe
   limits.py         what one request may ask for (the --serve flags' defaults)
   cli.py            run.py --serve: its flags, their checks, the server started
 """

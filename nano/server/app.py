@@ -28,6 +28,7 @@ every request is one line on the "nano.server" logger (AccessLog), escaped (LogF
 import asyncio
 import gc
 import secrets
+import signal
 import uuid
 import warnings
 
@@ -39,6 +40,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from nano.cli.output import exit_on_error
+from nano.errors import NanoError
 from nano.server import __version__, tool_parsers, tools
 from nano.server.adapters import Adapters, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from nano.server.limits import CORS, SHUTDOWN_TIMEOUT, Limits
@@ -49,6 +52,7 @@ from nano.server.responses_schemas import ResponsesRequest
 from nano.server.schemas import (BadRequest, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                  error_response, errors)
 from nano.server.serving import Server
+from nano.telemetry.watchdog import alone
 
 # What /openapi.json says the routes answer beyond JSON: a generation, with "stream": true,
 # server-sent events (and the errors it may end in); /metrics, Prometheus's text format.
@@ -68,16 +72,18 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
                api_key: str | None = None, hosts: list[str] = ("*",), stall_timeout: float | None = None,
                chat_template: str | None = None, tool_parser: str | None = None, auto_tools: bool = False,
                cors: dict = CORS, served_names: list[str] | None = None,
-               generation_defaults: dict | None = None, adapters: Adapters | None = None) -> FastAPI:
+               generation_defaults: dict | None = None, adapters: Adapters | None = None,
+               own_process: bool = False) -> FastAPI:
     """The FastAPI app; its engine thread starts with the app and stops with it. chat_template:
     the template's text in place of the model's; tool_parser, auto_tools: tools.py's; cors:
     CORSMiddleware's arguments (limits.CORS: vLLM's defaults); served_names: the model's names
     (None: its folder's); generation_defaults: generation_config.read's; adapters: the LoRA
-    adapters served (adapters.py), or None."""
+    adapters served (adapters.py), or None; own_process: the engine steps in a child process
+    (engine_process.py)."""
     if tool_parser is not None:
         tool_parsers.parser(tool_parser)  # an unknown name: a ValueError naming it
     server = Server(engine, max_queued, metrics, limits, stall_timeout, chat_template, tool_parser, auto_tools,
-                    served_names, generation_defaults, adapters)
+                    served_names, generation_defaults, adapters, own_process)
     # Every route may answer 400 for a Host header not allowed; the routes add what else they answer.
     app = FastAPI(title="nano", lifespan=_lifespan(server), responses=errors(400) if "*" not in hosts else None)
     app.state.server = server
@@ -134,8 +140,9 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
     @app.get("/metrics", response_class=Response, responses=METRICS)
     async def metrics():
         # The registry as the engine thread last set it (after its last step, request added or
-        # abort): a step in progress never delays the answer.
-        return Response(server.thread.export.text(), media_type=CONTENT_TYPE_LATEST)
+        # abort): a step in progress never delays the answer. Rendered on a worker thread, since
+        # an engine in its own process renders it there and sends it back.
+        return Response(await asyncio.to_thread(server.thread.export.text), media_type=CONTENT_TYPE_LATEST)
 
     guard, refused = ([Depends(_key_check(api_key))], errors(401)) if api_key else ([], {})
     v1 = APIRouter(prefix="/v1", dependencies=guard, responses=refused)
@@ -315,8 +322,14 @@ def serve(engine, host: str, port: int, max_queued: int, metrics=None, limits: L
           tool_parser: str | None = None, auto_tools: bool = False, cors: dict = CORS,
           served_names: list[str] | None = None, generation_defaults: dict | None = None,
           adapters: Adapters | None = None) -> None:
+    """The server until a signal ends it, or its engine's process ends (then one error line, status 1).
+    The engine steps in a process of its own when it is the whole run on the CPU: not under
+    mpirun (its ranks step together), not a data-parallel front, not with LoRA adapters (whose
+    host copies the server's side reads), not on a GPU (a CUDA context does not survive a fork)."""
+    own_process = (alone() and adapters is None and not hasattr(engine, "snapshot")
+                   and engine.device.kind == "cpu")
     app = create_app(engine, max_queued, metrics, limits, api_key, hosts, stall_timeout, chat_template, tool_parser,
-                     auto_tools, cors, served_names, generation_defaults, adapters)
+                     auto_tools, cors, served_names, generation_defaults, adapters, own_process)
     # Before the first request: the grammars' vocabulary, then the heap as it stands frozen out of
     # the collector's full passes (vLLM's freeze_gc_heap), each of which would otherwise walk every
     # object of the model, tokenizer and app while all threads wait (0.1 s and more on 2 cores).
@@ -328,4 +341,10 @@ def serve(engine, host: str, port: int, max_queued: int, metrics=None, limits: L
     # server ends its requests before it.
     config = uvicorn.Config(app, host=host, port=port, log_config=log_config(log_level), log_level=log_level,
                             access_log=False, timeout_graceful_shutdown=shutdown_timeout + 5)
-    _Uvicorn(config, app.state.server, shutdown_timeout).run()
+    server = app.state.server
+    http = _Uvicorn(config, server, shutdown_timeout)
+    if own_process:
+        server.thread.on_death = lambda: http.handle_exit(signal.SIGTERM, None)
+    http.run()
+    if own_process and server.thread.error:  # a failure, not bad input: status 1
+        exit_on_error(NanoError(f"engine stopped: {server.thread.error}"), 1)

@@ -120,7 +120,13 @@ class Job:
     adapter: Adapter | None = None       # its weights, read again on a worker thread: host memory had dropped them
 
     def put(self, event: dict) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        if self.loop is None:  # in the engine's own process (engine_process.py): events relays them
+            self.events.put_nowait(event)
+        else:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    def __getstate__(self):  # to the engine's own process, which gives the job a way back
+        return {**self.__dict__, "events": None, "loop": None}
 
 
 class EngineThread(threading.Thread):

@@ -23,6 +23,7 @@ from nano.structured.stack import lower_priority
 from nano.weights import resolve_model
 from nano.lora.peft import LoRARequest
 from nano.server.adapters import Adapters
+from nano.server.engine_process import EngineProcess
 from nano.server.engine_thread import EngineThread, Job, StopStrings
 from nano.server.limits import Limits
 from nano.server.schemas import BadRequest, Message, Sampling, error_response
@@ -35,7 +36,9 @@ class Server:
     def __init__(self, engine, max_queued: int = 256, metrics=None, limits: Limits = Limits(),
                  stall_timeout: float | None = None, chat_template: str | None = None,
                  tool_parser: str | None = None, auto_tools: bool = False, served_names: list[str] | None = None,
-                 generation_defaults: dict | None = None, adapters: Adapters | None = None):
+                 generation_defaults: dict | None = None, adapters: Adapters | None = None,
+                 own_process: bool = False):
+        """own_process: the engine steps in a child process (engine_process.py), else on a thread here."""
         self.engine, self.max_queued, self.limits = engine, max_queued, limits
         self.adapters = adapters  # the LoRA adapters requests may name (adapters.py), or None
         # --chat-template (None: the model's), --tool-call-parser, --enable-auto-tool-choice (tools.py)
@@ -46,7 +49,9 @@ class Server:
         self.model_dir = resolve_model(engine.config.model)  # the folder the weights came from
         # --generation-config's (generation_config.py): what a request that leaves a field out gets
         self.defaults = generation_defaults or {}
-        self.thread = EngineThread(engine, metrics, stall_timeout, self.model_name, adapters and adapters.pool)
+        thread_args = (engine, metrics, stall_timeout, self.model_name, adapters and adapters.pool)
+        self.thread = (EngineProcess(thread_args, lambda: [self.vocabulary]) if own_process
+                       else EngineThread(*thread_args))
         self.open: set[Job] = set()  # jobs submitted and not yet ended (event loop only)
         self.created = int(time.time())
         self.closing = False  # shutting down: no new requests

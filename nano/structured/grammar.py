@@ -208,13 +208,20 @@ class Grammar(LogitsProcessor):
     def __setstate__(self, state):
         self.__dict__.update(state, _compiled=None)  # compiled again when first needed
 
+    def compile_again(self) -> None:
+        """Compile now what a pickle left out, and compute a first mask, which builds the lexer
+        that every later mask shares: on the caller's thread rather than in the first step that
+        needs them."""
+        if self._compiled is None:
+            self._compiled = self._compile()
+            self._fill(self._compiled.deep_copy())
+
     def state(self, seq: Sequence, ahead: list[int] = ()) -> MatcherState:
         """seq's matcher, having consumed seq's output tokens and then `ahead` (made, or rebuilt,
         as needed): tokens it consumed that differ (taken back, or drafts rejected) rolled back."""
         state = seq.processor_state
         if state is None or state.matcher is None:
-            if self._compiled is None:
-                self._compiled = self._compile()
+            self.compile_again()
             state = seq.processor_state = MatcherState(self._compiled.deep_copy())
         out = seq.output_token_ids + list(ahead)
         n = min(len(state.consumed), len(out))
