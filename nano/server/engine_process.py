@@ -38,6 +38,7 @@ from nano.errors import NanoError
 from nano.server.engine_thread import EngineThread
 from nano.structured.compose import Chain
 from nano.structured.grammar import Grammar
+from nano.structured.stack import lower_priority
 
 log = logging.getLogger("nano.server")
 FORK = multiprocessing.get_context("fork")
@@ -199,7 +200,9 @@ def _receive(conn, shared: dict, ordered: queue.Queue, thread: EngineThread, sen
 def _feed(ordered: queue.Queue, thread: EngineThread, send) -> None:
     """The child's feeder: each job's grammars compiled (a pickle carries a grammar's source,
     not llguidance's compiled form), off the stepping thread, then the job to the engine thread;
-    aborts and adapters after it, in order."""
+    aborts and adapters after it, in order. At the compile threads' lower priority, so that where
+    cores are few the steps go first."""
+    lower_priority()
     jobs = weakref.WeakValueDictionary()  # number -> job, while the engine thread holds the job
     grammars: OrderedDict[str, Grammar] = OrderedDict()  # by source: a request's choices share one
     while (message := ordered.get()) is not None:
