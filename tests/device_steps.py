@@ -7,9 +7,11 @@
 Each exits non-zero, with one `error: ...` line, when its step failed: CuPy missing, no device,
 a test failed, or no test passed (all skipped: a GPU test suite that ran nothing)."""
 import json
+import os
 import sys
 import time
 import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -44,15 +46,21 @@ def preflight(out: Path) -> None:
 def compile_kernels(out: Path) -> None:
     """Each module's first kernel fetched, a module per source and element type: NVRTC
     compiles the module (CuPy caches it on disk for the steps after this one) and it is loaded
-    onto the device."""
+    onto the device. The modules build on threads, as many as cores (NVRTC runs without the
+    GIL): one after the other, float16's alone took 48-62 s of the step's 75 on an H200
+    (docs/h200_figures.md), and bfloat16 doubles the attention modules, the longest."""
     from nano import kernels
-    seconds = {}
-    for source in kernels._TEMPLATES:
-        for instance in {kernels._type_of(e): e for e in kernels._TEMPLATES[source]}.values():
-            start = time.perf_counter()
-            kernels.kernel(source, instance)
-            seconds[instance] = round(time.perf_counter() - start, 2)
-            print(f"{source} {instance}: {seconds[instance]} s", flush=True)
+    jobs = [(source, instance) for source in kernels._TEMPLATES
+            for instance in {kernels._type_of(e): e for e in kernels._TEMPLATES[source]}.values()]
+
+    def build(job) -> float:
+        start = time.perf_counter()
+        kernels.kernel(*job)
+        print(f"{job[0]} {job[1]}: {time.perf_counter() - start:.2f} s", flush=True)
+        return round(time.perf_counter() - start, 2)
+
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        seconds = dict(zip((instance for _, instance in jobs), pool.map(build, jobs)))
     (out / "compile.json").write_text(json.dumps(seconds, indent=1) + "\n")
 
 
