@@ -140,9 +140,8 @@ def create_app(engine, max_queued: int = 256, metrics=None, limits: Limits = Lim
     @app.get("/metrics", response_class=Response, responses=METRICS)
     async def metrics():
         # The registry as the engine thread last set it (after its last step, request added or
-        # abort): a step in progress never delays the answer. Rendered on a worker thread, since
-        # an engine in its own process renders it there and sends it back.
-        return Response(await asyncio.to_thread(server.thread.export.text), media_type=CONTENT_TYPE_LATEST)
+        # abort): a step in progress never delays the answer.
+        return Response(await server.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     guard, refused = ([Depends(_key_check(api_key))], errors(401)) if api_key else ([], {})
     v1 = APIRouter(prefix="/v1", dependencies=guard, responses=refused)

@@ -14,7 +14,7 @@ as a reference, not as a copy.
     inbox.put(("add", job))  --("add", n, job)-->  grammars compiled on a feeder thread, then the
                                                    engine thread's inbox
     job.events               <--("event", n, e)--  the engine thread's job.put(e)
-    export.text()            --("metrics", k)--->  answered between messages, off the steps
+    metrics_text()           --("metrics", k)--->  answered between messages, off the steps
     /health's error          <--("error", why)---  the engine thread failed
 
 The child ignores SIGINT and SIGTERM (a terminal's Ctrl-C reaches the whole process group):
@@ -43,12 +43,11 @@ from nano.structured.stack import lower_priority
 log = logging.getLogger("nano.server")
 FORK = multiprocessing.get_context("fork")
 GRAMMAR_CACHE = 32  # compiled grammars the child keeps for jobs that send one again
-METRICS_TIMEOUT = 30.0  # seconds GET /metrics waits for the engine's process: a step and a render
 
 
 class EngineProcess:
-    """The engine thread's surface to the server (inbox, error, is_alive, export, start, join)
-    with the thread itself in a child process."""
+    """The engine thread's surface to the server (inbox, error, is_alive, start, join), and
+    GET /metrics' text, with the thread itself in a child process."""
 
     def __init__(self, thread_args: tuple, held_at_fork):
         """thread_args: EngineThread's, for the child to build it with; held_at_fork: returns the
@@ -67,7 +66,6 @@ class EngineProcess:
         self.on_death = None  # called once on the reader thread when the child ends unasked
         self.reader = threading.Thread(target=self._read, name="nano-engine-events", daemon=True)
         self.inbox = self  # serving.py and adapters.py put to the inbox; put() below sends
-        self.export = self  # app.py's GET /metrics reads export.text()
 
     def start(self) -> None:
         self.shared = {id(obj): obj for obj in self.held_at_fork() if obj is not None}
@@ -97,14 +95,16 @@ class EngineProcess:
             item = ("abort", number)
         self._send(item)
 
-    def text(self) -> bytes:
-        """GET /metrics' text, rendered in the child from the engine's registry; on a worker thread."""
+    def metrics_text(self) -> Future:
+        """GET /metrics' text, to come: rendered in the child from the engine's registry."""
+        reply = Future()
         if self.error:
-            raise NanoError(f"engine stopped: {self.error}")
-        number, reply = next(self.numbers), Future()
+            reply.set_exception(NanoError(f"engine stopped: {self.error}"))
+            return reply
+        number = next(self.numbers)
         self.replies[number] = reply
         self._send(("metrics", number))
-        return reply.result(METRICS_TIMEOUT)
+        return reply
 
     def _send(self, message) -> None:
         data = _dumps(message, self.shared)

@@ -316,6 +316,13 @@ class Server:
         except NanoError as e:
             raise BadRequest(str(e)) from None
 
+    async def metrics_text(self) -> bytes:
+        """GET /metrics' text: the registry the engine thread sets from the engine after each
+        step, rendered where that thread runs (here: at once, whatever the step is doing)."""
+        if isinstance(self.thread, EngineProcess):
+            return await asyncio.wrap_future(self.thread.metrics_text())
+        return self.thread.export.text()
+
     def stopped(self) -> JSONResponse | None:
         """A 503 if the engine thread is gone (it failed, or the server is shutting down)."""
         if self.thread.error or not self.thread.is_alive():
