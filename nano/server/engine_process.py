@@ -22,6 +22,7 @@ the server's shutdown ends it, after the open requests, through the pipe. If it 
 way (a stall past --stall-timeout, a crash, the kernel's OOM killer), the server fails the open
 requests, says why on /health, and on_death ends it.
 """
+import contextlib
 import io
 import itertools
 import logging
@@ -56,7 +57,7 @@ class EngineProcess:
         self.shared: dict[int, object] = {}  # id -> object, the same in both processes after the fork
         self.conn, self.child_conn = FORK.Pipe()
         self.process = FORK.Process(target=self._child, name="nano-engine", daemon=True)
-        self.sending = threading.Lock()  # the event loop and /metrics' worker threads both send
+        self.sending = threading.Lock()  # a message is written whole, whichever threads send
         self.numbers = itertools.count()
         self.jobs = weakref.WeakValueDictionary()     # number -> job, while the server holds the job
         self.job_numbers = weakref.WeakKeyDictionary()  # job -> number
@@ -97,13 +98,11 @@ class EngineProcess:
 
     def metrics_text(self) -> Future:
         """GET /metrics' text, to come: rendered in the child from the engine's registry."""
-        reply = Future()
-        if self.error:
-            reply.set_exception(NanoError(f"engine stopped: {self.error}"))
-            return reply
-        number = next(self.numbers)
+        reply, number = Future(), next(self.numbers)
         self.replies[number] = reply
         self._send(("metrics", number))
+        if self.error and self.replies.pop(number, None):  # the child ended before the reader could see this one
+            reply.set_exception(NanoError(f"engine stopped: {self.error}"))
         return reply
 
     def _send(self, message) -> None:
@@ -123,8 +122,8 @@ class EngineProcess:
                 break
             if kind == "event" and (job := self.jobs.get(number)) is not None:
                 job.put(value)
-            elif kind == "metrics":
-                self.replies.pop(number).set_result(value)
+            elif kind == "metrics" and (reply := self.replies.pop(number, None)) is not None:
+                reply.set_result(value)
             elif kind == "error":
                 self.error = value
         self.process.join()
@@ -134,8 +133,9 @@ class EngineProcess:
         log.error("engine stopped: %s", self.error)
         for job in list(self.jobs.values()):
             job.put({"error": "engine failed: " + self.error, "status": 500})
-        for reply in self.replies.values():
-            reply.set_exception(NanoError(f"engine stopped: {self.error}"))
+        while self.replies:  # popped one by one, as metrics_text may pop one too
+            with contextlib.suppress(KeyError):
+                self.replies.pop(next(iter(self.replies))).set_exception(NanoError(f"engine stopped: {self.error}"))
         if self.on_death:
             self.on_death()
 
