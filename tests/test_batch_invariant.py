@@ -4,6 +4,7 @@ sequence was scheduled (batched, one at a time, chunked, preempted), so int8 KV 
 quantize the same values and greedy runs agree exactly, not only to rounding
 (docs/int8-kv.md, "Schedules")."""
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -26,11 +27,17 @@ RUNS = {"float32 --batch-invariant": dict(kv_cache_dtype="auto", batch_invariant
         **{f"int8 {s}": dict(kv_cache_dtype="int8", kv_int8_keys=s) for s in KEY_SCHEMES}}
 
 
+@pytest.fixture(scope="module")
+def default_engine_model(default_model):
+    """The default model's weights as the engine stores them, loaded once for the file."""
+    return LLMEngine(EngineConfig(device="cpu", num_blocks=4)).runner.model
+
+
 @pytest.mark.parametrize("name", ["qkv", "o_proj", "gate_up", "down", "lm_head"])
-def test_a_linear_row_is_the_same_in_any_product(default_model, name):
+def test_a_linear_row_is_the_same_in_any_product(default_engine_model, name):
     """Each of the default model's weights as the engine stores it: rows of a product of M
     rows, wherever they sit, are bitwise those of a 64-row product."""
-    model = LLMEngine(EngineConfig(device="cpu", num_blocks=4)).runner.model
+    model = default_engine_model
     weight = model.lm_head if name == "lm_head" else getattr(model.layers[0], name)
     x = np.random.default_rng(0).normal(size=(64, weight.shape[1])).astype(np.float32)
     full = invariant.invariant_linear(x, weight)  # (64, N)
@@ -118,13 +125,21 @@ def test_an_attention_row_is_the_same_in_any_schedule(kv_dtype, scheme, window):
             np.testing.assert_array_equal(out, whole[p], err_msg=f"row {p}, {name}")
 
 
+@pytest.fixture(scope="module")
+def batched_run(tiny_model):
+    """pool -> the batched run's sequences, which every schedule of that pool is held to:
+    made once per pool, not once per schedule."""
+    return functools.cache(lambda pool: run(tiny_model, shared_prefix_prompts(512, np.random.default_rng(1)), 24,
+                                            **RUNS[pool])[1])
+
+
 @pytest.mark.parametrize("name", [n for n in CONFIGS if n != "default"])
 @pytest.mark.parametrize("pool", RUNS)
-def test_every_schedule_gives_the_same_tokens_and_logits(tiny_model, pool, name):
+def test_every_schedule_gives_the_same_tokens_and_logits(tiny_model, batched_run, pool, name):
     """Greedy runs of the tiny model, each scheduling feature against the batched run:
     the same tokens and bitwise the same logits, in float32 and in int8."""
     prompts = shared_prefix_prompts(512, np.random.default_rng(1))
-    _, batched = run(tiny_model, prompts, 24, **RUNS[pool])
+    batched = batched_run(pool)
     engine, seqs = run(tiny_model, prompts, 24, **RUNS[pool], **CONFIGS[name])
     assert engine.runner.model.ops is invariant.BATCH_INVARIANT
     if name.startswith("preempt"):
