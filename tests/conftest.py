@@ -46,6 +46,9 @@ def pytest_cmdline_main(config):
     config.option.numprocesses = WORKERS
     if config.option.dist == "no":
         config.option.dist = "loadgroup"  # tests marked xdist_group(name) share one worker
+        # Work goes out in collection order, which pytest_collection_modifyitems makes longest
+        # first; xdist's own reorder (the groups with most tests first) would undo that.
+        config.option.loadscopereorder = False
 
 
 TEMP = tempfile.gettempdir()  # this process's, fixed now: the fixture below changes TMPDIR
@@ -157,13 +160,23 @@ def shares_a_module_fixture(item) -> bool:
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Marks the slow tests, and the tests of a file that share a module fixture, before `-m`
-    selects and before xdist's loadgroup reads the marks."""
+    selects and before xdist's loadgroup reads the marks. An xdist worker then orders the run
+    longest first, the groups with a slow test and the slow tests, each file's group ahead
+    of its single tests, then the rest, so that the workers end together on short tests
+    instead of one waiting while the other runs a long test it picked up last. A group's tests
+    keep their order, which its shared fixture may rely on."""
     slow = pytest.mark.slow
+    slow_groups = set()
     for item in items:
         if isinstance(item, pytest.Function) and is_slow(item):
             item.add_marker(slow)
         if shares_a_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.path.name))
+            if "slow" in item.keywords:
+                slow_groups.add(item.path.name)
+    if hasattr(config, "workerinput"):  # the workers' common order is the order work is sent in
+        items.sort(key=lambda item: ("slow" not in item.keywords and item.path.name not in slow_groups,
+                                     "xdist_group" not in item.keywords))
     if have_gpu():
         return
     skip = pytest.mark.skip(reason="no CUDA GPU")
