@@ -37,13 +37,13 @@ from concurrent.futures import Future
 
 from nano.errors import NanoError
 from nano.server.engine_thread import EngineThread
+from nano.server.limits import GRAMMAR_CACHE
 from nano.structured.compose import Chain
 from nano.structured.grammar import Grammar
 from nano.structured.stack import lower_priority
 
 log = logging.getLogger("nano.server")
 FORK = multiprocessing.get_context("fork")
-GRAMMAR_CACHE = 32  # compiled grammars the child keeps for jobs that send one again
 
 
 class EngineProcess:

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from nano.structured.bounds import GrammarLimits
 
+GRAMMAR_CACHE = 32  # compiled grammars kept for requests that ask for one again, here and in the engine's process
+
 
 @dataclass(frozen=True)
 class Limits:

@@ -25,11 +25,8 @@ from nano.lora.peft import LoRARequest
 from nano.server.adapters import Adapters
 from nano.server.engine_process import EngineProcess
 from nano.server.engine_thread import EngineThread, Job, StopStrings
-from nano.server.limits import Limits
+from nano.server.limits import GRAMMAR_CACHE, Limits
 from nano.server.schemas import BadRequest, Message, Sampling, error_response
-
-
-GRAMMAR_CACHE = 32  # compiled grammars kept for requests that ask for one again
 
 
 class Server:
