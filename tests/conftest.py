@@ -44,8 +44,12 @@ def pytest_cmdline_main(config):
     processes, unless the command line chose (-n N, -n 0, -p no:xdist) or pytest-xdist is
     missing (a GPU machine's bare Python). A run of named files stays one process, which
     starts at once. This hook comes before xdist's own, which turns numprocesses into
-    workers; an xdist worker runs it too, and must stay one process."""
-    if (not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput")
+    workers; an xdist worker runs it too, stays one process and keeps the groups if the
+    controller chose them (pytest_configure_node sends the choice)."""
+    if hasattr(config, "workerinput"):
+        config.option.loadgroup = config.workerinput.get("loadgroup", config.option.loadgroup)
+        return
+    if (not config.pluginmanager.hasplugin("xdist")
             or config.args_source == pytest.Config.ArgsSource.ARGS
             or config.option.numprocesses is not None or config.option.collectonly or WORKERS < 2):
         return
@@ -55,6 +59,13 @@ def pytest_cmdline_main(config):
         # Work goes out in collection order, which pytest_collection_modifyitems makes longest
         # first; xdist's own reorder (the groups with most tests first) would undo that.
         config.option.loadscopereorder = False
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """Tells a worker whether to keep the groups: an xdist worker reads its options from the
+    command line again, where a plain run named none, so it would not see loadgroup chosen above."""
+    node.workerinput["loadgroup"] = node.config.option.dist == "loadgroup"
 
 
 TEMP = tempfile.gettempdir()  # this process's, fixed now: the fixture below changes TMPDIR
