@@ -7,8 +7,9 @@ and global layers with their own RoPE tables), and tensor parallelism's all-redu
 arrays under mpirun -n 2 (in bfloat16, whose sums convert through float32). These are tests/test_engine_gpu.py's, test_graphs_gpu.py's and
 test_disagg.py's GPU checks, in a small shape (head dim 64, GQA group 2).
 
-Each runs in a subprocess (this file as a script) in which the emulator's CuPy stand-in is
-`cupy` (cupy_stub.install), so that nano's GPU code takes it for the real one.
+Each runs in a subprocess (this file as a script; the engine checks in four parts, which a
+run's workers share) in which the emulator's CuPy stand-in is `cupy` (cupy_stub.install), so
+that nano's GPU code takes it for the real one.
 """
 import pickle
 import subprocess
@@ -34,12 +35,20 @@ def emulator_available():
         pytest.skip(emulator.unavailable())
 
 
-def test_gpu_engine_path_matches_cpu_on_the_emulator(tmp_path):
-    done = subprocess.run([sys.executable, __file__, "engine", str(tmp_path)], capture_output=True,
+# The engine checks in four parts of similar length, each its own subprocess, so that a run's
+# workers can share them: {part: what its output must say}.
+PARTS = {"configs": ("configs agree", "bfloat16 agrees"),
+         "features": ("graphs agree", "prompt logprobs agree", "speculation agrees", "disaggregated handoffs agree",
+                      "qwen3 agrees"),
+         "lora": ("lora agrees",), "gemma3": ("gemma3 agrees", "batch invariance refused")}
+
+
+@pytest.mark.parametrize("part", PARTS)
+def test_gpu_engine_path_matches_cpu_on_the_emulator(tmp_path, part):
+    done = subprocess.run([sys.executable, __file__, part, str(tmp_path)], capture_output=True,
                           text=True, timeout=600, cwd=TESTS.parent)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    for what in ("configs agree", "bfloat16 agrees", "graphs agree", "prompt logprobs agree", "speculation agrees",
-                 "disaggregated handoffs agree", "lora agrees", "qwen3 agrees", "gemma3 agrees"):
+    for what in PARTS[part]:
         assert what in done.stdout, what
 
 
@@ -59,20 +68,17 @@ def test_tensor_parallel_on_device_arrays_matches_cpu_on_the_emulator(tmp_path):
     assert_greedy_runs_agree(cpu, gpu, LOGIT_TOLS[BFLOAT16])
 
 
-def engine_checks(workdir: str) -> None:
-    from nano.config import EngineConfig
-    from nano.device import BFLOAT16
-    from nano.engine import LLMEngine
-    from nano.errors import NanoError
-    from test_disagg import check_gpu_handoff
-    from test_engine_gpu import (GPU_CONFIGS, check_gpu_config, check_lora, check_prompt_logprobs, check_speculation,
-                                 prompts_for)
-    from test_graphs_gpu import check_graphs_keep_greedy_output, check_replay_with_padding
-
+def model_for_checks(workdir: str) -> Path:
     from reference import make_random_model
-    from tests import families
-    model_dir = make_random_model(Path(workdir) / "model", max_pos=1024, dtype="float16", seed=7, **SHAPE)
-    prompts, cpu_runs = prompts_for(SHAPE["vocab"]), {}
+    return make_random_model(Path(workdir) / "model", max_pos=1024, dtype="float16", seed=7, **SHAPE)
+
+
+def config_checks(workdir: str) -> None:
+    """Every engine configuration in float16, two in bfloat16 (--dtype), each against the CPU."""
+    from nano.device import BFLOAT16
+    from test_engine_gpu import GPU_CONFIGS, check_gpu_config, prompts_for
+    model_dir, cpu_runs = model_for_checks(workdir), {}
+    prompts = prompts_for(SHAPE["vocab"])
     for name in GPU_CONFIGS:  # decode steps replay CUDA graphs (the default)
         engine, gpu = check_gpu_config(model_dir, prompts, name, cpu_runs)
         assert engine.device.xp.__name__.endswith("cupy_stub") and engine.runner.graphs.captured
@@ -84,6 +90,15 @@ def engine_checks(workdir: str) -> None:
         engine, _ = check_gpu_config(model_dir, prompts, name, cpu_runs, dtype="bfloat16")
         assert engine.device.dtype == BFLOAT16 and engine.runner.graphs.captured
     print("bfloat16 agrees")
+
+
+def feature_checks(workdir: str) -> None:
+    """CUDA graphs against eager steps, prompt logprobs, speculation, KV handoffs, Qwen3."""
+    from reference import make_random_model
+    from test_disagg import check_gpu_handoff
+    from test_engine_gpu import check_gpu_config, check_prompt_logprobs, check_speculation, prompts_for
+    from test_graphs_gpu import check_graphs_keep_greedy_output, check_replay_with_padding
+    model_dir, prompts = model_for_checks(workdir), prompts_for(SHAPE["vocab"])
     for kv in ("auto", "int8"):
         check_graphs_keep_greedy_output(model_dir, SHAPE["vocab"], kv, max_tokens=(2, 3, 4, 6, 8, 10, 12))
         check_replay_with_padding(model_dir, 3 if kv == "auto" else 13, kv)
@@ -96,20 +111,38 @@ def engine_checks(workdir: str) -> None:
     for kv in ("auto", "int8"):
         check_gpu_handoff(model_dir, kv)
     print("disaggregated handoffs agree")
-    for dtype in ("float16", "bfloat16"):
-        check_lora(model_dir, prompts[:3], Path(workdir) / "lora", dtype)
-    print("lora agrees")
     qwen3 = make_random_model(Path(workdir) / "qwen3", max_pos=1024, dtype="float16", seed=7, qwen3=True, **SHAPE)
+    cpu_runs = {}
     for name in ("default", "int8"):  # its q/k head norms in the cache-writing kernel, eager and in graphs
         check_gpu_config(qwen3, prompts, name, cpu_runs)
     print("qwen3 agrees")
-    gemma3 = families.make_model("gemma3_text", Path(workdir) / "gemma3", edit={"head_dim": 64})
+
+
+def lora_checks(workdir: str) -> None:
+    """LoRA adapters in float16 and bfloat16."""
+    from test_engine_gpu import check_lora, prompts_for
+    model_dir, prompts = model_for_checks(workdir), prompts_for(SHAPE["vocab"])
+    for dtype in ("float16", "bfloat16"):
+        check_lora(model_dir, prompts[:3], Path(workdir) / "lora", dtype)
+    print("lora agrees")
+
+
+def gemma3_checks(workdir: str) -> None:
+    """Gemma 3 in bfloat16, its default on a GPU; and --batch-invariant refused."""
+    from nano.config import EngineConfig
+    from nano.device import BFLOAT16
+    from nano.engine import LLMEngine
+    from nano.errors import NanoError
+    from test_engine_gpu import check_gpu_config, prompts_for
+    from tests import families
+    gemma3, cpu_runs = families.make_model("gemma3_text", Path(workdir) / "gemma3", edit={"head_dim": 64}), {}
     for name in ("default", "chunked_prefill", "int8"):  # GeGLU, sandwich norms, two RoPE tables, windows of 12
-        engine, _ = check_gpu_config(gemma3, prompts, name, cpu_runs)
+        engine, _ = check_gpu_config(gemma3, prompts_for(SHAPE["vocab"]), name, cpu_runs)
         assert engine.device.dtype == BFLOAT16  # float32 weights, and Gemma 3: bfloat16 by default
     print("gemma3 agrees")
     with pytest.raises(NanoError, match="--batch-invariant is CPU-only"):
-        LLMEngine(EngineConfig(model=str(model_dir), device="gpu", batch_invariant=True))
+        LLMEngine(EngineConfig(model=str(model_for_checks(workdir)), device="gpu", batch_invariant=True))
+    print("batch invariance refused")
 
 
 def tensor_parallel_rank(model_dir: str, out: str) -> None:
@@ -134,4 +167,5 @@ def tensor_parallel_rank(model_dir: str, out: str) -> None:
 if __name__ == "__main__":
     from cuda_host import cupy_stub
     cupy_stub.install()
-    {"engine": engine_checks, "tp": tensor_parallel_rank}[sys.argv[1]](*sys.argv[2:])
+    {"configs": config_checks, "features": feature_checks, "lora": lora_checks, "gemma3": gemma3_checks,
+     "tp": tensor_parallel_rank}[sys.argv[1]](*sys.argv[2:])
