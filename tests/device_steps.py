@@ -56,8 +56,9 @@ def compile_kernels(out: Path) -> None:
     def build(job) -> float:
         start = time.perf_counter()
         kernels.kernel(*job)
-        print(f"{job[0]} {job[1]}: {time.perf_counter() - start:.2f} s", flush=True)
-        return round(time.perf_counter() - start, 2)
+        seconds = round(time.perf_counter() - start, 2)
+        print(f"{job[0]} {job[1]}: {seconds} s", flush=True)
+        return seconds
 
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
         seconds = dict(zip((instance for _, instance in jobs), pool.map(build, jobs)))

@@ -57,10 +57,10 @@ def test_tensor_parallel_on_device_arrays_matches_cpu_on_the_emulator(tmp_path):
     """mpirun -n 2, --tp 2 on the emulated GPU in bfloat16: the all-reduces go through device
     arrays (parallel.Group.all_reduce's CuPy branch, bfloat16 widened to float32 and rounded
     back); rank 0's greedy tokens and logits against one CPU rank's."""
-    from reference import assert_greedy_runs_agree, make_random_model
+    from reference import assert_greedy_runs_agree
     from nano.device import BFLOAT16
     from test_engine_gpu import LOGIT_TOLS, generate, prompts_for
-    model = make_random_model(tmp_path / "model", max_pos=1024, dtype="float16", seed=7, **SHAPE)
+    model = model_for_checks(tmp_path)
     done = launch([__file__, "tp", str(model), str(tmp_path / "gpu.pkl")], ranks=2)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     gpu = pickle.loads((tmp_path / "gpu.pkl").read_bytes())
@@ -68,9 +68,11 @@ def test_tensor_parallel_on_device_arrays_matches_cpu_on_the_emulator(tmp_path):
     assert_greedy_runs_agree(cpu, gpu, LOGIT_TOLS[BFLOAT16])
 
 
-def model_for_checks(workdir: str) -> Path:
+def model_for_checks(workdir, name: str = "model", **family) -> Path:
+    """Make the checks' random float16 model in SHAPE at workdir/name; family's flags (qwen3=True)
+    make it another family's."""
     from reference import make_random_model
-    return make_random_model(Path(workdir) / "model", max_pos=1024, dtype="float16", seed=7, **SHAPE)
+    return make_random_model(Path(workdir) / name, max_pos=1024, dtype="float16", seed=7, **family, **SHAPE)
 
 
 def config_checks(workdir: str) -> None:
@@ -94,7 +96,6 @@ def config_checks(workdir: str) -> None:
 
 def feature_checks(workdir: str) -> None:
     """CUDA graphs against eager steps, prompt logprobs, speculation, KV handoffs, Qwen3."""
-    from reference import make_random_model
     from test_disagg import check_gpu_handoff
     from test_engine_gpu import check_gpu_config, check_prompt_logprobs, check_speculation, prompts_for
     from test_graphs_gpu import check_graphs_keep_greedy_output, check_replay_with_padding
@@ -111,7 +112,7 @@ def feature_checks(workdir: str) -> None:
     for kv in ("auto", "int8"):
         check_gpu_handoff(model_dir, kv)
     print("disaggregated handoffs agree")
-    qwen3 = make_random_model(Path(workdir) / "qwen3", max_pos=1024, dtype="float16", seed=7, qwen3=True, **SHAPE)
+    qwen3 = model_for_checks(workdir, "qwen3", qwen3=True)
     cpu_runs = {}
     for name in ("default", "int8"):  # its q/k head norms in the cache-writing kernel, eager and in graphs
         check_gpu_config(qwen3, prompts, name, cpu_runs)

@@ -133,9 +133,9 @@ class EngineProcess:
         log.error("engine stopped: %s", self.error)
         for job in list(self.jobs.values()):
             job.put({"error": "engine failed: " + self.error, "status": 500})
-        while self.replies:  # popped one by one, as metrics_text may pop one too
+        while self.replies:  # popitem is one step, so metrics_text may pop one meanwhile
             with contextlib.suppress(KeyError):
-                self.replies.pop(next(iter(self.replies))).set_exception(NanoError(f"engine stopped: {self.error}"))
+                self.replies.popitem()[1].set_exception(NanoError(f"engine stopped: {self.error}"))
         if self.on_death:
             self.on_death()
 
