@@ -98,6 +98,8 @@ def main(argv=None) -> int:
     pool = lora.use_adapters(args, engine)
     print(describe(engine), file=sys.stderr)
     if args.serve:
+        if engine.device.kind == "gpu":  # kernels compiled and decode graphs captured before requests
+            offline.warm_up(engine)
         return server.serve(args, engine, pool=pool)
     if args.bench:
         return bench.run_bench(args, engine, params)

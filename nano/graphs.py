@@ -1,8 +1,8 @@
-"""CUDA graphs for decode steps: one graph per batch-size bucket, captured on first use. A step of n
-decoding sequences replays the smallest bucket >= n, rows n.. padded, its inputs views into the
-bucket's static int32 buffer (a packed step, plan.py); prefill and mixed steps stay eager. The
-buckets, the padding, the memory pool, and why they are safe:
-docs/gpu-path.md#cuda-graphs-for-decode-steps.
+"""CUDA graphs for decode steps: one graph per batch-size bucket, every bucket captured at the
+first decode step (a run's warm-up, where it has one). A step of n decoding sequences replays
+the smallest bucket >= n, rows n.. padded, its inputs views into the bucket's static int32
+buffer (a packed step, plan.py); prefill and mixed steps stay eager. The buckets, the padding,
+the memory pool, and why they are safe: docs/gpu-path.md#cuda-graphs-for-decode-steps.
 """
 from dataclasses import dataclass
 
@@ -75,8 +75,8 @@ class DecodeGraphs:
         n = len(ids)
         bucket = next(b for b in self.buckets if b >= n)
         host = self.layout(bucket, ids, positions, slots, context_lens, block_tables, lora_slots)
-        if bucket not in self.captured:
-            self.captured[bucket] = self._capture(bucket)
+        if not self.captured:  # every bucket, largest first: no later step pays for a capture
+            self.captured = {b: self._capture(b) for b in reversed(self.buckets)}
         self.captured[bucket].inputs.set(host)
         return GraphStep(bucket, n)
 

@@ -94,10 +94,14 @@ def prompts_for(vocab, n=4, seed=0, shared=40, longest=60):
 
 
 MAX_TOKENS = 8
+# The sequences a test's engine seats, more than any test here runs at once: a GPU engine captures
+# a decode graph for every batch-size bucket at its first decode step (1, 2, 4, 8 here; 20 at the
+# default 256, each two forward passes, which on the emulator cost more than the whole test).
+SEATS = 8
 
 
 def generate(model_dir, device, prompts, max_tokens=MAX_TOKENS, **engine_args):
-    engine = LLMEngine(EngineConfig(model=str(model_dir), device=device, **engine_args))
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device=device, **{"max_num_seqs": SEATS, **engine_args}))
     Metrics.attach(engine)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, return_logits=True)
     return engine, engine.generate(prompts, params)
@@ -159,7 +163,7 @@ def check_lora(model_dir, prompts, folder, dtype="auto") -> None:
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, return_logits=True)
     runs = {}
     for device in ("cpu", "gpu"):
-        engine = LLMEngine(EngineConfig(model=str(model_dir), device=device, num_blocks=256,
+        engine = LLMEngine(EngineConfig(model=str(model_dir), device=device, num_blocks=256, max_num_seqs=SEATS,
                                         max_num_batched_tokens=64, dtype=dtype))
         cfg = engine.model_config
         loras = [LoRARequest("a", 1, str(make_adapter(folder / "a", seed=1, r=4, alpha=4, cfg=cfg))),
@@ -217,7 +221,7 @@ def check_speculation(model_dir, prompts, max_tokens=16) -> StepKinds:
     (a step with a draft anywhere in it runs eagerly, the whole batch)."""
     from nano.speculative import attach
     ref = cpu_reference(model_dir, prompts, max_tokens)
-    engine = LLMEngine(EngineConfig(model=str(model_dir), device="gpu", num_blocks=256))
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device="gpu", max_num_seqs=SEATS, num_blocks=256))
     attach(engine, {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2})
     kinds = StepKinds(engine)
     engine.observers.append(kinds)
@@ -233,7 +237,7 @@ def check_prompt_logprobs(model_dir, prompts, **gpu_args):
     tokens either way). Returns the largest difference relative to the logprob's size."""
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=3)
     cpu = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", num_blocks=256)).generate(prompts, params)
-    engine = LLMEngine(EngineConfig(model=str(model_dir), device="gpu", num_blocks=256, **gpu_args))
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device="gpu", max_num_seqs=SEATS, num_blocks=256, **gpu_args))
     gpu = engine.generate(prompts, params)
     worst = 0.0
     for c, g in zip(cpu, gpu):
@@ -254,7 +258,7 @@ def test_gpu_sampling_is_seeded(shaped_model):
     same (prefix caching off) because float16 logits may differ in their last bits between
     batch shapes, which can flip a sampled token at a near-tie."""
     model_dir, vocab, _ = shaped_model
-    engine = LLMEngine(EngineConfig(model=str(model_dir), device="gpu", num_blocks=256,
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device="gpu", max_num_seqs=SEATS, num_blocks=256,
                                     enable_prefix_caching=False))
     prompts = prompts_for(vocab, n=2)
 
@@ -282,7 +286,7 @@ def test_gpu_logits_processors_change_their_rows_only(shaped_model):
     """Greedy rows: one with a processor (even ids only, its first greedy token banned), one
     without, which keeps the tokens it gets alone; a min_p row stays within min_p's set."""
     model_dir, vocab, _ = shaped_model
-    engine = LLMEngine(EngineConfig(model=str(model_dir), device="gpu", num_blocks=256, enable_prefix_caching=False))
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device="gpu", max_num_seqs=SEATS, num_blocks=256, enable_prefix_caching=False))
     prompts = prompts_for(vocab, n=2)
     alone = [s.output_token_ids for s in engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8))]
     ban = alone[1][0] if alone[1][0] % 2 == 0 else 0
@@ -304,7 +308,7 @@ def test_swap_round_trip_is_exact(shaped_model, kv_cache_dtype):
     import cupy
 
     model_dir, *_ = shaped_model
-    engine = LLMEngine(EngineConfig(model=str(model_dir), device="gpu", num_blocks=64,
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device="gpu", max_num_seqs=SEATS, num_blocks=64,
                                     swap_space=2**30, kv_cache_dtype=kv_cache_dtype))
     runner = engine.runner
     pools = runner.kv_cache.block_arrays()

@@ -121,6 +121,7 @@ def check_replay_with_padding(model_dir, n, kv_cache_dtype):
     before = snapshot()
 
     step = graphs.prepare(ids, positions, slots, context, tables, np.full(len(ids), -1, np.int32))
+    assert sorted(graphs.captured) == graphs.buckets  # all at the first decode step, not one as it is needed
     graph_logits = runner.forward(step).copy()
     graph_kv = snapshot()
 
