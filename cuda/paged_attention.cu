@@ -18,10 +18,12 @@
 //   context_lens  (S,) int32                    tokens in cache, this step's token included (>= 1)
 //   window        int                           keys the query sees, its own included (>= 1;
 //                                               at least max_blocks * block_size: all)
-//   out           (S, nq, d)                    written when gridDim.z == 1
+//   out           (S, nq, d)                    the answer
 //   partial_out   (S, nq, gridDim.z, d) float32 split-KV only (gridDim.z > 1): each
 //   partial_max/partial_sum (S, nq, gridDim.z) float32  partition's normalised output,
-//                                               running max and sum-exp, for paged_attention_merge
+//                                               running max and sum-exp, merged into out
+//   partitions_done (S, nkv) int32              split-KV only: zeros (a memset before each
+//                                               launch), counted up by each partition as it finishes
 // One sequence's block for one KV head is block_size * d contiguous values, so a run of
 // tokens inside a block is one contiguous stretch of memory: neighbouring threads load
 // neighbouring 16-byte chunks (coalesced). A token's scales sit at the same (block, head,
@@ -46,8 +48,9 @@
 // for both cache types; loading q, step 3, step 4's weights, step 5 and the final store are
 // DecodePath<HEAD_DIM, GROUP, T, CacheT>'s (cuda/decode_paths.cuh).
 // Split-KV ("flash decoding"): with few sequences the grid is too small to fill the GPU, so
-// nano/kernels.py also splits each context into partitions (grid z); paged_attention_merge
-// then combines the partitions with log-sum-exp weights.
+// nano/kernels.py also splits each context into partitions (grid z). Each partition writes its
+// partial answer and counts itself done; the last of a (sequence, KV head) to finish merges
+// them all with log-sum-exp weights (merge_partitions), so no second kernel is launched.
 #include "decode_paths.cuh"  // NUM_THREADS, TILE_TOKENS and DecodePath
 
 // Blocks per SM that an instance's registers must allow (__launch_bounds__'s second
@@ -58,6 +61,34 @@
 template <int HEAD_DIM, typename CacheT>
 constexpr int MIN_BLOCKS = sizeof(CacheT) == 2 ? 0 : HEAD_DIM == 64 ? 7 : 5;
 
+// Combines the partitions of `rows` consecutive (sequence, query head) rows from `row0`: out =
+// sum_p w_p partial_out_p / sum_p w_p with w_p = partial_sum_p * exp(partial_max_p - max over
+// partitions), over the first n of each row's num_parts partitions (those that exist). Called
+// by the last partition of a (sequence, KV head) to finish, a thread per output; the other
+// partitions' results are read past the L1 cache (__ldcg), which may hold none of them.
+template <typename T>
+__device__ __forceinline__ void merge_partitions(T* __restrict__ out, const float* __restrict__ partial_out,
+                                                 const float* __restrict__ partial_max,
+                                                 const float* __restrict__ partial_sum, long long row0, int rows,
+                                                 int n, int num_parts, int head_dim) {
+    for (int i = threadIdx.x; i < rows * head_dim; i += blockDim.x) {
+        const long long row = row0 + i / head_dim;
+        const float* maxes = partial_max + row * num_parts;
+        const float* sums = partial_sum + row * num_parts;
+        float global_max = NEG_INF;
+        for (int p = 0; p < n; p++) global_max = fmaxf(global_max, __ldcg(maxes + p));
+        float total = 0.0f, o = 0.0f;
+        for (int p = 0; p < n; p++) {
+            const float m = __ldcg(maxes + p);
+            if (m == NEG_INF) continue;
+            const float w = __ldcg(sums + p) * __expf(m - global_max);
+            total += w;
+            o += w * __ldcg(partial_out + (row * num_parts + p) * head_dim + i % head_dim);
+        }
+        out[row * head_dim + i % head_dim] = from_float<T>(total > 0.0f ? o / total : 0.0f);
+    }
+}
+
 template <int HEAD_DIM, int GROUP, typename T, typename CacheT>
 __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS<HEAD_DIM, CacheT>) paged_attention_kernel(
         T* __restrict__ out, float* __restrict__ partial_out,
@@ -65,8 +96,8 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS<HEAD_DIM, CacheT>) pag
         const T* __restrict__ q, const CacheT* __restrict__ k_cache,
         const CacheT* __restrict__ v_cache, const __half* __restrict__ k_scales,
         const __half* __restrict__ v_scales, const int* __restrict__ block_tables,
-        const int* __restrict__ context_lens, int max_blocks, int log2_block_size,
-        int partition_size, int window, float scale) {
+        const int* __restrict__ context_lens, int* __restrict__ partitions_done, int max_blocks,
+        int log2_block_size, int partition_size, int window, float scale) {
     using Path = DecodePath<HEAD_DIM, GROUP, T, CacheT>;
     constexpr int TILE = Path::TILE;
     const typename Path::Shared s = Path::shared();
@@ -125,43 +156,26 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS<HEAD_DIM, CacheT>) pag
     }
 
     // Without split this is the answer; with split it is one partition's partial answer, to
-    // be weighted by its sum-exp and max in paged_attention_merge.
+    // be weighted by its sum-exp and max when the last partition merges them.
     const long long row0 = (long long)seq * nq + kv_head * GROUP;  // the group's first query row
     path.store(s, s_sum, out, partial_out, row0, num_parts, part);
-    if (num_parts > 1 && threadIdx.x < GROUP) {
+    if (num_parts == 1) return;
+    if (threadIdx.x < GROUP) {
         const long long row = row0 + threadIdx.x;
         partial_max[row * num_parts + part] = s_max[threadIdx.x];
         partial_sum[row * num_parts + part] = s_sum[threadIdx.x];
     }
+    // The partitions of this window that exist: those that start before ctx.
+    const int first = max(0, ctx - window);
+    const int parts = min(num_parts, (ctx - first + partition_size - 1) / partition_size);
+    __shared__ bool s_last;
+    __threadfence();  // this partition's writes reach every SM before it counts itself done
+    __syncthreads();
+    if (threadIdx.x == 0)
+        s_last = atomicAdd(&partitions_done[seq * nkv + kv_head], 1) == parts - 1;
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();  // the other partitions' writes, counted before ours, are read after it
+    merge_partitions(out, partial_out, partial_max, partial_sum, row0, GROUP, parts, num_parts, HEAD_DIM);
 }
 
-// Combines the partitions of one (sequence, query head): out = sum_p w_p partial_out_p /
-// sum_p w_p with w_p = partial_sum_p * exp(partial_max_p - max over partitions). Only the
-// ceil(ctx / partition_size) partitions that exist for this sequence are read, at most
-// num_parts (with a window W shorter than ctx, the ceil(W / partition_size) = num_parts that
-// nano/kernels.py chose for it). Grid (nq, S), block 128 threads striding over the head's
-// dims; no shared memory. A template over the element type T of out.
-template <typename T>
-__global__ void paged_attention_merge(
-        T* __restrict__ out, const float* __restrict__ partial_out,
-        const float* __restrict__ partial_max, const float* __restrict__ partial_sum,
-        const int* __restrict__ context_lens, int num_parts, int partition_size, int head_dim) {
-    const int head = blockIdx.x, seq = blockIdx.y, nq = gridDim.x;
-    const int n = min(num_parts, (context_lens[seq] + partition_size - 1) / partition_size);
-    const long long row = (long long)seq * nq + head;
-    const float* maxes = partial_max + row * num_parts;
-    const float* sums = partial_sum + row * num_parts;
-    float global_max = NEG_INF;
-    for (int p = 0; p < n; p++) global_max = fmaxf(global_max, maxes[p]);
-    float total = 0.0f;
-    for (int p = 0; p < n; p++)
-        if (maxes[p] != NEG_INF) total += sums[p] * __expf(maxes[p] - global_max);
-    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float o = 0.0f;
-        for (int p = 0; p < n; p++)
-            if (maxes[p] != NEG_INF)
-                o += sums[p] * __expf(maxes[p] - global_max) * partial_out[(row * num_parts + p) * head_dim + d];
-        out[row * head_dim + d] = from_float<T>(o * inv);
-    }
-}

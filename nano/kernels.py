@@ -44,8 +44,7 @@ _TEMPLATES = {
     "cache.cu": [f"rope_store_kvcache<{t}, {c}>" for t, c in _PAIRS]
     + [f"{k}<{u}>" for k in ("gather_blocks", "scatter_blocks") for u in SWAP_UNITS.values()],
     "paged_attention.cu": [f"paged_attention_kernel<{d}, {g}, {t}, {c}>"
-                           for t, c in _PAIRS for d in HEAD_DIMS for g in GROUPS]
-    + [f"paged_attention_merge<{t}>" for t in ELEMENT_TYPES.values()],
+                           for t, c in _PAIRS for d in HEAD_DIMS for g in GROUPS],
     "prefill_attention.cu": [f"prefill_attention_kernel<{d}, {g}, {t}, {c}>"
                              for t, c in _PAIRS for d in HEAD_DIMS for g in GROUPS],
     "lora.cu": [f"{k}<{t}, {rows}>" for t in ELEMENT_TYPES.values()
@@ -385,9 +384,9 @@ def decode_partitions(num_blocks: int, max_context: int, num_sms: int) -> tuple:
 
 def paged_attention(q, cache, block_tables, context_lens, scale, window=None):
     """Decode attention (cuda/paged_attention.cu) over one layer's LayerKV, of q's type or int8.
-    Grid (nkv, S, partitions), 128 threads; with more than one partition, a merge kernel
-    with grid (nq, S) follows. A window bounds the keys each sequence reads, so the partitions
-    are chosen for the window's length, not the context's."""
+    Grid (nkv, S, partitions), 128 threads; with more than one partition, the last of a
+    (sequence, KV head) to finish merges them. A window bounds the keys each sequence reads,
+    so the partitions are chosen for the window's length, not the context's."""
     seqs, nq, d = q.shape
     nkv = cache.k.shape[1]
     group, log2_block_size, types, (k_scale, v_scale) = _check_attention(q, cache, nq, d,
@@ -404,19 +403,17 @@ def paged_attention(q, cache, block_tables, context_lens, scale, window=None):
     parts, size = decode_partitions(seqs * nkv, window, _num_sms())
     if parts == 1:
         partial_out = partial_max = partial_sum = cupy.empty(0, cupy.float32)  # unused
+        done = cupy.empty(0, cupy.int32)
     else:
         partial_out = cupy.empty((seqs, nq, parts, d), cupy.float32)
         partial_max = cupy.empty((seqs, nq, parts), cupy.float32)
         partial_sum = cupy.empty((seqs, nq, parts), cupy.float32)
+        done = cupy.zeros((seqs, nkv), cupy.int32)  # a memset (also in a CUDA graph), not a kernel
     kernel("paged_attention.cu", f"paged_attention_kernel<{d}, {group}, {types}>")(
         (nkv, seqs, parts), (128,),
         (out, partial_out, partial_max, partial_sum, q, cache.k, cache.v, k_scale, v_scale,
-         block_tables, context_lens, np.int32(max_blocks), np.int32(log2_block_size),
+         block_tables, context_lens, done, np.int32(max_blocks), np.int32(log2_block_size),
          np.int32(size), np.int32(window), np.float32(scale)))
-    if parts > 1:
-        kernel("paged_attention.cu", f"paged_attention_merge<{ELEMENT_TYPES[q.dtype]}>")(
-            (nq, seqs), (128,), (out, partial_out, partial_max, partial_sum, context_lens,
-                                 np.int32(parts), np.int32(size), np.int32(d)))
     return out
 
 

@@ -263,7 +263,7 @@ def test_launch_bounds_are_checked(cp, cache_type):
                               options=kernels._options(), name_expressions=[name])
         cache = cp.empty(8, cp.float16 if cache_type == "__half" else cp.int8)
         args = [cp.empty(8, cp.float16)] + [cp.empty(8, cp.float32)] * 3 + [cp.empty(8, cp.float16)] \
-            + [cache] * 2 + [cp.empty(8, cp.float16)] * 2 + [cp.empty(8, cp.int32)] * 2 \
+            + [cache] * 2 + [cp.empty(8, cp.float16)] * 2 + [cp.empty(8, cp.int32)] * 3 \
             + [np.int32(1)] * 4 + [np.float32(1)]
         module.get_function(name)((1, 1, 1), (256,), args)
 

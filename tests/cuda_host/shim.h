@@ -26,6 +26,8 @@
 //                bits, NaN made the canonical 0x7fff; widening is exact (the bits shifted up).
 //   wmma         nvcuda::wmma from include/mma.h (16 x 16 x 16, half or bfloat16 inputs,
 //                float32 sums), each lane computing its own accumulator elements; see that file.
+//   atomics      atomicAdd, __threadfence and __ldcg are the host's atomic add, fence and load:
+//                blocks of one launch run at once on several worker threads.
 //   math         __expf, expf, logf, rsqrtf, ... from libm in float32. The GPU's fast
 //                approximations differ in the last bits; the tests' tolerances cover both.
 // Not emulated: timing, the memory model between blocks or between threads that a barrier
@@ -289,4 +291,15 @@ inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
 inline int __dp4a(int a, int b, int c) {
     for (int n = 0; n < 4; n++) c += (int)(signed char)(a >> (8 * n)) * (int)(signed char)(b >> (8 * n));
     return c;
+}
+
+// Atomics, fences and loads past L1 (split-KV's partitions counting themselves done): blocks
+// run at once on several worker threads, so these are the host's own atomic operations.
+inline int atomicAdd(int* address, int value) { return __atomic_fetch_add(address, value, __ATOMIC_SEQ_CST); }
+inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+template <typename T>
+T __ldcg(const T* address) {
+    T value;
+    __atomic_load(address, &value, __ATOMIC_ACQUIRE);
+    return value;
 }
