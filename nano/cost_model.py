@@ -35,10 +35,10 @@ KEPT, PINNED = SUBSETS[:, :, None] * SUBSETS[:, None, :], np.eye(4) * (1 - SUBSE
 class CostModel:
     def __init__(self, prior: StepCoefficients, swap_bandwidth: float, window: int = 256):
         self.prior = np.array(prior, dtype=np.float64)   # StepCoefficients' order
-        self.coef = self.prior.copy()                     # the fitted ones, same order
+        self.fitted = (0, self.prior.copy())  # (steps observed at the last fit, its coefficients)
         # The window of observed steps as a ring: column observed % window is the next replaced.
         # It is two arrays rather than a list of steps so that the fit reads it without copying
-        # it into one on every step, a term's features contiguous for the fit's maximum of each
+        # it into one on every fit, a term's features contiguous for the fit's maximum of each
         # (docs/perf_notes.md#the-fit-on-every-step-cheaper).
         self.features_seen, self.seconds_seen = np.zeros((4, window)), np.zeros(window)  # (4, W)
         self.observed = 0
@@ -55,6 +55,16 @@ class CostModel:
                                     kv_bytes_per_token / bandwidth), link)
 
     @property
+    def coef(self) -> np.ndarray:
+        """The coefficients in StepCoefficients' order, fitted again when asked for after new
+        steps: a step whose cost no decision needs does not pay for a fit."""
+        # The prior until 8 steps: the columns past the count observed are not steps yet.
+        if self.fitted[0] < self.observed >= 8:
+            self.fitted = self.observed, self._fit(self.features_seen[:, :self.observed],
+                                                   self.seconds_seen[:self.observed])
+        return self.fitted[1]
+
+    @property
     def coefficients(self) -> StepCoefficients:
         return StepCoefficients(*self.coef.tolist())
 
@@ -66,9 +76,6 @@ class CostModel:
         column = self.observed % len(self.seconds_seen)
         self.features_seen[:, column] = 1.0, prefill_tokens, decode_seqs, context_tokens
         self.seconds_seen[column], self.observed = seconds, self.observed + 1
-        if self.observed >= 8:  # the columns past the count observed are not steps yet
-            self.coef = self._fit(self.features_seen[:, :self.observed],
-                                  self.seconds_seen[:self.observed])
 
     def _fit(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
         """Ridge towards the prior (similar steps cannot pin all four terms), every term >= 0: the

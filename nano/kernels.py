@@ -401,14 +401,12 @@ def paged_attention(q, cache, block_tables, context_lens, scale, window=None):
     # keys read: at most the whole table
     window = min(window or INT32_MAX, max_blocks << log2_block_size)
     parts, size = decode_partitions(seqs * nkv, window, _num_sms())
-    if parts == 1:
-        partial_out = partial_max = partial_sum = cupy.empty(0, cupy.float32)  # unused
-        done = cupy.empty(0, cupy.int32)
-    else:
-        partial_out = cupy.empty((seqs, nq, parts, d), cupy.float32)
-        partial_max = cupy.empty((seqs, nq, parts), cupy.float32)
-        partial_sum = cupy.empty((seqs, nq, parts), cupy.float32)
-        done = cupy.zeros((seqs, nkv), cupy.int32)  # a memset (also in a CUDA graph), not a kernel
+    # Split-KV's partial answers and counters; empty, never read, with one partition. The
+    # counters are zeroed by a memset, which a CUDA graph records as a memset, not a kernel.
+    partial_out = cupy.empty((seqs, nq, parts, d) if parts > 1 else 0, cupy.float32)
+    partial_max, partial_sum = cupy.empty((2, seqs, nq, parts) if parts > 1 else (2, 0),
+                                          cupy.float32)
+    done = cupy.zeros((seqs, nkv), cupy.int32) if parts > 1 else cupy.empty(0, cupy.int32)
     kernel("paged_attention.cu", f"paged_attention_kernel<{d}, {group}, {types}>")(
         (nkv, seqs, parts), (128,),
         (out, partial_out, partial_max, partial_sum, q, cache.k, cache.v, k_scale, v_scale,

@@ -50,6 +50,8 @@ class FCFS:
     def prefill_budget(self, budget: int, decoding: list[Sequence], prompts: list[Sequence]) -> int:
         """What the rest of the step (prefill chunks, swap-ins, admissions) may take of the
         budget its decodes left, the prompts it could carry being `prompts`."""
+        if not prompts:  # nothing to budget for: the cost model is not asked, nor fitted
+            return budget
         return min(budget, self.step_tokens(
             self.cost.step_time(0, len(decoding), decode_context(decoding))))
 

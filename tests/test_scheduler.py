@@ -483,6 +483,24 @@ def test_the_window_ring_fits_what_a_fit_of_the_last_steps_in_order_gives():
         np.testing.assert_allclose(cost.coef, fresh, rtol=1e-9, atol=1e-15, err_msg=f"step {i}")
 
 
+def test_decode_only_steps_ask_for_no_fit_and_the_next_question_gets_a_fresh_one():
+    """The cost model fits its window when a decision asks for a cost, not on every step: under
+    FCFS a step with no prompt to budget for asks nothing, so a run of decode-only steps costs
+    no fit; the first question after them is answered from a fit of every step observed."""
+    sched = make_scheduler(num_blocks=64)
+    cost = sched.policy.cost
+    request(sched, BLOCK, max_tokens=50)
+    step(sched)  # the prompt: its budget asks the model (the prior, under 8 steps)
+    for i in range(20):
+        out = step(sched)
+        assert out.num_decodes == 1 and not out.prefill_tokens
+        cost.observe_step(out.prefill_tokens, out.num_decodes, out.decode_kv_tokens, 0.01 + 1e-4 * i)
+    assert cost.fitted[0] == 0  # 20 steps observed, none fitted
+    request(sched, BLOCK)
+    step(sched)  # a prompt to budget for: the model answers from all 20
+    assert cost.fitted[0] == 20 and (cost.fitted[1] != cost.prior).any()
+
+
 def test_drop_late_never_rejects_a_sequence_that_has_output_already():
     """Preempted by recompute after its first token: back in the queue, long past its TTFT
     deadline, but its target was met; --drop-late must not throw its output away."""
