@@ -5,6 +5,7 @@ import timeit
 
 import pytest
 
+from nano.cli.offline import warm_up
 from nano.config import EngineConfig
 from nano.engine import LLMEngine
 from nano.sequence import SamplingParams
@@ -134,6 +135,18 @@ def test_counters_go_on_when_the_engines_metrics_start_afresh(tiny_model):
     assert samples[("vllm:request_success_total", (("finished_reason", "length"),))] == 3
     assert samples[("vllm:request_generation_tokens_count", ())] == 3
     assert samples[("nano_requests_arrived_total", ())] == 3
+
+
+def test_an_export_made_after_a_warm_up_counts_none_of_it(tiny_model):
+    """run.py --serve on a GPU warms up before it serves: its request arrived at no server."""
+    engine, _ = engine_with_export(tiny_model)
+    warm_up(engine)
+    export = EngineExport(engine)
+    engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, ignore_eos=True))
+    export.update(snapshot(engine, engine.clock.now()))
+    _, samples = parse(export.text().decode(), tiny_model.name)
+    assert samples[("nano_requests_arrived_total", ())] == 1
+    assert samples[("vllm:prompt_tokens_total", ())] == 4 and samples[("vllm:generation_tokens_total", ())] == 3
 
 
 def test_an_abort_is_counted_and_the_arrival_stays_counted(tiny_model):

@@ -138,7 +138,8 @@ class EngineExport(Export):
             "vllm:lora_requests_info", "Running stats on lora requests.",
             ("max_lora", "waiting_lora_adapters", "running_lora_adapters"), registry=self.registry)
         self.seen, self.seen_of = {}, None  # the engine's sums already counted, and of which Metrics
-        self.arrived_seen = 0
+        # Requests queued before this export (a warm-up's) are none of the ones it counts.
+        self.arrived_seen = engine.num_requests_queued
         metrics_of(engine).request_observers.append(self.observe)
 
     def observe(self, seq) -> None:
