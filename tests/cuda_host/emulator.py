@@ -89,16 +89,21 @@ def host_includes() -> list[str]:
     return [f"-I{HERE / 'include'}", f"-I{_cccl_include()}"]
 
 
-def _compile(source: str, out_name: str, extra: list[str], inputs: str = "", kernels: bool = True) -> Path:
+def _compile(source: str, out_name: str, extra: list[str], inputs: str = "", kernels: bool = True,
+             source_dir: Path | None = None) -> Path:
     """g++ `source` into BUILD_DIR/out_name-<hash>.so; reused while nothing that goes into it
     changes: the source, the flags, the shim, and `inputs` (the text of the files it includes).
-    kernels: a kernel module (shim.h force-included, the runtime's symbols left undefined)."""
+    kernels: a kernel module (shim.h force-included, the runtime's symbols left undefined).
+    source_dir: the folder of the files whose text is in `inputs`; its path stays out of the
+    key, so that a copy of cuda/ (the injected bugs' tests) reuses what the same text built."""
     flags = ["-std=c++17", "-fPIC", "-shared", "-pthread", "-fno-strict-aliasing", "-mf16c",
              "-fno-extern-tls-init", "-Wno-unknown-pragmas", *FLAGS,
              f"-I{HERE / 'include'}", f"-I{HERE}", *extra, f"-I{_cccl_include()}"]
     stand_ins = [p.read_text() for p in sorted((HERE / "include").rglob("*.h"))]
-    key = hashlib.sha256("\0".join([source, inputs, *flags, (HERE / "shim.h").read_text(), *stand_ins])
-                         .encode()).hexdigest()[:16]
+    text = "\0".join([source, inputs, *flags, (HERE / "shim.h").read_text(), *stand_ins])
+    if source_dir:
+        text = text.replace(str(source_dir), "<source_dir>")
+    key = hashlib.sha256(text.encode()).hexdigest()[:16]
     target = BUILD_DIR / f"{out_name}-{'asan-' if SANITIZE else ''}{key}.so"
     if target.exists():
         return target
@@ -174,7 +179,7 @@ _runtime_lib = None
 def _runtime(options: list[str]) -> ctypes.CDLL:
     """The one runtime of this process, loaded with RTLD_GLOBAL before any kernel module: the
     modules leave its symbols undefined, so they all bind to it (two copies would each have
-    their own `current` fiber). Built with the first module's include directories."""
+    their own `current` fiber). Built with the first module's flags."""
     global _runtime_lib
     if _runtime_lib is None:
         path = _compile((HERE / "runtime.cpp").read_text(), "libcuda_host", options, kernels=False)
@@ -269,8 +274,12 @@ class Module:
         # The registry #includes the source by path: its text and its neighbour headers go in the key.
         headers = [p for p in sorted(self.path.parent.iterdir()) if p.suffix in (".cuh", ".h")]
         inputs = "\0".join([code, *(p.read_text() for p in headers)])
-        self._runtime = _runtime(options)
-        library = _compile(_registry(self.path, code, name_expressions), self.path.stem, options, inputs)
+        # Of the include folders the runtime needs only the toolkit's (shim.h includes its
+        # cuda_fp16.h), so that its build is the same for a copy of cuda/.
+        self._runtime = _runtime([o for o in options if not o.startswith("-I")
+                                  or (Path(o[2:]) / "cuda_fp16.h").exists()])
+        library = _compile(_registry(self.path, code, name_expressions), self.path.stem, options, inputs,
+                           source_dir=self.path.parent)
         self._lib = ctypes.CDLL(str(library))
         self._lib.cuda_host_module.restype = ctypes.POINTER(_Module)
         self._module = self._lib.cuda_host_module()
