@@ -99,36 +99,67 @@ def _compile(source: str, out_name: str, extra: list[str], inputs: str = "", ker
     flags = ["-std=c++17", "-fPIC", "-shared", "-pthread", "-fno-strict-aliasing", "-mf16c",
              "-fno-extern-tls-init", "-Wno-unknown-pragmas", *FLAGS,
              f"-I{HERE / 'include'}", f"-I{HERE}", *extra, f"-I{_cccl_include()}"]
-    stand_ins = [p.read_text() for p in sorted((HERE / "include").rglob("*.h"))]
-    text = "\0".join([source, inputs, *flags, (HERE / "shim.h").read_text(), *stand_ins])
+    if kernels:
+        flags.append("-fvisibility=hidden")
+    text = "\0".join([source, inputs, *flags, *_stand_ins()])
     if source_dir:
         text = text.replace(str(source_dir), "<source_dir>")
-    key = hashlib.sha256(text.encode()).hexdigest()[:16]
-    target = BUILD_DIR / f"{out_name}-{'asan-' if SANITIZE else ''}{key}.so"
+    target = BUILD_DIR / f"{out_name}-{_ASAN}{hashlib.sha256(text.encode()).hexdigest()[:16]}.so"
+    if kernels:  # shim.h includes nothing of the source's folder
+        flags[:0] = ["-include", str(_precompiled_shim([f for f in flags if f != f"-I{source_dir}"]))]
+    return _once(target, lambda tmp: _run_gxx([*flags, _write(tmp / f"{out_name}.cpp", source)],
+                                               tmp / target.name, out_name))
+
+
+_ASAN = "asan-" if SANITIZE else ""
+
+
+def _stand_ins() -> list[str]:
+    """The text of the shim and of the headers that stand in for the toolkit's."""
+    return [p.read_text() for p in [HERE / "shim.h", *sorted((HERE / "include").rglob("*.h"))]]
+
+
+def _precompiled_shim(flags: list[str]) -> Path:
+    """A copy of shim.h with, beside it, the header precompiled for these flags, where g++'s
+    `-include` finds it: parsing shim.h and the toolkit headers it includes took 0.8 s of the
+    1 s a small kernel module took to build. Every flag goes into the key: g++ quietly parses
+    the header instead where a precompiled one was made with other target options."""
+    key = hashlib.sha256("\0".join([*flags, *_stand_ins()]).encode()).hexdigest()[:16]
+
+    def build(tmp: Path) -> None:
+        shutil.copy(HERE / "shim.h", tmp / "shim.h")
+        _run_gxx(["-x", "c++-header", *flags, str(tmp / "shim.h")], tmp / "shim.h.gch", "shim.h")
+    return _once(BUILD_DIR / f"shim-{_ASAN}{key}", build, whole_folder=True) / "shim.h"
+
+
+def _once(target: Path, build, whole_folder: bool = False) -> Path:
+    """Makes `target` with build(tmp), in a temporary folder moved into place when done (the
+    folder itself, or the one file of its name), unless it exists. One process builds a key
+    while the others (xdist workers, the engine tests' subprocesses) wait on its lock and then
+    use what it built, instead of each running the same g++."""
     if target.exists():
         return target
     BUILD_DIR.mkdir(exist_ok=True)
-    # One process builds a key while the others (xdist workers, the engine tests' subprocesses)
-    # wait on its lock and then load its library, instead of each running the same g++.
     with open(BUILD_DIR / f"{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not target.exists():
-            _build(source, flags, out_name, target, kernels)
+            # A folder moved into place is no longer there to clean up.
+            with tempfile.TemporaryDirectory(dir=BUILD_DIR, ignore_cleanup_errors=whole_folder) as tmp:
+                build(Path(tmp))
+                # atomic: a reader never sees a half-written library
+                os.replace(tmp if whole_folder else Path(tmp) / target.name, target)
     return target
 
 
-def _build(source: str, flags: list[str], out_name: str, target: Path, kernels: bool) -> None:
-    with tempfile.TemporaryDirectory(dir=BUILD_DIR) as tmp:
-        src = Path(tmp) / f"{out_name}.cpp"
-        src.write_text(source)
-        out = Path(tmp) / target.name
-        cmd = ["g++", *flags, str(src), "-o", str(out)]
-        if kernels:
-            cmd[1:1] = ["-include", str(HERE / "shim.h"), "-fvisibility=hidden"]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode:
-            raise EmulatorError(f"g++ failed for {out_name}:\n{done.stderr[-6000:]}")
-        os.replace(out, target)  # atomic: a reader never sees a half-written library
+def _write(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+def _run_gxx(args: list[str], out: Path, what: str) -> None:
+    done = subprocess.run(["g++", *args, "-o", str(out)], capture_output=True, text=True)
+    if done.returncode:
+        raise EmulatorError(f"g++ failed for {what}:\n{done.stderr[-6000:]}")
 
 
 def cublas_header() -> Path:
