@@ -95,7 +95,8 @@ def _compile(source: str, out_name: str, extra: list[str], inputs: str = "", ker
     changes: the source, the flags, the shim, and `inputs` (the text of the files it includes).
     kernels: a kernel module (shim.h force-included, the runtime's symbols left undefined).
     source_dir: the folder of the files whose text is in `inputs`; its path stays out of the
-    key, so that a copy of cuda/ (the injected bugs' tests) reuses what the same text built."""
+    key, so that a copy of cuda/ (the injected bugs' tests) reuses what the same text built
+    (a sanitizer's report then names the folder of the copy that built it)."""
     flags = ["-std=c++17", "-fPIC", "-shared", "-pthread", "-fno-strict-aliasing", "-mf16c",
              "-fno-extern-tls-init", "-Wno-unknown-pragmas", *FLAGS,
              f"-I{HERE / 'include'}", f"-I{HERE}", *extra, f"-I{_cccl_include()}"]
@@ -128,8 +129,10 @@ def _precompiled_shim(flags: list[str]) -> Path:
 
     def build(tmp: Path) -> None:
         shutil.copy(HERE / "shim.h", tmp / "shim.h")
-        _run_gxx(["-x", "c++-header", *flags, str(tmp / "shim.h")], tmp / "shim.h.gch", "shim.h")
-    return _once(BUILD_DIR / f"shim-{_ASAN}{key}", build, whole_folder=True) / "shim.h"
+        _run_gxx(["-x", "c++-header", *flags, f"-fdebug-prefix-map={tmp}={target}", str(tmp / "shim.h")],
+                 tmp / "shim.h.gch", "shim.h")
+    target = BUILD_DIR / f"shim-{_ASAN}{key}"
+    return _once(target, build, whole_folder=True) / "shim.h"
 
 
 def _once(target: Path, build, whole_folder: bool = False) -> Path:
