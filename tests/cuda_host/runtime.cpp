@@ -91,7 +91,10 @@ enum State { RUNNABLE, AT_BARRIER, AT_WARP, EXITED };
 struct Site {
     const char* file = "";
     int line = 0;
-    bool operator==(const Site& o) const { return line == o.line && std::strcmp(file, o.file) == 0; }
+    // The same line of one module passes the same literal: most comparisons need no strcmp.
+    bool operator==(const Site& o) const {
+        return line == o.line && (file == o.file || std::strcmp(file, o.file) == 0);
+    }
 };
 
 struct WarpCall {  // one lane's arguments to a warp operation, and its result
