@@ -706,6 +706,18 @@ def test_checks_pass_unchanged(cuda_copy, cp, name):
     CHECKS[name](cp, np.random.default_rng(0))
 
 
+def test_a_copy_of_the_sources_reuses_their_build(cuda_copy, monkeypatch):
+    """A build's key is the text that goes into it, not the folder it was read from: an
+    unchanged copy of cuda/ loads the library the same sources built, so that each injected
+    bug builds only the modules its edit changes."""
+    def library():
+        with cupy_stub.emulating(kernels):
+            return kernels._module("layers.cu", "__half")._lib._name
+    copied = library()
+    monkeypatch.setattr(kernels, "CUDA_DIR", REPO / "cuda")
+    assert library() == copied
+
+
 @pytest.mark.parametrize("what, name, text, replacement, check, message", BUGS, ids=[b[0] for b in BUGS])
 def test_injected_bug_is_caught(cuda_copy, what, name, text, replacement, check, message):
     cuda_copy(name, text, replacement)

@@ -109,7 +109,8 @@ def _compile(source: str, out_name: str, extra: list[str], inputs: str = "", ker
         text = text.replace(str(source_dir), "<source_dir>")
     target = BUILD_DIR / f"{out_name}-{_ASAN}{hashlib.sha256(text.encode()).hexdigest()[:16]}.so"
     if kernels:  # shim.h includes nothing of the source's folder
-        flags[:0] = ["-include", str(_precompiled_shim([f for f in flags if f != f"-I{source_dir}"]))]
+        shim = _precompiled_shim([f for f in flags if f != f"-I{source_dir}"])
+        flags[:0] = ["-include", str(shim), "-Werror=invalid-pch"]  # not parsed again unnoticed
     return _once(target, lambda tmp: _run_gxx([*flags, _write(tmp / f"{out_name}.cpp", source)],
                                                tmp / target.name, out_name))
 
