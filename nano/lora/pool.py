@@ -136,11 +136,12 @@ class AdapterPool:
             self.leaving[adapter_id] = self.known.pop(adapter_id)
 
     def forget(self, adapter_id: int) -> None:
-        """Drop a retired adapter that no sequence uses any more: its request, its copy in host
-        memory and its slot, which the next adapter loaded takes."""
-        self.leaving.pop(adapter_id, None)
-        self.host.pop(adapter_id, None)
+        """Drop a retired adapter that no sequence uses any more: its slot, which the next
+        adapter loaded takes, its copy in host memory and its request, in that order, so that a
+        thread that sees the request gone sees the rest gone too."""
         self.slots.pop(adapter_id, None)
+        self.host.pop(adapter_id, None)
+        self.leaving.pop(adapter_id, None)
 
     # ---- device side -----------------------------------------------------------------------
     def op_set(self, ops: OpSet) -> OpSet:
