@@ -108,7 +108,8 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS<HEAD_DIM, CacheT>) pag
     const int kv_head = blockIdx.x, seq = blockIdx.y, part = blockIdx.z;
     const int nkv = gridDim.x, nq = nkv * GROUP, num_parts = gridDim.z;
     const int ctx = context_lens[seq];
-    const int begin = max(0, ctx - window) + part * partition_size;  // keys before the window: never read
+    const int first = max(0, ctx - window);  // the window's first key: those before it are never read
+    const int begin = first + part * partition_size;
     if (begin >= ctx) return;  // this sequence's window is shorter than the longest one
     const int end = min(ctx, begin + partition_size);
     const int* table = block_tables + (long long)seq * max_blocks;
@@ -166,7 +167,6 @@ __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS<HEAD_DIM, CacheT>) pag
         partial_sum[row * num_parts + part] = s_sum[threadIdx.x];
     }
     // The partitions of this window that exist: those that start before ctx.
-    const int first = max(0, ctx - window);
     const int parts = min(num_parts, (ctx - first + partition_size - 1) / partition_size);
     __shared__ bool s_last;
     __threadfence();  // this partition's writes reach every SM before it counts itself done
